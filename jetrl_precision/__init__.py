@@ -1,0 +1,51 @@
+"""jetrl_precision: one FP8 precision flow shared by rollout and training (Jet-RL).
+
+Public API (stable; see docs/precision.md):
+    quantize_fp8, QuantizedTensor, get_recipe, PrecisionRecipe, convert_to_fp8,
+    build_precision_graph, check_subgraph, mismatch_metrics
+"""
+
+from .convert import convert_to_fp8, default_module_filter, fp8_linears
+from .formats import E4M3_MAX, FP8_DTYPE, Granularity, QuantizedTensor
+from .gemm import BackendUnavailable, available_backends, resolve_backend
+from .graph import PrecisionGraph, Violation, build_precision_graph, check_subgraph, format_violations
+from .linear import Fp8Linear, mark_weights_updated
+from .metrics import mismatch_metrics
+from .quantize import NonFiniteInputError, dequantize_fp8, quantize_fp8, requantize_fp8
+from .recipe import RECIPE_NAMES, BackwardSpec, FpropSpec, PrecisionRecipe, RecipeError, TensorSpec, get_recipe
+
+__all__ = [
+    # the stable API (DESIGN.md §3)
+    "quantize_fp8",
+    "QuantizedTensor",
+    "get_recipe",
+    "PrecisionRecipe",
+    "convert_to_fp8",
+    "build_precision_graph",
+    "check_subgraph",
+    "mismatch_metrics",
+    # more
+    "BackendUnavailable",
+    "BackwardSpec",
+    "E4M3_MAX",
+    "FP8_DTYPE",
+    "Fp8Linear",
+    "FpropSpec",
+    "Granularity",
+    "NonFiniteInputError",
+    "PrecisionGraph",
+    "RECIPE_NAMES",
+    "RecipeError",
+    "TensorSpec",
+    "Violation",
+    "available_backends",
+    "default_module_filter",
+    "dequantize_fp8",
+    "format_violations",
+    "fp8_linears",
+    "mark_weights_updated",
+    "requantize_fp8",
+    "resolve_backend",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,74 @@
+"""One-call module swap: nn.Linear -> Fp8Linear, as a recipe says, keeping the same Parameters."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Callable, Literal
+
+from torch import nn
+
+from .linear import Fp8Linear
+from .recipe import PrecisionRecipe, get_recipe
+
+__all__ = ["convert_to_fp8", "default_module_filter", "ModuleFilter", "fp8_linears", "Side"]
+
+logger = logging.getLogger(__name__)
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+Side = Literal["train", "rollout"]
+
+
+def default_module_filter(recipe: PrecisionRecipe) -> ModuleFilter:
+    """Convert every nn.Linear except those whose FQN matches the recipe's keep_high_precision patterns."""
+    patterns = recipe.keep_high_precision
+
+    def keep(module: nn.Module, fqn: str) -> bool:
+        return not any(fnmatch.fnmatchcase(fqn, p) for p in patterns)
+
+    return keep
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: PrecisionRecipe | str,
+    module_filter: ModuleFilter | None = None,
+    *,
+    side: Side = "train",
+) -> nn.Module:
+    """Swap the model's nn.Linear layers for Fp8Linear in place and return the model.
+
+    `side="train"` applies the recipe's training flow (fprop + backward); `side="rollout"`
+    applies its rollout flow (a transformers-based rollout engine). When the chosen flow has
+    no FP8 GEMM (``bf16``; the train side of ``fp8_rollout``) the model is left unchanged.
+    `module_filter(module, fqn) -> bool` selects layers to convert; it replaces the recipe's
+    default filter (lm_head, embeddings, norms, router and value heads stay high precision).
+
+    Call it after `from_pretrained` and before `deepspeed.initialize`: the Fp8Linear adopts
+    the existing Parameter objects, so ZeRO-2/3 partitioning and the optimizer are unaffected.
+    """
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
+    if side not in ("train", "rollout"):
+        raise ValueError(f"side must be 'train' or 'rollout', got {side!r}")
+    fprop = recipe.train_fprop if side == "train" else recipe.rollout
+    backward = recipe.train_backward if side == "train" else None
+    if not fprop.is_fp8:
+        return model
+    keep = module_filter or default_module_filter(recipe)
+    converted = 0
+    for fqn, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            child_fqn = f"{fqn}.{child_name}" if fqn else child_name
+            if type(child) is nn.Linear and keep(child, child_fqn):
+                setattr(module, child_name, Fp8Linear.from_linear(child, fprop, backward, recipe.gemm_backend, child_fqn))
+                converted += 1
+    if converted == 0:
+        logger.warning("convert_to_fp8(%s, side=%s): no nn.Linear matched the module filter; nothing converted", recipe.name, side)
+    else:
+        logger.info("convert_to_fp8: %d linear layers -> FP8 (%s, side=%s)", converted, recipe.name, side)
+    return model
+
+
+def fp8_linears(model: nn.Module) -> dict[str, Fp8Linear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}

@@ -1,0 +1,116 @@
+"""FP8 formats, quantization granularities and the quantized-tensor container."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FP8_DTYPE",
+    "E4M3_MAX",
+    "AMAX_FLOOR",
+    "Granularity",
+    "Block",
+    "QuantizedTensor",
+    "resolve_block",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+# Floor on a group's amax so an all-zero group gets a finite, tiny scale (and quantizes to zeros).
+AMAX_FLOOR = 1e-10
+
+Block = tuple[int, int]
+
+
+class Granularity(str, enum.Enum):
+    """Which elements share one scale. Block shapes are (rows, cols) of a 2-D [M, K] tensor."""
+
+    BLOCK_1x128 = "1x128"  # one scale per 128 consecutive elements along K (per token-group)
+    BLOCK_128x128 = "128x128"  # one scale per 128x128 tile (weights)
+    BLOCK_128x1 = "128x1"  # one scale per 128 consecutive rows of one column (groups along tokens)
+    ROW = "row"  # one scale per row (comparison only)
+    TENSOR = "tensor"  # one scale for the whole tensor (comparison only)
+
+    def block(self, shape: tuple[int, int]) -> Block:
+        rows, cols = shape
+        return {
+            Granularity.BLOCK_1x128: (1, 128),
+            Granularity.BLOCK_128x128: (128, 128),
+            Granularity.BLOCK_128x1: (128, 1),
+            Granularity.ROW: (1, max(cols, 1)),
+            Granularity.TENSOR: (max(rows, 1), max(cols, 1)),
+        }[self]
+
+    @property
+    def transposed(self) -> "Granularity":
+        return {
+            Granularity.BLOCK_1x128: Granularity.BLOCK_128x1,
+            Granularity.BLOCK_128x1: Granularity.BLOCK_1x128,
+        }.get(self, self)
+
+
+def resolve_block(block: Block | Granularity | str, shape: tuple[int, int]) -> Block:
+    if isinstance(block, (Granularity, str)):
+        return Granularity(block).block(shape)
+    b0, b1 = (int(b) for b in block)
+    if b0 < 1 or b1 < 1:
+        raise ValueError(f"block sizes must be positive, got {block}")
+    return b0, b1
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """An e4m3 tensor plus its fp32 scales.
+
+    `data` has the original (unpadded) 2-D shape. `scale` has the logical shape
+    [ceil(M / b0), ceil(K / b1)]; its strides are a private detail (fast kernels write it
+    MN-major so GEMMs read it without a copy). The value represented is `data * scale`
+    broadcast over each block. Edge blocks of shapes that are not multiples of the block
+    are partial: they behave exactly as if the tensor were zero-padded to full blocks.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: Block
+
+    def __post_init__(self) -> None:
+        if self.data.dim() != 2:
+            raise ValueError(f"QuantizedTensor holds 2-D data, got shape {tuple(self.data.shape)}")
+        expected = (_ceil_div(self.data.shape[0], self.block[0]), _ceil_div(self.data.shape[1], self.block[1]))
+        if tuple(self.scale.shape) != expected:
+            raise ValueError(
+                f"scale shape {tuple(self.scale.shape)} does not match data {tuple(self.data.shape)} "
+                f"with block {self.block}: expected {expected}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def padded(self) -> bool:
+        """True when the last block along some dim is partial (the shape is not a multiple of the block)."""
+        return self.data.shape[0] % self.block[0] != 0 or self.data.shape[1] % self.block[1] != 0
+
+    def expanded_scale(self) -> torch.Tensor:
+        """Scales broadcast to one per element, fp32, data's shape."""
+        s = self.scale.float()
+        s = s.repeat_interleave(self.block[0], dim=0)[: self.data.shape[0]]
+        return s.repeat_interleave(self.block[1], dim=1)[:, : self.data.shape[1]]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.float() * self.expanded_scale()).to(dtype)
+
+    def t(self) -> "QuantizedTensor":
+        """Exact transpose: the blocks transpose with the data (128x128 stays 128x128, 1x128 <-> 128x1)."""
+        return QuantizedTensor(self.data.t().contiguous(), self.scale.t().contiguous(), (self.block[1], self.block[0]))
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()

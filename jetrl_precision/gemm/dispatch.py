@@ -1,0 +1,120 @@
+"""Backend registry and the `auto` choice. Backends register themselves; unavailable ones say why."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..formats import QuantizedTensor
+
+__all__ = [
+    "BackendUnavailable",
+    "GemmBackend",
+    "available_backends",
+    "gemm_nt",
+    "get_backend",
+    "register_backend",
+    "resolve_backend",
+    "AUTO_ORDER_CUDA",
+]
+
+logger = logging.getLogger(__name__)
+
+GemmFn = Callable[[QuantizedTensor, QuantizedTensor, torch.dtype], torch.Tensor]
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested GEMM backend cannot run here; the message says why and what to use instead."""
+
+
+@dataclass(frozen=True)
+class GemmBackend:
+    name: str
+    gemm_nt: GemmFn
+    # Returns None when usable on `device`, else a one-line reason.
+    unavailable_reason: Callable[[torch.device], str | None]
+
+
+_REGISTRY: dict[str, GemmBackend] = {}
+# Fastest first (H200 measurements in docs/benchmarks.md).
+AUTO_ORDER_CUDA = ("deep_gemm", "torch", "triton")
+_logged_choices: set[tuple[str, str]] = set()
+
+
+def register_backend(backend: GemmBackend) -> None:
+    _REGISTRY[backend.name] = backend
+
+
+def _placeholder(name: str, issue: str) -> GemmBackend:
+    def gemm(a, b, out_dtype):  # pragma: no cover - never selected while unavailable
+        raise BackendUnavailable(f"GEMM backend {name!r} is not built yet")
+
+    return GemmBackend(name, gemm, lambda device: f"the {name} backend is not implemented in this build ({issue})")
+
+
+def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:
+    """Every known backend -> None if usable on `device`, else the reason it is not."""
+    _ensure_registered()
+    device = torch.device(device)
+    return {name: b.unavailable_reason(device) for name, b in _REGISTRY.items()}
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """Turn a requested backend name ('auto' included) into the concrete backend that will run."""
+    _ensure_registered()
+    device = torch.device(device)
+    if name == "auto":
+        order = AUTO_ORDER_CUDA if device.type == "cuda" else ()
+        reasons = {}
+        for cand in order:
+            reason = _REGISTRY[cand].unavailable_reason(device)
+            if reason is None:
+                _log_choice(cand, device, f"auto picked {cand!r} on {device}")
+                return cand
+            reasons[cand] = reason
+        why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or f"no FP8 tensor cores on {device.type}"
+        _log_choice("emulated", device, f"auto picked 'emulated' on {device} ({why})", warn=device.type == "cuda")
+        return "emulated"
+    if name not in _REGISTRY:
+        raise BackendUnavailable(f"unknown GEMM backend {name!r}; choose one of {['auto', *sorted(_REGISTRY)]}")
+    reason = _REGISTRY[name].unavailable_reason(device)
+    if reason is not None:
+        raise BackendUnavailable(f"GEMM backend {name!r} cannot run on {device}: {reason}. Use --precision.gemm_backend auto")
+    return name
+
+
+def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> GemmBackend:
+    return _REGISTRY[resolve_backend(name, device)]
+
+
+def gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, backend: str = "emulated") -> torch.Tensor:
+    """out = A @ B^T for block-scaled FP8 operands, on the named (already resolved) backend."""
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"gemm_nt: K mismatch, A is {tuple(a.shape)} and B is {tuple(b.shape)}")
+    _ensure_registered()
+    return _REGISTRY[backend].gemm_nt(a, b, out_dtype)
+
+
+def _log_choice(name: str, device: torch.device, msg: str, warn: bool = False) -> None:
+    key = (name, str(device))
+    if key not in _logged_choices:
+        _logged_choices.add(key)
+        (logger.warning if warn else logger.info)("jetrl_precision GEMM: %s", msg)
+
+
+_registered = False
+
+
+def _ensure_registered() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from . import emulated  # noqa: F401  (registers itself)
+
+    for name, issue in (("torch", "GPU backends: issue #3"), ("triton", "GPU backends: issue #3"), ("deep_gemm", "GPU backends: issue #3")):
+        if name not in _REGISTRY:
+            register_backend(_placeholder(name, issue))

@@ -1,0 +1,457 @@
+"""The precision graph: which format every tensor edge of every op uses, per phase.
+
+Nodes are ops named by canonical module FQN; edges are tensors into them, annotated with
+(dtype, granularity, scale rule, quantizer id, GEMM backend, block alignment, padding).
+The graph is built from a *live* model (the trainer's converted modules, or what a rollout
+engine actually instantiated), never from a config alone, and it is plain data so an
+engine can build it in its own process and ship it back as a dict.
+
+`check_subgraph(rollout, train_fwd)` proves the Jet-RL property: every op the rollout runs
+exists in the training forward with identical quantization on every edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal, Sequence
+
+import torch
+from torch import nn
+
+from .formats import Granularity
+from .linear import Fp8Linear
+from .recipe import BackwardSpec, DType, FpropSpec, PrecisionRecipe, TensorSpec, get_recipe
+
+__all__ = [
+    "Phase",
+    "EdgeAttrs",
+    "Edge",
+    "Node",
+    "PrecisionGraph",
+    "Violation",
+    "build_precision_graph",
+    "check_subgraph",
+    "compare_graphs",
+    "canonical_name",
+    "FUSED_PROJECTIONS",
+    "add_linear",
+]
+
+logger = logging.getLogger(__name__)
+
+Phase = Literal["train_fwd", "train_bwd", "rollout"]
+PHASES: tuple[str, ...] = ("train_fwd", "train_bwd", "rollout")
+
+# Fused projections in inference engines (vLLM) -> the training model's separate parts.
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+BLOCK = 128
+
+
+def canonical_name(fqn: str) -> str:
+    """Strip wrapper prefixes (DeepSpeed/DDP `module.`, torch.compile `_orig_mod.`)."""
+    changed = True
+    while changed:
+        changed = False
+        for p in _WRAPPER_PREFIXES:
+            if fqn.startswith(p):
+                fqn, changed = fqn[len(p) :], True
+        fqn = fqn.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", ".")
+    return fqn
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", torch.float8_e4m3fn: "e4m3"}.get(dtype, str(dtype))
+
+
+@dataclass(frozen=True)
+class EdgeAttrs:
+    dtype: str
+    granularity: str | None = None
+    scale_rule: str | None = None
+    quantizer_id: str = ""
+    backend: str | None = None
+    block_origin: str = "aligned"  # "aligned", "transpose", or "fused@<row offset>" when blocks straddle parts
+    padding: str = ""  # e.g. "K 576->640": the last block is partial (zero-padded semantics)
+    kernel: str | None = None  # which quantization implementation produced the bytes
+
+    @classmethod
+    def from_spec(cls, spec: TensorSpec, hp_dtype: str, backend: str | None, padding: str = "", kernel: str | None = None, block_origin: str = "aligned") -> "EdgeAttrs":
+        if not spec.is_fp8:
+            # High-precision operands: report the real tensor dtype (an fp32 CPU model is fp32).
+            return cls(dtype=hp_dtype, quantizer_id=f"{hp_dtype}/none", backend=backend)
+        return cls(
+            dtype=spec.dtype.value,
+            granularity=spec.granularity.value,
+            scale_rule=spec.scale_rule.value,
+            quantizer_id=spec.quantizer_id,
+            backend=backend,
+            block_origin=block_origin,
+            padding=padding,
+            kernel=kernel,
+        )
+
+    def short(self) -> str:
+        s = self.dtype if self.granularity is None else f"{self.dtype}[{self.granularity}]"
+        if self.block_origin not in ("aligned", "transpose"):
+            s += f"({self.block_origin})"
+        return s
+
+
+# Fields that must agree between rollout and training for the flows to be the same numerics.
+NUMERIC_FIELDS = ("dtype", "granularity", "scale_rule", "quantizer_id", "block_origin", "padding")
+
+
+@dataclass(frozen=True)
+class Edge:
+    dst: str
+    role: str
+    attrs: EdgeAttrs
+
+    @property
+    def src(self) -> str:
+        return f"{self.role}:{self.dst}"
+
+
+@dataclass
+class Node:
+    name: str
+    op: str
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Violation:
+    node: str
+    edge: str
+    field: str
+    expected: str
+    found: str
+    kind: str = "mismatch"  # mismatch | missing_node | missing_edge | shape | backend
+    severity: str = "error"
+
+    def __str__(self) -> str:
+        where = self.node if not self.edge else f"{self.node} [{self.edge}]"
+        return f"{where}: {self.field} expected {self.expected!s}, found {self.found!s} ({self.kind})"
+
+
+@dataclass
+class PrecisionGraph:
+    phase: str
+    recipe: str = ""
+    nodes: dict[str, Node] = field(default_factory=dict)
+    edges: list[Edge] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ---- construction helpers ----------------------------------------------------------
+    def add_node(self, name: str, op: str, **attrs: Any) -> Node:
+        node = Node(name, op, dict(attrs))
+        self.nodes[name] = node
+        return node
+
+    def add_edge(self, dst: str, role: str, attrs: EdgeAttrs) -> None:
+        self.edges.append(Edge(dst, role, attrs))
+
+    def edges_into(self, node: str) -> dict[str, Edge]:
+        return {e.role: e for e in self.edges if e.dst == node}
+
+    # ---- serialization -----------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "recipe": self.recipe,
+            "meta": self.meta,
+            "nodes": [dataclasses.asdict(n) for n in self.nodes.values()],
+            "edges": [{"dst": e.dst, "role": e.role, "attrs": dataclasses.asdict(e.attrs)} for e in self.edges],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PrecisionGraph":
+        g = cls(d["phase"], d.get("recipe", ""), meta=dict(d.get("meta", {})))
+        for n in d["nodes"]:
+            g.nodes[n["name"]] = Node(n["name"], n["op"], dict(n.get("attrs", {})))
+        g.edges = [Edge(e["dst"], e["role"], EdgeAttrs(**e["attrs"])) for e in d["edges"]]
+        return g
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    # ---- views ------------------------------------------------------------------------
+    def summary(self) -> dict[str, int]:
+        ops: dict[str, int] = {}
+        for n in self.nodes.values():
+            ops[n.op] = ops.get(n.op, 0) + 1
+        fp8_edges = sum(1 for e in self.edges if e.attrs.dtype == "e4m3")
+        return {"nodes": len(self.nodes), "edges": len(self.edges), "fp8_edges": fp8_edges, **{f"op:{k}": v for k, v in ops.items()}}
+
+    def report(self, max_rows: int | None = None) -> str:
+        """A readable table: one row per op, its edges' formats and backend."""
+        backends = sorted({e.attrs.backend for e in self.edges if e.attrs.backend})
+        kernels = sorted({e.attrs.kernel for e in self.edges if e.attrs.kernel})
+        lines = [
+            f"precision graph [{self.phase}] recipe={self.recipe or '?'} nodes={len(self.nodes)} edges={len(self.edges)} "
+            f"fp8_edges={self.summary()['fp8_edges']} gemm_backend={','.join(backends) or '-'} quant_kernel={','.join(kernels) or '-'}"
+        ]
+        for k, v in sorted(self.meta.items()):
+            lines.append(f"  {k}: {v}")
+        rows = list(self.nodes.values())
+        shown = rows if max_rows is None else rows[:max_rows]
+        width = max((len(n.name) for n in shown), default=10)
+        for n in shown:
+            edges = self.edges_into(n.name)
+            desc = "  ".join(f"{role}={e.attrs.short()}{' pad(' + e.attrs.padding + ')' if e.attrs.padding else ''}" for role, e in edges.items())
+            lines.append(f"  {n.name:<{width}}  {n.op:<11} {desc}")
+        if max_rows is not None and len(rows) > max_rows:
+            lines.append(f"  ... {len(rows) - max_rows} more ops")
+        return "\n".join(lines)
+
+    def to_dot(self, violations: Sequence[Violation] = ()) -> str:
+        bad = {v.node for v in violations}
+        color = {"e4m3": "palegreen", "bf16": "lightblue", "fp32": "lightyellow"}
+        out = [f'digraph "{self.phase}" {{', "  rankdir=LR;", '  node [shape=box, style=filled, fontname="monospace"];']
+        for i, n in enumerate(self.nodes.values()):
+            ins = self.edges_into(n.name)
+            fill = "salmon" if n.name in bad else color.get(ins["input"].attrs.dtype if "input" in ins else "bf16", "white")
+            out.append(f'  n{i} [label="{n.name}\\n{n.op}", fillcolor="{fill}"];')
+            for role, e in ins.items():
+                out.append(f'  "{role}:{n.name}" [shape=plaintext, style="", label="{role}"];')
+                out.append(f'  "{role}:{n.name}" -> n{i} [label="{e.attrs.short()}"];')
+        out.append("}")
+        return "\n".join(out)
+
+    def render(self, path: str | Path, violations: Sequence[Violation] = ()) -> Path:
+        """Write DOT next to `path` and a PNG: graphviz's `dot` if installed, else matplotlib."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        dot_path = path.with_suffix(".dot")
+        dot_path.write_text(self.to_dot(violations))
+        png = path.with_suffix(".png")
+        if shutil.which("dot"):
+            subprocess.run(["dot", "-Tpng", str(dot_path), "-o", str(png)], check=True, timeout=120)
+            return png
+        try:
+            _render_matplotlib(self, png, violations)
+        except ImportError:
+            logger.warning("neither graphviz nor matplotlib is installed: wrote %s only", dot_path)
+            return dot_path
+        return png
+
+
+def _render_matplotlib(g: PrecisionGraph, png: Path, violations: Sequence[Violation]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bad = {v.node for v in violations}
+    nodes = list(g.nodes.values())
+    roles = sorted({e.role for e in g.edges})
+    colors = {"e4m3": "#8fd18f", "bf16": "#9cc3e6", "fp32": "#f3e6a0", "fp16": "#d9b3ff"}
+    fig_h = max(2.5, 0.28 * len(nodes) + 1.2)
+    fig, ax = plt.subplots(figsize=(3.2 + 2.0 * len(roles), fig_h))
+    for r, n in enumerate(nodes):
+        y = len(nodes) - r
+        ax.text(0, y, n.name, ha="left", va="center", fontsize=7, family="monospace", color="red" if n.name in bad else "black")
+        ins = g.edges_into(n.name)
+        for c, role in enumerate(roles):
+            e = ins.get(role)
+            if e is None:
+                continue
+            x = 3.0 + 2.0 * c
+            ax.add_patch(plt.Rectangle((x - 0.9, y - 0.4), 1.8, 0.8, color=colors.get(e.attrs.dtype, "#dddddd")))
+            ax.text(x, y, e.attrs.short(), ha="center", va="center", fontsize=6, family="monospace")
+    for c, role in enumerate(roles):
+        ax.text(3.0 + 2.0 * c, len(nodes) + 1, role, ha="center", fontsize=8, weight="bold")
+    ax.set_xlim(-0.2, 3.0 + 2.0 * len(roles))
+    ax.set_ylim(0, len(nodes) + 1.6)
+    ax.axis("off")
+    ax.set_title(f"precision graph: {g.phase} ({g.recipe})  green=e4m3 blue=bf16 yellow=fp32  red name=violation", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+# ---- building from live models --------------------------------------------------------------
+def _padding(n: int, k: int, spec: TensorSpec, operand: str) -> str:
+    """Describe partial edge blocks for this operand (they behave as zero padding)."""
+    if not spec.is_fp8 or spec.granularity in (Granularity.ROW, Granularity.TENSOR):
+        return ""
+    b0, b1 = spec.granularity.block((n, k))
+    parts = []
+    if operand == "weight" and b0 > 1 and n % b0:
+        parts.append(f"N {n}->{n + (-n) % b0}")
+    if b1 > 1 and k % b1:
+        parts.append(f"K {k}->{k + (-k) % b1}")
+    return ",".join(parts)
+
+
+def add_linear(
+    g: PrecisionGraph,
+    fqn: str,
+    in_features: int,
+    out_features: int,
+    fprop: FpropSpec,
+    backward: BackwardSpec | None,
+    *,
+    hp_dtype: str,
+    backend: str | None,
+    kernel: str | None = None,
+    part_sizes: Sequence[int] | None = None,
+    weight_quant_scope: Literal["per_part", "fused"] = "per_part",
+    op: str | None = None,
+) -> None:
+    """Add one linear op (or, for a fused projection, one node per part) with its edges for g.phase.
+
+    Engines call this for what they instantiated. `part_sizes` are the output sizes of a fused
+    projection's parts. With `weight_quant_scope="fused"` the 128x128 blocks were computed over
+    the fused matrix: a part whose rows do not start on a block boundary (or share a block
+    with a neighbour) then gets different scales than in training, which is recorded.
+    """
+    name = canonical_name(fqn)
+    leaf = name.rsplit(".", 1)[-1]
+    parts: list[tuple[str, int, int]]  # (name, out_features, row offset in the fused matrix)
+    if leaf in FUSED_PROJECTIONS and part_sizes is not None:
+        part_names = FUSED_PROJECTIONS[leaf]
+        if len(part_sizes) != len(part_names):
+            raise ValueError(f"{fqn}: {len(part_sizes)} part sizes for parts {part_names}")
+        prefix = name[: -len(leaf)]
+        offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
+        parts = [(prefix + pn, ps, off) for pn, ps, off in zip(part_names, part_sizes, offsets)]
+    else:
+        parts = [(name, out_features, 0)]
+    op = op or ("linear_fp8" if fprop.is_fp8 else "linear")
+    for idx, (pname, n, offset) in enumerate(parts):
+        origin = "aligned"
+        if weight_quant_scope == "fused" and fprop.weight.is_fp8 and len(parts) > 1:
+            b0 = fprop.weight.granularity.block((n, in_features))[0]
+            straddles_end = n % b0 != 0 and idx < len(parts) - 1
+            if offset % b0 != 0 or straddles_end:
+                origin = f"fused@{offset}"
+        g.add_node(pname, op, in_features=in_features, out_features=n, fused_from=name if len(parts) > 1 else None)
+        k = in_features
+        if g.phase in ("train_fwd", "rollout"):
+            g.add_edge(pname, "input", EdgeAttrs.from_spec(fprop.input, hp_dtype, backend, _padding(n, k, fprop.input, "input"), kernel))
+            g.add_edge(pname, "weight", EdgeAttrs.from_spec(fprop.weight, hp_dtype, backend, _padding(n, k, fprop.weight, "weight"), kernel, origin))
+        else:
+            bw = backward or BackwardSpec()
+            wt = fprop.weight if bw.dgrad_grad_output.is_fp8 else TensorSpec()
+            g.add_edge(pname, "dgrad.grad_output", EdgeAttrs.from_spec(bw.dgrad_grad_output, hp_dtype, backend, _padding(k, n, bw.dgrad_grad_output, "input"), kernel))
+            g.add_edge(pname, "dgrad.weight_t", EdgeAttrs.from_spec(wt, hp_dtype, backend, _padding(k, n, wt, "weight"), kernel, "transpose"))
+            g.add_edge(pname, "wgrad.grad_output", EdgeAttrs.from_spec(bw.wgrad_grad_output, hp_dtype, backend, "", kernel))
+            g.add_edge(pname, "wgrad.input", EdgeAttrs.from_spec(bw.wgrad_input, hp_dtype, backend, "", kernel))
+            g.add_edge(pname, "saved.input", EdgeAttrs.from_spec(bw.saved_input, hp_dtype, None, _padding(n, k, bw.saved_input, "input"), kernel))
+            g.add_edge(pname, "grad_between_ops", EdgeAttrs(dtype=bw.grad_dtype.value if bw.is_fp8 else hp_dtype))
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return "norm" in type(m).__name__.lower() and not any(True for _ in m.children())
+
+
+def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase: Phase) -> PrecisionGraph:
+    """Build the graph of `phase` from the modules the live `model` holds.
+
+    For "train_fwd"/"train_bwd" pass the trainer's model; for "rollout" pass the rollout
+    engine's model (the transformers engine's converted copy; vLLM engines build theirs
+    in-engine with `add_linear`). Fp8Linear layers contribute their actual specs and resolved
+    backend; plain nn.Linear, embeddings and norms contribute their real dtypes.
+    """
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    if isinstance(recipe, str):
+        recipe = get_recipe(recipe)
+    from .ops import kernel_name
+
+    g = PrecisionGraph(phase, recipe.name, meta={"recipe_unified": recipe.unified, "source": type(model).__name__})
+    for fqn, m in model.named_modules():
+        if isinstance(m, Fp8Linear):
+            hp = _dtype_name(m.weight.dtype)
+            dev = m.weight.device if m.weight.device.type != "meta" else torch.device("cpu")
+            add_linear(
+                g, fqn, m.in_features, m.out_features, m.fprop, m.backward_spec if phase == "train_bwd" else None,
+                hp_dtype=hp, backend=m.resolved_backend, kernel=kernel_name(dev),
+            )
+        elif isinstance(m, nn.Linear):
+            hp = _dtype_name(m.weight.dtype)
+            add_linear(g, fqn, m.in_features, m.out_features, FpropSpec(), None, hp_dtype=hp, backend=None)
+        elif isinstance(m, nn.Embedding):
+            name = canonical_name(fqn)
+            g.add_node(name, "embedding", num_embeddings=m.num_embeddings, dim=m.embedding_dim)
+            if phase != "train_bwd":
+                g.add_edge(name, "weight", EdgeAttrs(dtype=_dtype_name(m.weight.dtype), quantizer_id=f"{_dtype_name(m.weight.dtype)}/none"))
+        elif _is_norm(m):
+            name = canonical_name(fqn)
+            w = getattr(m, "weight", None)
+            dt = _dtype_name(w.dtype) if isinstance(w, torch.Tensor) else "fp32"
+            g.add_node(name, "norm")
+            if phase != "train_bwd":
+                g.add_edge(name, "weight", EdgeAttrs(dtype=dt, quantizer_id=f"{dt}/none"))
+    return g
+
+
+# ---- checking ---------------------------------------------------------------------------------
+def compare_graphs(sub: PrecisionGraph, sup: PrecisionGraph) -> list[Violation]:
+    """Every difference that breaks `sub` being a subgraph of `sup`; backend differences have severity 'warning'."""
+    out: list[Violation] = []
+    sup_edges: dict[tuple[str, str], Edge] = {(e.dst, e.role): e for e in sup.edges}
+    for name, node in sub.nodes.items():
+        other = sup.nodes.get(name)
+        if other is None:
+            out.append(Violation(name, "", "node", f"an op named {name} in {sup.phase}", "absent", "missing_node"))
+            continue
+        if node.op != other.op:
+            out.append(Violation(name, "", "op", other.op, node.op))
+        for dim in ("in_features", "out_features"):
+            if node.attrs.get(dim) is not None and other.attrs.get(dim) is not None and node.attrs[dim] != other.attrs[dim]:
+                out.append(Violation(name, "", dim, other.attrs[dim], node.attrs[dim], "shape"))
+    for e in sub.edges:
+        if e.dst not in sup.nodes:
+            continue
+        ref = sup_edges.get((e.dst, e.role))
+        if ref is None:
+            out.append(Violation(e.dst, e.role, "edge", f"a {e.role} edge", "absent", "missing_edge"))
+            continue
+        for f in NUMERIC_FIELDS:
+            a, b = getattr(ref.attrs, f), getattr(e.attrs, f)
+            if a != b:
+                out.append(Violation(e.dst, e.role, f, a, b))
+        if ref.attrs.backend != e.attrs.backend and (ref.attrs.dtype == "e4m3" or e.attrs.dtype == "e4m3"):
+            out.append(Violation(e.dst, e.role, "backend", ref.attrs.backend, e.attrs.backend, "backend", "warning"))
+    return out
+
+
+def check_subgraph(sub: PrecisionGraph, sup: PrecisionGraph, *, strict: bool = False) -> list[Violation]:
+    """Violations of "`sub` (rollout) is a subgraph of `sup` (train_fwd) with identical quantization".
+
+    Empty means OK. A GEMM backend that differs between the two is logged, and is a violation
+    only under `strict` (different backends may round the fp32 accumulation differently).
+    """
+    found = compare_graphs(sub, sup)
+    errors = [v for v in found if v.severity == "error" or strict]
+    for v in found:
+        if v.severity == "warning" and not strict:
+            logger.warning("precision check (not strict): %s", v)
+    return errors
+
+
+def format_violations(violations: Iterable[Violation], limit: int = 40) -> str:
+    vs = list(violations)
+    if not vs:
+        return "precision check: OK (rollout graph is a subgraph of train_fwd with identical quantization)"
+    lines = [f"precision check: {len(vs)} violation(s)  [expected = training forward, found = rollout]"]
+    lines += [f"  - {v}" for v in vs[:limit]]
+    if len(vs) > limit:
+        lines.append(f"  ... and {len(vs) - limit} more")
+    return "\n".join(lines)
+
+
+__all__ += ["format_violations", "NUMERIC_FIELDS", "PHASES"]

@@ -1,0 +1,119 @@
+"""Quantization ops used on the hot path, dispatched to a fast kernel when one is registered.
+
+The reference quantizer (`quantize.quantize_fp8`) defines the bytes. A fast implementation
+(e.g. the Triton kernels for CUDA) registers itself with `register_quantize_impl`; it must
+produce the same bytes, which the GPU tests check. When none is registered for a device,
+the reference runs and `kernel_name(device)` says so (it is recorded in the precision graph).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Protocol
+
+import torch
+
+from .formats import Block, Granularity, QuantizedTensor
+from .quantize import quantize_fp8, requantize_fp8
+from .recipe import TensorSpec
+
+__all__ = [
+    "QuantizeImpl",
+    "register_quantize_impl",
+    "kernel_name",
+    "quantize",
+    "requantize",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class QuantizeImpl(Protocol):
+    name: str
+
+    def supports(self, device: torch.device) -> bool: ...
+
+    def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool) -> QuantizedTensor: ...
+
+    def requantize(self, qt: QuantizedTensor, block: Block, pow2_scale: bool) -> QuantizedTensor: ...
+
+
+_IMPLS: list[QuantizeImpl] = []
+_loaded_optional = False
+_warned: set[str] = set()
+
+
+def register_quantize_impl(impl: QuantizeImpl) -> None:
+    _IMPLS.insert(0, impl)
+
+
+def _load_optional() -> None:
+    global _loaded_optional
+    if _loaded_optional:
+        return
+    _loaded_optional = True
+    try:  # Triton kernels are optional: CUDA only.
+        from .kernels import register as _register_kernels
+    except ImportError:
+        return
+    _register_kernels()
+
+
+def _impl_for(device: torch.device) -> QuantizeImpl | None:
+    _load_optional()
+    for impl in _IMPLS:
+        if impl.supports(device):
+            return impl
+    if device.type == "cuda" and "cuda" not in _warned:
+        _warned.add("cuda")
+        logger.warning(
+            "jetrl_precision: no fast FP8 quantization kernel for %s (is triton installed?); using the reference "
+            "quantizer in plain torch, which is about 15x slower. Bytes are identical.",
+            device,
+        )
+    return None
+
+
+def kernel_name(device: torch.device | str) -> str:
+    impl = _impl_for(torch.device(device))
+    return impl.name if impl is not None else "reference"
+
+
+def quantize(x: torch.Tensor, spec: TensorSpec) -> QuantizedTensor:
+    """Quantize a 2-D tensor as `spec` says, on the fastest byte-exact implementation available."""
+    block = spec.granularity.block(tuple(x.shape))
+    impl = _impl_for(x.device)
+    if impl is not None and spec.granularity in (Granularity.BLOCK_1x128, Granularity.BLOCK_128x128, Granularity.BLOCK_128x1):
+        return impl.quantize(x, block, spec.pow2_scale)
+    return quantize_fp8(x, block, pow2_scale=spec.pow2_scale, nonfinite="propagate")
+
+
+def requantize(qt: QuantizedTensor, spec: TensorSpec) -> QuantizedTensor:
+    block = spec.granularity.block(tuple(qt.shape))
+    impl = _impl_for(qt.data.device)
+    if impl is not None:
+        return impl.requantize(qt, block, spec.pow2_scale)
+    return requantize_fp8(qt, block, pow2_scale=spec.pow2_scale)
+
+
+QuantizeFn = Callable[[torch.Tensor, TensorSpec], QuantizedTensor]
+
+
+def quantize_transposed(x: torch.Tensor, spec: TensorSpec) -> QuantizedTensor:
+    """quantize(x, spec).t(): fast kernels write the transposed layout directly (WGrad operands)."""
+    impl = _impl_for(x.device)
+    fn = getattr(impl, "quantize_transposed", None)
+    if fn is not None:
+        return fn(x, spec.granularity.block(tuple(x.shape)), spec.pow2_scale)
+    return quantize(x, spec).t()
+
+
+def requantize_transposed(qt: QuantizedTensor, spec: TensorSpec) -> QuantizedTensor:
+    impl = _impl_for(qt.data.device)
+    fn = getattr(impl, "requantize_transposed", None)
+    if fn is not None:
+        return fn(qt, spec.granularity.block(tuple(qt.shape)), spec.pow2_scale)
+    return requantize(qt, spec).t()
+
+
+__all__ += ["quantize_transposed", "requantize_transposed"]
