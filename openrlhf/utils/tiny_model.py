@@ -1,0 +1,83 @@
+"""Tiny models and tokenizers built locally (there is no model hub on CI or dev machines).
+
+A character-level tokenizer over printable ASCII and a small Llama/Qwen2 built from a
+config. Saved with `save_pretrained`, so transformers, DeepSpeed and vLLM load them the same
+way they load a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["TinyModelSpec", "build_char_tokenizer", "build_tiny_model", "PAD", "BOS", "EOS"]
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+
+
+def build_char_tokenizer(vocab_size: int = 128):
+    """One token per printable ASCII character, plus pad/bos/eos/unk, padded to `vocab_size`."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+    specials = [PAD, BOS, EOS, UNK]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    if len(vocab) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} < {len(vocab)} characters")
+    for i in range(len(vocab), vocab_size):  # unused slots keep the embedding table a round size
+        vocab[f"<extra_{i}>"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK, fuse_unk=True))
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK, padding_side="left"
+    )
+    fast.add_special_tokens({"additional_special_tokens": []})
+    return fast
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    arch: str = "llama"  # llama | qwen2
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2  # k/v projections of N=64: not a multiple of 128 (exercises fused-qkv handling)
+    vocab_size: int = 128
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False
+    seed: int = 0
+
+
+def build_tiny_model(save_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
+    """Build a randomly initialised causal LM plus char tokenizer and save both to `save_dir`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    save_dir = Path(save_dir)
+    tokenizer = tokenizer or build_char_tokenizer(spec.vocab_size)
+    cfg_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}.get(spec.arch)
+    if cfg_cls is None:
+        raise ValueError(f"unknown tiny arch {spec.arch!r}; use 'llama' or 'qwen2'")
+    config = cfg_cls(
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(save_dir)
+    tokenizer.save_pretrained(save_dir)
+    return save_dir
