@@ -105,8 +105,9 @@ def quantize_fp8(
 def requantize_fp8(qt: QuantizedTensor, block: Block | Granularity | str, *, pow2_scale: bool = False) -> QuantizedTensor:
     """Re-quantize an FP8 tensor to another granularity (e.g. saved 1x128 activations -> 128x1 for WGrad).
 
-    q * scale is exact in fp32 (a 4-bit-mantissa value times an fp32 scale), so this equals
-    quantizing the dequantized tensor, with no bf16 round trip.
+    Defined as quantizing the fp32 dequantization: q * scale is one fp32 multiply, correctly
+    rounded (not exact: 4 + 24 significant bits), with no bf16 round trip. Fast kernels must
+    form the same fp32 product (a plain multiply, not fused into anything) to match bytes.
     """
     return quantize_fp8(qt.dequantize(torch.float32), block, pow2_scale=pow2_scale, nonfinite="propagate")
 
