@@ -51,6 +51,14 @@ class ScaleRule(str, enum.Enum):
     AMAX_DIV_POW2 = "amax/448,pow2up"  # the same, rounded up to a power of two (UE8M0)
 
 
+def _enum(cls: type[enum.Enum], value: Any, what: str) -> Any:
+    """Enum conversion whose error names the field and the valid values."""
+    try:
+        return cls(value)
+    except ValueError:
+        raise RecipeError(f"{what} {value!r} is not valid: use one of {[m.value for m in cls]}") from None
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """How one GEMM operand is represented."""
@@ -60,11 +68,11 @@ class TensorSpec:
     scale_rule: ScaleRule | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", DType(self.dtype))
+        object.__setattr__(self, "dtype", _enum(DType, self.dtype, "dtype"))
         if self.granularity is not None:
-            object.__setattr__(self, "granularity", Granularity(self.granularity))
+            object.__setattr__(self, "granularity", _enum(Granularity, self.granularity, "granularity"))
         if self.scale_rule is not None:
-            object.__setattr__(self, "scale_rule", ScaleRule(self.scale_rule))
+            object.__setattr__(self, "scale_rule", _enum(ScaleRule, self.scale_rule, "scale_rule"))
         if self.dtype == DType.E4M3:
             if self.granularity is None or self.scale_rule is None:
                 raise RecipeError(f"an e4m3 operand needs a granularity and a scale_rule, got {self}")
@@ -123,7 +131,7 @@ class BackwardSpec:
     grad_dtype: DType = DType.BF16  # gradients passed between operators: never FP8 (underflow)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "grad_dtype", DType(self.grad_dtype))
+        object.__setattr__(self, "grad_dtype", _enum(DType, self.grad_dtype, "grad_dtype"))
         if self.grad_dtype == DType.E4M3:
             raise RecipeError("grad_dtype=e4m3 is not supported: inter-op gradients underflow in FP8; use bf16 or fp32")
 
@@ -158,7 +166,7 @@ class PrecisionRecipe:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep_high_precision", tuple(self.keep_high_precision))
-        object.__setattr__(self, "lm_head_dtype", DType(self.lm_head_dtype))
+        object.__setattr__(self, "lm_head_dtype", _enum(DType, self.lm_head_dtype, "lm_head_dtype"))
         if self.gemm_backend not in GEMM_BACKENDS:
             raise RecipeError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {self.gemm_backend!r}")
         if self.lm_head_dtype == DType.E4M3:
@@ -292,7 +300,12 @@ def _build(cls: type, data: Any, where: str) -> Any:
     for name, value in data.items():
         ftype = _FIELD_TYPES.get((cls, name))
         kwargs[name] = _build(ftype, value, f"{where}.{name}") if ftype else value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except RecipeError as e:
+        if str(e).startswith(where):  # already located by a nested _build
+            raise
+        raise RecipeError(f"{where}: {e}") from None
 
 
 _FIELD_TYPES: dict[tuple[type, str], type] = {
