@@ -140,6 +140,7 @@ class Fp8Linear(nn.Linear):
         self._resolved: dict[str, str] = {}
         self._wq_cache: tuple[tuple, QuantizedTensor] | None = None
         self._wq_t_cache: tuple[tuple, QuantizedTensor] | None = None
+        self._installed: tuple[QuantizedTensor, QuantizedTensor | None] | None = None
 
     @classmethod
     def from_linear(
@@ -185,6 +186,8 @@ class Fp8Linear(nn.Linear):
 
     def quantized_weight(self, weight: torch.Tensor | None = None) -> QuantizedTensor:
         """Q(W, fprop.weight): cached until the weight changes. The weight sync sends exactly these bytes."""
+        if self._installed is not None:
+            return self._installed[0]
         weight = self.weight if weight is None else weight
         key = self._cache_key(weight)
         if key is not None and self._wq_cache is not None and self._wq_cache[0] == key:
@@ -208,6 +211,20 @@ class Fp8Linear(nn.Linear):
 
     def invalidate_cache(self) -> None:
         self._wq_cache = self._wq_t_cache = None
+
+    def install_quantized_weight(self, wq: QuantizedTensor | None) -> None:
+        """Rollout-side modules: run on FP8 bytes received from the trainer, never re-quantizing.
+
+        The installed tensor wins over the (stale) high-precision weight until the next install;
+        `None` returns the module to quantizing its own weight.
+        """
+        if wq is not None:
+            if tuple(wq.shape) != (self.out_features, self.in_features):
+                raise ValueError(f"{self.fqn}: installed FP8 weight has shape {tuple(wq.shape)}, expected {(self.out_features, self.in_features)}")
+            if wq.block != self.fprop.weight.granularity.block(tuple(wq.shape)):
+                raise ValueError(f"{self.fqn}: installed FP8 weight has block {wq.block}, this layer's recipe wants {self.fprop.weight.granularity.value}")
+        self._installed = None if wq is None else (wq, None)
+        self.invalidate_cache()
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
