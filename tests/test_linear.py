@@ -1,0 +1,296 @@
+"""Fp8Linear: accuracy vs BF16, exact agreement with an emulated float64 flow, Parameter identity,
+the weight-quantization cache, saved-activation memory, NaN behaviour, and GEMM dispatch on CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import outlier_data, sqnr_db
+from jetrl_precision import (
+    BackendUnavailable,
+    Fp8Linear,
+    available_backends,
+    convert_to_fp8,
+    fp8_linears,
+    get_recipe,
+    mark_weights_updated,
+    quantize_fp8,
+    resolve_backend,
+)
+from jetrl_precision.gemm import gemm_nt
+
+JET = get_recipe("jet_fp8")
+U32 = 2.0**-24  # unit roundoff of fp32
+
+
+def make_fp8(lin: nn.Linear) -> Fp8Linear:
+    return Fp8Linear.from_linear(lin, JET.train_fprop, JET.train_backward, "emulated")
+
+
+def make_linear(k: int, n: int, bias: bool = True, dtype: torch.dtype = torch.float32) -> nn.Linear:
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        # Weights with per-block magnitude variation and a few large entries, like trained LLM weights.
+        lin.weight.copy_(outlier_data((n, k), sigma=0.5, spikes=4, spike_factor=20.0) * k**-0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(n) * 0.1)
+    return lin.to(dtype)
+
+
+# ---- accuracy vs BF16 ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_sqnr_vs_bf16_linear(dtype):
+    k, n = 512, 384
+    lin = make_linear(k, n)
+    ref = copy.deepcopy(lin).to(torch.bfloat16)
+    fp8 = make_fp8(lin.to(dtype))
+    x = outlier_data((4, 64, k), spikes=8)
+    gy = outlier_data((4, 64, n), spikes=8, sigma=1.0)
+    x8 = x.to(dtype).detach().clone().requires_grad_()
+    xb = x.to(torch.bfloat16).detach().clone().requires_grad_()
+    y8, yb = fp8(x8), ref(xb)
+    y8.backward(gy.to(dtype))
+    yb.backward(gy.to(torch.bfloat16))
+    assert y8.dtype == dtype and x8.grad.dtype == dtype and fp8.weight.grad.dtype == dtype
+    s_y, s_dx, s_dw = sqnr_db(yb, y8), sqnr_db(xb.grad, x8.grad), sqnr_db(ref.weight.grad, fp8.weight.grad)
+    assert s_y >= 25.0, f"output SQNR {s_y:.1f} dB"
+    assert s_dx >= 20.0, f"dX SQNR {s_dx:.1f} dB"
+    assert s_dw >= 20.0, f"dW SQNR {s_dw:.1f} dB"
+    assert sqnr_db(ref.bias.grad, fp8.bias.grad) >= 40.0  # bias grad is a plain bf16 sum, not quantized
+
+
+# ---- exact agreement with the quantized math in float64 -------------------------------------------
+def emulated_f64(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gy: torch.Tensor):
+    """The Jet-RL flow written out: quantize with quantize_fp8, dequantize to float64, matmul in float64."""
+    d = lambda qt: qt.data.double() * qt.expanded_scale().double()  # noqa: E731  (exact in float64)
+    xq = quantize_fp8(x2, (1, 128))
+    wq = quantize_fp8(w, (128, 128))
+    y = d(xq) @ d(wq).t()
+    if b is not None:
+        y = y + b.double()
+    dx = d(quantize_fp8(gy, (1, 128))) @ d(wq)
+    x_tok = quantize_fp8(xq.dequantize(torch.float32), (128, 1))  # the saved FP8 activation, re-grouped along tokens
+    dw = d(quantize_fp8(gy, (128, 1))).t() @ d(x_tok)
+    db = gy.double().sum(0) if b is not None else None
+    ops = {"y": (d(xq), d(wq).t()), "dx": (d(quantize_fp8(gy, (1, 128))), d(wq)), "dw": (d(quantize_fp8(gy, (128, 1))).t(), d(x_tok))}
+    return y, dx, dw, db, ops
+
+
+def fp32_bound(a: torch.Tensor, b: torch.Tensor, extra: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """Rigorous elementwise bound on fp32 error of a @ b (any summation order), plus the fp32 dequant roundings."""
+    k = a.shape[1]
+    return (k + 4) * U32 * (a.abs() @ b.abs() + extra) + 1e-30
+
+
+@pytest.mark.parametrize("k,n,bias", [(256, 384, True), (512, 256, False), (192, 320, True)], ids=["aligned", "nobias", "unaligned"])
+def test_matches_float64_emulation_within_fp32_rounding(k, n, bias):
+    m = 300  # tokens: not a multiple of 128 either
+    lin = make_linear(k, n, bias=bias)
+    fp8 = make_fp8(lin)
+    x = outlier_data((3, 100, k), spikes=6).requires_grad_()
+    gy = outlier_data((3, 100, n), spikes=6, sigma=1.0)
+    y = fp8(x)
+    y.backward(gy)
+    x2, gy2 = x.detach().reshape(m, k), gy.reshape(m, n)
+    y_ref, dx_ref, dw_ref, db_ref, ops = emulated_f64(x2, lin.weight.detach(), lin.bias.detach() if bias else None, gy2)
+
+    bias_abs = lin.bias.detach().double().abs() if bias else 0.0
+    checks = {
+        "y": (y.detach().reshape(m, n), y_ref, fp32_bound(*ops["y"], bias_abs)),
+        "dX": (x.grad.reshape(m, k), dx_ref, fp32_bound(*ops["dx"])),
+        "dW": (fp8.weight.grad, dw_ref, fp32_bound(*ops["dw"])),
+    }
+    for name, (got, ref, bound) in checks.items():
+        err = (got.double() - ref).abs()
+        assert (err <= bound).all(), f"{name}: max excess {(err - bound).max().item():.3e}"
+        # The bound is tight enough to catch a different quantization (it is not a loose tolerance).
+        assert bound.max() < 1e-3 * ref.abs().max()
+    if bias:
+        db_bound = (m + 2) * U32 * gy2.double().abs().sum(0)
+        assert ((fp8.bias.grad.double() - db_ref).abs() <= db_bound).all()
+    else:
+        assert fp8.bias is None
+
+    # Sanity: the same check rejects the unquantized gradient (so the test can fail).
+    dw_exact = gy2.double().t() @ x2.double()
+    assert not ((dw_exact - dw_ref).abs() <= checks["dW"][2]).all()
+
+
+def test_gradients_leave_in_model_dtype_and_bf16_backward_matches_reference():
+    lin = make_linear(256, 256, dtype=torch.bfloat16)
+    fp8 = make_fp8(lin)
+    x = outlier_data((2, 128, 256), dtype=torch.bfloat16).requires_grad_()
+    y = fp8(x)
+    y.float().square().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and fp8.weight.grad.dtype == torch.bfloat16 and fp8.bias.grad.dtype == torch.bfloat16
+    assert torch.isfinite(x.grad).all() and torch.isfinite(fp8.weight.grad).all()
+
+
+def test_rollout_side_has_fp8_forward_and_bf16_backward():
+    """side='rollout' layers (the fp8_rollout engine copy) quantize the forward only."""
+    lin = make_linear(256, 128)
+    model = nn.Sequential(lin)
+    convert_to_fp8(model, get_recipe("fp8_rollout"), side="rollout")
+    layer = model[0]
+    assert isinstance(layer, Fp8Linear) and layer.backward_spec is None
+    x = outlier_data((64, 256))
+    y = layer(x)
+    xq, wq = quantize_fp8(x, (1, 128)), quantize_fp8(lin.weight.detach(), (128, 128))
+    torch.testing.assert_close(y, xq.dequantize() @ wq.dequantize().t() + lin.bias.detach(), rtol=1e-5, atol=1e-5)
+
+
+# ---- module identity and the weight-quantization cache ------------------------------------------------
+def test_owns_the_same_parameters():
+    lin = make_linear(256, 128)
+    w, b = lin.weight, lin.bias
+    fp8 = make_fp8(lin)
+    assert fp8.weight is w and fp8.bias is b
+    model = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), lin)
+    params_before = [id(p) for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    convert_to_fp8(model, JET)
+    assert isinstance(model[0], Fp8Linear) and isinstance(model[2], Fp8Linear)
+    assert model[2].weight is w and model[2].bias is b
+    assert [id(p) for p in model.parameters()] == params_before
+    # The optimizer built before conversion still trains the converted model.
+    model(outlier_data((8, 128))).square().mean().backward()
+    w0 = w.detach().clone()
+    opt.step()
+    assert not torch.equal(w0, w.detach())
+    assert set(fp8_linears(model)) == {"0", "2"}
+
+
+def test_weight_cache_reuse_and_invalidation():
+    lin = make_linear(256, 384)
+    fp8 = make_fp8(lin)
+    x = outlier_data((64, 256))
+    fp8(x)
+    wq1 = fp8.quantized_weight()
+    fp8(x)
+    assert fp8.quantized_weight() is wq1, "a second forward must reuse the cached FP8 weight"
+    with torch.no_grad():  # a rollout-style forward sees the same object (same bytes)
+        fp8(x)
+    assert fp8.quantized_weight() is wq1
+    ref = quantize_fp8(lin.weight.detach(), (128, 128))
+    assert torch.equal(wq1.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(wq1.scale, ref.scale)
+    # DGrad uses the exact transpose of the cached blocks.
+    wt = fp8.quantized_weight_t()
+    assert fp8.quantized_weight_t() is wt
+    assert torch.equal(wt.data.view(torch.uint8), wq1.data.t().contiguous().view(torch.uint8))
+
+    # An optimizer step bumps the version counter: the cache is recomputed.
+    opt = torch.optim.SGD(fp8.parameters(), lr=0.5)
+    fp8(x).square().mean().backward()
+    opt.step()
+    fp8(x)
+    wq2 = fp8.quantized_weight()
+    assert wq2 is not wq1
+    ref2 = quantize_fp8(lin.weight.detach(), (128, 128))
+    assert torch.equal(wq2.data.view(torch.uint8), ref2.data.view(torch.uint8)) and torch.equal(wq2.scale, ref2.scale)
+    assert not torch.equal(wq2.data.view(torch.uint8), wq1.data.view(torch.uint8))
+    assert fp8.quantized_weight_t() is not wt
+
+    # A write through .data (how DeepSpeed copies optimizer results in) + mark_weights_updated().
+    new_w = outlier_data(tuple(lin.weight.shape)) * 0.05
+    lin.weight.data.copy_(new_w)
+    mark_weights_updated()
+    wq3 = fp8.quantized_weight()
+    assert wq3 is not wq2
+    ref3 = quantize_fp8(new_w, (128, 128))
+    assert torch.equal(wq3.data.view(torch.uint8), ref3.data.view(torch.uint8)) and torch.equal(wq3.scale, ref3.scale)
+    y = fp8(x)
+    torch.testing.assert_close(y, quantize_fp8(x, (1, 128)).dequantize() @ ref3.dequantize().t() + lin.bias.detach(), rtol=1e-5, atol=1e-5)
+    fp8.invalidate_cache()
+    assert fp8.quantized_weight() is not wq3
+
+
+# ---- saved-activation memory ---------------------------------------------------------------------------
+def saved_activation_bytes(module: nn.Module, x: torch.Tensor) -> tuple[int, list[torch.dtype]]:
+    """Bytes of the tensors autograd saves for backward, excluding the module's Parameters."""
+    param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    total, dtypes = [0], []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in param_storages:
+            total[0] += t.numel() * t.element_size()
+            dtypes.append(t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(x)
+    y.float().sum().backward()  # the saved tensors really serve a backward
+    return total[0], dtypes
+
+
+def test_saved_activations_take_at_most_55_percent_of_bf16():
+    k, n, m = 1024, 512, 512
+    lin = make_linear(k, n, dtype=torch.bfloat16)
+    ref = copy.deepcopy(lin)
+    fp8 = make_fp8(lin)
+    x = outlier_data((2, m // 2, k), dtype=torch.bfloat16)
+    b_fp8, dt_fp8 = saved_activation_bytes(fp8, x.clone().requires_grad_())
+    b_bf16, _ = saved_activation_bytes(ref, x.clone().requires_grad_())
+    assert b_bf16 >= m * k * 2  # the bf16 input itself
+    assert torch.float8_e4m3fn in dt_fp8, "the FP8 linear must save its activation in e4m3"
+    ratio = b_fp8 / b_bf16
+    assert ratio <= 0.55, f"FP8 saved {b_fp8} B vs BF16 {b_bf16} B ({ratio:.3f})"
+    assert b_fp8 == m * k + m * (k // 128) * 4  # exactly e4m3 bytes + fp32 1x128 scales
+
+
+# ---- NaN input ------------------------------------------------------------------------------------------
+def test_nan_input_propagates_without_crash():
+    lin = make_linear(256, 128)
+    fp8 = make_fp8(lin)
+    x = outlier_data((2, 64, 256))
+    x[1, 10, 200] = float("nan")
+    x.requires_grad_()
+    y = fp8(x)
+    assert torch.isnan(y[1, 10]).all(), "the token holding a NaN gives NaN outputs"
+    mask = torch.ones(2, 64, dtype=torch.bool)
+    mask[1, 10] = False
+    assert torch.isfinite(y[mask]).all(), "other tokens are unaffected"
+    y.sum().backward()  # no crash; the poisoned token reaches dW through WGrad
+    assert torch.isnan(fp8.weight.grad).any()
+
+
+# ---- GEMM dispatch on CPU -----------------------------------------------------------------------------------
+def test_auto_resolves_to_emulated_on_cpu():
+    assert resolve_backend("auto", "cpu") == "emulated"
+    assert resolve_backend("emulated", "cpu") == "emulated"
+    avail = available_backends("cpu")
+    assert avail["emulated"] is None
+    for name in ("torch", "triton", "deep_gemm"):
+        assert isinstance(avail[name], str) and avail[name], f"{name} must say why it is unavailable on CPU"
+    assert make_fp8(make_linear(128, 128)).resolved_backend == "emulated"
+
+
+@pytest.mark.parametrize("name", ["torch", "triton", "deep_gemm"])
+def test_gpu_backends_on_cpu_raise_clearly(name):
+    with pytest.raises(BackendUnavailable, match=rf"'{name}' cannot run on cpu: .+auto"):
+        resolve_backend(name, "cpu")
+
+
+def test_unknown_backend():
+    with pytest.raises(BackendUnavailable, match="unknown GEMM backend 'cutlass'"):
+        resolve_backend("cutlass", "cpu")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_emulated_gemm_matches_float64(out_dtype):
+    a = quantize_fp8(outlier_data((200, 384)), (1, 128))
+    b = quantize_fp8(outlier_data((320, 384)), (128, 128))
+    out = gemm_nt(a, b, out_dtype, "emulated")
+    assert out.dtype == out_dtype and out.shape == (200, 320)
+    a64 = a.data.double() * a.expanded_scale().double()
+    b64 = b.data.double() * b.expanded_scale().double()
+    ref = a64 @ b64.t()
+    bound = fp32_bound(a64, b64.t())
+    if out_dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * (ref.abs() + bound)  # one bf16 rounding of the fp32 result
+    assert ((out.double() - ref).abs() <= bound).all()
+    with pytest.raises(ValueError, match="K mismatch"):
+        gemm_nt(a, quantize_fp8(outlier_data((64, 256)), (128, 128)), torch.float32, "emulated")
