@@ -1,0 +1,14 @@
+"""Prompt datasets and the synthetic arithmetic task set."""
+
+from .prompts_dataset import SUPPORTED_FORMATS, PromptDataset, collate_prompts, load_prompt_records
+from .synthetic import evaluate_expression, make_arithmetic_records, write_jsonl
+
+__all__ = [
+    "SUPPORTED_FORMATS",
+    "PromptDataset",
+    "collate_prompts",
+    "load_prompt_records",
+    "evaluate_expression",
+    "make_arithmetic_records",
+    "write_jsonl",
+]

@@ -1,0 +1,228 @@
+"""Prompt datasets for RL: load records from local files, turn them into prompt strings.
+
+Supported sources (all local; there is no dataset hub on our machines):
+- a ``.jsonl`` file (one JSON object per line) or a ``.json`` file (a list of objects,
+  ``{split: [...]}``, or JSON lines);
+- a ``.parquet`` file;
+- a folder written by ``datasets.Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``;
+- a folder of ``.jsonl``/``.json``/``.parquet`` files. Files whose name or parent folder
+  names a split (``train-00000.parquet``, ``data/test.jsonl``) are selected by ``split``;
+  if no file names a split, all files are read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["SUPPORTED_FORMATS", "load_prompt_records", "PromptDataset", "collate_prompts"]
+
+SUPPORTED_FORMATS = (".jsonl", ".json", ".parquet", "a datasets.save_to_disk folder", "a folder of jsonl/json/parquet files")
+_FILE_EXTS = (".jsonl", ".json", ".parquet")
+_SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")
+
+
+def _unsupported(path: Path) -> ValueError:
+    return ValueError(f"unsupported prompt dataset {str(path)!r}; supported: {', '.join(SUPPORTED_FORMATS)}")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    records = []
+    with path.open("r", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: each line must be a JSON object, got {type(obj).__name__}")
+            records.append(obj)
+    return records
+
+
+def _read_json(path: Path, split: str) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return _read_jsonl(path)  # JSON lines with a .json extension
+    if isinstance(obj, dict):
+        if isinstance(obj.get(split), list):
+            obj = obj[split]
+        elif isinstance(obj.get("data"), list):
+            obj = obj["data"]
+        elif obj and all(isinstance(v, list) for v in obj.values()) and len({len(v) for v in obj.values()}) == 1:
+            keys = list(obj)  # column-oriented: {"input": [...], "label": [...]}
+            obj = [dict(zip(keys, row)) for row in zip(*obj.values())]
+        else:
+            obj = [obj]
+    if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
+        raise ValueError(f"{path}: expected a list of JSON objects")
+    return obj
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def _read_file(path: Path, split: str) -> list[dict]:
+    ext = path.suffix.lower()
+    if ext == ".jsonl":
+        return _read_jsonl(path)
+    if ext == ".json":
+        return _read_json(path, split)
+    if ext == ".parquet":
+        return _read_parquet(path)
+    raise _unsupported(path)
+
+
+def _file_split(path: Path, root: Path) -> str | None:
+    """The split a data file belongs to, from its name (train-0000.parquet) or a parent folder."""
+    rel = path.relative_to(root)
+    names = [p.lower() for p in rel.parts[:-1]] + [rel.stem.lower()]
+    for name in reversed(names):
+        head = re.split(r"[-_.]", name)[0]
+        if head in _SPLIT_NAMES:
+            return head
+    return None
+
+
+def _read_folder(path: Path, split: str) -> list[dict]:
+    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise ValueError(f"split {split!r} not in {str(path)!r}; available splits: {sorted(ds)} (--data.prompt_split)")
+            ds = ds[split]
+        return ds.to_list()
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _FILE_EXTS and not p.name.startswith("."))
+    if not files:
+        raise _unsupported(path)
+    splits = {p: _file_split(p, path) for p in files}
+    found = {s for s in splits.values() if s is not None}
+    if found:
+        chosen = [p for p in files if splits[p] == split]
+        if not chosen:
+            raise ValueError(f"no {split!r} files in {str(path)!r}; splits found: {sorted(found)} (--data.prompt_split)")
+    else:
+        chosen = files
+    records: list[dict] = []
+    for p in chosen:
+        records.extend(_read_file(p, split))
+    return records
+
+
+def load_prompt_records(path: str, split: str = "train", max_samples: int | None = None) -> list[dict]:
+    """Read prompt records (dicts) from a local file or folder; see the module docstring."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(
+            f"prompt dataset {str(path)!r} does not exist (--data.prompt_dataset); pass a local "
+            f"{'/'.join(_FILE_EXTS)} file or a datasets folder (the hub is not reachable here)"
+        )
+    records = _read_folder(p, split) if p.is_dir() else _read_file(p, split)
+    if max_samples is not None:
+        if max_samples < 0:
+            raise ValueError(f"max_samples must be >= 0, got {max_samples} (--data.max_samples)")
+        records = records[: int(max_samples)]
+    return records
+
+
+def _missing_key(kind: str, key: str, flag: str, index: int, record: dict) -> KeyError:
+    return KeyError(
+        f"prompt record {index} has no {kind} key {key!r}; its keys are {sorted(record)}. "
+        f"Set {flag} to one of them."
+    )
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """Prompts (and optional reference labels) ready for the rollout engine.
+
+    Each item is ``{"prompt": str, "label": str | None, "index": int}`` where ``index`` is the
+    record's position in ``records`` (stable across resumes). The prompt is built as:
+    the first ``{}`` of ``input_template`` replaced by the input, if a template is given, then,
+    with ``apply_chat_template``, wrapped as one user turn with the tokenizer's chat template
+    (``add_generation_prompt=True``). An input that is already a list of chat messages is
+    passed to the chat template as is. With ``max_prompt_len`` (tokens), longer prompts are
+    dropped; ``num_dropped`` counts them.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[dict],
+        tokenizer: Any,
+        input_key: str = "input",
+        label_key: str | None = None,
+        apply_chat_template: bool = False,
+        input_template: str | None = None,
+        max_prompt_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        if input_template is not None and "{}" not in input_template:
+            raise ValueError(f"--data.input_template must contain '{{}}' where the input goes, got {input_template!r}")
+        if (apply_chat_template or max_prompt_len is not None) and tokenizer is None:
+            raise ValueError("a tokenizer is required for apply_chat_template / max_prompt_len")
+        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "--data.apply_chat_template is set but the tokenizer has no chat template; "
+                "drop the flag or use --data.input_template"
+            )
+        self.items: list[dict] = []
+        self.num_dropped = 0
+        for i, rec in enumerate(records):
+            if not isinstance(rec, dict):
+                raise TypeError(f"prompt record {i} is a {type(rec).__name__}, expected a dict")
+            if input_key not in rec:
+                raise _missing_key("input", input_key, "--data.input_key", i, rec)
+            label = None
+            if label_key is not None:
+                if label_key not in rec:
+                    raise _missing_key("label", label_key, "--data.label_key", i, rec)
+                label = None if rec[label_key] is None else str(rec[label_key])
+            prompt = self._build_prompt(rec[input_key], tokenizer, apply_chat_template, input_template)
+            if max_prompt_len is not None and len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_prompt_len:
+                self.num_dropped += 1
+                continue
+            self.items.append({"prompt": prompt, "label": label, "index": i})
+        if records and not self.items:
+            raise ValueError(f"all {len(records)} prompts are longer than max_prompt_len={max_prompt_len} tokens (--data.max_len)")
+
+    @staticmethod
+    def _build_prompt(value: Any, tokenizer: Any, apply_chat_template: bool, input_template: str | None) -> str:
+        if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+            if not apply_chat_template:
+                raise ValueError("the input is a list of chat messages; set --data.apply_chat_template")
+            messages = value
+        else:
+            text = str(value)
+            if input_template is not None:
+                text = input_template.replace("{}", text, 1)
+            if not apply_chat_template:
+                return text
+            messages = [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, idx: int) -> dict:
+        return self.items[idx]
+
+
+def collate_prompts(batch: Sequence[dict]) -> dict[str, list]:
+    """DataLoader collate_fn: a dict of lists (labels may be None, which default_collate rejects)."""
+    return {
+        "prompt": [b["prompt"] for b in batch],
+        "label": [b["label"] for b in batch],
+        "index": [b["index"] for b in batch],
+    }
