@@ -224,7 +224,8 @@ def test_math_reward_never_raises_on_garbage():
     ]
     out = math_reward(garbage, ["19"] * len(garbage))
     assert out == [0.0] * len(garbage)
-    assert math_reward(["19"], [None]) == [0.0]
+    assert math_reward(["19", "", "  "], [None, "", " "]) == [0.0, 0.0, 0.0]  # no label: never rewarded
+    assert math_reward(["yes", "no"], ["yes", "yes"]) == [1.0, 0.0]  # non-math labels: exact text
     with pytest.raises(ValueError, match="labels"):
         math_reward(["1", "2"], ["1"])
 

@@ -52,8 +52,8 @@ def _in_main_thread() -> bool:
 
 def math_reward_one(response: str, label: str | None) -> float:
     """Reward of one response against one label (see `math_reward`)."""
-    if label is None or not isinstance(response, str):
-        return 0.0
+    if label is None or not str(label).strip() or not isinstance(response, str):
+        return 0.0  # no reference answer: nothing can be verified
     try:
         from math_verify import parse, verify
 
