@@ -1,0 +1,113 @@
+"""Entry point: PPO/GRPO training with an OpenRLHF-style CLI.
+
+SPMD / hybrid engine (each rank: DeepSpeed actor shard + reference + colocated rollout engine):
+    deepspeed openrlhf/cli/train_ppo_ray.py --fp8_unified ...
+    torchrun --nproc_per_node 2 -m openrlhf.cli.train_ppo_ray --fp8_unified ...
+    python -m openrlhf.cli.train_ppo_ray --fp8_unified ...          (one process)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+if __package__ in (None, ""):  # run as a file by the deepspeed launcher: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from openrlhf.cli.config import ConfigError, PPOConfig, parse_config  # noqa: E402
+
+__all__ = ["main", "train", "make_engine_factory"]
+
+logger = logging.getLogger("openrlhf")
+
+
+def make_engine_factory(cfg: PPOConfig, strategy):
+    """The colocated rollout engine for this rank: vLLM when asked for (or available under auto), else transformers."""
+    from openrlhf.trainer.engines.hf_engine import HFEngine
+
+    def vllm_available() -> bool:
+        try:
+            import vllm  # noqa: F401
+
+            from openrlhf.trainer.engines import vllm_engine  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    choice = cfg.rollout.engine
+    if choice == "auto":
+        choice = "vllm" if vllm_available() else "hf"
+
+    def factory(recipe):
+        if choice == "vllm":
+            from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+
+            return VLLMEngine.from_config(cfg, recipe, rank=strategy.rank)
+        return HFEngine(cfg.actor.model_name_or_path, recipe, dtype=strategy.dtype, device=strategy.device, attn_implementation=cfg.ds.attn_implementation)
+
+    return factory
+
+
+def train(cfg: PPOConfig, *, evaluate: bool = True) -> dict:
+    """Run a whole SPMD training job on this rank; returns the run summary (rank 0 has it all)."""
+    from openrlhf.trainer.ppo_trainer import PPOTrainer
+    from openrlhf.utils.deepspeed import DeepspeedStrategy, StrategyConfig
+    from openrlhf.utils.logging_utils import setup_logging
+
+    strategy = DeepspeedStrategy(
+        StrategyConfig(
+            zero_stage=cfg.ds.zero_stage, param_dtype=cfg.ds.param_dtype, adam_offload=cfg.ds.adam_offload,
+            micro_batch_size=cfg.train.micro_batch_size, train_batch_size=cfg.train.batch_size, max_norm=cfg.actor.max_norm,
+            seed=cfg.train.seed, gradient_checkpointing=cfg.actor.gradient_checkpointing_enable, overlap_comm=cfg.ds.overlap_comm,
+        )
+    )
+    strategy.setup_distributed()
+    setup_logging(strategy.rank)
+    for w in cfg.cfg_warnings:
+        logger.warning(w)
+    trainer = PPOTrainer(cfg, strategy, make_engine_factory(cfg, strategy))
+    trainer.setup()
+    eval_before = trainer.evaluate() if evaluate else None
+    history = trainer.fit()
+    eval_after = trainer.evaluate() if evaluate else None
+    if cfg.ckpt.save_steps != 0 and (not history or cfg.ckpt.save_steps < 0 or trainer.global_step % cfg.ckpt.save_steps):
+        trainer.save_checkpoint()
+    summary = {
+        "recipe": trainer.recipe.name,
+        "engine": trainer.engine.name,
+        "world_size": strategy.world_size,
+        "steps": trainer.global_step,
+        "eval_greedy_reward_before": eval_before,
+        "eval_greedy_reward_after": eval_after,
+        "first_step": history[0].metrics if history else {},
+        "last_step": history[-1].metrics if history else {},
+        "tensorboard_dir": cfg.logger.tensorboard_dir,
+        "checkpoint_dir": cfg.ckpt_path,
+        "precision_report": trainer.precision_report,
+    }
+    if strategy.is_rank_0:
+        out = Path(cfg.ckpt.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items()}, indent=1, default=str))
+        (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s.step, **s.metrics}) + "\n" for s in history))
+    trainer.close()
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Policy (actor) and value (critic) wrappers around a HF causal LM.
+
+Sequences are laid out as [left-padded prompt | right-padded response]; the last
+`num_actions` columns are the response. Position ids come from the attention mask, the same
+way HF `generate` computes them, so a rollout's logprobs and the trainer's recompute see
+identical positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .utils import log_probs_from_logits
+
+__all__ = ["Actor", "Critic", "position_ids_from_mask", "load_causal_lm"]
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    except OSError as e:
+        raise FileNotFoundError(
+            f"could not load a model from {path!r}: {e}. Pass a local folder saved with save_pretrained "
+            "(there is no model hub on this machine)"
+        ) from None
+
+
+class Actor(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int, temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs [B, num_actions] of the response tokens under the (temperature-scaled) policy."""
+        out = self.model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        logits = out.logits[:, -num_actions - 1 : -1]
+        return log_probs_from_logits(logits, sequences[:, -num_actions:], temperature=temperature)
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+class Critic(nn.Module):
+    """Backbone of the causal LM plus a scalar value head (`score`, kept high precision by the recipe filter)."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.model = backbone
+        self.score = nn.Linear(hidden_size, 1, bias=False)
+        nn.init.zeros_(self.score.weight)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype, attn_implementation: str = "sdpa") -> "Critic":
+        lm = load_causal_lm(path, dtype, attn_implementation)
+        backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
+        critic = cls(backbone, lm.config.hidden_size)
+        critic.score.to(dtype)
+        return critic
+
+    def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
+        """Values [B, num_actions]: V(state before each response token)."""
+        out = self.model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        values = self.score(out.last_hidden_state).squeeze(-1)
+        return values[:, -num_actions - 1 : -1].float()

@@ -1,0 +1,452 @@
+"""The PPO/GRPO trainer core: one rank's view, free of launcher assumptions.
+
+The SPMD launcher (`deepspeed`/`torchrun`/plain python) and the Ray launcher both drive this
+class; it needs a `DeepspeedStrategy` (process group + ZeRO) and a `RolloutEngine`.
+
+One step: rollout -> experience (rewards, old/ref logprobs, values, advantages) -> PPO
+updates -> `mark_weights_updated` -> FP8 weight sync into the engine -> digest check ->
+metrics (incl. rollout_train_mismatch/*) -> checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from jetrl_precision import (
+    PrecisionGraph,
+    PrecisionRecipe,
+    build_precision_graph,
+    check_subgraph,
+    convert_to_fp8,
+    format_violations,
+    mark_weights_updated,
+    mismatch_metrics,
+)
+from jetrl_precision.weight_sync import iter_sync_tensors
+from openrlhf.datasets.prompts_dataset import PromptDataset, load_prompt_records
+from openrlhf.models.actor import Actor, Critic, load_causal_lm
+from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss
+from openrlhf.models.utils import masked_mean
+from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+from .engines.base import RolloutEngine, SamplingConfig
+from .engines.hf_engine import sync_tensor_digest
+from .ppo_utils.experience_maker import AdvantageSettings, Experience, ExperienceMaker, RewardFn
+
+__all__ = ["PPOTrainer", "PrecisionCheckError", "WeightSyncError", "StepResult"]
+
+logger = logging.getLogger(__name__)
+
+
+class PrecisionCheckError(RuntimeError):
+    """The rollout engine's precision graph is not a subgraph of the trainer's forward graph."""
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's weight bytes differ from the trainer's after a sync."""
+
+
+@dataclass
+class StepResult:
+    step: int
+    metrics: dict[str, float]
+
+
+class _AdaptiveKL:
+    """Fixed coefficient, or the adaptive controller (Ziegler et al.) when a target KL is set."""
+
+    def __init__(self, init: float, target: float | None, horizon: int) -> None:
+        self.value, self.target, self.horizon = init, target, horizon
+
+    def update(self, kl: float, n_steps: int) -> None:
+        if self.target is None:
+            return
+        err = max(min(kl / self.target - 1, 0.2), -0.2)
+        self.value *= 1 + err * n_steps / self.horizon
+
+
+class PPOTrainer:
+    def __init__(self, cfg, strategy: DeepspeedStrategy, engine_factory: Callable[[PrecisionRecipe], RolloutEngine]) -> None:
+        self.cfg = cfg
+        self.strategy = strategy
+        self.recipe: PrecisionRecipe = cfg.precision.load_recipe()
+        self.engine_factory = engine_factory
+        self.global_step = 0  # completed rollout->train iterations
+        self.episode = 0
+        self.rollout_index = 0  # next rollout within the episode (data position)
+        self.history: list[StepResult] = []
+
+    # =========================================================================================
+    # set-up
+    # =========================================================================================
+    def setup(self) -> None:
+        cfg, st = self.cfg, self.strategy
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        records = load_prompt_records(cfg.data.prompt_dataset, cfg.data.prompt_split, cfg.data.max_samples)
+        self.dataset = PromptDataset(
+            records, self.tokenizer, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
+            apply_chat_template=cfg.data.apply_chat_template, input_template=cfg.data.input_template,
+        )
+        if len(self.dataset) < cfg.rollout.batch_size:
+            raise ValueError(
+                f"the prompt dataset has {len(self.dataset)} prompts, fewer than --rollout.batch_size {cfg.rollout.batch_size}"
+            )
+        if cfg.rollout.batch_size % st.world_size:
+            raise ValueError(f"--rollout.batch_size {cfg.rollout.batch_size} must be divisible by the world size {st.world_size}")
+        self.rollouts_per_episode = len(self.dataset) // cfg.rollout.batch_size
+        samples_per_rollout = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+        self.updates_per_rollout = samples_per_rollout // cfg.train.batch_size * cfg.train.max_epochs
+        total_updates = self.updates_per_rollout * self.rollouts_per_episode * cfg.train.num_episodes
+        if cfg.train.max_steps:
+            total_updates = min(total_updates, cfg.train.max_steps)
+        self.total_updates = max(total_updates, 1)
+        self.total_steps = math.ceil(self.total_updates / self.updates_per_rollout)
+
+        # ---- models (converted after from_pretrained, before deepspeed.initialize) ----------
+        with st.model_init_context(train=True):
+            policy = load_causal_lm(cfg.actor.model_name_or_path, st.dtype, cfg.ds.attn_implementation)
+        convert_to_fp8(policy, self.recipe, side="train")
+        self.actor = Actor(policy)
+        if cfg.actor.gradient_checkpointing_enable:
+            self.actor.gradient_checkpointing_enable()
+        opt = st.make_optimizer(self.actor, cfg.actor.adam.lr, cfg.actor.adam.betas, cfg.actor.adam.eps, cfg.actor.adam.weight_decay)
+        self.actor_engine = st.prepare(self.actor, opt, self._scheduler(opt, cfg.actor))
+        self.ref_engine = None
+        if cfg.needs_ref:
+            with st.model_init_context(train=False):
+                ref = load_causal_lm(cfg.ref_model_path, st.dtype, cfg.ds.attn_implementation)
+            convert_to_fp8(ref, self.recipe, side="train")  # the reference runs the training forward's precision
+            ref_actor = Actor(ref).requires_grad_(False).eval()
+            self.ref_engine = st.prepare(ref_actor, train=False) if cfg.ds.zero_stage == 3 else ref_actor.to(st.device)
+        self.critic_engine = None
+        if cfg.needs_critic:
+            with st.model_init_context(train=True):
+                critic = Critic.from_pretrained(cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation)
+            convert_to_fp8(critic, self.recipe, side="train")
+            copt = st.make_optimizer(critic, cfg.critic.adam.lr, cfg.critic.adam.betas, cfg.critic.adam.eps, cfg.critic.adam.weight_decay)
+            self.critic_engine = st.prepare(critic, copt, self._scheduler(copt, cfg.actor))
+
+        # ---- losses, experience maker, reward ------------------------------------------------
+        adv = cfg.algo.advantage
+        is_corr = ISCorrection(adv.is_correction_type, *adv.is_correction_threshold) if adv.is_correction_enable else None
+        self.policy_loss = PolicyLoss(cfg.eps_clip_low, cfg.eps_clip_high, cfg.actor.dual_clip, is_corr)
+        self.value_loss = ValueLoss(cfg.critic.value_clip)
+        self.kl_ctl = _AdaptiveKL(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
+        from .reward import build_reward_fn
+
+        self.reward_fn: RewardFn = build_reward_fn(
+            cfg.reward_source, remote_url=cfg.reward.remote_url, model_path=cfg.reward.model_name_or_path,
+            clip_range=cfg.reward.clip_range, dtype=st.dtype, device=st.device,
+        )
+
+        # ---- rollout engine + the precision check ------------------------------------------
+        self.engine = self.engine_factory(self.recipe)
+        self.sync_weights()  # identical bytes before the first rollout, digest-checked
+        self.precision_report = self.check_precision()
+
+        from openrlhf.utils.logging_utils import MetricsLogger
+
+        self.metrics_logger = MetricsLogger(
+            enabled=st.is_rank_0, tensorboard_dir=cfg.logger.tensorboard_dir, wandb_cfg=cfg.logger.wandb, run_config=cfg.to_dict()
+        )
+        if cfg.ckpt.load_enable:
+            self.load_checkpoint()
+
+    def _scheduler(self, optimizer, actor_cfg):
+        from transformers import get_scheduler
+
+        warmup = math.ceil(self.total_updates * actor_cfg.lr_warmup_ratio)
+        if actor_cfg.lr_scheduler == "constant":
+            return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
+        return get_scheduler(
+            "cosine_with_min_lr", optimizer, num_warmup_steps=warmup, num_training_steps=self.total_updates,
+            scheduler_specific_kwargs={"min_lr_rate": actor_cfg.min_lr_ratio},
+        )
+
+    # =========================================================================================
+    # precision check and weight sync
+    # =========================================================================================
+    def train_graph(self) -> PrecisionGraph:
+        return build_precision_graph(self.actor.model, self.recipe, "train_fwd")
+
+    def check_precision(self) -> str:
+        """Rollout graph (from inside the engine) must be a subgraph of train_fwd. Run before the
+        first step and after any engine restart."""
+        train = self.train_graph()
+        rollout = PrecisionGraph.from_dict(self.engine.precision_graph())
+        violations = check_subgraph(rollout, train, strict=self.cfg.precision.strict)
+        report = rollout.report(max_rows=12) + "\n" + format_violations(violations, limit=12)
+        if violations and not self.recipe.off_policy:
+            raise PrecisionCheckError(
+                f"refusing to start: recipe {self.recipe.name} is declared on-policy but the rollout engine "
+                f"({rollout.meta.get('engine', '?')}) does not run the training forward's precision.\n{report}"
+            )
+        if violations:
+            logger.warning(
+                "recipe %s is off-policy: %d expected precision differences between rollout and training "
+                "(importance-sampling correction %s)",
+                self.recipe.name, len(violations), "ON" if self.cfg.algo.advantage.is_correction_enable else "OFF",
+            )
+        if self.strategy.is_rank_0:
+            logger.info("precision check [%s]\n%s", self.recipe.name, report)
+        return report
+
+    @torch.no_grad()
+    def sync_weights(self) -> dict[str, float]:
+        """Send the actor's weights to the engine (FP8 bytes for FP8 layers), then compare digests
+        of a sample of tensors on both sides."""
+        t0 = time.perf_counter()
+        fp8 = self.recipe.unified and self.recipe.train_fprop.is_fp8
+        digests: dict[str, str] = {}
+        nbytes = 0
+
+        def tensors():
+            nonlocal nbytes
+            for i, t in enumerate(iter_sync_tensors(self.actor.model, gather=self.strategy.gather_params, fp8=fp8)):
+                nbytes += t.nbytes()
+                if i % 5 == self.global_step % 5:  # a rotating ~20% sample: every tensor gets checked over 5 steps
+                    digests[t.name] = sync_tensor_digest(t.data, t.scale)
+                yield t
+
+        self.engine.update_weights(tensors())
+        sync_s = time.perf_counter() - t0
+        engine_digests = self.engine.weight_digests(sorted(digests))
+        bad = sorted(n for n in digests if engine_digests.get(n) != digests[n])
+        if bad:
+            raise WeightSyncError(
+                f"after weight sync at step {self.global_step}, the engine's bytes differ from the trainer's for "
+                f"{len(bad)} of {len(digests)} checked tensors: {bad[:8]}. The rollout would not run the trained policy."
+            )
+        return {"sync/seconds": sync_s, "sync/bytes": float(nbytes), "sync/checked_tensors": float(len(digests))}
+
+    # =========================================================================================
+    # one step
+    # =========================================================================================
+    def _rollout_prompts(self) -> tuple[list[str], list[str | None]]:
+        cfg, st = self.cfg, self.strategy
+        g = torch.Generator().manual_seed(cfg.train.seed + self.episode)
+        perm = torch.randperm(len(self.dataset), generator=g)
+        start = self.rollout_index * cfg.rollout.batch_size
+        idx = perm[start : start + cfg.rollout.batch_size]
+        per_rank = cfg.rollout.batch_size // st.world_size
+        mine = idx[st.rank * per_rank : (st.rank + 1) * per_rank].tolist()
+        items = [self.dataset[i] for i in mine]
+        return [it["prompt"] for it in items], [it["label"] for it in items]
+
+    def sampling(self, max_prompt_len: int) -> SamplingConfig:
+        r = self.cfg.rollout
+        max_new = r.max_new_tokens or max(self.cfg.data.max_len - max_prompt_len, 1)
+        return SamplingConfig(
+            max_new_tokens=max_new, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n_samples_per_prompt,
+            # Seeded by step and rank: a resumed run samples exactly what the uninterrupted one would.
+            seed=self.cfg.train.seed * 1_000_003 + self.global_step * 1009 + self.strategy.rank,
+        )
+
+    def step(self) -> StepResult:
+        cfg, st = self.cfg, self.strategy
+        t0 = time.perf_counter()
+        prompts, labels = self._rollout_prompts()
+        prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        self.engine.wake_up()
+        samples = [s for group in self.engine.generate(prompt_ids, self.sampling(max(map(len, prompt_ids)))) for s in group]
+        self.engine.sleep()
+        t1 = time.perf_counter()
+
+        maker = ExperienceMaker(
+            self.actor_engine, self.reward_fn, self.tokenizer,
+            AdvantageSettings(
+                cfg.algo.advantage.estimator, cfg.rollout.n_samples_per_prompt, cfg.algo.advantage.gamma, cfg.algo.advantage.lambd,
+                kl_coef=0.0 if cfg.algo.kl.use_loss else self.kl_ctl.value, kl_estimator=cfg.algo.kl.estimator,
+                temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+            ),
+            ref=self.ref_engine, critic=self.critic_engine, micro_batch_size=cfg.rollout.micro_batch_size, device=st.device,
+        )
+        self.actor_engine.eval()
+        exp = maker.make(samples, prompts, labels)
+        t2 = time.perf_counter()
+
+        metrics = self._experience_metrics(exp)
+        metrics.update(self._train(exp))
+        t3 = time.perf_counter()
+
+        mark_weights_updated()  # DeepSpeed writes weights through .data: invalidate cached FP8 weights
+        self.global_step += 1
+        metrics.update(self.sync_weights())
+        t4 = time.perf_counter()
+        self.kl_ctl.update(metrics.get("rollout/kl", 0.0), cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
+        metrics.update({
+            "perf/rollout_s": t1 - t0, "perf/experience_s": t2 - t1, "perf/old_logprob_s": exp.timings["old_logprob_s"],
+            "perf/ref_s": exp.timings["ref_s"], "perf/train_s": t3 - t2, "perf/weight_sync_s": t4 - t3, "perf/step_s": t4 - t0,
+            "perf/rollout_tokens_per_s": metrics["rollout/total_response_tokens"] / max(t1 - t0, 1e-9),
+            "train/kl_coef": self.kl_ctl.value,
+        })
+        self.rollout_index += 1
+        if self.rollout_index >= self.rollouts_per_episode:
+            self.episode, self.rollout_index = self.episode + 1, 0
+        return StepResult(self.global_step, metrics)
+
+    def _experience_metrics(self, exp: Experience) -> dict[str, float]:
+        st = self.strategy
+        mask = exp.action_mask
+        # Mismatch: the engine's own logprobs vs the trainer's recompute, over all ranks' tokens.
+        parts = st.all_gather_object((exp.rollout_logprobs, exp.old_logprobs, mask))
+        width = max(p[0].shape[1] for p in parts)
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
+        rl, ol, mk = (torch.cat([pad(p[i]) for p in parts]) for i in range(3))
+        out = {f"rollout_train_mismatch/{k}": v for k, v in mismatch_metrics(rl, ol, mk.bool()).items()}
+        n_resp = st.all_reduce(float(len(exp))).item()
+        out["rollout/reward"] = st.all_reduce(exp.rewards.sum()).item() / n_resp
+        tokens = st.all_reduce(mask.sum()).item()
+        out["rollout/total_response_tokens"] = tokens
+        out["rollout/response_length"] = tokens / n_resp
+        if exp.kl is not None:
+            out["rollout/kl"] = st.all_reduce((exp.kl * mask).sum()).item() / max(tokens, 1)
+        return out
+
+    def _train(self, exp: Experience) -> dict[str, float]:
+        cfg, st = self.cfg, self.strategy
+        self.actor_engine.train()
+        per_update = cfg.train.batch_size // st.world_size  # samples per rank per optimizer step
+        scale = st.world_size * st.grad_accum_steps
+        sums: dict[str, float] = {}
+        count = 0
+        for epoch in range(cfg.train.max_epochs):
+            g = torch.Generator().manual_seed(cfg.train.seed + 7919 * self.global_step + epoch)
+            order = torch.randperm(len(exp), generator=g)
+            for start in range(0, len(exp), per_update):
+                chunk = exp.select(order[start : start + per_update])
+                # Token-level mean over the whole optimizer step, across micro-batches and ranks.
+                global_tokens = st.all_reduce(chunk.action_mask.sum()).item()
+                for mb in chunk.micro_batches(cfg.train.micro_batch_size):
+                    stats = self._actor_micro_step(mb.to(st.device), global_tokens, scale)
+                    if self.critic_engine is not None:
+                        stats.update(self._critic_micro_step(mb.to(st.device), global_tokens, scale))
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    count += 1
+        out = {k: v / max(count, 1) for k, v in sums.items()}
+        out["train/lr"] = self.actor_engine.get_lr()[0]
+        return out
+
+    def _actor_micro_step(self, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:
+        cfg = self.cfg
+        temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        logp = self.actor_engine(mb.sequences, mb.attention_mask, mb.num_actions, temperature=temp)
+        out = self.policy_loss(logp, mb.old_logprobs, mb.advantages, mb.action_mask, rollout_log_probs=mb.rollout_logprobs)
+        loss = aggregate_loss(out.token_loss, mb.action_mask, global_tokens, scale)
+        kl_term = torch.zeros(())
+        if cfg.algo.kl.use_loss and mb.ref_logprobs is not None:
+            kl_term = aggregate_loss(kl_loss(logp, mb.ref_logprobs, mb.action_mask, cfg.algo.kl.estimator), mb.action_mask, global_tokens, scale)
+            loss = loss + self.kl_ctl.value * kl_term
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"non-finite policy loss at step {self.global_step}: lower --actor.adam.lr, check rewards, "
+                f"or try --precision.recipe bf16 to rule out FP8 overflow"
+            )
+        self.actor_engine.backward(loss)
+        self.actor_engine.step()
+        stats = {
+            "train/policy_loss": masked_mean(out.token_loss.detach(), mb.action_mask).item(),
+            "train/clip_frac": float(out.clip_frac),
+            "train/ratio_mean": float(out.approx_ratio_mean),
+        }
+        if out.is_weight_mean is not None:
+            stats["train/is_weight_mean"] = float(out.is_weight_mean)
+        if cfg.algo.kl.use_loss:
+            stats["train/kl_loss"] = float(kl_term) / scale * global_tokens / max(float(mb.action_mask.sum()), 1.0)
+        return stats
+
+    def _critic_micro_step(self, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:
+        self.critic_engine.train()
+        values = self.critic_engine(mb.sequences, mb.attention_mask, mb.num_actions)
+        token_loss = self.value_loss(values, mb.values, mb.returns, mb.action_mask)
+        self.critic_engine.backward(aggregate_loss(token_loss, mb.action_mask, global_tokens, scale))
+        self.critic_engine.step()
+        return {"train/value_loss": masked_mean(token_loss.detach(), mb.action_mask).item()}
+
+    # =========================================================================================
+    # loop, checkpoints, evaluation
+    # =========================================================================================
+    def fit(self, progress: bool = True) -> list[StepResult]:
+        cfg, st = self.cfg, self.strategy
+        from tqdm import tqdm
+
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="ppo", disable=not (progress and st.is_rank_0), dynamic_ncols=True)
+        while self.global_step < self.total_steps and self.episode < cfg.train.num_episodes:
+            result = self.step()
+            self.history.append(result)
+            if st.is_rank_0 and self.global_step % cfg.logger.logging_steps == 0:
+                self.metrics_logger.log(result.metrics, self.global_step)
+            m = result.metrics
+            bar.set_postfix(reward=f"{m['rollout/reward']:.3f}", mismatch=f"{m['rollout_train_mismatch/abs_logp_diff_mean']:.2e}")
+            bar.update(1)
+            if cfg.ckpt.save_steps > 0 and self.global_step % cfg.ckpt.save_steps == 0:
+                self.save_checkpoint()
+        bar.close()
+        return self.history
+
+    def _client_state(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step, "episode": self.episode, "rollout_index": self.rollout_index,
+            "kl_coef": self.kl_ctl.value, "recipe": self.recipe.to_dict(),
+        }
+
+    def save_checkpoint(self) -> Path:
+        tag = f"global_step{self.global_step}"
+        path = self.strategy.save_checkpoint(self.actor_engine, Path(self.cfg.ckpt_path) / "actor", tag, self._client_state(), self.cfg.ckpt.max_num)
+        if self.critic_engine is not None:
+            self.strategy.save_checkpoint(self.critic_engine, Path(self.cfg.ckpt_path) / "critic", tag, {}, self.cfg.ckpt.max_num)
+        if self.cfg.ckpt.save_hf:
+            self.strategy.save_hf(self.actor_engine, self.actor.model, self.tokenizer, Path(self.cfg.ckpt_path) / "hf" / tag)
+        logger.info("saved checkpoint %s", path)
+        return path
+
+    def load_checkpoint(self) -> bool:
+        state = self.strategy.load_checkpoint(self.actor_engine, Path(self.cfg.ckpt_path) / "actor")
+        if state is None:
+            logger.warning("--ckpt.load_enable: no checkpoint in %s; starting fresh", Path(self.cfg.ckpt_path) / "actor")
+            return False
+        saved = PrecisionRecipe.from_dict(state["recipe"])
+        if saved != self.recipe:
+            raise ValueError(
+                f"checkpoint was trained with recipe {saved.name} but this run uses {self.recipe.name}: "
+                "resume with the same --precision.recipe"
+            )
+        if self.critic_engine is not None:
+            self.strategy.load_checkpoint(self.critic_engine, Path(self.cfg.ckpt_path) / "critic")
+        self.global_step, self.episode, self.rollout_index = state["global_step"], state["episode"], state["rollout_index"]
+        self.kl_ctl.value = state["kl_coef"]
+        mark_weights_updated()
+        self.sync_weights()
+        logger.info("resumed from step %d (episode %d, rollout %d)", self.global_step, self.episode, self.rollout_index)
+        return True
+
+    @torch.no_grad()
+    def evaluate(self, n_prompts: int = 64) -> float:
+        """Greedy reward on a fixed set of prompts (the first of the dataset), averaged over ranks."""
+        st = self.strategy
+        idx = list(range(min(n_prompts, len(self.dataset))))[st.rank :: st.world_size]
+        items = [self.dataset[i] for i in idx]
+        ids = [self.tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items]
+        s = SamplingConfig(max_new_tokens=self.sampling(max(map(len, ids))).max_new_tokens, temperature=0.0, n=1)
+        outs = [g[0] for g in self.engine.generate(ids, s)]
+        responses = [self.tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outs]
+        rewards = self.reward_fn([it["prompt"] for it in items], responses, [it["label"] for it in items])
+        total = st.all_reduce(sum(rewards)).item()
+        count = st.all_reduce(float(len(rewards))).item()
+        return total / max(count, 1.0)
+
+    def close(self) -> None:
+        self.metrics_logger.close()
+        self.engine.shutdown()

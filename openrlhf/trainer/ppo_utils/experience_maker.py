@@ -1,0 +1,161 @@
+"""Turn rollout samples into training experience.
+
+Order (as in OpenRLHF): rollout -> rewards -> old logprobs recomputed by the actor ->
+reference logprobs -> values (gae) -> advantages/returns. The engine's own logprobs are kept
+as `rollout_logprobs`: they feed the rollout-train mismatch metrics and IS correction.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from openrlhf.models.utils import compute_approx_kl
+from openrlhf.trainer.engines.base import RolloutSample
+
+from .advantages import compute_advantages
+
+__all__ = ["Experience", "ExperienceMaker", "RewardFn", "AdvantageSettings", "samples_to_tensors"]
+
+# (prompts, responses, labels) -> one scalar reward per response
+RewardFn = Callable[[list[str], list[str], list[str | None]], list[float]]
+
+
+@dataclass
+class Experience:
+    sequences: torch.Tensor  # [B, P+R]: left-padded prompt | right-padded response
+    attention_mask: torch.Tensor  # [B, P+R]
+    action_mask: torch.Tensor  # [B, R] bool
+    rollout_logprobs: torch.Tensor  # [B, R] the engine's own numbers
+    old_logprobs: torch.Tensor | None = None  # [B, R] recomputed by the trainer's actor
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None  # [B] scalar task reward
+    kl: torch.Tensor | None = None  # [B, R] KL(actor || ref) estimate, for logging / reward shaping
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_actions(self) -> int:
+        return self.action_mask.shape[1]
+
+    def __len__(self) -> int:
+        return self.sequences.shape[0]
+
+    def select(self, idx: torch.Tensor | slice) -> "Experience":
+        """Rows `idx`, trimmed to the columns those rows actually use (less padding per micro-batch)."""
+        tensors = {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        part = {k: v[idx] for k, v in tensors.items()}
+        am = part["attention_mask"]
+        left = int((am.sum(0) > 0).nonzero()[0]) if am.any() else 0
+        right_r = int(part["action_mask"].sum(0).nonzero().max()) + 1 if part["action_mask"].any() else 1
+        cut_r = self.num_actions - right_r
+        for k, v in part.items():
+            if v.dim() == 2 and v.shape[1] == self.sequences.shape[1]:
+                part[k] = v[:, left : v.shape[1] - cut_r]
+            elif v.dim() == 2:
+                part[k] = v[:, :right_r]
+        return replace(self, **part, timings={})
+
+    def micro_batches(self, size: int) -> Iterator["Experience"]:
+        for start in range(0, len(self), size):
+            yield self.select(slice(start, start + size))
+
+    def to(self, device: torch.device) -> "Experience":
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+def samples_to_tensors(samples: Sequence[RolloutSample], pad_token_id: int) -> Experience:
+    P = max(len(s.prompt_ids) for s in samples)
+    R = max(max(len(s.response_ids) for s in samples), 1)
+    B = len(samples)
+    seq = torch.full((B, P + R), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((B, P + R), dtype=torch.long)
+    amask = torch.zeros((B, R), dtype=torch.bool)
+    rlp = torch.zeros((B, R), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        seq[i, P - p : P] = torch.tensor(s.prompt_ids)
+        attn[i, P - p : P + r] = 1
+        if r:
+            seq[i, P : P + r] = torch.tensor(s.response_ids)
+            amask[i, :r] = True
+            rlp[i, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return Experience(seq, attn, amask, rlp)
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    estimator: str
+    n_samples_per_prompt: int
+    gamma: float = 1.0
+    lambd: float = 1.0
+    kl_coef: float = 0.0  # KL in the reward (0 when KL is a loss term)
+    kl_estimator: str = "k1"
+    temperature: float = 1.0
+
+
+class ExperienceMaker:
+    def __init__(
+        self,
+        actor: Callable[..., torch.Tensor],
+        reward_fn: RewardFn,
+        tokenizer,
+        settings: AdvantageSettings,
+        *,
+        ref: Callable[..., torch.Tensor] | None = None,
+        critic: Callable[..., torch.Tensor] | None = None,
+        micro_batch_size: int = 8,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.actor, self.ref, self.critic = actor, ref, critic
+        self.reward_fn, self.tokenizer, self.s = reward_fn, tokenizer, settings
+        self.micro_batch_size, self.device = micro_batch_size, torch.device(device)
+
+    @torch.no_grad()
+    def _forward(self, fn: Callable[..., torch.Tensor], exp: Experience, **kw) -> torch.Tensor:
+        outs = []
+        for start in range(0, len(exp), self.micro_batch_size):
+            sl = slice(start, start + self.micro_batch_size)
+            outs.append(fn(exp.sequences[sl].to(self.device), exp.attention_mask[sl].to(self.device), exp.num_actions, **kw).float().cpu())
+        return torch.cat(outs)
+
+    @torch.no_grad()
+    def make(self, samples: Sequence[RolloutSample], prompts: Sequence[str], labels: Sequence[str | None]) -> Experience:
+        """`samples` are grouped: the n samples of prompt i are rows [i*n, (i+1)*n)."""
+        t0 = time.perf_counter()
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        exp = samples_to_tensors(samples, pad)
+        n = self.s.n_samples_per_prompt
+        responses = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+        rep_prompts = [p for p in prompts for _ in range(n)]
+        rep_labels = [lab for lab in labels for _ in range(n)]
+        rewards = self.reward_fn(rep_prompts, responses, rep_labels)
+        exp.rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(len(samples))
+        t1 = time.perf_counter()
+        exp.old_logprobs = self._forward(self.actor, exp, temperature=self.s.temperature)
+        t2 = time.perf_counter()
+        if self.ref is not None:
+            exp.ref_logprobs = self._forward(self.ref, exp, temperature=self.s.temperature)
+            exp.kl = compute_approx_kl(exp.old_logprobs, exp.ref_logprobs, self.s.kl_estimator) * exp.action_mask
+        t3 = time.perf_counter()
+        if self.critic is not None:
+            exp.values = self._forward(self.critic, exp) * exp.action_mask
+        t4 = time.perf_counter()
+        exp.advantages, exp.returns = compute_advantages(
+            self.s.estimator,
+            exp.rewards,
+            exp.action_mask,
+            n_samples_per_prompt=n,
+            kl=exp.kl if self.s.kl_coef > 0 else None,
+            kl_coef=self.s.kl_coef,
+            values=exp.values,
+            gamma=self.s.gamma,
+            lambd=self.s.lambd,
+        )
+        exp.timings = {"reward_s": t1 - t0, "old_logprob_s": t2 - t1, "ref_s": t3 - t2, "values_s": t4 - t3}
+        return exp

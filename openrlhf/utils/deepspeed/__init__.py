@@ -1,0 +1,3 @@
+from .strategy import DeepspeedStrategy, StrategyConfig
+
+__all__ = ["DeepspeedStrategy", "StrategyConfig"]

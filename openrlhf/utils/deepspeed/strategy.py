@@ -1,0 +1,242 @@
+"""DeepSpeed plumbing for one SPMD rank: process group, ZeRO configs, engines, checkpoints.
+
+Launcher-agnostic: works under the `deepspeed` launcher, torchrun, or a plain single process
+(it then forms a world of one). On CPU it uses gloo (DS_ACCELERATOR=cpu); on GPU, NCCL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["StrategyConfig", "DeepspeedStrategy"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    zero_stage: int = 2
+    param_dtype: str = "bf16"
+    adam_offload: bool = False
+    micro_batch_size: int = 1  # per rank
+    train_batch_size: int = 8  # global, in samples, per optimizer step
+    max_norm: float = 1.0
+    seed: int = 42
+    gradient_checkpointing: bool = False
+    overlap_comm: bool = False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DeepspeedStrategy:
+    def __init__(self, cfg: StrategyConfig) -> None:
+        self.cfg = cfg
+        self.dtype = _DTYPES[cfg.param_dtype]
+        self._hf_ds_config = None  # kept alive for ZeRO-3 from_pretrained
+
+    # ---- process group -------------------------------------------------------------------
+    def setup_distributed(self) -> None:
+        # A plain `python -m ...` run is a world of one; launchers set these themselves.
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port())
+        import deepspeed
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        if not dist.is_initialized():
+            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        self.set_seed(self.cfg.seed)
+        world = self.world_size
+        per_step = self.cfg.micro_batch_size * world
+        if self.cfg.train_batch_size % per_step:
+            raise ValueError(
+                f"--train.batch_size {self.cfg.train_batch_size} must be a multiple of "
+                f"--train.micro_batch_size x world size = {self.cfg.micro_batch_size} x {world}"
+            )
+        self.grad_accum_steps = self.cfg.train_batch_size // per_step
+        logger.info("rank %d/%d on %s, grad accumulation %d", self.rank, world, self.device, self.grad_accum_steps)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def is_rank_0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def set_seed(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def all_reduce(self, value: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
+        t = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+        t = t.to(self.device, torch.float64 if t.is_floating_point() else t.dtype)
+        if dist.is_initialized() and self.world_size > 1:
+            dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        return t
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not dist.is_initialized() or self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized() or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    # ---- configs ---------------------------------------------------------------------------
+    def ds_config(self, train: bool = True) -> dict[str, Any]:
+        c = self.cfg
+        zero: dict[str, Any] = {"stage": c.zero_stage if train else (3 if c.zero_stage == 3 else 0)}
+        if c.zero_stage == 3:
+            zero.update(stage3_param_persistence_threshold="auto", stage3_prefetch_bucket_size="auto")
+            zero["stage3_param_persistence_threshold"] = 0
+            zero["stage3_prefetch_bucket_size"] = 5e7
+        if train and c.adam_offload:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        if train and c.overlap_comm:
+            zero["overlap_comm"] = True
+        cfg: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": c.micro_batch_size,
+            "gradient_accumulation_steps": getattr(self, "grad_accum_steps", 1) if train else 1,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        if train:
+            cfg["gradient_clipping"] = c.max_norm
+        if c.param_dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        elif c.param_dtype == "fp16":
+            cfg["fp16"] = {"enabled": True, "initial_scale_power": 16}
+        return cfg
+
+    @contextlib.contextmanager
+    def model_init_context(self, train: bool = True):
+        """Around `from_pretrained`: under ZeRO-3 transformers partitions weights as they load.
+
+        Holding an `HfDeepSpeedConfig` is the supported way (wrapping from_pretrained in
+        zero.Init fails with transformers 5.19).
+        """
+        if self.cfg.zero_stage != 3:
+            yield
+            return
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self._hf_ds_config = HfDeepSpeedConfig(self.ds_config(train))
+        yield
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, train: bool = True):
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=self.ds_config(train),
+            dist_init_required=False,
+        )
+        return engine
+
+    def make_optimizer(self, model: nn.Module, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.cfg.adam_offload:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        # torch AdamW everywhere else: no JIT-built op needed on CPU; fused on CUDA.
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=torch.cuda.is_available())
+
+    def gather_params(self, params: Iterable[nn.Parameter]):
+        """Materialize ZeRO-3 partitioned params (read-only) for the duration of the block."""
+        params = [p for p in params if hasattr(p, "ds_id")]
+        if not params:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, engine, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any], max_num: int = 3) -> Path:
+        ckpt_dir = Path(ckpt_dir)
+        if self.is_rank_0:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        # DeepSpeed writes `latest` only after every shard is on disk: a run killed mid-save
+        # resumes from the previous complete checkpoint.
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
+        self.barrier()
+        if self.is_rank_0 and max_num > 0:
+            tags = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("global_step")), key=lambda p: int(p.name[len("global_step") :]))
+            for old in tags[:-max_num]:
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+        self.barrier()
+        return ckpt_dir / tag
+
+    def load_checkpoint(self, engine, ckpt_dir: str | Path) -> dict[str, Any] | None:
+        ckpt_dir = Path(ckpt_dir)
+        if not (ckpt_dir / "latest").exists():
+            return None
+        path, client_state = engine.load_checkpoint(str(ckpt_dir), load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"checkpoint in {ckpt_dir} could not be loaded (see DeepSpeed's log above)")
+        return client_state
+
+    def save_hf(self, engine, model: nn.Module, tokenizer, out_dir: str | Path) -> None:
+        """Export a plain HF checkpoint (high-precision weights; FP8 is recomputed on load)."""
+        out_dir = Path(out_dir)
+        if self.cfg.zero_stage == 3:
+            state = engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        if self.is_rank_0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out_dir)
+            (out_dir / "jetrl_export.json").write_text(json.dumps({"note": "bf16/fp32 master weights; apply the recipe on load"}))
+        self.barrier()
