@@ -48,11 +48,11 @@ def register_backend(backend: GemmBackend) -> None:
     _REGISTRY[backend.name] = backend
 
 
-def _placeholder(name: str, issue: str) -> GemmBackend:
+def _placeholder(name: str, reason: str) -> GemmBackend:
     def gemm(a, b, out_dtype):  # pragma: no cover - never selected while unavailable
-        raise BackendUnavailable(f"GEMM backend {name!r} is not built yet")
+        raise BackendUnavailable(f"GEMM backend {name!r} is unavailable: {reason}")
 
-    return GemmBackend(name, gemm, lambda device: f"the {name} backend is not implemented in this build ({issue})")
+    return GemmBackend(name, gemm, lambda device: f"the {name} backend is unavailable in this build ({reason})")
 
 
 def available_backends(device: torch.device | str = "cpu") -> dict[str, str | None]:
@@ -113,8 +113,17 @@ def _ensure_registered() -> None:
     if _registered:
         return
     _registered = True
+    import importlib
+
     from . import emulated  # noqa: F401  (registers itself)
 
-    for name, issue in (("torch", "GPU backends: issue #3"), ("triton", "GPU backends: issue #3"), ("deep_gemm", "GPU backends: issue #3")):
+    # Each hardware backend module registers itself on import. A module that fails to import
+    # (a broken optional dependency, say) leaves a placeholder that says why, never a crash.
+    for name, module in (("torch", "torch_backend"), ("triton", "triton_backend"), ("deep_gemm", "deep_gemm_backend")):
+        try:
+            importlib.import_module(f"{__package__}.{module}")
+        except Exception as e:  # noqa: BLE001
+            logger.warning("jetrl_precision GEMM: backend %r failed to import: %s", name, e)
+            register_backend(_placeholder(name, f"importing {__package__}.{module} failed: {type(e).__name__}: {e}"))
         if name not in _REGISTRY:
-            register_backend(_placeholder(name, issue))
+            register_backend(_placeholder(name, f"{__package__}.{module} did not register it"))

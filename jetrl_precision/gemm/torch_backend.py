@@ -1,0 +1,104 @@
+"""The `torch` backend: cuBLASLt blockwise FP8 through `torch.nn.functional.scaled_mm` (sm90).
+
+Layouts (measured on an H200 with torch 2.11, see docs/benchmarks.md):
+- mat_a = A e4m3 [M, K] row-major; mat_b = B.t() with B e4m3 [N, K] contiguous;
+- 1x128 scales (A always; B for WGrad): shape (rows, K/128), strides (1, rows) (MN-major);
+- 128x128 scale_b: shape (round_up(K/128, 4), N/128), strides (1, round_up(K/128, 4));
+- fast accumulation is refused with block scales (block scaling promotes to fp32 every 128 K anyway).
+The recipe enum is looked up through `__members__` (its spelling differs across torch versions);
+torch builds without `F.scaled_mm` use the legacy `torch._scaled_mm`, which infers the recipe from
+the scale shapes. K or N that are not multiples of 128 are zero-padded (logged once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import QuantizedTensor
+from ..kernels.layout import mn_major, pad_operands, row_major_padded_t
+from .dispatch import GemmBackend, register_backend
+
+__all__ = ["torch_gemm_nt", "scaling_types"]
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "")
+
+
+def scaling_types() -> tuple[object, object] | None:
+    """(BlockWise1x128, BlockWise128x128) members of F.ScalingType, or None if this torch has no such enum."""
+    st = getattr(torch.nn.functional, "ScalingType", None)
+    if st is None or not hasattr(torch.nn.functional, "scaled_mm"):
+        return None
+    members = getattr(st, "__members__", None) or {m.name: m for m in st}  # pybind enums are not iterable
+    by_norm = {_norm(k): v for k, v in members.items()}
+    one, block = by_norm.get("blockwise1x128"), by_norm.get("blockwise128x128")
+    if one is None or block is None:
+        return None
+    return one, block
+
+
+def _check_blocks(a: QuantizedTensor, b: QuantizedTensor, who: str) -> None:
+    if a.block != (1, 128) or b.block not in ((128, 128), (1, 128)):
+        raise ValueError(
+            f"{who} GEMM supports A 1x128 x B 128x128 (fprop/dgrad) or A 1x128 x B 1x128 (wgrad) along K; "
+            f"got A {a.block} and B {b.block}. Use gemm_backend='emulated' for other granularities."
+        )
+
+
+def torch_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    _check_blocks(a, b, "the torch")
+    a_data, a_scale, b_data, b_scale, n = pad_operands(a, b, who="torch backend")
+    sa = mn_major(a_scale)
+    sb = row_major_padded_t(b_scale) if b.block == (128, 128) else mn_major(b_scale)
+    types = scaling_types()
+    if types is not None:
+        one, block = types
+        rec_b = block if b.block == (128, 128) else one
+        out = torch.nn.functional.scaled_mm(a_data, b_data.t(), sa, one, sb, rec_b, output_dtype=out_dtype)
+    else:
+        out = torch._scaled_mm(a_data, b_data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    return out if out.shape[1] == n else out[:, :n]
+
+
+_probe: dict[str, str | None] = {}
+
+
+def _probe_device(device: torch.device) -> str | None:
+    """Run both recipes once on a small problem and check them against the emulated product."""
+    from ..quantize import quantize_fp8
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(64, 256, generator=g).to(device)
+    w = torch.randn(256, 256, generator=g).to(device)
+    try:
+        for bq in (quantize_fp8(w, (128, 128)), quantize_fp8(w, (1, 128))):
+            aq = quantize_fp8(x, (1, 128))
+            ref = aq.dequantize() @ bq.dequantize().t()
+            got = torch_gemm_nt(aq, bq, torch.float32)
+            err = float((got - ref).norm() / ref.norm())
+            if not err < 1e-3:
+                return f"blockwise scaled_mm gave a wrong result on this build (rel err {err:.2e} for B {bq.block})"
+    except Exception as e:  # noqa: BLE001 - the message is the reason shown to the user
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"blockwise torch scaled_mm is not supported here ({type(e).__name__}: {msg}); it needs sm90 and cuBLASLt >= 12.9"
+    return None
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device.type}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available in this torch build or machine"
+    if not hasattr(torch, "float8_e4m3fn") or not (hasattr(torch.nn.functional, "scaled_mm") or hasattr(torch, "_scaled_mm")):
+        return f"torch {torch.__version__} has no FP8 scaled_mm"
+    cap = torch.cuda.get_device_capability(device)
+    if cap[0] != 9:
+        return f"blockwise 1x128/128x128 scaled_mm is validated on sm90 (Hopper) only; this GPU is sm{cap[0]}{cap[1]}"
+    key = str(device)
+    if key not in _probe:
+        _probe[key] = _probe_device(device)
+    return _probe[key]
+
+
+register_backend(GemmBackend("torch", torch_gemm_nt, unavailable_reason))

@@ -1,0 +1,40 @@
+"""Shared Triton device functions: the reference quantizer's arithmetic, step by step.
+
+Each helper mirrors one line of `quantize.quantize_fp8` so the bytes match exactly:
+- amax is a max of |x| in fp32, floored at 1e-10, NaN kept visible (torch's amax propagates NaN);
+- scale = amax / 448 with IEEE round-to-nearest division (`div_rn`, not Triton's approximate `/`);
+- pow2 rounding is frexp/ldexp on the bits (non-finite scales become 1.0, as torch.frexp makes them);
+- q = e4m3(clamp(x / scale, -448, 448)), division again `div_rn`, NaN propagated through the clamp.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["group_scale", "quantize_values"]
+
+
+@triton.jit
+def group_scale(amax, has_nan, POW2: tl.constexpr):
+    """fp32 scale from a group's max|x| (`has_nan` > 0 marks groups holding NaN)."""
+    amax = tl.maximum(amax, 1e-10)
+    amax = tl.where(has_nan > 0, float("nan"), amax)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    if POW2:
+        bits = scale.to(tl.int32, bitcast=True)
+        expo = bits & 0x7F800000
+        # scale = 1.f * 2^E: an exact power of two (f == 0) stays, anything else rounds up to 2^(E+1).
+        up = tl.where((bits & 0x7FFFFF) != 0, expo + 0x800000, expo)
+        pow2 = up.to(tl.float32, bitcast=True)
+        scale = tl.where(expo != 0x7F800000, pow2, 1.0)
+    return scale
+
+
+@triton.jit
+def quantize_values(x, scale):
+    """e4m3(clamp(x / scale, -448, 448)) with correctly rounded division and RNE conversion."""
+    x, scale = tl.broadcast(x, scale)
+    v = tl.math.div_rn(x, scale)
+    v = tl.clamp(v, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    return v.to(tl.float8e4nv)

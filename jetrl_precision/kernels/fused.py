@@ -1,0 +1,143 @@
+"""Fused producer + 1x128 quantization kernels for Llama/Qwen blocks.
+
+- `silu_mul_quantize(gate, up)`: h = silu(gate) * up in the input dtype, then Q(h, 1x128).
+  The arithmetic follows torch's CUDA kernels op by op (silu = g / (1 + exp(g * -1)) in fp32,
+  rounded to the input dtype; the product in fp32, rounded again), so `h` is what
+  `F.silu(gate) * up` gives and Q(h) is byte-exact with `quantize_fp8(h, (1, 128))`.
+- `rmsnorm_quantize(x, weight, eps)`: y = weight * (x * rsqrt(mean(x^2) + eps)) in the HF Llama
+  order (normalize in fp32, round to the input dtype, multiply by the weight in fp32, round),
+  then Q(y, 1x128). The mean's summation order differs from torch's reduction, so `y` may differ
+  from HF's by one bf16 ulp on a few elements; Q(y) is byte-exact with the reference quantizer of
+  this kernel's own `y` (returned when `return_hp=True`).
+
+Neither kernel writes the high-precision result unless asked: the GEMM only needs the FP8 bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import FP8_DTYPE, QuantizedTensor
+from ._common import group_scale, quantize_values
+from .quant import new_scale_1x128
+
+try:  # Triton >= 3.2 spells the CUDA libdevice module like this
+    from triton.language.extra import libdevice as _libdevice
+except ImportError:  # pragma: no cover
+    from triton.language.extra.cuda import libdevice as _libdevice
+
+__all__ = ["silu_mul_quantize", "rmsnorm_quantize"]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _silu_mul_quant_kernel(
+    g_ptr, u_ptr, h_ptr, q_ptr, s_ptr, R, C,
+    sgr, sgc, sur, suc, shr, shc, sqr, sqc, ssr, ssg,
+    BLOCK_R: tl.constexpr, POW2: tl.constexpr, WRITE_H: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    g_idx = tl.program_id(1)
+    rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cc = g_idx * 128 + tl.arange(0, 128)
+    mask = (rr[:, None] < R) & (cc[None, :] < C)
+    r64 = rr[:, None].to(tl.int64)
+    g = tl.load(g_ptr + r64 * sgr + cc[None, :] * sgc, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r64 * sur + cc[None, :] * suc, mask=mask, other=0.0).to(tl.float32)
+    silu = tl.math.div_rn(g, 1.0 + _libdevice.exp(-g))
+    silu = silu.to(OUT_DTYPE).to(tl.float32)
+    h = (silu * u).to(OUT_DTYPE)
+    if WRITE_H:
+        tl.store(h_ptr + r64 * shr + cc[None, :] * shc, h, mask=mask)
+    h32 = tl.where(mask, h.to(tl.float32), 0.0)
+    amax = tl.max(tl.abs(h32), axis=1)
+    has_nan = tl.max((h32 != h32).to(tl.int32), axis=1)
+    scale = group_scale(amax, has_nan, POW2)
+    q = quantize_values(h32, scale[:, None])
+    tl.store(q_ptr + r64 * sqr + cc[None, :] * sqc, q, mask=mask)
+    tl.store(s_ptr + rr * ssr + g_idx * ssg, scale, mask=rr < R)
+
+
+def silu_mul_quantize(
+    gate: torch.Tensor, up: torch.Tensor, pow2_scale: bool = False, return_hp: bool = False
+) -> QuantizedTensor | tuple[QuantizedTensor, torch.Tensor]:
+    """Q(silu(gate) * up, 1x128). gate/up are 2-D [M, I] (views such as chunks of a fused gate_up are fine)."""
+    if gate.shape != up.shape or gate.dim() != 2:
+        raise ValueError(f"silu_mul_quantize needs two 2-D tensors of one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dtype not in _TL_DTYPE or up.dtype != gate.dtype:
+        raise TypeError(f"silu_mul_quantize supports bf16/fp16/fp32 inputs of one dtype, got {gate.dtype} and {up.dtype}")
+    rows, cols = gate.shape
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=gate.device)
+    h = torch.empty((rows, cols), dtype=gate.dtype, device=gate.device) if return_hp else q
+    _, scale = new_scale_1x128(rows, cols, gate.device)
+    br = 16 if rows <= 2048 else 32
+    grid = (_cdiv(rows, br), _cdiv(cols, 128))
+    _silu_mul_quant_kernel[grid](
+        gate, up, h, q, scale, rows, cols,
+        gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), h.stride(0), h.stride(1),
+        q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
+        BLOCK_R=br, POW2=pow2_scale, WRITE_H=return_hp, OUT_DTYPE=_TL_DTYPE[gate.dtype], num_warps=4,
+    )
+    qt = QuantizedTensor(q, scale, (1, 128))
+    return (qt, h) if return_hp else qt
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(
+    x_ptr, w_ptr, y_ptr, q_ptr, s_ptr, R, C, eps,
+    sxr, syr, sqr, ssr, ssg,
+    BLOCK_C: tl.constexpr, POW2: tl.constexpr, WRITE_Y: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cc = tl.arange(0, BLOCK_C)
+    cmask = cc < C
+    r64 = row.to(tl.int64)
+    x = tl.load(x_ptr + r64 * sxr + cc, mask=cmask, other=0.0).to(tl.float32)
+    var = tl.sum(x * x, axis=0) / C
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    xn = (x * rstd).to(OUT_DTYPE).to(tl.float32)
+    w = tl.load(w_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
+    y = (w * xn).to(OUT_DTYPE)
+    if WRITE_Y:
+        tl.store(y_ptr + r64 * syr + cc, y, mask=cmask)
+    y32 = tl.where(cmask, y.to(tl.float32), 0.0)
+    yg = tl.reshape(y32, (BLOCK_C // 128, 128))
+    amax = tl.max(tl.abs(yg), axis=1)
+    has_nan = tl.max((yg != yg).to(tl.int32), axis=1)
+    scale = group_scale(amax, has_nan, POW2)
+    q = tl.reshape(quantize_values(yg, scale[:, None]), (BLOCK_C,))
+    tl.store(q_ptr + r64 * sqr + cc, q, mask=cmask)
+    gi = tl.arange(0, BLOCK_C // 128)
+    tl.store(s_ptr + row * ssr + gi * ssg, scale, mask=gi * 128 < C)
+
+
+def rmsnorm_quantize(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, pow2_scale: bool = False, return_hp: bool = False
+) -> QuantizedTensor | tuple[QuantizedTensor, torch.Tensor]:
+    """Q(RMSNorm(x) * weight, 1x128) for x [M, H] (row-contiguous) and weight [H]."""
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"rmsnorm_quantize needs x [M, H] and weight [H], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+    y = torch.empty((rows, cols), dtype=x.dtype, device=x.device) if return_hp else q
+    _, scale = new_scale_1x128(rows, cols, x.device)
+    block_c = max(128, triton.next_power_of_2(cols))
+    _rmsnorm_quant_kernel[(rows,)](
+        x, weight, y, q, scale, rows, cols, float(eps),
+        x.stride(0), y.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+        BLOCK_C=block_c, POW2=pow2_scale, WRITE_Y=return_hp, OUT_DTYPE=_TL_DTYPE[x.dtype],
+        num_warps=8 if block_c >= 4096 else 4,
+    )
+    qt = QuantizedTensor(q, scale, (1, 128))
+    return (qt, y) if return_hp else qt

@@ -1,0 +1,82 @@
+"""Scale/operand layouts the vendor GEMMs want, built from a QuantizedTensor (pure torch, no Triton).
+
+All copies here are small (scales) or happen only for shapes that are not multiples of 128;
+`padding_events` counts the latter so a benchmark can report them instead of hiding them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..formats import QuantizedTensor
+
+__all__ = ["mn_major", "row_major_padded_t", "pad_operands", "padding_events"]
+
+logger = logging.getLogger(__name__)
+padding_events: dict[str, int] = {}
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def mn_major(scale: torch.Tensor) -> torch.Tensor:
+    """Same values as `scale` (R, G), with strides (1, R) (copies only if it is not already so)."""
+    r, g = scale.shape
+    if scale.stride(0) == 1 and (scale.stride(1) == r or g == 1):
+        return scale
+    return scale.t().contiguous().t()
+
+
+def row_major_padded_t(scale: torch.Tensor) -> torch.Tensor:
+    """A 128x128 scale (NB, KB) -> the (round_up(KB, 4), NB) view with strides (1, round_up(KB, 4)).
+
+    This is cuBLASLt's scale_b for `mat_b = W.t()`. The Triton weight quantizer already allocates the
+    padded row-major buffer, so normally this is a view; otherwise a padded copy (pad = 1.0) is made.
+    """
+    nb, kb = scale.shape
+    kbp = _round_up(kb, 4)
+    if scale.stride(1) == 1 and (scale.stride(0) == kbp or nb == 1):
+        need = (scale.storage_offset() + (nb - 1) * kbp + kbp) * scale.element_size()
+        if scale.untyped_storage().nbytes() >= need:
+            return torch.as_strided(scale, (kbp, nb), (1, kbp))
+    buf = torch.ones((nb, kbp), dtype=torch.float32, device=scale.device)
+    buf[:, :kb] = scale
+    return buf.t()
+
+
+def _pad_data(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = torch.zeros((rows, cols), dtype=data.dtype, device=data.device)
+    out[: data.shape[0], : data.shape[1]] = data
+    return out
+
+
+def pad_operands(a: QuantizedTensor, b: QuantizedTensor, k_mult: int = 128, n_mult: int = 128, who: str = "gemm"):
+    """Zero-pad A [M, K] and B [N, K] so K and N are multiples of k_mult / n_mult.
+
+    Returns (a_data, a_scale, b_data, b_scale, n) with contiguous data; the caller slices the output
+    to [:, :n]. Zero data contributes nothing, so the padded groups' scales only need to be finite.
+    """
+    m, k = a.shape
+    n = b.shape[0]
+    kp, np_ = _round_up(k, k_mult), _round_up(n, n_mult)
+    a_data, b_data = a.data, b.data
+    a_scale, b_scale = a.scale, b.scale
+    if kp != k or np_ != n:
+        key = f"{who}: K={k}->{kp}, N={n}->{np_}"
+        if key not in padding_events:
+            logger.info("jetrl_precision %s pads operands (shape not a multiple of the tile): %s", who, key)
+        padding_events[key] = padding_events.get(key, 0) + 1
+        a_data = _pad_data(a_data, m, kp) if kp != k else a_data
+        b_data = _pad_data(b_data, np_, kp)
+        if np_ != n and b.block == (1, 128):
+            pad = torch.ones((np_ - n, b_scale.shape[1]), dtype=b_scale.dtype, device=b_scale.device)
+            b_scale = torch.cat([b_scale, pad], dim=0)
+        # 128x128 B and 1x128 A keep ceil(./128) groups: their scale shapes do not change.
+    if not a_data.is_contiguous():
+        a_data = a_data.contiguous()
+    if not b_data.is_contiguous():
+        b_data = b_data.contiguous()
+    return a_data, a_scale, b_data, b_scale, n

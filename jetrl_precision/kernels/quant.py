@@ -1,0 +1,207 @@
+"""Triton FP8 quantizers for the three block shapes of the Jet-RL flow, byte-exact with `quantize_fp8`.
+
+Scale layouts (the QuantizedTensor's logical scale shape never changes; only strides do):
+- 1x128 (groups along columns): a (ceil(C/128), R) fp32 buffer viewed `.t()`, i.e. shape (R, ceil(C/128))
+  with strides (1, R) - the MN-major layout cuBLASLt and DeepGEMM read without a copy.
+- 128x128: a (ceil(R/128), round_up(ceil(C/128), 4)) buffer sliced to (ceil(R/128), ceil(C/128)):
+  row-major, with the K-groups padded to a multiple of 4 as cuBLASLt's scale_b wants.
+- 128x1 (groups along rows): a contiguous (ceil(R/128), C) buffer. Its transpose, written by
+  `quantize_128x1_t`, is the 1x128 layout above for the transposed data (the WGrad operands).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import FP8_DTYPE, QuantizedTensor
+from ._common import group_scale, quantize_values
+
+__all__ = [
+    "quantize_1x128",
+    "quantize_128x128",
+    "quantize_128x1",
+    "quantize_128x1_t",
+    "requantize_1x128_to_128x1",
+    "new_scale_1x128",
+    "new_scale_128x128",
+]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def new_scale_1x128(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, logical view) for 1x128 scales: view shape (rows, ceil(cols/128)), strides (1, rows)."""
+    buf = torch.empty((_cdiv(cols, 128), rows), dtype=torch.float32, device=device)
+    return buf, buf.t()
+
+
+def new_scale_128x128(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, logical view) for 128x128 scales; K-groups padded to a multiple of 4 (padding = 1.0)."""
+    nb, kb = _cdiv(rows, 128), _cdiv(cols, 128)
+    kbp = _cdiv(kb, 4) * 4
+    buf = (torch.ones if kbp != kb else torch.empty)((nb, kbp), dtype=torch.float32, device=device)
+    return buf, buf[:, :kb]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1x128: one scale per 128 consecutive columns of a row (activations, dY for DGrad).
+@triton.jit
+def _quant_1x128_kernel(
+    x_ptr, q_ptr, s_ptr, R, C,
+    sxr, sxc, sqr, sqc, ssr, ssg,
+    BLOCK_R: tl.constexpr, POW2: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    g = tl.program_id(1)
+    rr = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cc = g * 128 + tl.arange(0, 128)
+    mask = (rr[:, None] < R) & (cc[None, :] < C)
+    x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    has_nan = tl.max((x != x).to(tl.int32), axis=1)
+    scale = group_scale(amax, has_nan, POW2)
+    q = quantize_values(x, scale[:, None])
+    tl.store(q_ptr + rr[:, None].to(tl.int64) * sqr + cc[None, :] * sqc, q, mask=mask)
+    tl.store(s_ptr + rr * ssr + g * ssg, scale, mask=rr < R)
+
+
+def _block_r_1x128(rows: int) -> int:
+    # Small row blocks keep many CTAs in flight for decode-sized inputs; 32 rows = 8 KB of bf16 per CTA.
+    return 16 if rows <= 2048 else 32
+
+
+def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False, block_r: int | None = None) -> QuantizedTensor:
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+    _, scale = new_scale_1x128(rows, cols, x.device)
+    br = block_r or _block_r_1x128(rows)
+    grid = (_cdiv(rows, br), _cdiv(cols, 128))
+    _quant_1x128_kernel[grid](
+        x, q, scale, rows, cols,
+        x.stride(0), x.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
+        BLOCK_R=br, POW2=pow2_scale, num_warps=4,
+    )
+    return QuantizedTensor(q, scale, (1, 128))
+
+
+# ---------------------------------------------------------------------------------------------
+# 128x1: one scale per 128 consecutive rows of a column (WGrad operands, grouped along tokens).
+# DEQ: the input is FP8 with 1x128 scales (a saved activation); dequantize in registers first.
+@triton.jit
+def _quant_128x1_kernel(
+    x_ptr, in_s_ptr, q_ptr, s_ptr, R, C,
+    sxr, sxc, sir, sig, sqr, sqc, ssb, ssc,
+    BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr,
+):
+    rb = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rr = rb * 128 + tl.arange(0, 128)
+    cc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rr[:, None] < R) & (cc[None, :] < C)
+    x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
+    if DEQ:
+        s_in = tl.load(in_s_ptr + rr[:, None] * sir + (cc // 128)[None, :] * sig, mask=mask, other=0.0)
+        x = x * s_in
+    amax = tl.max(tl.abs(x), axis=0)
+    has_nan = tl.max((x != x).to(tl.int32), axis=0)
+    scale = group_scale(amax, has_nan, POW2)
+    q = quantize_values(x, scale[None, :])
+    tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=mask)
+    tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
+
+
+def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, block_c: int | None) -> QuantizedTensor:
+    nrb = _cdiv(rows, 128)
+    sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=x.device)
+    if transposed:
+        q = torch.empty((cols, rows), dtype=FP8_DTYPE, device=x.device)
+        sqr, sqc = q.stride(1), q.stride(0)
+    else:
+        q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+        sqr, sqc = q.stride(0), q.stride(1)
+    deq = in_scale is not None
+    sir, sig = (in_scale.stride(0), in_scale.stride(1)) if deq else (0, 0)
+    bc = block_c or 64
+    grid = (nrb, _cdiv(cols, bc))
+    _quant_128x1_kernel[grid](
+        x, in_scale if deq else sbuf, q, sbuf, rows, cols,
+        x.stride(0), x.stride(1), sir, sig, sqr, sqc, sbuf.stride(0), sbuf.stride(1),
+        BLOCK_C=bc, POW2=pow2_scale, DEQ=deq, num_warps=4,
+    )
+    if transposed:
+        # quantize(x, 128x1).t(): data x^T [C, R], 1x128 groups, scale (C, ceil(R/128)) MN-major.
+        return QuantizedTensor(q, sbuf.t(), (1, 128))
+    return QuantizedTensor(q, sbuf, (128, 1))
+
+
+def quantize_128x1(x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None) -> QuantizedTensor:
+    return _launch_128x1(x, None, x.shape[0], x.shape[1], False, pow2_scale, block_c)
+
+
+def quantize_128x1_t(x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None) -> QuantizedTensor:
+    """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy)."""
+    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, block_c)
+
+
+def requantize_1x128_to_128x1(qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, block_c: int | None = None) -> QuantizedTensor:
+    """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes."""
+    if qt.block != (1, 128):
+        raise ValueError(f"requantize_1x128_to_128x1 needs a 1x128 input, got block {qt.block}")
+    rows, cols = qt.shape
+    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, block_c)
+
+
+# ---------------------------------------------------------------------------------------------
+# 128x128: one scale per tile (weights); optionally also writes the exact transpose (DGrad operand).
+@triton.jit
+def _quant_128x128_kernel(
+    x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, R, C,
+    sxr, sxc, sqr, sqc, stqr, stqc, ssr, ssc, stsr, stsc,
+    POW2: tl.constexpr, WRITE_Q: tl.constexpr, WRITE_T: tl.constexpr,
+):
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    rr = rb * 128 + tl.arange(0, 128)
+    cc = cb * 128 + tl.arange(0, 128)
+    mask = (rr[:, None] < R) & (cc[None, :] < C)
+    x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0)
+    scale = group_scale(amax, has_nan, POW2)
+    q = quantize_values(x, scale)
+    if WRITE_Q:
+        tl.store(q_ptr + rr[:, None].to(tl.int64) * sqr + cc[None, :] * sqc, q, mask=mask)
+        tl.store(s_ptr + rb * ssr + cb * ssc, scale)
+    if WRITE_T:
+        # transposed data [C, R]: element (r, c) goes to (c, r); the scale matrix transposes with it.
+        tl.store(qt_ptr + cc[None, :].to(tl.int64) * stqr + rr[:, None] * stqc, q, mask=mask)
+        tl.store(st_ptr + cb * stsr + rb * stsc, scale)
+
+
+def quantize_128x128(
+    x: torch.Tensor, pow2_scale: bool = False, *, write: bool = True, write_t: bool = False
+) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
+    """Returns (Q(x), Q(x).t()) as requested; both come from one read of x and carry identical bytes."""
+    rows, cols = x.shape
+    dev = x.device
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=dev) if write else None
+    s = new_scale_128x128(rows, cols, dev)[1] if write else None
+    qt = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev) if write_t else None
+    st = new_scale_128x128(cols, rows, dev)[1] if write_t else None
+    dq, ds = (q, s) if write else (x, x)  # dummies are never written (constexpr-guarded)
+    dqt, dst = (qt, st) if write_t else (x, x)
+    grid = (_cdiv(rows, 128), _cdiv(cols, 128))
+    _quant_128x128_kernel[grid](
+        x, dq, dqt, ds, dst, rows, cols,
+        x.stride(0), x.stride(1),
+        dq.stride(0), dq.stride(1), dqt.stride(0), dqt.stride(1),
+        ds.stride(0), ds.stride(1), dst.stride(0), dst.stride(1),
+        POW2=pow2_scale, WRITE_Q=write, WRITE_T=write_t, num_warps=8,
+    )
+    out = QuantizedTensor(q, s, (128, 128)) if write else None
+    out_t = QuantizedTensor(qt, st, (128, 128)) if write_t else None
+    return out, out_t
