@@ -1,0 +1,552 @@
+"""All GPU benchmarks of the FP8 path in one run; prints one table and writes JSON records.
+
+    PYTHONUNBUFFERED=1 python benchmarks/gpu_bench.py --out $OUT/gpu_bench.json
+
+Sections (each guarded, so one failure does not lose the rest):
+  env       GPU, clocks, software versions
+  copy      device-to-device copy bandwidth (the memory ceiling)
+  quant     every Triton quantizer: bandwidth vs copy, plus plain-torch reference quantizer
+  gemm      TFLOP/s per backend at Llama-3.1-8B shapes x M, BF16 F.linear in the same run, correctness
+  linear    FP8 linear fwd+bwd vs nn.Linear BF16 at M=8192, kernel breakdown, saved-activation bytes
+  stack     4-layer Llama-3.1-8B-shaped decoder: fwd+bwd+AdamW step, tokens/s and peak memory
+  decode    the same stack's forward at M=64 and 256 tokens (one position each), eager and CUDA graph
+Timing: triton.testing.do_bench medians (L2 flushed before each repeat); ratios are within this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from jetrl_precision import Fp8Linear, convert_to_fp8, get_recipe, mark_weights_updated, ops  # noqa: E402
+from jetrl_precision.gemm import available_backends, gemm_nt, resolve_backend  # noqa: E402
+from jetrl_precision.kernels import fused, quant  # noqa: E402
+from jetrl_precision.kernels.layout import padding_events  # noqa: E402
+from jetrl_precision.quantize import quantize_fp8  # noqa: E402
+
+LAYERS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+MS = (64, 256, 4096, 8192, 16384)
+DATE = "2026-11-29"
+RECORDS: list[dict] = []
+COMMAND = "PYTHONUNBUFFERED=1 python benchmarks/gpu_bench.py --out $OUT/gpu_bench.json"
+
+
+def rec(name, shape, backend, value, unit, ratio=None, **extra):
+    r = {"name": name, "shape": shape, "backend": backend, "value": value, "unit": unit,
+         "ratio_vs_bf16": ratio, "command": COMMAND, "date": DATE}
+    r.update(extra)
+    RECORDS.append(r)
+    return r
+
+
+def bench(fn, rep=60, warmup=15, grad_to_none=None):
+    return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")  # ms
+
+
+def data(m, k, dtype=torch.bfloat16, seed=0, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device="cuda") * torch.exp(0.5 * torch.randn(m, 1, generator=g, device="cuda"))
+    x = torch.where(x == 0, torch.full_like(x, 1e-3), x)
+    x = torch.where(torch.rand(m, k, generator=g, device="cuda") < 1e-4, x * 50, x)
+    return (x * scale).to(dtype)
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# ---------------------------------------------------------------------------------------------
+def section_env(args):
+    p = torch.cuda.get_device_properties(0)
+    info = {"gpu": p.name, "sms": p.multi_processor_count, "mem_gib": round(p.total_memory / 2**30, 1),
+            "cc": f"{p.major}.{p.minor}", "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    try:
+        info["cublaslt"] = torch._C._cuda_getCompiledVersion()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        q = "name,driver_version,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu"
+        info["nvidia_smi"] = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        info["nvidia_smi"] = f"unavailable: {e}"
+    info["backends"] = available_backends("cuda")
+    info["auto"] = resolve_backend("auto", "cuda")
+    info["quant_kernel"] = ops.kernel_name("cuda")
+    print("ENV", json.dumps(info, indent=1))
+    return info
+
+
+def section_copy(args):
+    n = 2**29  # 1 GiB of bf16
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = bench(lambda: dst.copy_(src))
+    bw = 2 * src.numel() * 2 / (t * 1e-3) / 1e12
+    rec("d2d_copy_bandwidth", "1GiB bf16", "torch", round(bw, 3), "TB/s")
+    print(f"copy: {bw:.2f} TB/s")
+    del src, dst
+    return bw
+
+
+def section_quant(args, copy_bw):
+    rows = []
+
+    def one(name, shape, fn, nbytes, backend="triton"):
+        fn()
+        t = bench(fn)
+        bw = nbytes / (t * 1e-3) / 1e12
+        rows.append((name, shape, t * 1e3, bw, bw / copy_bw))
+        rec(f"quant_{name}", shape, backend, round(bw, 3), "TB/s", None, time_us=round(t * 1e3, 2),
+            frac_of_copy=round(bw / copy_bw, 3))
+
+    for m, k in ((16384, 4096), (16384, 14336), (8192, 4096), (4096, 4096)):
+        x = data(m, k, seed=1)
+        shp = f"{m}x{k}"
+        io = m * k * 2 + m * k + 4 * m * math.ceil(k / 128)
+        one("1x128", shp, lambda: quant.quantize_1x128(x), io)
+        if (m, k) == (16384, 4096):
+            for br in (8, 16, 32, 64):
+                one(f"1x128_blockr{br}", shp, lambda br=br: quant.quantize_1x128(x, block_r=br), io)
+        one("128x1_transposed", shp, lambda: quant.quantize_128x1_t(x), io)
+        if (m, k) == (16384, 4096):
+            for bc in (32, 64, 128):
+                one(f"128x1_transposed_blockc{bc}", shp, lambda bc=bc: quant.quantize_128x1_t(x, block_c=bc), io)
+        q1 = quant.quantize_1x128(x)
+        io_rq = m * k * 2 + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
+        one("requant_1x128_to_128x1_T", shp, lambda: quant.requantize_1x128_to_128x1(q1, True), io_rq)
+        if (m, k) == (16384, 4096):
+            one("torch_reference_1x128", shp, lambda: quantize_fp8(x, (1, 128), nonfinite="propagate"), io, backend="torch-ops")
+        del x, q1
+    for n, k in ((28672, 4096), (4096, 14336), (6144, 4096)):
+        w = data(n, k, seed=2, scale=0.02)
+        shp = f"{n}x{k}"
+        io = n * k * 2 + n * k
+        one("128x128", shp, lambda: quant.quantize_128x128(w), io)
+        one("128x128_plus_T", shp, lambda: quant.quantize_128x128(w, write_t=True), io + n * k)
+        wq = quant.quantize_128x128(w)[0]
+        one("torch_fp8_transpose_copy", shp, lambda: wq.t(), 2 * n * k, backend="torch-ops")
+        del w, wq
+    for m, i in ((16384, 14336), (8192, 14336)):
+        gu = data(m, 2 * i, seed=3)
+        g, u = gu[:, :i], gu[:, i:]
+        io = 2 * m * i * 2 + m * i + 4 * m * i // 128
+        one("silu_mul_1x128", f"{m}x{i}", lambda: fused.silu_mul_quantize(g, u), io)
+        one("torch_silu_mul_then_1x128", f"{m}x{i}", lambda: quant.quantize_1x128(F.silu(g) * u), io, backend="torch+triton")
+        del gu, g, u
+    for m, h in ((16384, 4096), (8192, 4096)):
+        x = data(m, h, seed=4)
+        w = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+        io = m * h * 2 + m * h + 4 * m * h // 128
+        one("rmsnorm_1x128", f"{m}x{h}", lambda: fused.rmsnorm_quantize(x, w), io)
+        del x
+    print(f"\n{'quantizer':34s} {'shape':>12s} {'us':>8s} {'TB/s':>6s} {'%copy':>6s}")
+    for name, shp, us, bw, fr in rows:
+        print(f"{name:34s} {shp:>12s} {us:8.1f} {bw:6.2f} {100 * fr:5.0f}%")
+
+
+def section_gemm(args):
+    backends = [b for b in ("torch", "triton", "deep_gemm") if available_backends("cuda")[b] is None]
+    prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for lname, (n, k) in LAYERS.items():
+        w = data(n, k, seed=5, scale=0.02)
+        wq = quant.quantize_128x128(w)[0]
+        w_deq = None
+        for m in MS:
+            x = data(m, k, seed=6)
+            xq = quant.quantize_1x128(x)
+            flops = 2 * m * n * k
+            t_bf = bench(lambda: F.linear(x, w))
+            tf_bf = flops / (t_bf * 1e-3) / 1e12
+            rec("gemm_tflops", f"M={m} {lname} N={n} K={k}", "bf16", round(tf_bf, 1), "TFLOP/s", 1.0, time_us=round(t_bf * 1e3, 1))
+            row = {"layer": lname, "M": m, "bf16": tf_bf}
+            ref = None
+            if m <= 8192:
+                if w_deq is None:
+                    w_deq = wq.dequantize(torch.float32)
+                ref = xq.dequantize(torch.float32) @ w_deq.t()
+            for b in backends:
+                out = gemm_nt(xq, wq, torch.bfloat16, b)
+                err = rel_err(out, ref) if ref is not None else None
+                t = bench(lambda b=b: gemm_nt(xq, wq, torch.bfloat16, b))
+                tf = flops / (t * 1e-3) / 1e12
+                row[b] = tf
+                row[b + "_err"] = err
+                rec("gemm_tflops", f"M={m} {lname} N={n} K={k}", b, round(tf, 1), "TFLOP/s", round(tf / tf_bf, 3),
+                    time_us=round(t * 1e3, 1), rel_err_vs_fp32=None if err is None else float(f"{err:.3e}"))
+            rows.append(row)
+            del x, xq, ref
+        del w, wq, w_deq
+    torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+    print(f"\n{'M':>6s} {'layer':8s} {'bf16':>6s} " + " ".join(f"{b:>16s}" for b in backends) + "   rel.err (fp32 ref)")
+    for r in rows:
+        cols = " ".join(f"{r[b]:7.0f} ({r[b] / r['bf16']:4.2f}x)" for b in backends)
+        errs = " ".join("-" if r[b + "_err"] is None else f"{r[b + '_err']:.2e}" for b in backends)
+        print(f"{r['M']:6d} {r['layer']:8s} {r['bf16']:6.0f} {cols}   {errs}")
+    for b in backends:
+        big = [r[b] / r["bf16"] for r in rows if r["M"] >= 4096]
+        small = [r[b] / r["bf16"] for r in rows if r["M"] < 4096]
+        gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
+        print(f"geomean {b}: M>=4096 {gm(big):.2f}x (min {min(big):.2f}, max {max(big):.2f}); M<=256 {gm(small):.2f}x")
+        rec("gemm_geomean_ratio_M_ge_4096", "12 shapes", b, round(gm(big), 3), "x", round(gm(big), 3),
+            min=round(min(big), 3), max=round(max(big), 3))
+        rec("gemm_geomean_ratio_decode", "M=64,256 (8 shapes)", b, round(gm(small), 3), "x", round(gm(small), 3))
+
+    # WGrad recipe (1x128 x 1x128, fp32 out) at M = 8192 tokens: out [N, K] contracts over tokens.
+    print("\nwgrad GEMM (1x128.1x128 -> fp32), tokens=8192")
+    for lname, (n, k) in LAYERS.items():
+        m = 8192
+        dy_t = quant.quantize_128x1_t(data(m, n, seed=7, scale=1e-3))
+        x_t = quant.quantize_128x1_t(data(m, k, seed=8))
+        flops = 2 * m * n * k
+        dyb, xb = data(n, m, seed=9), data(k, m, seed=10)
+        t_bf = bench(lambda: dyb @ xb.t())
+        line = f"  {lname:8s} bf16 {flops / t_bf / 1e9:6.0f}"
+        rec("wgrad_gemm_tflops", f"tokens={m} {lname} N={n} K={k}", "bf16", round(flops / t_bf / 1e9, 1), "TFLOP/s", 1.0)
+        for b in backends:
+            t = bench(lambda b=b: gemm_nt(dy_t, x_t, torch.float32, b))
+            tf = flops / t / 1e9
+            line += f" | {b} {tf:6.0f} ({tf / (flops / t_bf / 1e9):.2f}x)"
+            rec("wgrad_gemm_tflops", f"tokens={m} {lname} N={n} K={k}", b, round(tf, 1), "TFLOP/s", round(t_bf / t, 3))
+        print(line)
+        del dy_t, x_t, dyb, xb
+
+
+def _saved_bytes(fn):
+    total = [0]
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter):
+            total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total[0]
+
+
+def section_linear(args):
+    recipe = get_recipe("jet_fp8")
+    fp, bw = recipe.train_fprop, recipe.train_backward
+    m = 8192
+    rows = []
+    for lname, (n, k) in LAYERS.items():
+        lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(data(n, k, seed=11, scale=0.02))
+        x = data(m, k, seed=12).requires_grad_(True)
+        dy = data(m, n, seed=13, scale=1e-3)
+        t_bf = bench(lambda: lin(x).backward(dy), grad_to_none=[x, lin.weight], rep=150)
+        _, saved_bf = _saved_bytes(lambda: lin(x))
+        res = {"layer": lname, "bf16_ms": t_bf}
+        rec("linear_fwd_bwd_ms", f"M={m} {lname}", "bf16", round(t_bf, 4), "ms", 1.0, saved_activation_bytes=saved_bf)
+        for backend in ("auto", "triton"):
+            layer = Fp8Linear.from_linear(lin, fp, bw, gemm_backend=backend)
+            name = resolve_backend(backend, "cuda")
+            layer(x).backward(dy)  # warm-up (autotune, weight cache)
+
+            def step_cached():
+                layer(x).backward(dy)
+
+            def step_requant():
+                mark_weights_updated()  # as after an optimizer step: W is re-quantized (and transposed)
+                layer(x).backward(dy)
+
+            t_c = bench(step_cached, grad_to_none=[x, lin.weight], rep=150)
+            t_r = bench(step_requant, grad_to_none=[x, lin.weight], rep=150)
+            _, saved = _saved_bytes(lambda: layer(x))
+            res[f"{name}_cached"] = t_c
+            res[f"{name}_requant"] = t_r
+            res[f"{name}_saved"] = saved
+            rec("linear_fwd_bwd_ms", f"M={m} {lname} weight-cached", name, round(t_c, 4), "ms", round(t_bf / t_c, 3),
+                saved_activation_bytes=saved, saved_vs_bf16=round(saved / saved_bf, 4))
+            rec("linear_fwd_bwd_ms", f"M={m} {lname} weight-requantized", name, round(t_r, 4), "ms", round(t_bf / t_r, 3))
+        # Kernel breakdown on the auto backend.
+        name = resolve_backend("auto", "cuda")
+        xd = x.detach()
+        xq = ops.quantize(xd, fp.input)
+        wq = ops.quantize(lin.weight.detach(), fp.weight)
+        wqt = wq.t()
+        dyq = ops.quantize(dy, bw.dgrad_grad_output)
+        dyt = ops.quantize_transposed(dy, bw.wgrad_grad_output)
+        xt = ops.requantize_transposed(xq, bw.wgrad_input)
+        parts = {
+            "qx": lambda: ops.quantize(xd, fp.input),
+            "qw": lambda: ops.quantize(lin.weight.detach(), fp.weight),
+            "wT": lambda: wq.t(),
+            "fprop": lambda: gemm_nt(xq, wq, torch.bfloat16, name),
+            "qdy": lambda: ops.quantize(dy, bw.dgrad_grad_output),
+            "dgrad": lambda: gemm_nt(dyq, wqt, torch.bfloat16, name),
+            "qdyT": lambda: ops.quantize_transposed(dy, bw.wgrad_grad_output),
+            "rqxT": lambda: ops.requantize_transposed(xq, bw.wgrad_input),
+            "wgrad": lambda: gemm_nt(dyt, xt, torch.float32, name),
+        }
+        dw32 = gemm_nt(dyt, xt, torch.float32, name)
+        parts["dW_cast"] = lambda: dw32.to(torch.bfloat16)
+        br = {kname: bench(fn) for kname, fn in parts.items()}
+        res["parts"] = br
+        gem = br["fprop"] + br["dgrad"] + br["wgrad"]
+        res["gemm_only_ratio"] = t_bf / gem
+        rec("linear_fp8_gemms_only_ms", f"M={m} {lname}", name, round(gem, 4), "ms", round(t_bf / gem, 3),
+            breakdown_ms={kk: round(v, 4) for kk, v in br.items()})
+        rows.append(res)
+        del lin, x, dy, xq, wq, wqt, dyq, dyt, xt, dw32
+    name = resolve_backend("auto", "cuda")
+    print(f"\nFP8 linear fwd+bwd, M={m} (ms; ratio = bf16/fp8)")
+    print(f"{'layer':8s} {'bf16':>7s} {name + ' cached':>16s} {name + ' requant':>17s} {'triton cached':>15s} {'GEMMs only':>11s} {'saved B':>9s}")
+    for r in rows:
+        print(f"{r['layer']:8s} {r['bf16_ms']:7.3f} {r[name + '_cached']:8.3f} ({r['bf16_ms'] / r[name + '_cached']:4.2f}x)"
+              f" {r[name + '_requant']:8.3f} ({r['bf16_ms'] / r[name + '_requant']:4.2f}x)"
+              f" {r['triton_cached']:8.3f} ({r['bf16_ms'] / r['triton_cached']:4.2f}x) {r['gemm_only_ratio']:10.2f}x"
+              f" {r[name + '_saved'] / 2**20:7.1f}MiB")
+        print("          parts(us): " + " ".join(f"{kk}={v * 1e3:.0f}" for kk, v in r["parts"].items()))
+    gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
+    for key in (name + "_cached", name + "_requant", "triton_cached"):
+        g = gm([r["bf16_ms"] / r[key] for r in rows])
+        print(f"geomean bf16/fp8 ({key}): {g:.3f}x")
+        rec("linear_fwd_bwd_geomean_ratio", f"M={m} 4 layers {key}", key.split("_")[0], round(g, 3), "x", round(g, 3))
+
+
+# ---------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, h, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _rot(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Attn(nn.Module):
+    def __init__(self, h, nh, nkv):
+        super().__init__()
+        self.nh, self.nkv, self.hd = nh, nkv, h // nh
+        self.q_proj = nn.Linear(h, nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(h, nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(h, nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(nh * self.hd, h, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.nkv, self.hd).transpose(1, 2)
+        q, k = q * cos + _rot(q) * sin, k * cos + _rot(k) * sin
+        rep = self.nh // self.nkv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, h, i):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, h=4096, i=14336, nh=32, nkv=8):
+        super().__init__()
+        self.input_layernorm = RMSNorm(h)
+        self.self_attn = Attn(h, nh, nkv)
+        self.post_attention_layernorm = RMSNorm(h)
+        self.mlp = MLP(h, i)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Stack(nn.Module):
+    """4 Llama-3.1-8B decoder layers (hidden 4096, MLP 14336, 32 heads, 8 KV heads), random weights."""
+
+    def __init__(self, n_layers=4):
+        super().__init__()
+        self.layers = nn.ModuleList(Block() for _ in range(n_layers))
+        self._rope = {}
+
+    def rope(self, s, device, dtype, start=0):
+        key = (s, start, dtype)
+        if key not in self._rope:
+            inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=device).float() / 128))
+            pos = torch.arange(start, start + s, device=device).float()
+            f = torch.outer(pos, inv)
+            emb = torch.cat((f, f), dim=-1)
+            self._rope[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._rope[key]
+
+    def forward(self, x, start=0):
+        cos, sin = self.rope(x.shape[1], x.device, x.dtype, start)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return x
+
+
+def _build_stack(recipe_name, seed=0):
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Stack().to(torch.bfloat16)
+    for p in model.parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+    if recipe_name != "bf16":
+        convert_to_fp8(model, recipe_name)
+    return model
+
+
+def section_stack(args):
+    seq = 4096
+    results = {}
+    for batch in (args.stack_batch, args.stack_batch // 2, args.stack_batch // 4):
+        try:
+            for name in ("bf16", "jet_fp8"):
+                torch.cuda.empty_cache()
+                model = _build_stack(name)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+                x = data(batch * seq, 4096, seed=14).view(batch, seq, 4096)
+
+                def step():
+                    out = model(x)
+                    loss = out.float().pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    mark_weights_updated()
+                    return loss
+
+                for _ in range(2):
+                    step()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                n_steps = args.stack_steps
+                t0 = torch.cuda.Event(enable_timing=True)
+                t1 = torch.cuda.Event(enable_timing=True)
+                t0.record()
+                for _ in range(n_steps):
+                    loss = step()
+                t1.record()
+                torch.cuda.synchronize()
+                ms = t0.elapsed_time(t1) / n_steps
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                tok_s = batch * seq / (ms * 1e-3)
+                results[name] = (ms, tok_s, peak, float(loss))
+                del model, opt, x
+                torch.cuda.empty_cache()
+            break
+        except torch.cuda.OutOfMemoryError:
+            print(f"stack: batch {batch} ran out of memory; halving")
+            results = {}
+            torch.cuda.empty_cache()
+    bf, f8 = results["bf16"], results["jet_fp8"]
+    shape = f"4 layers, batch {batch} x seq {seq}"
+    print(f"\n4-layer Llama-3.1-8B stack fwd+bwd+AdamW, {shape}")
+    for name, (ms, tok, peak, loss) in results.items():
+        print(f"  {name:8s} {ms:8.1f} ms/step {tok:9.0f} tok/s  peak {peak:6.1f} GiB  loss {loss:.4g}")
+        rec("stack_train_tokens_per_s", shape, name, round(tok, 0), "tokens/s", round(tok / bf[1], 3),
+            ms_per_step=round(ms, 2), peak_mem_gib=round(peak, 2), gemm_backend=resolve_backend("auto", "cuda") if name != "bf16" else "cublas-bf16")
+    print(f"  speedup {f8[1] / bf[1]:.3f}x, peak memory {f8[2] / bf[2]:.3f} of bf16")
+
+
+def section_decode(args):
+    print("\nDecode-shaped forward (M sequences x 1 position, no KV cache), 4 layers")
+    models = {name: _build_stack(name).eval() for name in ("bf16", "jet_fp8")}
+    for m in (64, 256):
+        res = {}
+        for name, model in models.items():
+            x = data(m, 4096, seed=15).view(m, 1, 4096)
+            with torch.no_grad():
+                model(x)
+                t_eager = bench(lambda: model(x), rep=100)
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    for _ in range(3):
+                        model(x)
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    out = model(x)
+                t_graph = bench(lambda: g.replay(), rep=100)
+            res[name] = (t_eager, t_graph)
+            del g, out
+        for name, (te, tg) in res.items():
+            rb = res["bf16"]
+            print(f"  M={m:4d} {name:8s} eager {te * 1e3:8.1f} us ({rb[0] / te:4.2f}x)  graph {tg * 1e3:8.1f} us ({rb[1] / tg:4.2f}x)")
+            rec("decode_forward_us", f"M={m} 4 layers eager", name, round(te * 1e3, 1), "us", round(rb[0] / te, 3))
+            rec("decode_forward_us", f"M={m} 4 layers cuda-graph", name, round(tg * 1e3, 1), "us", round(rb[1] / tg, 3))
+    del models
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
+    ap.add_argument("--sections", default="env,copy,quant,gemm,linear,stack,decode")
+    ap.add_argument("--stack-batch", type=int, default=16)
+    ap.add_argument("--stack-steps", type=int, default=4)
+    args = ap.parse_args()
+    t_start = time.time()
+    copy_bw = 4.25
+    env = {}
+    errors = {}
+    for sec in args.sections.split(","):
+        t0 = time.time()
+        try:
+            if sec == "env":
+                env = section_env(args)
+            elif sec == "copy":
+                copy_bw = section_copy(args)
+            elif sec == "quant":
+                section_quant(args, copy_bw)
+            elif sec == "gemm":
+                section_gemm(args)
+            elif sec == "linear":
+                section_linear(args)
+            elif sec == "stack":
+                section_stack(args)
+            elif sec == "decode":
+                section_decode(args)
+        except Exception as e:  # noqa: BLE001 - keep going, record the failure
+            errors[sec] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+        print(f"[section {sec}: {time.time() - t0:.1f} s]", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"env": env, "errors": errors, "padding_events": padding_events, "records": RECORDS,
+                       "elapsed_s": time.time() - t_start}, f, indent=1, default=str)
+    print(f"done in {time.time() - t_start:.0f} s; errors: {errors or 'none'}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

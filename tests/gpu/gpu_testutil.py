@@ -1,0 +1,29 @@
+"""Shared helpers for the GPU tests (data with outliers, error metrics)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+requires_cuda_reason = "needs a CUDA GPU"
+
+
+def outlier_data(m: int, k: int, dtype=torch.bfloat16, seed: int = 0, device: str = "cuda") -> torch.Tensor:
+    """Normal values x a log-normal factor per row, 0.5% of channels x20, 1e-4 of entries x50; no exact zeros."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m, k, generator=g, device=device) * torch.exp(0.5 * torch.randn(m, 1, generator=g, device=device))
+    x = torch.where(x == 0, torch.full_like(x, 1e-3), x)
+    ch = torch.rand(k, generator=g, device=device) < 5e-3
+    x = torch.where(ch[None, :], x * 20, x)
+    x = torch.where(torch.rand(m, k, generator=g, device=device) < 1e-4, x * 50, x)
+    return x.to(dtype)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+def sqnr_db(got: torch.Tensor, ref: torch.Tensor) -> float:
+    noise = (got.double() - ref.double()).norm()
+    return float("inf") if noise == 0 else 20 * math.log10(float(ref.double().norm() / noise))

@@ -1,0 +1,142 @@
+"""Every Triton quantizer reproduces the reference quantizer's bytes exactly (data as uint8, scales with torch.equal)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_testutil import outlier_data, requires_cuda_reason
+from jetrl_precision import ops
+from jetrl_precision.quantize import quantize_fp8, requantize_fp8
+from jetrl_precision.recipe import get_recipe
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_cuda_reason)
+
+if torch.cuda.is_available():
+    from jetrl_precision.kernels import fused, quant
+
+SHAPES = [(1, 128), (3, 100), (257, 1000), (1000, 4096), (4096, 14336)]
+
+
+def assert_same(got, ref, what: str) -> None:
+    assert got.block == ref.block, what
+    assert got.data.shape == ref.data.shape and got.scale.shape == ref.scale.shape, what
+    bad = (got.data.view(torch.uint8) != ref.data.view(torch.uint8)).sum().item()
+    assert bad == 0, f"{what}: {bad} of {got.data.numel()} fp8 bytes differ from the reference"
+    assert torch.equal(got.scale, ref.scale), f"{what}: scales differ"
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_1x128_bytes(shape, pow2):
+    x = outlier_data(*shape, seed=1)
+    got = quant.quantize_1x128(x, pow2)
+    assert_same(got, quantize_fp8(x, (1, 128), pow2_scale=pow2), f"1x128 {shape} pow2={pow2}")
+    # The layout the GEMMs read: MN-major, no copy needed.
+    assert got.scale.stride() == (1, shape[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_1x128_other_dtypes_and_strides(dtype):
+    x = outlier_data(700, 384, dtype=dtype, seed=2)
+    assert_same(quant.quantize_1x128(x), quantize_fp8(x, (1, 128)), f"1x128 {dtype}")
+    xt = outlier_data(384, 700, dtype=dtype, seed=3).t()  # non-contiguous view
+    assert_same(quant.quantize_1x128(xt), quantize_fp8(xt, (1, 128)), f"1x128 {dtype} transposed view")
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (300, 200), (4096, 4096), (14336, 4096), (1000, 14336)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_128x128_and_transpose_bytes(shape, pow2):
+    w = outlier_data(*shape, seed=4)
+    ref = quantize_fp8(w, (128, 128), pow2_scale=pow2)
+    q, qt = quant.quantize_128x128(w, pow2, write=True, write_t=True)
+    assert_same(q, ref, f"128x128 {shape}")
+    ref_t = ref.t()
+    assert_same(qt, ref_t, f"128x128 transpose {shape}")
+    # The transposed quantization equals quantizing the transposed weight (blocks transpose exactly).
+    assert_same(qt, quantize_fp8(w.t().contiguous(), (128, 128), pow2_scale=pow2), "128x128 of W^T")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_128x1_and_transposed_bytes(shape, pow2):
+    x = outlier_data(*shape, seed=5)
+    ref = quantize_fp8(x, (128, 1), pow2_scale=pow2)
+    assert_same(quant.quantize_128x1(x, pow2), ref, f"128x1 {shape}")
+    got_t = quant.quantize_128x1_t(x, pow2)
+    assert_same(got_t, ref.t(), f"128x1 transposed {shape}")
+    assert got_t.scale.stride() == (1, shape[1])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_requantize_bytes(shape, pow2):
+    x = outlier_data(*shape, seed=6)
+    q1 = quant.quantize_1x128(x)
+    ref = requantize_fp8(q1, (128, 1), pow2_scale=pow2)
+    assert_same(quant.requantize_1x128_to_128x1(q1, transposed=False, pow2_scale=pow2), ref, f"requant {shape}")
+    assert_same(quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2), ref.t(), f"requant^T {shape}")
+    # Also from a reference-made (row-major scale) input.
+    q1r = quantize_fp8(x, (1, 128))
+    assert_same(quant.requantize_1x128_to_128x1(q1r, transposed=True, pow2_scale=pow2), ref.t(), f"requant^T ref-in {shape}")
+
+
+def test_zero_group_and_nan_propagation():
+    x = outlier_data(256, 512, seed=7)
+    x[5, 128:256] = 0.0  # an all-zero group: finite tiny scale, zero bytes
+    ref = quantize_fp8(x, (1, 128))
+    assert_same(quant.quantize_1x128(x), ref, "zero group")
+    assert float(ref.scale[5, 1]) == pytest.approx(1e-10 / 448, rel=1e-6)
+    y = x.clone()
+    y[7, 3] = float("nan")
+    got = quant.quantize_1x128(y)
+    assert torch.isnan(got.scale[7, 0])
+    deq = got.dequantize()
+    assert torch.isnan(deq[7, :128]).all() and not torch.isnan(deq[7, 128:]).any()
+    keep = torch.ones(256, dtype=torch.bool, device=x.device)
+    keep[7] = False
+    assert torch.equal(got.data.view(torch.uint8)[keep], ref.data.view(torch.uint8)[keep])
+
+
+def test_ops_dispatch_uses_triton_and_matches_reference():
+    recipe = get_recipe("jet_fp8")
+    x = outlier_data(1000, 1024, seed=8)
+    assert ops.kernel_name("cuda") == "triton"
+    assert_same(ops.quantize(x, recipe.train_fprop.input), quantize_fp8(x, (1, 128)), "ops 1x128")
+    assert_same(ops.quantize(x, recipe.train_fprop.weight), quantize_fp8(x, (128, 128)), "ops 128x128")
+    spec = recipe.train_backward.wgrad_input
+    assert_same(ops.quantize_transposed(x, spec), quantize_fp8(x, (128, 1)).t(), "ops quantize_transposed 128x1")
+    q1 = ops.quantize(x, recipe.train_fprop.input)
+    assert_same(ops.requantize_transposed(q1, spec), requantize_fp8(q1, (128, 1)).t(), "ops requantize_transposed")
+    assert_same(ops.requantize(q1, spec), requantize_fp8(q1, (128, 1)), "ops requantize")
+
+
+# ---- fused producers ----------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(5, 200), (1000, 1536), (4096, 14336)])
+def test_silu_mul_quantize_bytes(shape):
+    m, i = shape
+    gate_up = outlier_data(m, 2 * i, seed=9)
+    gate, up = gate_up[:, :i], gate_up[:, i:]  # chunks of a fused projection: strided views
+    qt, h = fused.silu_mul_quantize(gate, up, return_hp=True)
+    # Q(h) is byte-exact with the reference quantizer of the kernel's own bf16 h.
+    assert_same(qt, quantize_fp8(h, (1, 128)), f"silu_mul q {shape}")
+    # And h is what torch computes (same op order, expf, IEEE division, RNE to bf16).
+    h_ref = F.silu(gate) * up
+    diff = (h.view(torch.int16) != h_ref.view(torch.int16)).sum().item()
+    assert diff == 0, f"silu*up differs from torch in {diff} of {h.numel()} bf16 values"
+    assert_same(fused.silu_mul_quantize(gate, up), quantize_fp8(h_ref, (1, 128)), f"silu_mul vs torch {shape}")
+
+
+@pytest.mark.parametrize("shape", [(3, 576), (1000, 4096), (4096, 4096)])
+def test_rmsnorm_quantize_bytes(shape):
+    x = outlier_data(*shape, seed=10)
+    w = (1 + 0.1 * torch.randn(shape[1], device="cuda")).to(torch.bfloat16)
+    qt, y = fused.rmsnorm_quantize(x, w, 1e-5, return_hp=True)
+    assert_same(qt, quantize_fp8(y, (1, 128)), f"rmsnorm q {shape}")
+    assert_same(fused.rmsnorm_quantize(x, w, 1e-5), qt, "rmsnorm without hp output")
+    xf = x.float()
+    y_ref = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    ulp = (y.float() - y_ref.float()).abs() / y_ref.float().abs().clamp_min(1e-30)
+    assert ulp.max().item() <= 2 ** -6 * 1.01, "RMSNorm output more than two bf16 ulps from the HF formula"
+    assert (y != y_ref).float().mean().item() < 0.02
