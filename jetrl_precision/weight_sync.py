@@ -5,23 +5,53 @@ uses (`Fp8Linear.quantized_weight`, cached): half the bytes of bf16, and the eng
 them without re-quantizing, so both sides hold identical bytes. Everything else (embeddings,
 norms, lm_head, biases) travels in its own dtype. `digest` fingerprints bytes for the
 post-sync check.
+
+Transport: colocated engines take the tensors in-process; a separate engine receives them
+over a torch.distributed group (`init_sync_group`: gloo on CPU, NCCL on GPU) that lives
+beside any default group (DeepSpeed's, vLLM's), packed into uint8 buckets with a JSON
+header (`broadcast_sync_tensors` / `receive_sync_tensors`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import fnmatch
 import hashlib
-from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterator
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from . import ops
 from .formats import Block
 from .graph import canonical_name
 from .linear import Fp8Linear
+from .recipe import TensorSpec
 
-__all__ = ["SyncTensor", "iter_sync_tensors", "digest", "sync_nbytes"]
+__all__ = [
+    "SyncTensor",
+    "iter_sync_tensors",
+    "digest",
+    "sync_nbytes",
+    "WeightSyncError",
+    "sync_tensor_digest",
+    "expected_engine_digests",
+    "sample_names",
+    "compare_digests",
+    "SyncStats",
+    "SyncGroup",
+    "init_sync_group",
+    "broadcast_sync_tensors",
+    "receive_sync_tensors",
+]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,3 +107,263 @@ def iter_sync_tensors(
 
 def sync_nbytes(model: nn.Module, fp8: bool = True) -> int:
     return sum(t.nbytes() for t in iter_sync_tensors(model, fp8=fp8))
+
+
+# ---- post-sync digest check ---------------------------------------------------------------------
+class WeightSyncError(RuntimeError):
+    """The engine's weights differ from what the trainer sent (or the transfer failed)."""
+
+
+def sync_tensor_digest(t: SyncTensor) -> str:
+    """Digest of what the engine must hold for `t`: FP8 bytes + scales, or the high-precision tensor."""
+    return digest(t.data) if t.scale is None else f"{digest(t.data)}:{digest(t.scale)}"
+
+
+def expected_engine_digests(
+    model: nn.Module,
+    names: Iterable[str] | None = None,
+    *,
+    fp8: bool = True,
+    engine_weight_spec: TensorSpec | None = None,
+    keep_high_precision: Sequence[str] = (),
+) -> dict[str, str]:
+    """Digests of the bytes a rollout engine should hold after a sync, computed on the trainer.
+
+    Fp8Linear weights: the trainer's cached FP8 bytes (what `iter_sync_tensors` sends).
+    With `engine_weight_spec` (fp8_rollout: a BF16 trainer, an engine that quantizes), plain
+    linear weights not matched by `keep_high_precision` are quantized with that spec, as the
+    engine's loader does. Everything else: the tensor itself.
+    """
+    wanted = set(names) if names is not None else None
+    out: dict[str, str] = {}
+    for fqn, module in model.named_modules():
+        prefix = canonical_name(fqn)
+        for pname, p in module.named_parameters(recurse=False):
+            name = f"{prefix}.{pname}" if prefix else pname
+            if wanted is not None and name not in wanted:
+                continue
+            if fp8 and isinstance(module, Fp8Linear) and pname == "weight" and module.fprop.weight.is_fp8:
+                wq = module.quantized_weight(p)
+                out[name] = f"{digest(wq.data)}:{digest(wq.scale)}"
+            elif (
+                engine_weight_spec is not None
+                and engine_weight_spec.is_fp8
+                and type(module) is nn.Linear
+                and pname == "weight"
+                and not any(fnmatch.fnmatchcase(prefix, pat) for pat in keep_high_precision)
+            ):
+                with torch.no_grad():
+                    wq = ops.quantize(p.detach(), engine_weight_spec)
+                out[name] = f"{digest(wq.data)}:{digest(wq.scale)}"
+            else:
+                out[name] = digest(p)
+    if wanted is not None and wanted - set(out):
+        raise KeyError(f"trainer model has no parameter(s) {sorted(wanted - set(out))}")
+    return out
+
+
+def sample_names(names: Sequence[str], k: int = 8, seed: int | None = None) -> list[str]:
+    """A sample of `k` names that always includes the first and the last (cheap per-sync check)."""
+    names = list(names)
+    if len(names) <= k:
+        return names
+    rng = random.Random(seed)
+    middle = rng.sample(names[1:-1], max(k - 2, 0))
+    return [names[0], *sorted(middle, key=names.index), names[-1]]
+
+
+def compare_digests(
+    trainer: Mapping[str, str],
+    engine: Mapping[str, str | None],
+    *,
+    raise_on_mismatch: bool = True,
+) -> list[str]:
+    """Names whose engine digest differs from the trainer's (logged as an error; raised by default).
+
+    A name the engine cannot digest (value None or absent: e.g. a weight vLLM-CPU repacked
+    into a kernel layout) is logged as a warning, not counted as a mismatch.
+    """
+    mismatched = [n for n in trainer if engine.get(n) is not None and engine[n] != trainer[n]]
+    unavailable = [n for n in trainer if engine.get(n) is None]
+    if unavailable:
+        logger.warning("weight sync check: the engine cannot digest %d tensor(s): %s", len(unavailable), ", ".join(unavailable))
+    if mismatched:
+        detail = "; ".join(f"{n}: trainer {trainer[n][:12]}.. engine {str(engine[n])[:12]}.." for n in mismatched)
+        msg = (
+            f"WEIGHT SYNC MISMATCH: {len(mismatched)} of {len(trainer)} checked tensor(s) differ between trainer and "
+            f"rollout engine: {detail}. The engine is NOT running the trained policy; stop and check the sync path "
+            "(a re-quantizing loader, a wrong recipe on the engine, or a corrupted transfer)."
+        )
+        logger.error(msg)
+        if raise_on_mismatch:
+            raise WeightSyncError(msg)
+    return mismatched
+
+
+# ---- transport over a torch.distributed group ------------------------------------------------
+@dataclass
+class SyncStats:
+    tensors: int = 0
+    fp8_tensors: int = 0
+    fp8_bytes: int = 0  # e4m3 data + fp32 scales
+    hp_bytes: int = 0
+    seconds: float = 0.0
+    buckets: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.fp8_bytes + self.hp_bytes
+
+    def add(self, t: SyncTensor) -> None:
+        self.tensors += 1
+        if t.kind == "fp8":
+            self.fp8_tensors += 1
+            self.fp8_bytes += t.nbytes()
+        else:
+            self.hp_bytes += t.nbytes()
+
+
+@dataclass
+class SyncGroup:
+    """A process group for weight sync that lives beside any default group (DeepSpeed's, vLLM's)."""
+
+    pg: Any
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    store: Any = field(default=None, repr=False)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> None:
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.pg.broadcast([t], opts).wait()
+
+
+def init_sync_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    device: torch.device | str | None = None,
+) -> SyncGroup:
+    """Join (rank 0 hosts) a standalone weight-sync group on host:port. Every member calls this.
+
+    Built on a TCPStore plus a backend object, not `init_process_group`, so trainer ranks and
+    engine workers that already have a default group can form a second one.
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore(f"jetrl_weight_sync/{host}:{port}", store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        dev = torch.device(device or "cpu")
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        dev = torch.device(device or f"cuda:{torch.cuda.current_device()}")
+    else:
+        raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', got {backend!r}")
+    return SyncGroup(pg, rank, world_size, backend, dev, store)
+
+
+_ALIGN = 16  # byte alignment of every tensor inside a bucket (so uint8 views re-type cleanly)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _send_bucket(group: SyncGroup, src: int, entries: list[dict], chunks: list[torch.Tensor], payload_len: int) -> None:
+    header = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
+    sizes = torch.tensor([header.numel(), payload_len], dtype=torch.int64, device=group.device)
+    group.broadcast(sizes, src)
+    group.broadcast(header.to(group.device), src)
+    payload = torch.zeros(payload_len, dtype=torch.uint8, device=group.device)
+    off = 0
+    for c in chunks:
+        payload[off : off + c.numel()].copy_(c)
+        off += -(-c.numel() // _ALIGN) * _ALIGN
+    group.broadcast(payload, src)
+
+
+def broadcast_sync_tensors(
+    tensors: Iterable[SyncTensor],
+    group: SyncGroup,
+    src: int = 0,
+    bucket_bytes: int = 256 << 20,
+) -> SyncStats:
+    """Send SyncTensors from rank `src` to every other member (who call `receive_sync_tensors`).
+
+    FP8 tensors travel as e4m3 bytes + fp32 scales; nothing is re-quantized on either side.
+    """
+    stats = SyncStats()
+    t0 = time.perf_counter()
+    entries: list[dict] = []
+    chunks: list[torch.Tensor] = []
+    size = 0
+
+    def put(raw: torch.Tensor, t: torch.Tensor) -> dict:
+        nonlocal size
+        meta = {"offset": size, "nbytes": raw.numel(), "dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
+        chunks.append(raw)
+        size += -(-raw.numel() // _ALIGN) * _ALIGN
+        return meta
+
+    for t in tensors:
+        stats.add(t)
+        entry = {"name": t.name, "data": put(_raw(t.data), t.data)}
+        if t.scale is not None:
+            entry["scale"] = put(_raw(t.scale), t.scale)
+            entry["block"] = list(t.block) if t.block is not None else None
+        entries.append(entry)
+        if size >= bucket_bytes:
+            _send_bucket(group, src, entries, chunks, size)
+            stats.buckets += 1
+            entries, chunks, size = [], [], 0
+    if entries:
+        _send_bucket(group, src, entries, chunks, size)
+        stats.buckets += 1
+    group.broadcast(torch.zeros(2, dtype=torch.int64, device=group.device), src)  # end of stream
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _view(payload: torch.Tensor, meta: dict) -> torch.Tensor:
+    dtype = getattr(torch, meta["dtype"])
+    raw = payload[meta["offset"] : meta["offset"] + meta["nbytes"]]
+    return raw.view(dtype).reshape(meta["shape"])
+
+
+def receive_sync_tensors(group: SyncGroup, src: int = 0) -> Iterator[list[SyncTensor]]:
+    """Receive what `broadcast_sync_tensors` sends: yields one list of SyncTensors per bucket.
+
+    The tensors are views into the bucket buffer: install (copy) them before asking for the next bucket.
+    """
+    while True:
+        sizes = torch.zeros(2, dtype=torch.int64, device=group.device)
+        group.broadcast(sizes, src)
+        header_len, payload_len = (int(v) for v in sizes.tolist())
+        if header_len == 0:
+            return
+        header = torch.zeros(header_len, dtype=torch.uint8, device=group.device)
+        group.broadcast(header, src)
+        entries = json.loads(bytes(header.cpu().numpy().tobytes()).decode())
+        payload = torch.zeros(payload_len, dtype=torch.uint8, device=group.device)
+        group.broadcast(payload, src)
+        out = []
+        for e in entries:
+            scale = _view(payload, e["scale"]) if "scale" in e else None
+            block = tuple(e["block"]) if e.get("block") else None
+            out.append(SyncTensor(e["name"], _view(payload, e["data"]), scale, block))
+        yield out

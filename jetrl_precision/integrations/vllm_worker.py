@@ -1,0 +1,389 @@
+"""Helpers that run inside a vLLM worker: FP8 weight install, digests, the rollout precision graph.
+
+Every function takes the vLLM worker as its first argument, so it can be passed to
+`LLM.collective_rpc(fn, args=...)`; `JetRLWorkerExtension` exposes the same functions as
+worker methods (`worker_extension_cls`), so string RPCs work with any executor, including
+multi-process ones where callables would have to be pickled.
+
+FP8 install: a SyncTensor named like a training parameter (`model.layers.0.self_attn.k_proj.weight`)
+is mapped to its vLLM parameter (the `k` part of `qkv_proj`) and its e4m3 bytes and fp32
+scales are copied in place. Nothing is re-quantized, so the engine holds the trainer's bytes.
+High-precision tensors (embeddings, norms, lm_head, biases; all weights of an fp8_rollout
+trainer) go through vLLM's own loaders: into `jetrl_fp8` layers that means our quantizer with
+the recipe's rollout spec; engines without our plugin use vLLM's layer-wise `reload_weights`
+(vLLM-CPU repacks unquantized linear weights, so plain `load_weights` fails there).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ..formats import QuantizedTensor
+from ..graph import FUSED_PROJECTIONS, EdgeAttrs, PrecisionGraph, add_linear, canonical_name
+from ..ops import kernel_name
+from ..recipe import FpropSpec
+from ..weight_sync import SyncTensor, WeightSyncError, digest, init_sync_group, receive_sync_tensors
+from .vllm_plugin import _check_aligned, _shard_window, jetrl_method_of
+
+__all__ = [
+    "install_sync_tensors",
+    "weight_digests",
+    "read_weights",
+    "build_rollout_graph",
+    "init_weight_sync_group",
+    "receive_weights",
+    "JetRLWorkerExtension",
+]
+
+logger = logging.getLogger(__name__)
+
+# training part name -> (fused vLLM module name, part index)
+_PART_OF: dict[str, tuple[str, int]] = {p: (fused, i) for fused, parts in FUSED_PROJECTIONS.items() for i, p in enumerate(parts)}
+
+
+def _model(worker: Any) -> nn.Module:
+    return worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
+
+
+def _resolve(model: nn.Module, name: str) -> tuple[nn.Module, str, int | None] | None:
+    """(vLLM module, parameter name, fused part index or None) for a training parameter name."""
+    module_name, _, pname = name.rpartition(".")
+    try:
+        return model.get_submodule(module_name), pname, None
+    except AttributeError:
+        pass
+    parent, _, leaf = module_name.rpartition(".")
+    if leaf in _PART_OF:
+        fused, part = _PART_OF[leaf]
+        try:
+            return model.get_submodule(f"{parent}.{fused}" if parent else fused), pname, part
+        except AttributeError:
+            return None
+    return None
+
+
+def _shard_of(layer: nn.Module, part: int, qt: QuantizedTensor) -> QuantizedTensor:
+    """This tensor-parallel rank's slice of a full FP8 part (exact when shards align to blocks)."""
+    r0, nr, c0, nc = _shard_window(layer, part, tuple(qt.data.shape))
+    if (r0, nr, c0, nc) == (0, qt.data.shape[0], 0, qt.data.shape[1]):
+        return qt
+    b0, b1 = qt.block
+    _check_aligned(layer, "rows", r0, nr, qt.data.shape[0], b0)
+    _check_aligned(layer, "cols", c0, nc, qt.data.shape[1], b1)
+    data = qt.data[r0 : r0 + nr, c0 : c0 + nc]
+    scale = qt.scale[r0 // b0 : -(-(r0 + nr) // b0), c0 // b1 : -(-(c0 + nc) // b1)]
+    return QuantizedTensor(data, scale, qt.block)
+
+
+def _install_fp8(model: nn.Module, t: SyncTensor) -> None:
+    target = _resolve(model, t.name)
+    if target is None:
+        raise WeightSyncError(f"FP8 weight {t.name}: no matching module in the vLLM model")
+    layer, pname, part = target
+    method = jetrl_method_of(layer)
+    if method is None or pname != "weight":
+        raise WeightSyncError(
+            f"FP8 weight {t.name} arrived, but {getattr(layer, 'prefix', type(layer).__name__)} does not run the "
+            f"jetrl_fp8 method (quant method: {type(getattr(layer, 'quant_method', None)).__name__}). "
+            "Build the engine with the recipe's jetrl_fp8 quantization, or sync high-precision weights (fp8=False)."
+        )
+    if method.scope != "per_part":
+        raise WeightSyncError(
+            f"{layer.prefix} quantizes the fused projection as one matrix (weight_quant_scope=fused): the trainer's "
+            "per-part FP8 bytes cannot be installed without re-quantizing. Use weight_quant_scope=per_part."
+        )
+    part = part or 0
+    block = method.fprop.weight.granularity.block(tuple(t.data.shape))
+    if t.block is not None and tuple(t.block) != tuple(block):
+        raise WeightSyncError(f"FP8 weight {t.name}: trainer block {tuple(t.block)} != engine block {block}")
+    qt = QuantizedTensor(t.data.to(layer.weight.device), t.scale.to(layer.weight.device), tuple(block))
+    method.install_group(layer, part, _shard_of(layer, part, qt))
+
+
+def _unquantized_packed(layer: nn.Module) -> bool:
+    """A linear whose weight vLLM-CPU moved into a packed kernel handle (no loader left to call)."""
+    w = getattr(layer, "weight", None)
+    return jetrl_method_of(layer) is None and isinstance(w, torch.Tensor) and w.numel() == 0
+
+
+def _refresh_embeddings(model: nn.Module) -> None:
+    # vLLM-CPU keeps a packed copy of lm_head for its GEMM: rebuild it after the weight changed.
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for m in model.modules():
+        if isinstance(m, VocabParallelEmbedding) and hasattr(m.quant_method, "process_weights_after_loading"):
+            m.quant_method.process_weights_after_loading(m)
+
+
+def _group_digest(layer: nn.Module, part: int | None) -> str:
+    method = jetrl_method_of(layer)
+    qt = method.group_tensor(layer, 0 if method.scope == "fused" else (part or 0))
+    return f"{digest(qt.data)}:{digest(qt.scale)}"
+
+
+def install_sync_tensors(worker: Any, tensors: Iterable[SyncTensor]) -> dict[str, int]:
+    """Install SyncTensors into the live model: FP8 bytes in place, high-precision via vLLM's loaders.
+
+    A high-precision weight that the engine cannot hold as sent (quantized by our loader for
+    fp8_rollout, or packed by vLLM-CPU) leaves a record: the digest of what arrived, plus the
+    digest of the FP8 bytes it became. `weight_digests` answers with the arrived digest while
+    the held bytes are unchanged, so the trainer compares what it sent with what the engine keeps.
+    """
+    model = _model(worker)
+    hp: list[tuple[str, torch.Tensor]] = []
+    records: list[tuple[nn.Module, int, str]] = []
+    needs_reload = False
+    counts = {"fp8": 0, "hp": 0}
+    with torch.no_grad():
+        for t in tensors:
+            target = _resolve(model, t.name)
+            if t.scale is not None:
+                _install_fp8(model, t)
+                layer, _, part = target
+                getattr(layer, "jetrl_sync_records", {}).pop(part or 0, None)
+                counts["fp8"] += 1
+                continue
+            if target is not None and target[1] == "weight":
+                layer, _, part = target
+                packed = _unquantized_packed(layer)
+                needs_reload |= packed
+                if packed or jetrl_method_of(layer) is not None:
+                    records.append((layer, part or 0, digest(t.data)))
+            hp.append((t.name, t.data))
+            counts["hp"] += 1
+        if hp:
+            if needs_reload:
+                worker.reload_weights(weights_iterator=iter(hp))
+            else:
+                model.load_weights(iter(hp))
+                _refresh_embeddings(model)
+        for layer, part, sent in records:
+            held = _group_digest(layer, part) if jetrl_method_of(layer) is not None else None
+            if not hasattr(layer, "jetrl_sync_records"):
+                layer.jetrl_sync_records = {}
+            layer.jetrl_sync_records[part] = (sent, held)
+    return counts
+
+
+# ---- inspection ----------------------------------------------------------------------------------
+def _held(model: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The (data, scale) the engine holds for a training parameter name; None when it cannot say."""
+    target = _resolve(model, name)
+    if target is None:
+        return None
+    layer, pname, part = target
+    if getattr(layer, "tp_size", 1) > 1:
+        raise NotImplementedError("weight digests with tensor parallelism > 1 are not supported yet")
+    method = jetrl_method_of(layer)
+    if method is not None and pname == "weight":
+        group = 0 if method.scope == "fused" else (part or 0)
+        if method.scope == "fused" and len(layer.jetrl_groups) == 1 and len(layer.jetrl_part_sizes) > 1:
+            return None  # fused blocks: a part's bytes are not a separate quantization
+        qt = method.group_tensor(layer, group)
+        return qt.data, qt.scale
+    p = getattr(layer, pname, None)
+    if not isinstance(p, torch.Tensor) or p.numel() == 0:
+        return None
+    if part is not None:
+        sizes = getattr(layer, "output_sizes", None)
+        if sizes is None:
+            return None
+        off = sum(sizes[:part])
+        return p.data[off : off + sizes[part]], None
+    org = getattr(layer, "org_vocab_size", None)  # embeddings/lm_head: drop vocab padding rows
+    return (p.data[:org] if org is not None else p.data), None
+
+
+def weight_digests(worker: Any, names: Sequence[str]) -> dict[str, str | None]:
+    """Digest of what the engine holds for each name, in `weight_sync.sync_tensor_digest` format.
+
+    None: the engine cannot tell (a weight vLLM-CPU packed before any sync). For a weight the
+    engine quantized itself from a synced high-precision tensor: the digest of that tensor while
+    the resulting FP8 bytes are unchanged, else a value that cannot match.
+    """
+    model = _model(worker)
+    out: dict[str, str | None] = {}
+    for name in names:
+        target = _resolve(model, name)
+        record = None
+        if target is not None and target[1] == "weight":
+            record = getattr(target[0], "jetrl_sync_records", {}).get(target[2] or 0)
+        if record is not None:
+            sent, held = record
+            if held is None or held == _group_digest(target[0], target[2]):
+                out[name] = sent
+            else:
+                out[name] = f"modified-after-sync:{_group_digest(target[0], target[2])}"
+            continue
+        held_t = _held(model, name)
+        if held_t is None:
+            out[name] = None
+        else:
+            data, scale = held_t
+            out[name] = digest(data) if scale is None else f"{digest(data)}:{digest(scale)}"
+    return out
+
+
+def read_weights(worker: Any, names: Sequence[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None] | None]:
+    """Copies of the held (data, scale) per name: for tests and debugging, not the hot path."""
+    model = _model(worker)
+    out = {}
+    for name in names:
+        held = _held(model, name)
+        out[name] = None if held is None else (held[0].detach().cpu().clone(), None if held[1] is None else held[1].detach().cpu().clone())
+    return out
+
+
+def corrupt_weight(worker: Any, name: str, flat_index: int = 0) -> None:
+    """Flip one FP8 byte of `name` in the engine (testing the digest check). Never call in production."""
+    held = _held(_model(worker), name)
+    if held is None:
+        raise KeyError(name)
+    raw = held[0].view(torch.uint8).reshape(-1)
+    raw[flat_index] ^= 0x01
+
+
+# ---- the rollout precision graph ------------------------------------------------------------------
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", torch.float8_e4m3fn: "e4m3"}.get(dtype, str(dtype))
+
+
+def _full_part_sizes(layer: nn.Module) -> list[int] | None:
+    sizes = getattr(layer, "output_sizes", None)
+    return list(sizes) if sizes is not None and len(sizes) > 1 else None
+
+
+def _add_foreign_linear(g: PrecisionGraph, m: nn.Module, name: str, in_features: int, out_features: int, parts: list[int] | None) -> None:
+    """A linear quantized by some other method: its edges name that method as the quantizer."""
+    foreign = f"vllm:{type(m.quant_method).__name__}"
+    before = len(g.edges)
+    add_linear(g, name, in_features, out_features, FpropSpec(), None, hp_dtype=_dtype_name(m.params_dtype), backend=None, part_sizes=parts, op="linear_foreign")
+    w = getattr(m, "weight", None)
+    wdt = _dtype_name(w.dtype) if isinstance(w, torch.Tensor) else "unknown"
+    for i in range(before, len(g.edges)):
+        e = g.edges[i]
+        dt = wdt if e.role == "weight" else e.attrs.dtype
+        g.edges[i] = type(e)(e.dst, e.role, EdgeAttrs(dtype=dt, quantizer_id=foreign))
+
+
+def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
+    """The rollout PrecisionGraph of what this worker instantiated, as a dict (PrecisionGraph.to_dict()).
+
+    jetrl_fp8 layers report their actual specs, resolved backend, quantization kernel and
+    weight quantization scope; other linear layers report their weight dtype (unquantized) or
+    the foreign quantization method; embeddings and norms report their dtypes.
+    """
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    model = _model(worker)
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    methods = sorted({type(getattr(m, "quant_method", None)).__name__ for m in model.modules() if isinstance(m, LinearBase)})
+    recipe = recipe_name
+    first = next((jetrl_method_of(m) for m in model.modules() if jetrl_method_of(m) is not None), None)
+    if first is not None and not recipe:
+        recipe = first.settings.recipe.name
+    g = PrecisionGraph("rollout", recipe or "none", meta={"source": f"vllm:{type(model).__name__}", "linear_methods": ",".join(methods)})
+    for fqn, m in model.named_modules():
+        name = canonical_name(fqn)
+        if isinstance(m, LinearBase):
+            method = jetrl_method_of(m)
+            in_features = getattr(m, "input_size", None)
+            parts = _full_part_sizes(m)
+            out_features = getattr(m, "output_size", None)
+            if method is not None:
+                add_linear(
+                    g, name, in_features, out_features, method.fprop, None,
+                    hp_dtype=_dtype_name(m.jetrl_hp_dtype), backend=method.backend_for(device), kernel=kernel_name(device),
+                    part_sizes=parts, weight_quant_scope=method.scope,
+                )
+            elif isinstance(m.quant_method, UnquantizedLinearMethod):
+                add_linear(g, name, in_features, out_features, FpropSpec(), None, hp_dtype=_dtype_name(m.params_dtype), backend=None, part_sizes=parts)
+            else:  # another quantization (e.g. vLLM's own fp8): not our quantizer, whatever its format
+                _add_foreign_linear(g, m, name, in_features, out_features, parts)
+        elif isinstance(m, ParallelLMHead):
+            # a GEMM in training (nn.Linear lm_head): record it as the unquantized linear it is
+            add_linear(g, name, m.embedding_dim, m.org_vocab_size, FpropSpec(), None, hp_dtype=_dtype_name(m.weight.dtype), backend=None)
+        elif isinstance(m, VocabParallelEmbedding):
+            dt = _dtype_name(m.weight.dtype)
+            g.add_node(name, "embedding", num_embeddings=m.org_vocab_size, dim=m.embedding_dim)
+            g.add_edge(name, "weight", EdgeAttrs(dtype=dt, quantizer_id=f"{dt}/none"))
+        elif "norm" in type(m).__name__.lower() and not any(True for _ in m.children()):
+            w = getattr(m, "weight", None)
+            dt = _dtype_name(w.dtype) if isinstance(w, torch.Tensor) else "fp32"
+            g.add_node(name, "norm")
+            g.add_edge(name, "weight", EdgeAttrs(dtype=dt, quantizer_id=f"{dt}/none"))
+    return g.to_dict()
+
+
+# ---- transport over a torch.distributed group -------------------------------------------------------
+def init_weight_sync_group(worker: Any, host: str, port: int, rank_offset: int, world_size: int, backend: str = "gloo") -> int:
+    """Join the trainer's weight-sync group as rank `rank_offset + worker rank`; returns that rank."""
+    rank = rank_offset + int(getattr(worker, "rank", 0))
+    device = None if backend == "gloo" else getattr(worker, "device", None)
+    worker._jetrl_sync_group = init_sync_group(host, port, rank, world_size, backend, device=device)
+    return rank
+
+
+def receive_weights(worker: Any, src: int = 0) -> dict[str, int]:
+    """Receive one broadcast of SyncTensors from `src` and install them; returns counts per kind."""
+    group = getattr(worker, "_jetrl_sync_group", None)
+    if group is None:
+        raise WeightSyncError("receive_weights: call init_weight_sync_group on this engine first")
+    total = {"fp8": 0, "hp": 0}
+    for bucket in receive_sync_tensors(group, src):
+        counts = install_sync_tensors(worker, bucket)
+        total = {k: total[k] + counts[k] for k in total}
+    return total
+
+
+class JetRLWorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`): string RPC names for the helpers above."""
+
+    def jetrl_install(self, tensors: list[SyncTensor]) -> dict[str, int]:
+        return install_sync_tensors(self, tensors)
+
+    def jetrl_weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
+        return weight_digests(self, names)
+
+    def jetrl_read_weights(self, names: Sequence[str]) -> dict:
+        return read_weights(self, names)
+
+    def jetrl_corrupt_weight(self, name: str, flat_index: int = 0) -> None:
+        corrupt_weight(self, name, flat_index)
+
+    def jetrl_precision_graph(self, recipe_name: str = "") -> dict:
+        return build_rollout_graph(self, recipe_name)
+
+    def jetrl_init_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str = "gloo") -> int:
+        return init_weight_sync_group(self, host, port, rank_offset, world_size, backend)
+
+    def jetrl_receive_weights(self, src: int = 0) -> dict[str, int]:
+        return receive_weights(self, src)
+
+    def jetrl_param_names(self) -> list[str]:
+        return training_param_names(self)
+
+
+def training_param_names(worker: Any) -> list[str]:
+    """The training-side parameter names this engine's weights correspond to (fused parts expanded)."""
+    model = _model(worker)
+    names = []
+    for fqn, m in model.named_modules():
+        prefix = canonical_name(fqn)
+        leaf = prefix.rsplit(".", 1)[-1]
+        for pname, _ in m.named_parameters(recurse=False):
+            if pname == "weight_scale":
+                continue
+            if leaf in FUSED_PROJECTIONS and _full_part_sizes(m) is not None:
+                names += [f"{prefix[: -len(leaf)]}{part}.{pname}" for part in FUSED_PROJECTIONS[leaf]]
+            else:
+                names.append(f"{prefix}.{pname}")
+    return names
+
+
+__all__ += ["corrupt_weight", "training_param_names"]

