@@ -164,9 +164,15 @@ class DeepspeedStrategy:
             yield
             return
         from transformers.integrations import HfDeepSpeedConfig
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config(train))
-        yield
+        try:
+            yield
+        finally:
+            # Only this load is partitioned: the rollout engine's own copy must load whole.
+            self._hf_ds_config = None
+            unset_hf_deepspeed_config()
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, train: bool = True):
         import deepspeed
