@@ -79,3 +79,56 @@ def make_outliers():
 @pytest.fixture
 def sqnr():
     return sqnr_db
+
+
+# ---- tiny transformers models, built from configs (no model hub) ---------------------------------
+def tiny_causal_lm(
+    arch: str = "llama",
+    *,
+    hidden: int = 256,
+    intermediate: int = 512,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int | None = 2,
+    vocab: int = 512,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """A randomly initialised LlamaForCausalLM / Qwen2ForCausalLM small enough for CPU tests."""
+    import transformers
+
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    cfg = cfg_cls(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return model_cls(cfg).to(dtype)
+
+
+@pytest.fixture
+def tiny_lm():
+    return tiny_causal_lm
+
+
+@pytest.fixture
+def single_thread():
+    """Run torch on one intra-op thread for the test.
+
+    On a 2-core machine shared with other processes, two spinning OpenMP threads can slow
+    small-matmul training loops by 10x or more; one thread is as fast uncontended and stable.
+    """
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
