@@ -94,7 +94,9 @@ def quantize_fp8(
     amax = groups.abs().amax(dim=(1, 3)).clamp_min(AMAX_FLOOR)
     # torch's clamp_min drops NaN in favour of the bound; keep NaN visible so it propagates.
     amax = torch.where(torch.isnan(groups).any(dim=(1, 3)), torch.full_like(amax, float("nan")), amax)
-    scale = amax / E4M3_MAX
+    # A tensor divisor, not the Python scalar: on CUDA, torch turns `t / scalar` into t * (1/scalar),
+    # which is not the IEEE division of the contract and changes ~1e-3 of the scales (and bytes).
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     if pow2_scale:
         scale = round_scale_pow2(scale)
     q = (groups / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
