@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import sqnr_db, tiny_causal_lm
+from precision_testutil import sqnr_db, tiny_causal_lm
 from jetrl_precision import Fp8Linear, convert_to_fp8, fp8_linears, get_recipe
 
 JET = get_recipe("jet_fp8")

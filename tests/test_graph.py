@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_causal_lm
+from precision_testutil import tiny_causal_lm
 from jetrl_precision import (
     Fp8Linear,
     FpropSpec,

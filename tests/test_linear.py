@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import outlier_data, sqnr_db
+from precision_testutil import outlier_data, sqnr_db
 from jetrl_precision import (
     BackendUnavailable,
     Fp8Linear,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import outlier_data
+from precision_testutil import outlier_data
 from jetrl_precision import (
     Granularity,
     NonFiniteInputError,
