@@ -105,7 +105,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    train(cfg)
+    from jetrl_precision import BackendUnavailable, RecipeError
+    from openrlhf.trainer.ppo_trainer import PrecisionCheckError, WeightSyncError
+
+    try:
+        train(cfg)
+    except (FileNotFoundError, KeyError, RecipeError, BackendUnavailable, PrecisionCheckError, WeightSyncError) as e:
+        # Problems with the user's inputs or setup: one clear message, no traceback.
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -364,7 +364,7 @@ class PPOTrainer:
         if out.is_weight_mean is not None:
             stats["train/is_weight_mean"] = float(out.is_weight_mean)
         if cfg.algo.kl.use_loss:
-            stats["train/kl_loss"] = float(kl_term) / scale * global_tokens / max(float(mb.action_mask.sum()), 1.0)
+            stats["train/kl_loss"] = kl_term.item() / scale * global_tokens / max(float(mb.action_mask.sum()), 1.0)
         return stats
 
     def _critic_micro_step(self, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:

@@ -50,6 +50,7 @@ class TinyModelSpec:
     vocab_size: int = 128
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = False
+    initializer_range: float = 0.02  # larger -> peakier next-token distributions
     seed: int = 0
 
 
@@ -71,6 +72,7 @@ def build_tiny_model(save_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()
         vocab_size=spec.vocab_size,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=spec.initializer_range,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

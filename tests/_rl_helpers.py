@@ -1,0 +1,66 @@
+"""Shared set-up for the end-to-end RL tests: a warm-started tiny model and task data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "DS_ACCELERATOR": "cpu",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_NO_USAGE_STATS": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def make_task(workdir: Path, sft_steps: int = 40, seed: int = 0) -> tuple[Path, Path]:
+    """Tiny Llama, SFT warm start to partial accuracy, and a prompt set (cached per workdir)."""
+    from openrlhf.datasets.synthetic import make_arithmetic_records, write_jsonl
+    from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model
+    from openrlhf.utils.warmstart import sft_warmstart
+
+    data = workdir / "arith.jsonl"
+    records = make_arithmetic_records(512, difficulty=1, seed=seed, max_operand=4, operators=("+",))
+    write_jsonl(records, data)
+    sft = workdir / "sft"
+    if not (sft / "config.json").exists():
+        base = build_tiny_model(workdir / "init", TinyModelSpec(seed=seed))
+        sft_warmstart(base, records, sft, steps=sft_steps, seed=seed)
+    return sft, data
+
+
+def grpo_args(model: Path, data: Path, out: Path, recipe: str, steps: int, extra: list[str] = ()) -> list[str]:
+    """`steps` rollouts of 16 prompts x 8 samples, each followed by 4 optimizer steps of 32 samples."""
+    return [
+        "--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(data), "--data.label_key", "label",
+        "--data.max_len", "32", "--precision.recipe", recipe, "--rollout.engine", "hf",
+        "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", "8", "--rollout.batch_size", "16",
+        "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "64", "--train.batch_size", "32",
+        "--train.micro_batch_size", "16", "--train.max_steps", str(4 * steps), "--actor.adam.lr", "3e-4",
+        "--actor.lr_warmup_ratio", "0.15", "--algo.kl.init_coef", "0",
+        "--ds.param_dtype", "fp32", "--ckpt.output_dir", str(out), "--logger.tensorboard_dir", str(out / "tb"), *extra,
+    ]
+
+
+def run(cmd: list[str], timeout: int = 900, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd[:6])}... exited {proc.returncode}\n--- stderr tail ---\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+PY = sys.executable

@@ -1,0 +1,141 @@
+"""End-to-end GRPO through the real CLI: DeepSpeed (gloo on CPU), the transformers engine,
+the precision check, FP8 weight sync with digest checks, and checkpoints."""
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from _rl_helpers import ENV, PY, REPO, grpo_args, make_task, metrics, run
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return make_task(tmp_path_factory.mktemp("task"))
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["jet_fp8", "bf16"])
+def test_grpo_deepspeed_zero3_two_ranks_reward_rises(task, tmp_path, recipe):
+    model, data = task
+    out = tmp_path / recipe
+    args = grpo_args(model, data, out, recipe, steps=20, extra=["--ds.zero_stage", "3", "--ckpt.save_steps", "-1"])
+    run(["deepspeed", "--num_gpus", "2", "--master_port", str(29600 + (recipe == "bf16")), "openrlhf/cli/train_ppo_ray.py", *args], timeout=1500)
+    hist = metrics(out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 20 and summary["engine"] == "hf"
+    rewards = [h["rollout/reward"] for h in hist]
+    print(recipe, [round(r, 3) for r in rewards])
+    assert _mean(rewards[-5:]) > _mean(rewards[:5]) + 0.05, rewards
+    # Every step logged the rollout-train mismatch from the engine's own logprobs.
+    assert all("rollout_train_mismatch/kl_k3" in h and "rollout_train_mismatch/ratio_q50" in h for h in hist)
+    mm = max(h["rollout_train_mismatch/abs_logp_diff_mean"] for h in hist)
+    assert mm < 1e-2, mm
+    assert "precision check: OK" in summary["precision_report"]
+    assert any((out / "tb").iterdir())
+
+
+def test_precision_check_refuses_a_mismatched_engine(task, tmp_path):
+    """An on-policy recipe whose engine runs different numerics must not start."""
+    from jetrl_precision import FpropSpec, TensorSpec, get_recipe
+    from openrlhf.cli.config import parse_config
+    from openrlhf.trainer.engines.hf_engine import HFEngine
+    from openrlhf.trainer.ppo_trainer import PPOTrainer, PrecisionCheckError
+    from openrlhf.utils.deepspeed import DeepspeedStrategy, StrategyConfig
+
+    model, data = task
+    cfg = parse_config(grpo_args(model, data, tmp_path / "o", "jet_fp8", 1))
+    st = DeepspeedStrategy(StrategyConfig(zero_stage=2, param_dtype="fp32", micro_batch_size=16, train_batch_size=32))
+    st.setup_distributed()
+    # The engine is built with the pow2-scale variant: a different quantizer on every edge.
+    pow2 = get_recipe("jet_fp8").replace(
+        rollout=FpropSpec(TensorSpec("e4m3", "1x128", "amax/448,pow2up"), TensorSpec("e4m3", "128x128", "amax/448,pow2up"))
+    )
+    trainer = PPOTrainer(cfg, st, lambda recipe: HFEngine(str(model), pow2, dtype=torch.float32))
+    with pytest.raises(PrecisionCheckError, match="scale_rule"):
+        trainer.setup()
+
+
+@pytest.mark.slow
+def test_resume_after_kill_matches_uninterrupted_run(task, tmp_path):
+    model, data = task
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    steps = 4
+    run([PY, "-m", "openrlhf.cli.train_ppo_ray", *grpo_args(model, data, full, "jet_fp8", steps, ["--ckpt.save_steps", "1"])])
+
+    # Start the same run, SIGKILL it once the step-2 checkpoint is complete (DeepSpeed writes
+    # `latest` last), then resume.
+    args = grpo_args(model, data, killed, "jet_fp8", steps, ["--ckpt.save_steps", "1"])
+    proc = subprocess.Popen([PY, "-m", "openrlhf.cli.train_ppo_ray", *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints_ppo" / "actor" / "latest"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() in ("global_step2", "global_step3"):
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    killed_at = int(latest.read_text().strip()[len("global_step"):])
+    assert not (killed / "summary.json").exists()
+
+    run([PY, "-m", "openrlhf.cli.train_ppo_ray", *args, "--ckpt.load_enable"])
+    resumed = metrics(killed)
+    ref = metrics(full)
+    # The resumed run continues at the saved step with the same data position and optimizer
+    # state: its steps reproduce the uninterrupted run's.
+    assert [h["step"] for h in resumed] == list(range(killed_at + 1, steps + 1))
+    for a, b in zip(resumed, ref[killed_at:]):
+        assert a["step"] == b["step"]
+        assert a["rollout/reward"] == b["rollout/reward"]
+        assert a["train/policy_loss"] == pytest.approx(b["train/policy_loss"], rel=1e-5, abs=1e-7)
+
+    def final_state(root):
+        from pathlib import Path
+
+        d = Path(root) / "checkpoints_ppo" / "actor" / f"global_step{steps}"
+        opt = torch.load(next(d.glob("*optim_states.pt")), map_location="cpu", weights_only=False)
+        mdl = torch.load(next(d.glob("*model_states.pt")), map_location="cpu", weights_only=False)
+        return opt, mdl
+
+    (opt_a, mdl_a), (opt_b, mdl_b) = final_state(full), final_state(killed)
+    assert mdl_a["global_step"] == mdl_b["global_step"]
+    assert mdl_a["rollout_index"] == mdl_b["rollout_index"] and mdl_a["episode"] == mdl_b["episode"]
+    sa = opt_a["optimizer_state_dict"]["base_optimizer_state"]["state"]
+    sb = opt_b["optimizer_state_dict"]["base_optimizer_state"]["state"]
+    for k in sa:
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(sa[k][name], sb[k][name], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--algo.advantage.estimator", "group_norm"], "n_samples_per_prompt"),
+        (["--actor.lr", "1e-6"], "did you mean --actor.adam.lr"),
+        (["--precision.recipe", "no_such_recipe"], "recipe"),
+        (["--precision.recipe", "bf16", "--fp8_unified"], "--fp8_unified"),
+    ],
+)
+def test_cli_errors_are_clear(task, tmp_path, argv, needle):
+    model, data = task
+    base = ["--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(data)]
+    proc = run([PY, "-m", "openrlhf.cli.train_ppo_ray", *base, *argv], timeout=120, check=False)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_dataset_key_is_clear(task, tmp_path):
+    model, data = task
+    proc = run([PY, "-m", "openrlhf.cli.train_ppo_ray", *grpo_args(model, data, tmp_path / "o", "bf16", 1, ["--data.input_key", "question"])], timeout=300, check=False)
+    assert proc.returncode != 0
+    assert "--data.input_key" in proc.stderr and "question" in proc.stderr
+    assert "Traceback" not in proc.stderr
