@@ -49,6 +49,7 @@ __all__ = [
     "init_sync_group",
     "broadcast_sync_tensors",
     "receive_sync_tensors",
+    "broadcast_json",
 ]
 
 logger = logging.getLogger(__name__)
@@ -367,3 +368,21 @@ def receive_sync_tensors(group: SyncGroup, src: int = 0) -> Iterator[list[SyncTe
             block = tuple(e["block"]) if e.get("block") else None
             out.append(SyncTensor(e["name"], _view(payload, e["data"]), scale, block))
         yield out
+
+
+def broadcast_json(group: SyncGroup, obj: Any, src: int) -> Any:
+    """Broadcast a JSON-serializable object from `src` (which passes it) to every member (who pass None).
+
+    Small control data only (e.g. an engine's digests back to the trainer).
+    """
+    if group.rank == src:
+        raw = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(group.device)
+        n = torch.tensor([raw.numel()], dtype=torch.int64, device=group.device)
+        group.broadcast(n, src)
+        group.broadcast(raw, src)
+        return obj
+    n = torch.zeros(1, dtype=torch.int64, device=group.device)
+    group.broadcast(n, src)
+    raw = torch.zeros(int(n.item()), dtype=torch.uint8, device=group.device)
+    group.broadcast(raw, src)
+    return json.loads(bytes(raw.cpu().numpy().tobytes()).decode())

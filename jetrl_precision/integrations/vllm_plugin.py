@@ -378,6 +378,20 @@ def jetrl_method_of(layer: torch.nn.Module):
     return method if isinstance(method, _CLASSES["JetFp8LinearMethod"]) else None
 
 
+class _QuietFp8LoadWarning(logging.Filter):
+    """vLLM warns that it loads an fp32/bf16 tensor into an e4m3 parameter: our loader quantizes it, so drop that line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (str(record.msg).startswith("Attempted to load weight") and args and args[-1] == torch.float8_e4m3fn)
+
+
+def _install_log_filter() -> None:
+    vllm_logger = logging.getLogger("vllm.model_executor.models.utils")
+    if not any(isinstance(f, _QuietFp8LoadWarning) for f in vllm_logger.filters):
+        vllm_logger.addFilter(_QuietFp8LoadWarning())
+
+
 def is_registered() -> bool:
     try:
         from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
@@ -397,6 +411,7 @@ def register() -> bool:
         logger.debug("jetrl_fp8: vLLM is not installed; nothing to register")
         return False
     classes = _build_classes()
+    _install_log_filter()
     if _CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(QUANT_NAME) is not classes["JetFp8Config"]:
         register_quantization_config(QUANT_NAME)(classes["JetFp8Config"])
         logger.debug("jetrl_fp8: registered the vLLM quantization method")

@@ -26,7 +26,7 @@ from ..formats import QuantizedTensor
 from ..graph import FUSED_PROJECTIONS, EdgeAttrs, PrecisionGraph, add_linear, canonical_name
 from ..ops import kernel_name
 from ..recipe import FpropSpec
-from ..weight_sync import SyncTensor, WeightSyncError, digest, init_sync_group, receive_sync_tensors
+from ..weight_sync import SyncTensor, WeightSyncError, broadcast_json, digest, init_sync_group, receive_sync_tensors
 from .vllm_plugin import _check_aligned, _shard_window, jetrl_method_of
 
 __all__ = [
@@ -341,6 +341,15 @@ def receive_weights(worker: Any, src: int = 0) -> dict[str, int]:
     return total
 
 
+def broadcast_digests(worker: Any, names: Sequence[str]) -> dict[str, str | None]:
+    """Send this engine's digests of `names` to every member of the sync group (the trainer receives
+    them with `weight_sync.broadcast_json(group, None, src=<this rank>)`)."""
+    group = getattr(worker, "_jetrl_sync_group", None)
+    if group is None:
+        raise WeightSyncError("broadcast_digests: call init_weight_sync_group on this engine first")
+    return broadcast_json(group, weight_digests(worker, names), src=group.rank)
+
+
 class JetRLWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`): string RPC names for the helpers above."""
 
@@ -365,6 +374,9 @@ class JetRLWorkerExtension:
     def jetrl_receive_weights(self, src: int = 0) -> dict[str, int]:
         return receive_weights(self, src)
 
+    def jetrl_broadcast_digests(self, names: Sequence[str]) -> dict[str, str | None]:
+        return broadcast_digests(self, names)
+
     def jetrl_param_names(self) -> list[str]:
         return training_param_names(self)
 
@@ -386,4 +398,4 @@ def training_param_names(worker: Any) -> list[str]:
     return names
 
 
-__all__ += ["corrupt_weight", "training_param_names"]
+__all__ += ["corrupt_weight", "training_param_names", "broadcast_digests"]

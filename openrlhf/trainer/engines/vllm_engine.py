@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -42,6 +43,10 @@ __all__ = ["VLLMEngine", "VLLMNotInstalledError", "require_vllm"]
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "jetrl_precision.integrations.vllm_worker.JetRLWorkerExtension"
+
+# vLLM keeps its distributed groups in process-global state: two in-process engines would share
+# (and one's shutdown would tear down) the other's groups.
+_IN_PROCESS_ENGINES: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
 
 
 class VLLMNotInstalledError(ImportError):
@@ -139,6 +144,16 @@ class VLLMEngine(RolloutEngine):
             kwargs["enforce_eager"] = True if enforce_eager is None else enforce_eager
             kwargs["distributed_executor_backend"] = "uni"
         kwargs.update(engine_kwargs or {})
+        self.in_process = kwargs.get("distributed_executor_backend") in ("uni", "external_launcher") or (
+            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        )
+        live = [e for e in _IN_PROCESS_ENGINES if e.llm is not None]
+        if self.in_process and live:
+            raise RuntimeError(
+                "another in-process vLLM engine is alive in this process; vLLM keeps its distributed state "
+                "per process, so call .shutdown() on it before building a new one"
+            )
+        self.llm = None
         self.enable_sleep = enable_sleep and self.on_gpu
         self._sleeping = False
         self._temperature = 1.0
@@ -146,6 +161,8 @@ class VLLMEngine(RolloutEngine):
         from vllm import LLM
 
         self.llm = LLM(**kwargs)
+        if self.in_process:
+            _IN_PROCESS_ENGINES.add(self)
         self.tensor_parallel_size = tensor_parallel_size
         logger.info(
             "vLLM engine ready: %s, recipe %s, quantization %s, dtype %s", model_path, self.recipe.name, quantization or "none", kwargs["dtype"]
@@ -256,6 +273,10 @@ class VLLMEngine(RolloutEngine):
         self._reset_prefix_cache()
         self._synced = True
         return counts
+
+    def broadcast_weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
+        """Send digests of `names` over the sync group to the trainer (`weight_sync.broadcast_json(group, None, src)`)."""
+        return self.llm.collective_rpc("jetrl_broadcast_digests", args=(list(names),))[0]
 
     def weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
         if self.tensor_parallel_size > 1:
