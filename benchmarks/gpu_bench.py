@@ -16,7 +16,7 @@ Timing: triton.testing.do_bench medians (L2 flushed before each repeat); ratios 
 from __future__ import annotations
 
 import argparse
-import datetime
+import itertools
 import json
 import math
 import os
@@ -128,7 +128,8 @@ def section_quant(args, copy_bw):
         one("128x1_transposed", shp, lambda: quant.quantize_128x1_t(x), io)
         if (m, k) == (16384, 4096):
             for bc in (32, 64, 128):
-                one(f"128x1_transposed_blockc{bc}", shp, lambda bc=bc: quant.quantize_128x1_t(x, block_c=bc), io)
+                for nw in (4, 8):
+                    one(f"128x1_transposed_blockc{bc}_w{nw}", shp, lambda bc=bc, nw=nw: quant.quantize_128x1_t(x, block_c=bc, num_warps=nw), io)
         q1 = quant.quantize_1x128(x)
         io_rq = m * k * 2 + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
         one("requant_1x128_to_128x1_T", shp, lambda: quant.requantize_1x128_to_128x1(q1, True), io_rq)
@@ -140,9 +141,16 @@ def section_quant(args, copy_bw):
         shp = f"{n}x{k}"
         io = n * k * 2 + n * k
         one("128x128", shp, lambda: quant.quantize_128x128(w), io)
+        if (n, k) == (28672, 4096):
+            one("128x128_w4", shp, lambda: quant.quantize_128x128(w, num_warps=4), io)
+            one("128x128_T_only", shp, lambda: quant.quantize_128x128(w, write=False, write_t=True), io)
         one("128x128_plus_T", shp, lambda: quant.quantize_128x128(w, write_t=True), io + n * k)
         wq = quant.quantize_128x128(w)[0]
         one("torch_fp8_transpose_copy", shp, lambda: wq.t(), 2 * n * k, backend="torch-ops")
+        one("triton_fp8_transpose", shp, lambda: quant.transpose_quantized(wq), 2 * n * k)
+        if (n, k) == (28672, 4096):
+            for blk, nw in ((32, 4), (64, 8), (128, 8)):
+                one(f"triton_fp8_transpose_b{blk}_w{nw}", shp, lambda blk=blk, nw=nw: quant.transpose_quantized(wq, blk, nw), 2 * n * k)
         del w, wq
     for m, i in ((16384, 14336), (8192, 14336)):
         gu = data(m, 2 * i, seed=3)
@@ -211,6 +219,24 @@ def section_gemm(args):
             min=round(min(big), 3), max=round(max(big), 3))
         rec("gemm_geomean_ratio_decode", "M=64,256 (8 shapes)", b, round(gm(small), 3), "x", round(gm(small), 3))
 
+    # Triton decode diagnostic: split-K and tile choice at M=64.
+    from jetrl_precision.kernels.gemm import fp8_gemm_nt
+    print("\ntriton decode M=64 (us): split_k x tile")
+    for lname in ("o_proj", "down"):
+        n, k = LAYERS[lname]
+        xq = quant.quantize_1x128(data(64, k, seed=6))
+        wq = quant.quantize_128x128(data(n, k, seed=5, scale=0.02))[0]
+        line = f"  {lname}:"
+        for split in (1, 2, 4, 8):
+            for bm, bn, nw, ns in ((64, 64, 4, 4), (64, 128, 4, 4)):
+                cfg = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=nw, num_stages=ns)
+                t = bench(lambda: fp8_gemm_nt(xq.data, xq.scale, wq.data, wq.scale, 128, torch.bfloat16, split_k=split, config=cfg))
+                line += f" s{split}/{bm}x{bn}={t * 1e3:.0f}"
+                rec("triton_decode_diag_us", f"M=64 {lname} split={split} tile={bm}x{bn}", "triton", round(t * 1e3, 1), "us")
+        t = bench(lambda: fp8_gemm_nt(xq.data, xq.scale, wq.data, wq.scale, 128, torch.bfloat16))
+        line += f" | auto={t * 1e3:.0f}"
+        print(line)
+
     # WGrad recipe (1x128 x 1x128, fp32 out) at M = 8192 tokens: out [N, K] contracts over tokens.
     print("\nwgrad GEMM (1x128.1x128 -> fp32), tokens=8192")
     for lname, (n, k) in LAYERS.items():
@@ -229,6 +255,53 @@ def section_gemm(args):
             rec("wgrad_gemm_tflops", f"tokens={m} {lname} N={n} K={k}", b, round(tf, 1), "TFLOP/s", round(t_bf / t, 3))
         print(line)
         del dy_t, x_t, dyb, xb
+
+
+def section_host(args):
+    """Host (CPU) time per call at decode size, where the GPU work is shorter than the Python around it."""
+    from jetrl_precision.gemm import torch_backend as tb
+
+    def host_us(fn, n=300):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / n * 1e6
+
+    x = data(64, 4096, seed=16)
+    w = data(4096, 4096, seed=17, scale=0.02)
+    xq, wq = quant.quantize_1x128(x), quant.quantize_128x128(w)[0]
+    one, block = tb.scaling_types()
+    sb = wq.scale.t() if wq.scale.is_contiguous() else torch.as_strided(wq.scale, (wq.scale.shape[1], wq.scale.shape[0]), (1, wq.scale.stride(0)))
+    lin = nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    r = get_recipe("jet_fp8")
+    f8 = Fp8Linear.from_linear(lin, r.train_fprop, r.train_backward)
+    xs = [data(64, 4096, seed=18 + i) for i in range(2)]
+    cyc = itertools.cycle(range(2))
+    items = {
+        "F.linear bf16": lambda: F.linear(x, w),
+        "quantize_1x128 launch": lambda: quant.quantize_1x128(x),
+        "F.scaled_mm direct": lambda: F.scaled_mm(xq.data, wq.data.t(), xq.scale, one, sb, block, output_dtype=torch.bfloat16),
+        "torch._scaled_mm direct": lambda: torch._scaled_mm(xq.data, wq.data.t(), scale_a=xq.scale, scale_b=sb, out_dtype=torch.bfloat16),
+        "gemm_nt torch": lambda: gemm_nt(xq, wq, torch.bfloat16, "torch"),
+        "gemm_nt triton": lambda: gemm_nt(xq, wq, torch.bfloat16, "triton"),
+    }
+    with torch.no_grad():
+        items["nn.Linear fwd (no_grad)"] = lambda: lin(x)
+        items["Fp8Linear fwd (no_grad)"] = lambda: f8(xs[next(cyc)])
+        print("\nhost time per call (us), M=64 K=N=4096")
+        for name, fn in items.items():
+            try:
+                us = host_us(fn)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name:28s} failed: {type(e).__name__}: {e}")
+                continue
+            print(f"  {name:28s} {us:7.1f}")
+            rec("host_us_per_call", f"M=64 K=N=4096 {name}", "host", round(us, 1), "us")
 
 
 def _saved_bytes(fn):
@@ -253,9 +326,13 @@ def section_linear(args):
         lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             lin.weight.copy_(data(n, k, seed=11, scale=0.02))
-        x = data(m, k, seed=12).requires_grad_(True)
-        dy = data(m, n, seed=13, scale=1e-3)
-        t_bf = bench(lambda: lin(x).backward(dy), grad_to_none=[x, lin.weight], rep=150)
+        # Two alternating input/grad pairs: a step never sees the tensors of the step before, as in
+        # training, so the quantizers' sibling-sharing cache cannot skip work across iterations.
+        xs = [data(m, k, seed=12 + i).requires_grad_(True) for i in range(2)]
+        dys = [data(m, n, seed=13 + i, scale=1e-3) for i in range(2)]
+        x, dy = xs[0], dys[0]
+        cyc = itertools.cycle(range(2))
+        t_bf = bench(lambda: (lambda i: lin(xs[i]).backward(dys[i]))(next(cyc)), grad_to_none=xs + [lin.weight], rep=150)
         _, saved_bf = _saved_bytes(lambda: lin(x))
         res = {"layer": lname, "bf16_ms": t_bf}
         rec("linear_fwd_bwd_ms", f"M={m} {lname}", "bf16", round(t_bf, 4), "ms", 1.0, saved_activation_bytes=saved_bf)
@@ -265,14 +342,16 @@ def section_linear(args):
             layer(x).backward(dy)  # warm-up (autotune, weight cache)
 
             def step_cached():
-                layer(x).backward(dy)
+                i = next(cyc)
+                layer(xs[i]).backward(dys[i])
 
             def step_requant():
                 mark_weights_updated()  # as after an optimizer step: W is re-quantized (and transposed)
-                layer(x).backward(dy)
+                i = next(cyc)
+                layer(xs[i]).backward(dys[i])
 
-            t_c = bench(step_cached, grad_to_none=[x, lin.weight], rep=150)
-            t_r = bench(step_requant, grad_to_none=[x, lin.weight], rep=150)
+            t_c = bench(step_cached, grad_to_none=xs + [lin.weight], rep=150)
+            t_r = bench(step_requant, grad_to_none=xs + [lin.weight], rep=150)
             _, saved = _saved_bytes(lambda: layer(x))
             res[f"{name}_cached"] = t_c
             res[f"{name}_requant"] = t_r
@@ -290,14 +369,14 @@ def section_linear(args):
         dyt = ops.quantize_transposed(dy, bw.wgrad_grad_output)
         xt = ops.requantize_transposed(xq, bw.wgrad_input)
         parts = {
-            "qx": lambda: ops.quantize(xd, fp.input),
+            "qx": lambda: quant.quantize_1x128(xd),
             "qw": lambda: ops.quantize(lin.weight.detach(), fp.weight),
-            "wT": lambda: wq.t(),
+            "wT": lambda: quant.transpose_quantized(wq),
             "fprop": lambda: gemm_nt(xq, wq, torch.bfloat16, name),
-            "qdy": lambda: ops.quantize(dy, bw.dgrad_grad_output),
+            "qdy": lambda: quant.quantize_1x128(dy),
             "dgrad": lambda: gemm_nt(dyq, wqt, torch.bfloat16, name),
             "qdyT": lambda: ops.quantize_transposed(dy, bw.wgrad_grad_output),
-            "rqxT": lambda: ops.requantize_transposed(xq, bw.wgrad_input),
+            "rqxT": lambda: quant.requantize_1x128_to_128x1(xq, True),
             "wgrad": lambda: gemm_nt(dyt, xt, torch.float32, name),
         }
         dw32 = gemm_nt(dyt, xt, torch.float32, name)
@@ -309,7 +388,7 @@ def section_linear(args):
         rec("linear_fp8_gemms_only_ms", f"M={m} {lname}", name, round(gem, 4), "ms", round(t_bf / gem, 3),
             breakdown_ms={kk: round(v, 4) for kk, v in br.items()})
         rows.append(res)
-        del lin, x, dy, xq, wq, wqt, dyq, dyt, xt, dw32
+        del lin, x, dy, xs, dys, xq, wq, wqt, dyq, dyt, xt, dw32
     name = resolve_backend("auto", "cuda")
     print(f"\nFP8 linear fwd+bwd, M={m} (ms; ratio = bf16/fp8)")
     print(f"{'layer':8s} {'bf16':>7s} {name + ' cached':>16s} {name + ' requant':>17s} {'triton cached':>15s} {'GEMMs only':>11s} {'saved B':>9s}")
@@ -512,7 +591,7 @@ def section_decode(args):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
-    ap.add_argument("--sections", default="env,copy,quant,gemm,linear,stack,decode")
+    ap.add_argument("--sections", default="env,copy,quant,host,gemm,linear,stack,decode")
     ap.add_argument("--stack-batch", type=int, default=16)
     ap.add_argument("--stack-steps", type=int, default=4)
     args = ap.parse_args()
@@ -531,6 +610,8 @@ def main():
                 section_quant(args, copy_bw)
             elif sec == "gemm":
                 section_gemm(args)
+            elif sec == "host":
+                section_host(args)
             elif sec == "linear":
                 section_linear(args)
             elif sec == "stack":

@@ -24,6 +24,7 @@ from torch import nn
 from . import ops
 from .formats import QuantizedTensor
 from .gemm import gemm_nt, resolve_backend
+from .kernels import transpose_quantized
 from .recipe import BackwardSpec, FpropSpec
 
 __all__ = ["Fp8Linear", "mark_weights_updated"]
@@ -204,7 +205,7 @@ class Fp8Linear(nn.Linear):
         key = self._cache_key(weight)
         if key is not None and self._wq_t_cache is not None and self._wq_t_cache[0] == key:
             return self._wq_t_cache[1]
-        wq_t = self.quantized_weight(weight).t()
+        wq_t = transpose_quantized(self.quantized_weight(weight))  # == .t(); a fast kernel on CUDA
         if key is not None:
             self._wq_t_cache = (key, wq_t)
         return wq_t

@@ -86,8 +86,7 @@ def deep_gemm_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
     dg = import_deep_gemm()
     if dg is None:
         raise RuntimeError(f"deep_gemm is not importable: {_import_error[0]}")
-    a_data, a_scale, b_data, b_scale, n = pad_operands(a, b, who="deep_gemm backend")
-    m = a_data.shape[0]
+    a_data, a_scale, b_data, b_scale, m, n = pad_operands(a, b, who="deep_gemm backend")
     sa = mn_major(a_scale)
     if b.block == (128, 128):
         sb = b_scale.contiguous()

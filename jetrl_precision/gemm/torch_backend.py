@@ -4,7 +4,8 @@ Layouts (measured on an H200 with torch 2.11, see docs/benchmarks.md):
 - mat_a = A e4m3 [M, K] row-major; mat_b = B.t() with B e4m3 [N, K] contiguous;
 - 1x128 scales (A always; B for WGrad): shape (rows, K/128), strides (1, rows) (MN-major);
 - 128x128 scale_b: shape (round_up(K/128, 4), N/128), strides (1, round_up(K/128, 4));
-- fast accumulation is refused with block scales (block scaling promotes to fp32 every 128 K anyway).
+- fast accumulation is refused with block scales (block scaling promotes to fp32 every 128 K anyway);
+- M must be a multiple of 4 (measured: M = 1 and 130 give CUBLAS_STATUS_NOT_SUPPORTED), so A is padded.
 The recipe enum is looked up through `__members__` (its spelling differs across torch versions);
 torch builds without `F.scaled_mm` use the legacy `torch._scaled_mm`, which infers the recipe from
 the scale shapes. K or N that are not multiples of 128 are zero-padded (logged once).
@@ -25,17 +26,23 @@ def _norm(name: str) -> str:
     return name.lower().replace("_", "")
 
 
+_TYPES: list = []
+
+
 def scaling_types() -> tuple[object, object] | None:
     """(BlockWise1x128, BlockWise128x128) members of F.ScalingType, or None if this torch has no such enum."""
+    if _TYPES:
+        return _TYPES[0]
     st = getattr(torch.nn.functional, "ScalingType", None)
-    if st is None or not hasattr(torch.nn.functional, "scaled_mm"):
-        return None
-    members = getattr(st, "__members__", None) or {m.name: m for m in st}  # pybind enums are not iterable
-    by_norm = {_norm(k): v for k, v in members.items()}
-    one, block = by_norm.get("blockwise1x128"), by_norm.get("blockwise128x128")
-    if one is None or block is None:
-        return None
-    return one, block
+    found = None
+    if st is not None and hasattr(torch.nn.functional, "scaled_mm"):
+        members = getattr(st, "__members__", None) or {m.name: m for m in st}  # pybind enums are not iterable
+        by_norm = {_norm(k): v for k, v in members.items()}
+        one, block = by_norm.get("blockwise1x128"), by_norm.get("blockwise128x128")
+        if one is not None and block is not None:
+            found = (one, block)
+    _TYPES.append(found)
+    return found
 
 
 def _check_blocks(a: QuantizedTensor, b: QuantizedTensor, who: str) -> None:
@@ -48,7 +55,8 @@ def _check_blocks(a: QuantizedTensor, b: QuantizedTensor, who: str) -> None:
 
 def torch_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
     _check_blocks(a, b, "the torch")
-    a_data, a_scale, b_data, b_scale, n = pad_operands(a, b, who="torch backend")
+    # cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED) an MN-major scale_a whose M is not a multiple of 4.
+    a_data, a_scale, b_data, b_scale, m, n = pad_operands(a, b, m_mult=4, who="torch backend")
     sa = mn_major(a_scale)
     sb = row_major_padded_t(b_scale) if b.block == (128, 128) else mn_major(b_scale)
     types = scaling_types()
@@ -58,6 +66,8 @@ def torch_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
         out = torch.nn.functional.scaled_mm(a_data, b_data.t(), sa, one, sb, rec_b, output_dtype=out_dtype)
     else:
         out = torch._scaled_mm(a_data, b_data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    if out.shape[0] != m:
+        out = out[:m]
     return out if out.shape[1] == n else out[:, :n]
 
 

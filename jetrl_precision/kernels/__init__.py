@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["register", "triton_available", "silu_mul_quantize", "rmsnorm_quantize"]
+__all__ = ["register", "triton_available", "silu_mul_quantize", "rmsnorm_quantize", "transpose_quantized"]
 
 logger = logging.getLogger(__name__)
 _registered: list[bool] = []
@@ -61,3 +61,12 @@ def rmsnorm_quantize(*args, **kwargs):
     from .fused import rmsnorm_quantize as fn
 
     return fn(*args, **kwargs)
+
+
+def transpose_quantized(qt):
+    """`qt.t()`, with the FP8 bytes transposed by a Triton kernel on CUDA (same bytes, ~5x faster than torch)."""
+    if qt.data.is_cuda and qt.data.dim() == 2 and register():
+        from .quant import transpose_quantized as fn
+
+        return fn(qt)
+    return qt.t()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
@@ -18,13 +19,51 @@ def _fp8_capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+class _LastResult:
+    """Remembers the last quantization of one input, so sibling layers reading the same tensor share it.
+
+    q/k/v projections (and gate/up) quantize the very same normed activation; with this they launch
+    one kernel and autograd saves one FP8 copy instead of three. A hit needs the same live storage
+    (checked through a weak reference, so freed-and-reused memory never matches), offset, shape,
+    strides, dtype, version counter (bumped by any in-place write) and options.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.ref: StorageWeakRef | None = None
+        self.value: QuantizedTensor | None = None
+
+    @staticmethod
+    def _key(x: torch.Tensor, extra: tuple) -> tuple | None:
+        if x.is_inference():  # inference tensors have no version counter; never cache them
+            return None
+        st = x.untyped_storage()
+        return (st.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version, x.device, extra)
+
+    def get(self, x: torch.Tensor, extra: tuple) -> QuantizedTensor | None:
+        if self.key is None or self.ref is None or self.ref.expired():
+            return None
+        return self.value if self._key(x, extra) == self.key else None
+
+    def put(self, x: torch.Tensor, extra: tuple, value: QuantizedTensor) -> QuantizedTensor:
+        key = self._key(x, extra)
+        if key is None:
+            self.key = self.ref = self.value = None
+        else:
+            self.key, self.ref, self.value = key, StorageWeakRef(x.untyped_storage()), value
+        return value
+
+
 class TritonQuantizeImpl:
     """Byte-exact Triton kernels for 1x128, 128x128 and 128x1 blocks; other blocks use the reference."""
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, share_results: bool = True) -> None:
         self._ok: dict[str, bool] = {}
+        self.share_results = share_results
+        self._last_q = _LastResult()
+        self._last_rq_t = _LastResult()
 
     def supports(self, device: torch.device) -> bool:
         key = str(device)
@@ -35,7 +74,10 @@ class TritonQuantizeImpl:
     def quantize(self, x: torch.Tensor, block: Block, pow2_scale: bool) -> QuantizedTensor:
         if x.dim() == 2 and x.numel() > 0 and x.is_floating_point():
             if block == (1, 128):
-                return quant.quantize_1x128(x, pow2_scale)
+                if not self.share_results:
+                    return quant.quantize_1x128(x, pow2_scale)
+                hit = self._last_q.get(x, (block, pow2_scale))
+                return hit if hit is not None else self._last_q.put(x, (block, pow2_scale), quant.quantize_1x128(x, pow2_scale))
             if block == (128, 128):
                 return quant.quantize_128x128(x, pow2_scale)[0]
             if block == (128, 1):
@@ -58,5 +100,12 @@ class TritonQuantizeImpl:
 
     def requantize_transposed(self, qt: QuantizedTensor, block: Block, pow2_scale: bool) -> QuantizedTensor:
         if qt.block == (1, 128) and block == (128, 1):
-            return quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale)
+            if not self.share_results:
+                return quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale)
+            # Keyed on the FP8 bytes' storage; the scale lives and dies with them in the saved activation.
+            extra = (block, pow2_scale, qt.scale.data_ptr(), qt.scale.stride())
+            hit = self._last_rq_t.get(qt.data, extra)
+            if hit is not None:
+                return hit
+            return self._last_rq_t.put(qt.data, extra, quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale))
         return self.requantize(qt, block, pow2_scale).t()

@@ -53,23 +53,34 @@ def _pad_data(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
-def pad_operands(a: QuantizedTensor, b: QuantizedTensor, k_mult: int = 128, n_mult: int = 128, who: str = "gemm"):
-    """Zero-pad A [M, K] and B [N, K] so K and N are multiples of k_mult / n_mult.
+def pad_operands(
+    a: QuantizedTensor, b: QuantizedTensor, k_mult: int = 128, n_mult: int = 128, m_mult: int = 1, who: str = "gemm"
+):
+    """Zero-pad A [M, K] and B [N, K] so M, K and N are multiples of m_mult / k_mult / n_mult.
 
-    Returns (a_data, a_scale, b_data, b_scale, n) with contiguous data; the caller slices the output
-    to [:, :n]. Zero data contributes nothing, so the padded groups' scales only need to be finite.
+    Returns (a_data, a_scale, b_data, b_scale, m, n) with contiguous data; the caller slices the
+    output to [:m, :n]. Zero data contributes nothing, so padded groups' scales only need to be finite.
     """
     m, k = a.shape
     n = b.shape[0]
-    kp, np_ = _round_up(k, k_mult), _round_up(n, n_mult)
+    mp, kp, np_ = _round_up(m, m_mult), _round_up(k, k_mult), _round_up(n, n_mult)
     a_data, b_data = a.data, b.data
     a_scale, b_scale = a.scale, b.scale
+    if mp != m:
+        key = f"{who}: M={m}->{mp}"
+        if key not in padding_events:
+            logger.info("jetrl_precision %s pads A rows (M not a multiple of %d): %s", who, m_mult, key)
+        padding_events[key] = padding_events.get(key, 0) + 1
+        a_data = _pad_data(a_data, mp, a_data.shape[1])
+        buf = torch.ones((a_scale.shape[1], mp), dtype=a_scale.dtype, device=a_scale.device)
+        buf[:, :m] = a_scale.t()
+        a_scale = buf.t()
     if kp != k or np_ != n:
         key = f"{who}: K={k}->{kp}, N={n}->{np_}"
         if key not in padding_events:
             logger.info("jetrl_precision %s pads operands (shape not a multiple of the tile): %s", who, key)
         padding_events[key] = padding_events.get(key, 0) + 1
-        a_data = _pad_data(a_data, m, kp) if kp != k else a_data
+        a_data = _pad_data(a_data, a_data.shape[0], kp) if kp != k else a_data
         b_data = _pad_data(b_data, np_, kp)
         if np_ != n and b.block == (1, 128):
             pad = torch.ones((np_ - n, b_scale.shape[1]), dtype=b_scale.dtype, device=b_scale.device)
@@ -79,4 +90,4 @@ def pad_operands(a: QuantizedTensor, b: QuantizedTensor, k_mult: int = 128, n_mu
         a_data = a_data.contiguous()
     if not b_data.is_contiguous():
         b_data = b_data.contiguous()
-    return a_data, a_scale, b_data, b_scale, n
+    return a_data, a_scale, b_data, b_scale, m, n

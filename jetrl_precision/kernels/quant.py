@@ -26,6 +26,7 @@ __all__ = [
     "requantize_1x128_to_128x1",
     "new_scale_1x128",
     "new_scale_128x128",
+    "transpose_quantized",
 ]
 
 
@@ -114,7 +115,9 @@ def _quant_128x1_kernel(
     tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
 
 
-def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, block_c: int | None) -> QuantizedTensor:
+def _launch_128x1(
+    x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, block_c: int | None, num_warps: int = 4
+) -> QuantizedTensor:
     nrb = _cdiv(rows, 128)
     sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=x.device)
     if transposed:
@@ -130,7 +133,7 @@ def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, b
     _quant_128x1_kernel[grid](
         x, in_scale if deq else sbuf, q, sbuf, rows, cols,
         x.stride(0), x.stride(1), sir, sig, sqr, sqc, sbuf.stride(0), sbuf.stride(1),
-        BLOCK_C=bc, POW2=pow2_scale, DEQ=deq, num_warps=4,
+        BLOCK_C=bc, POW2=pow2_scale, DEQ=deq, num_warps=num_warps,
     )
     if transposed:
         # quantize(x, 128x1).t(): data x^T [C, R], 1x128 groups, scale (C, ceil(R/128)) MN-major.
@@ -142,9 +145,11 @@ def quantize_128x1(x: torch.Tensor, pow2_scale: bool = False, block_c: int | Non
     return _launch_128x1(x, None, x.shape[0], x.shape[1], False, pow2_scale, block_c)
 
 
-def quantize_128x1_t(x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None) -> QuantizedTensor:
+def quantize_128x1_t(
+    x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None, num_warps: int = 4
+) -> QuantizedTensor:
     """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy)."""
-    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, block_c)
+    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, block_c, num_warps)
 
 
 def requantize_1x128_to_128x1(qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, block_c: int | None = None) -> QuantizedTensor:
@@ -183,7 +188,7 @@ def _quant_128x128_kernel(
 
 
 def quantize_128x128(
-    x: torch.Tensor, pow2_scale: bool = False, *, write: bool = True, write_t: bool = False
+    x: torch.Tensor, pow2_scale: bool = False, *, write: bool = True, write_t: bool = False, num_warps: int = 8
 ) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
     """Returns (Q(x), Q(x).t()) as requested; both come from one read of x and carry identical bytes."""
     rows, cols = x.shape
@@ -200,8 +205,39 @@ def quantize_128x128(
         x.stride(0), x.stride(1),
         dq.stride(0), dq.stride(1), dqt.stride(0), dqt.stride(1),
         ds.stride(0), ds.stride(1), dst.stride(0), dst.stride(1),
-        POW2=pow2_scale, WRITE_Q=write, WRITE_T=write_t, num_warps=8,
+        POW2=pow2_scale, WRITE_Q=write, WRITE_T=write_t, num_warps=num_warps,
     )
     out = QuantizedTensor(q, s, (128, 128)) if write else None
     out_t = QuantizedTensor(qt, st, (128, 128)) if write_t else None
     return out, out_t
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact transpose of an FP8 tensor (bytes moved as uint8), e.g. W8 -> W8^T for DGrad.
+@triton.jit
+def _transpose_u8_kernel(x_ptr, y_ptr, R, C, sxr, sxc, syr, syc, BLOCK: tl.constexpr):
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    rr = rb * BLOCK + tl.arange(0, BLOCK)
+    cc = cb * BLOCK + tl.arange(0, BLOCK)
+    mask = (rr[:, None] < R) & (cc[None, :] < C)
+    v = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask)
+    tl.store(y_ptr + cc[None, :].to(tl.int64) * syr + rr[:, None] * syc, v, mask=mask)
+
+
+def transpose_quantized(qt: QuantizedTensor, block: int = 64, num_warps: int = 4) -> QuantizedTensor:
+    """qt.t() with the data transposed by a Triton kernel (torch's 1-byte transpose copy is slow).
+
+    For 128x128 blocks the transposed scales are written in the padded row-major layout the GEMMs read.
+    """
+    rows, cols = qt.shape
+    src = qt.data.view(torch.uint8)
+    out = torch.empty((cols, rows), dtype=torch.uint8, device=src.device)
+    grid = (_cdiv(rows, block), _cdiv(cols, block))
+    _transpose_u8_kernel[grid](src, out, rows, cols, src.stride(0), src.stride(1), out.stride(0), out.stride(1), BLOCK=block, num_warps=num_warps)
+    if qt.block == (128, 128):
+        _, scale = new_scale_128x128(cols, rows, src.device)
+        scale.copy_(qt.scale.t())
+    else:
+        scale = qt.scale.t().contiguous()
+    return QuantizedTensor(out.view(FP8_DTYPE), scale, (qt.block[1], qt.block[0]))

@@ -15,8 +15,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_c
 HW = ("torch", "triton", "deep_gemm")
 # bf16 output: the error floor is the bf16 rounding of the exact result (~1.7e-3 relative).
 TOL_BF16 = 2e-3
-# fp32 output: FP8 tensor-core partial sums inside a 128-wide K group keep fewer bits than fp32.
-TOL_FP32 = 2e-4
+# fp32 output: Hopper's FP8 MMA keeps fewer bits than fp32 inside a 128-wide K group. Measured on the
+# H200: 2.0-3.3e-4 for cuBLASLt and Triton alike (identical values), far below a wrong-scale error (~1e-1).
+TOL_FP32 = 5e-4
+# Two hardware backends on the same operands: both use the same MMA, so they agree much more closely.
+TOL_AGREE = 2e-5
 
 # (M, N, K): Llama-3.1-8B-like shapes, decode M, and edges (M < 128, N and K not multiples of 128).
 SHAPES = [
@@ -97,7 +100,9 @@ def test_backends_agree(shape, b_block):
     outs = {n: gemm_nt(a, b, torch.float32, n) for n in names}
     base = outs[names[0]]
     for n in names[1:]:
-        assert rel_err(outs[n], base) <= TOL_FP32, f"{n} vs {names[0]}: {rel_err(outs[n], base):.3e}"
+        assert rel_err(outs[n], base) <= TOL_AGREE, f"{n} vs {names[0]}: {rel_err(outs[n], base):.3e}"
+        same = (outs[n] == base).float().mean().item()
+        print(f"{n} vs {names[0]} {shape} {b_block}: rel diff {rel_err(outs[n], base):.2e}, bitwise-equal fraction {same:.4f}")
     emu = gemm_nt(a, b, torch.float32, "emulated")
     assert rel_err(base, emu) <= TOL_FP32
 

@@ -79,7 +79,8 @@ def test_requantize_bytes(shape, pow2):
     assert_same(quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2), ref.t(), f"requant^T {shape}")
     # Also from a reference-made (row-major scale) input.
     q1r = quantize_fp8(x, (1, 128))
-    assert_same(quant.requantize_1x128_to_128x1(q1r, transposed=True, pow2_scale=pow2), ref.t(), f"requant^T ref-in {shape}")
+    ref_r = requantize_fp8(q1r, (128, 1), pow2_scale=pow2)
+    assert_same(quant.requantize_1x128_to_128x1(q1r, transposed=True, pow2_scale=pow2), ref_r.t(), f"requant^T ref-in {shape}")
 
 
 def test_zero_group_and_nan_propagation():
@@ -140,3 +141,34 @@ def test_rmsnorm_quantize_bytes(shape):
     ulp = (y.float() - y_ref.float()).abs() / y_ref.float().abs().clamp_min(1e-30)
     assert ulp.max().item() <= 2 ** -6 * 1.01, "RMSNorm output more than two bf16 ulps from the HF formula"
     assert (y != y_ref).float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (4096, 14336)])
+@pytest.mark.parametrize("block", [(128, 128), (1, 128)])
+def test_transpose_quantized_bytes(shape, block):
+    from jetrl_precision.kernels import transpose_quantized
+
+    x = outlier_data(*shape, seed=12)
+    qt = quantize_fp8(x, block)
+    got = transpose_quantized(qt)
+    assert_same(got, qt.t(), f"transpose {block} {shape}")
+
+
+def test_sibling_layers_share_one_quantization():
+    """q/k/v read the same tensor: one kernel, one saved FP8 copy; any in-place write invalidates it."""
+    spec = get_recipe("jet_fp8").train_fprop.input
+    x = outlier_data(512, 1024, seed=13)
+    a = ops.quantize(x, spec)
+    b = ops.quantize(x, spec)
+    assert a is b
+    assert_same(a, quantize_fp8(x, (1, 128)), "shared")
+    x.mul_(2.0)  # in-place: version bump
+    c = ops.quantize(x, spec)
+    assert c is not a
+    assert_same(c, quantize_fp8(x, (1, 128)), "after in-place write")
+    y = x.clone()  # equal values, different storage: its own result
+    assert ops.quantize(y, spec) is not c
+    wspec = get_recipe("jet_fp8").train_backward.wgrad_input
+    r1 = ops.requantize_transposed(c, wspec)
+    assert ops.requantize_transposed(c, wspec) is r1
+    assert_same(r1, requantize_fp8(c, (128, 1)).t(), "shared requant")
