@@ -255,6 +255,8 @@ class PPOTrainer:
 
     def step(self) -> StepResult:
         cfg, st = self.cfg, self.strategy
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         prompts, labels = self._rollout_prompts()
         prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
@@ -291,6 +293,8 @@ class PPOTrainer:
             "perf/rollout_tokens_per_s": metrics["rollout/total_response_tokens"] / max(t1 - t0, 1e-9),
             "train/kl_coef": self.kl_ctl.value,
         })
+        if torch.cuda.is_available():
+            metrics["perf/peak_mem_gb"] = st.all_reduce(torch.cuda.max_memory_allocated() / 2**30, "max").item()
         self.rollout_index += 1
         if self.rollout_index >= self.rollouts_per_episode:
             self.episode, self.rollout_index = self.episode + 1, 0

@@ -1,0 +1,120 @@
+"""GRPO step-time benchmark on GPUs: bf16 vs jet_fp8, 1 vs N GPUs, SPMD under the deepspeed launcher.
+
+Builds a random-init Llama-architecture model (~0.6B parameters, vocab 32768 so a random
+policy rarely samples EOS and rollouts run to full length), a synthetic prompt set, then runs
+`deepspeed --num_gpus G openrlhf/cli/train_ppo_ray.py ...` (ZeRO-3, NCCL, transformers
+rollout engine) per (recipe, G) and prints one table: step time split into rollout,
+old-logprob, reference, actor update and weight quantization+sync, rollout tokens/s, peak
+memory per GPU and the rollout-train mismatch. Results go to --out as JSON + markdown.
+
+    python benchmarks/grpo_gpu.py --gpus 1 2 --recipes bf16 jet_fp8 --steps 3 --max_new_tokens 1024 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def build(workdir: Path, hidden: int, layers: int, inter: int) -> tuple[Path, Path]:
+    import torch
+
+    from openrlhf.datasets.synthetic import make_arithmetic_records, write_jsonl
+    from openrlhf.utils.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model
+
+    model = workdir / "model"
+    if not (model / "config.json").exists():
+        spec = TinyModelSpec(
+            hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=hidden // 128,
+            num_key_value_heads=max(hidden // 512, 1), vocab_size=32768, max_position_embeddings=4096,
+        )
+        build_tiny_model(model, spec, tokenizer=build_char_tokenizer(spec.vocab_size), dtype=torch.bfloat16)
+    data = workdir / "prompts.jsonl"
+    write_jsonl(make_arithmetic_records(4096, difficulty=3, seed=0), data)
+    return model, data
+
+
+def run_one(model: Path, data: Path, out: Path, recipe: str, gpus: int, a) -> dict:
+    per_rank_prompts = a.prompts_per_gpu
+    args = [
+        "--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(data), "--data.label_key", "label",
+        "--data.max_len", str(a.max_new_tokens + 64), "--precision.recipe", recipe, "--precision.gemm_backend", a.gemm_backend,
+        "--rollout.engine", "hf", "--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt", str(a.n),
+        "--rollout.batch_size", str(per_rank_prompts * gpus), "--rollout.max_new_tokens", str(a.max_new_tokens),
+        "--rollout.micro_batch_size", "8", "--train.batch_size", str(per_rank_prompts * gpus * a.n),
+        "--train.micro_batch_size", "4", "--train.max_steps", str(a.steps), "--actor.adam.lr", "1e-6",
+        "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+        "--ds.zero_stage", "3", "--ds.param_dtype", "bf16", "--actor.gradient_checkpointing_enable",
+        "--ckpt.output_dir", str(out), "--ckpt.save_steps", "0",
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    cmd = ["deepspeed", "--num_gpus", str(gpus), "--master_port", str(29500 + gpus), str(REPO / "openrlhf/cli/train_ppo_ray.py"), *args]
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
+    (out / "log.txt").parent.mkdir(parents=True, exist_ok=True)
+    (out / "log.txt").write_text(proc.stdout[-20000:] + "\n---stderr---\n" + proc.stderr[-20000:])
+    if proc.returncode != 0:
+        return {"recipe": recipe, "gpus": gpus, "error": proc.stderr[-1500:]}
+    hist = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steady = hist[1:] or hist  # step 1 includes kernel autotuning / allocator warm-up
+    avg = lambda k: sum(h.get(k, 0.0) for h in steady) / len(steady)  # noqa: E731
+    keys = ["perf/step_s", "perf/rollout_s", "perf/old_logprob_s", "perf/ref_s", "perf/train_s", "perf/weight_sync_s",
+            "perf/rollout_tokens_per_s", "perf/peak_mem_gb", "rollout/total_response_tokens",
+            "rollout_train_mismatch/abs_logp_diff_mean", "rollout_train_mismatch/abs_logp_diff_max", "rollout_train_mismatch/kl_k3"]
+    rec = {"recipe": recipe, "gpus": gpus, "wall_s": time.time() - t0, **{k: avg(k) for k in keys}}
+    rec["per_step_mismatch"] = [h["rollout_train_mismatch/abs_logp_diff_mean"] for h in hist]
+    rec["step_tokens_per_s"] = rec["rollout/total_response_tokens"] / rec["perf/step_s"]
+    return rec
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, nargs="+", default=[1])
+    p.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--max_new_tokens", type=int, default=1024)
+    p.add_argument("--prompts_per_gpu", type=int, default=16)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=1536)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--inter", type=int, default=4096)
+    p.add_argument("--gemm_backend", default="auto")
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--workdir", default="/tmp/grpo_gpu")
+    p.add_argument("--out", default=os.environ.get("OUT", "grpo_gpu_out"))
+    a = p.parse_args()
+    work, out = Path(a.workdir), Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, data = build(work, a.hidden, a.layers, a.inter)
+    records = []
+    for g in a.gpus:
+        for r in a.recipes:
+            rec = run_one(model, data, work / f"{r}_{g}gpu", r, g, a)
+            print(json.dumps(rec), flush=True)
+            records.append(rec)
+    (out / "grpo_gpu.json").write_text(json.dumps(records, indent=1))
+    cols = ["recipe", "gpus", "perf/step_s", "perf/rollout_s", "perf/old_logprob_s", "perf/ref_s", "perf/train_s",
+            "perf/weight_sync_s", "step_tokens_per_s", "perf/rollout_tokens_per_s", "perf/peak_mem_gb",
+            "rollout_train_mismatch/abs_logp_diff_mean", "rollout_train_mismatch/kl_k3"]
+    lines = ["| " + " | ".join(c.split("/")[-1] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for rec in records:
+        if "error" in rec:
+            lines.append(f"| {rec['recipe']} | {rec['gpus']} | ERROR: {rec['error'][-200:]!r} |")
+            continue
+        lines.append("| " + " | ".join(f"{rec[c]:.4g}" if isinstance(rec[c], float) else str(rec[c]) for c in cols) + " |")
+    table = "\n".join(lines)
+    (out / "grpo_gpu.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
