@@ -73,11 +73,26 @@ class _AdaptiveKL:
 
 
 class PPOTrainer:
-    def __init__(self, cfg, strategy: DeepspeedStrategy, engine_factory: Callable[[PrecisionRecipe], RolloutEngine]) -> None:
+    def __init__(
+        self,
+        cfg,
+        strategy: DeepspeedStrategy,
+        engine_factory: Callable[[PrecisionRecipe], RolloutEngine],
+        *,
+        ref: Callable[..., torch.Tensor] | None = None,
+        critic: Any = None,
+        reward_fn: RewardFn | None = None,
+    ) -> None:
+        """`ref`, `critic`, `reward_fn`: models served elsewhere (Ray mode, `openrlhf.trainer.ray`),
+        used instead of loading them on this rank. `ref(sequences, attention_mask, num_actions,
+        temperature=)` returns logprobs; `critic` is called like the critic engine, and provides
+        `setup(total_updates)`, `train_micro_step(mb, global_tokens, scale)` and DeepSpeed's
+        `save_checkpoint`/`load_checkpoint` signatures."""
         self.cfg = cfg
         self.strategy = strategy
         self.recipe: PrecisionRecipe = cfg.precision.load_recipe()
         self.engine_factory = engine_factory
+        self._remote_ref, self._remote_critic, self._remote_reward_fn = ref, critic, reward_fn
         self.global_step = 0  # completed rollout->train iterations
         self.episode = 0
         self.rollout_index = 0  # next rollout within the episode (data position)
@@ -123,14 +138,19 @@ class PPOTrainer:
         opt = st.make_optimizer(self.actor, cfg.actor.adam.lr, cfg.actor.adam.betas, cfg.actor.adam.eps, cfg.actor.adam.weight_decay)
         self.actor_engine = st.prepare(self.actor, opt, self._scheduler(opt, cfg.actor))
         self.ref_engine = None
-        if cfg.needs_ref:
+        if cfg.needs_ref and self._remote_ref is not None:
+            self.ref_engine = self._remote_ref
+        elif cfg.needs_ref:
             with st.model_init_context(train=False):
                 ref = load_causal_lm(cfg.ref_model_path, st.dtype, cfg.ds.attn_implementation)
             convert_to_fp8(ref, self.recipe, side="train")  # the reference runs the training forward's precision
             ref_actor = Actor(ref).requires_grad_(False).eval()
             self.ref_engine = st.prepare(ref_actor, train=False) if cfg.ds.zero_stage == 3 else ref_actor.to(st.device)
         self.critic_engine = None
-        if cfg.needs_critic:
+        if cfg.needs_critic and self._remote_critic is not None:
+            self._remote_critic.setup(self.total_updates)
+            self.critic_engine = self._remote_critic
+        elif cfg.needs_critic:
             with st.model_init_context(train=True):
                 critic = Critic.from_pretrained(cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation)
             convert_to_fp8(critic, self.recipe, side="train")
@@ -145,7 +165,7 @@ class PPOTrainer:
         self.kl_ctl = _AdaptiveKL(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
         from .reward import build_reward_fn
 
-        self.reward_fn: RewardFn = build_reward_fn(
+        self.reward_fn: RewardFn = self._remote_reward_fn or build_reward_fn(
             cfg.reward_source, remote_url=cfg.reward.remote_url, model_path=cfg.reward.model_name_or_path,
             clip_range=cfg.reward.clip_range, dtype=st.dtype, device=st.device,
         )
@@ -184,20 +204,26 @@ class PPOTrainer:
         """Rollout graph (from inside the engine) must be a subgraph of train_fwd. Run before the
         first step and after any engine restart."""
         train = self.train_graph()
-        rollout = PrecisionGraph.from_dict(self.engine.precision_graph())
-        violations = check_subgraph(rollout, train, strict=self.cfg.precision.strict)
-        report = rollout.report(max_rows=12) + "\n" + format_violations(violations, limit=12)
-        if violations and not self.recipe.off_policy:
-            raise PrecisionCheckError(
-                f"refusing to start: recipe {self.recipe.name} is declared on-policy but the rollout engine "
-                f"({rollout.meta.get('engine', '?')}) does not run the training forward's precision.\n{report}"
-            )
-        if violations:
-            logger.warning(
-                "recipe %s is off-policy: %d expected precision differences between rollout and training "
-                "(importance-sampling correction %s)",
-                self.recipe.name, len(violations), "ON" if self.cfg.algo.advantage.is_correction_enable else "OFF",
-            )
+        # An engine proxy serving several engines (Ray mode) hands every engine's graph, its id in meta.
+        many = getattr(self.engine, "precision_graphs", None)
+        reports = []
+        for graph in many() if many is not None else [self.engine.precision_graph()]:
+            rollout = PrecisionGraph.from_dict(graph)
+            violations = check_subgraph(rollout, train, strict=self.cfg.precision.strict)
+            report = rollout.report(max_rows=12) + "\n" + format_violations(violations, limit=12)
+            if violations and not self.recipe.off_policy:
+                raise PrecisionCheckError(
+                    f"refusing to start: recipe {self.recipe.name} is declared on-policy but the rollout engine "
+                    f"({rollout.meta.get('engine', '?')}) does not run the training forward's precision.\n{report}"
+                )
+            if violations:
+                logger.warning(
+                    "recipe %s is off-policy: %d expected precision differences between rollout and training "
+                    "(importance-sampling correction %s)",
+                    self.recipe.name, len(violations), "ON" if self.cfg.algo.advantage.is_correction_enable else "OFF",
+                )
+            reports.append(report)
+        report = "\n".join(reports)
         if self.strategy.is_rank_0:
             logger.info("precision check [%s]\n%s", self.recipe.name, report)
         return report
@@ -372,6 +398,8 @@ class PPOTrainer:
         return stats
 
     def _critic_micro_step(self, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:
+        if self._remote_critic is not None:  # the same step, run where the critic lives
+            return self._remote_critic.train_micro_step(mb, global_tokens, scale)
         self.critic_engine.train()
         values = self.critic_engine(mb.sequences, mb.attention_mask, mb.num_actions)
         token_loss = self.value_loss(values, mb.values, mb.returns, mb.action_mask)
