@@ -91,8 +91,10 @@ def iter_sync_tensors(
     travels in high precision (the bf16 baseline, or fp8_rollout where the engine quantizes).
     """
     gather = gather or (lambda params: contextlib.nullcontext())
+    seen: set[int] = set()  # tied weights (lm_head = embed_tokens) travel once; the engine ties them too
     for fqn, module in model.named_modules():
-        params = list(module.named_parameters(recurse=False))
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for _, p in params)
         if not params:
             continue
         prefix = canonical_name(fqn)

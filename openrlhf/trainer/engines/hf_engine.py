@@ -51,7 +51,7 @@ class HFEngine(RolloutEngine):
         self.model.requires_grad_(False)
         convert_to_fp8(self.model, recipe, side="rollout")
         self._fp8 = {canonical_name(n) + ".weight": m for n, m in fp8_linears(self.model).items()}
-        self._params = {canonical_name(n): p for n, p in self.model.named_parameters()}
+        self._params = {canonical_name(n): p for n, p in self.model.named_parameters(remove_duplicate=False)}
         cfg = self.model.config
         self.eos_token_id = cfg.eos_token_id
         self.pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else cfg.eos_token_id
