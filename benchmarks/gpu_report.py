@@ -73,7 +73,7 @@ def plot(records, path):
     for r in records:
         if r["name"] == "gemm_tflops":
             rows.setdefault(r["shape"], {})[r["backend"]] = r["value"]
-    labels = [s.replace(" N=", "\nN=").replace(" K=", " K=") for s in rows]
+    labels = [f"{s.split()[0][2:]}\n{s.split()[1]}" for s in rows]
     backends = ["bf16", "torch", "triton"]
     colors = {"bf16": "#888888", "torch": "#1f77b4", "triton": "#ff7f0e"}
     fig, ax = plt.subplots(figsize=(16, 5.5))
@@ -84,7 +84,8 @@ def plot(records, path):
                "torch": "FP8 blockwise, torch backend (cuBLASLt)", "triton": "FP8 blockwise, triton backend (ours)"}[b],
                color=colors[b])
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels(labels, fontsize=6.5)
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xlabel("M (tokens) / layer: qkv 6144x4096, o_proj 4096x4096, gate_up 28672x4096, down 4096x14336")
     ax.set_ylabel("TFLOP/s")
     ax.set_title("H200, Llama-3.1-8B GEMM shapes: FP8 1x128 x 128x128 blockwise vs BF16 (same run, 2026-11-29)")
     ax.legend(loc="upper left", fontsize=8)
