@@ -335,3 +335,32 @@ def test_fp8_sync_between_trainer_and_engine_processes_over_gloo(model_dir):
     assert proc.returncode == 0, err[-3000:]
     done = [ln for ln in out.splitlines() if ln.startswith("ENGINE_DONE ")]
     assert done and json.loads(done[0].split(" ", 1)[1]) == {"fp8": 14, "hp": 7}
+
+
+COLOCATED_PROCESS = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)  # the trainer's (DeepSpeed's) default group
+    from openrlhf.trainer.engines.base import SamplingConfig
+    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+    for recipe in ("jet_fp8", "bf16"):  # two engines one after the other, as after an engine restart
+        engine = VLLMEngine(sys.argv[1], recipe, max_model_len=128)
+        assert len(engine.generate([[1, 5, 6]], SamplingConfig(max_new_tokens=3))[0][0].response_ids) == 3
+        engine.shutdown()
+        assert dist.is_initialized(), "the engine's shutdown destroyed the trainer's process group"
+        t = torch.ones(2)
+        dist.all_reduce(t)
+    print("COLOCATED_OK")
+    """
+)
+
+
+@pytest.mark.slow
+def test_colocated_engine_keeps_the_trainers_process_group(model_dir):
+    """In a colocated trainer, torch.distributed belongs to DeepSpeed: the engine must leave it intact."""
+    proc = subprocess.run(
+        [sys.executable, "-c", COLOCATED_PROCESS, str(model_dir), str(free_port())],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )
+    assert proc.returncode == 0 and "COLOCATED_OK" in proc.stdout, proc.stderr[-3000:]

@@ -132,7 +132,10 @@ class VLLMEngine(RolloutEngine):
             kwargs["enable_sleep_mode"] = enable_sleep
             kwargs["enforce_eager"] = bool(enforce_eager)
             if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-                kwargs["distributed_executor_backend"] = "external_launcher"  # SPMD: one engine per trainer rank group
+                # SPMD (hybrid engine): every trainer rank hosts one engine in-process, on its LOCAL_RANK
+                # device; vLLM's external launcher reuses torchrun's/DeepSpeed's world.
+                kwargs["distributed_executor_backend"] = "external_launcher"
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         else:
             if enable_sleep:
                 logger.info("vLLM engine: sleep mode needs a GPU; sleep()/wake_up() are no-ops on CPU")
@@ -154,6 +157,8 @@ class VLLMEngine(RolloutEngine):
                 "per process, so call .shutdown() on it before building a new one"
             )
         self.llm = None
+        # A default process group that existed before us (DeepSpeed's) must outlive the engine.
+        self._external_world = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.enable_sleep = enable_sleep and self.on_gpu
         self._sleeping = False
         self._temperature = 1.0
@@ -338,7 +343,8 @@ class VLLMEngine(RolloutEngine):
         core = getattr(engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             try:
-                core.shutdown()
+                with _keep_default_process_group(self._external_world):
+                    core.shutdown()
             except Exception as e:  # shutting down must not mask the caller's own error
                 logger.warning("vLLM engine shutdown: %s", e)
         del llm, engine, core
@@ -346,3 +352,33 @@ class VLLMEngine(RolloutEngine):
         if self.on_gpu:
             torch.cuda.empty_cache()
 
+
+class _keep_default_process_group:
+    """vLLM's in-process shutdown destroys torch.distributed's default group. When that group
+    belongs to someone else (DeepSpeed in a colocated trainer), tear down only vLLM's own groups."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self.saved = None
+
+    def __enter__(self) -> None:
+        if not self.active:
+            return
+        from vllm.distributed import parallel_state as ps
+
+        self.saved = ps.destroy_distributed_environment
+
+        def destroy_vllm_world_only() -> None:
+            if ps._WORLD:
+                ps._WORLD.destroy()
+            ps._WORLD = None
+            if hasattr(ps, "_NODE_COUNT"):
+                ps._NODE_COUNT = None
+
+        ps.destroy_distributed_environment = destroy_vllm_world_only
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.saved is not None:
+            from vllm.distributed import parallel_state as ps
+
+            ps.destroy_distributed_environment = self.saved
