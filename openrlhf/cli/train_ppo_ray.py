@@ -4,6 +4,13 @@ SPMD / hybrid engine (each rank: DeepSpeed actor shard + reference + colocated r
     deepspeed openrlhf/cli/train_ppo_ray.py --fp8_unified ...
     torchrun --nproc_per_node 2 -m openrlhf.cli.train_ppo_ray --fp8_unified ...
     python -m openrlhf.cli.train_ppo_ray --fp8_unified ...          (one process)
+
+Ray (actor/reference/critic/reward groups and vLLM engines as Ray actors; docs/ray.md):
+    ray job submit --address=http://HEAD:8265 -- python3 -m openrlhf.cli.train_ppo_ray --vllm.num_engines 2 ...
+    python -m openrlhf.cli.train_ppo_ray --vllm.num_engines 1 ...   (joins `ray start`'s cluster, or starts a local one)
+
+The rule: Ray mode when --vllm.num_engines is set and no distributed launcher started this
+process (none of WORLD_SIZE, LOCAL_RANK, RANK in the environment); otherwise SPMD.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher: make t
 
 from openrlhf.cli.config import ConfigError, PPOConfig, parse_config  # noqa: E402
 
-__all__ = ["main", "train", "make_engine_factory"]
+__all__ = ["main", "train", "make_engine_factory", "make_strategy", "use_ray_mode"]
 
 logger = logging.getLogger("openrlhf")
 
@@ -52,24 +59,38 @@ def make_engine_factory(cfg: PPOConfig, strategy):
     return factory
 
 
-def train(cfg: PPOConfig, *, evaluate: bool = True) -> dict:
-    """Run a whole SPMD training job on this rank; returns the run summary (rank 0 has it all)."""
-    from openrlhf.trainer.ppo_trainer import PPOTrainer
-    from openrlhf.utils.deepspeed import DeepspeedStrategy, StrategyConfig
-    from openrlhf.utils.logging_utils import setup_logging
+def use_ray_mode(cfg: PPOConfig, environ=os.environ) -> bool:
+    """Ray mode: engines asked for (--vllm.num_engines) and no distributed launcher around us."""
+    return cfg.vllm.num_engines is not None and not any(k in environ for k in ("WORLD_SIZE", "LOCAL_RANK", "RANK"))
 
-    strategy = DeepspeedStrategy(
+
+def make_strategy(cfg: PPOConfig):
+    from openrlhf.utils.deepspeed import DeepspeedStrategy, StrategyConfig
+
+    return DeepspeedStrategy(
         StrategyConfig(
             zero_stage=cfg.ds.zero_stage, param_dtype=cfg.ds.param_dtype, adam_offload=cfg.ds.adam_offload,
             micro_batch_size=cfg.train.micro_batch_size, train_batch_size=cfg.train.batch_size, max_norm=cfg.actor.max_norm,
             seed=cfg.train.seed, gradient_checkpointing=cfg.actor.gradient_checkpointing_enable, overlap_comm=cfg.ds.overlap_comm,
         )
     )
+
+
+def train(cfg: PPOConfig, *, evaluate: bool = True, engine_factory=None, **trainer_kwargs) -> dict:
+    """Run a whole training job on this rank; returns the run summary (rank 0 has it all).
+
+    SPMD ranks call it as is; in Ray mode each policy actor calls it with the Ray engine proxy
+    and remote ref/critic/reward (`openrlhf.trainer.ray.policy_actor`): the same loop either way.
+    """
+    from openrlhf.trainer.ppo_trainer import PPOTrainer
+    from openrlhf.utils.logging_utils import setup_logging
+
+    strategy = make_strategy(cfg)
     strategy.setup_distributed()
     setup_logging(strategy.rank)
     for w in cfg.cfg_warnings:
         logger.warning(w)
-    trainer = PPOTrainer(cfg, strategy, make_engine_factory(cfg, strategy))
+    trainer = PPOTrainer(cfg, strategy, engine_factory or make_engine_factory(cfg, strategy), **trainer_kwargs)
     trainer.setup()
     eval_before = trainer.evaluate() if evaluate else None
     history = trainer.fit()
@@ -107,10 +128,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from jetrl_precision import BackendUnavailable, RecipeError
     from openrlhf.trainer.ppo_trainer import PrecisionCheckError, WeightSyncError
+    from openrlhf.trainer.ray.errors import RayActorDiedError
 
     try:
-        train(cfg)
-    except (FileNotFoundError, KeyError, RecipeError, BackendUnavailable, PrecisionCheckError, WeightSyncError) as e:
+        if use_ray_mode(cfg):
+            from openrlhf.trainer.ray.launcher import run_ray
+
+            run_ray(cfg)
+        else:
+            if cfg.vllm.num_engines is not None:
+                logger.warning("--vllm.num_engines is ignored under a distributed launcher: SPMD mode, one engine per rank")
+            train(cfg)
+    except (
+        FileNotFoundError, KeyError, RecipeError, BackendUnavailable, PrecisionCheckError, WeightSyncError, ConfigError, RayActorDiedError,
+    ) as e:
         # Problems with the user's inputs or setup: one clear message, no traceback.
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)

@@ -1,0 +1,318 @@
+"""Rollout engines as Ray actors, and the `RolloutEngine` proxy the policy ranks drive them through.
+
+`EngineActor` wraps one engine (`VLLMEngine`, or the transformers `HFEngine`) in its own process.
+`RemoteEngine` is what `PPOTrainer` sees on every policy rank in Ray mode: the same interface
+as a colocated engine, so the trainer core is unchanged.
+
+Weight sync: a process group (gloo on CPU, NCCL on GPU) spans policy rank 0 and every engine
+worker. Under ZeRO-3 *every* policy rank runs the gathering iterator (the gather is a
+collective); rank 0 packs what it yields — FP8 bytes + scales for FP8 layers, the cached
+quantization the trainer's forward uses — and broadcasts it; the engines install it without
+re-quantizing. The digest check then asks each engine for digests of what it holds; rank 0
+collects them and shares them with the other ranks, so every rank runs the same check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from ..engines.base import RolloutEngine, RolloutSample, SamplingConfig
+from .errors import EngineDiedError
+from .utils import call, free_port, node_ip
+
+__all__ = ["EngineActor", "RemoteEngine", "EngineHandles", "engine_kind"]
+
+logger = logging.getLogger(__name__)
+
+
+def engine_kind(cfg) -> str:
+    """vllm or hf, as `--rollout.engine` asks (auto: vllm when importable)."""
+    if cfg.rollout.engine != "auto":
+        return cfg.rollout.engine
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "hf"
+    return "vllm"
+
+
+def _build_engine(cfg, kind: str, index: int) -> RolloutEngine:
+    recipe = cfg.precision.load_recipe()
+    if kind == "vllm":
+        from ..engines.vllm_engine import VLLMEngine
+
+        cls = VLLMEngine
+        if cfg.vllm.tensor_parallel_size > 1:
+            # TP workers are Ray actors in this engine's placement-group bundles.
+            class _RayExecutorVLLMEngine(VLLMEngine):
+                def __init__(self, *args: Any, **kwargs: Any) -> None:
+                    kwargs["engine_kwargs"] = {**(kwargs.get("engine_kwargs") or {}), "distributed_executor_backend": "ray"}
+                    super().__init__(*args, **kwargs)
+
+            cls = _RayExecutorVLLMEngine
+        return cls.from_config(cfg, recipe, rank=index)
+    from ..engines.hf_engine import HFEngine
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.ds.param_dtype]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return HFEngine(cfg.actor.model_name_or_path, recipe, dtype=dtype, device=device, attn_implementation=cfg.ds.attn_implementation)
+
+
+class EngineActor:
+    """One rollout engine in its own Ray actor. Created threaded (max_concurrency=2) so `status()`
+    answers while a rollout runs; every engine call holds one lock, so the engine itself only
+    ever sees one call at a time."""
+
+    def __init__(self, cfg, engine_id: str, index: int, kind: str) -> None:
+        from openrlhf.utils.logging_utils import setup_logging
+
+        setup_logging(0)
+        self.engine_id, self.index, self.kind = engine_id, index, kind
+        self._lock = threading.Lock()
+        self._busy: str | None = None
+        self._calls: dict[str, int] = {}
+        self._group = None  # the weight-sync group, for engines without their own transport
+        with self._using("init"):
+            self.engine = _build_engine(cfg, kind, index)
+
+    @contextlib.contextmanager
+    def _using(self, what: str):
+        with self._lock:
+            self._busy = what
+            self._calls[what] = self._calls.get(what, 0) + 1
+            try:
+                yield
+            finally:
+                self._busy = None
+
+    # ---- introspection (lock-free) --------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return {"engine_id": self.engine_id, "name": self.engine.name, "node_ip": node_ip(), "pid": os.getpid()}
+
+    def status(self) -> dict[str, Any]:
+        return {"busy": self._busy, "calls": dict(self._calls)}
+
+    # ---- rollout ----------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:
+        with self._using("generate"):
+            return self.engine.generate(prompts, sampling)
+
+    def sleep(self) -> None:
+        with self._using("sleep"):
+            self.engine.sleep()
+
+    def wake_up(self) -> None:
+        with self._using("wake_up"):
+            self.engine.wake_up()
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def init_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> Any:
+        with self._using("init_sync_group"):
+            if hasattr(self.engine, "init_weight_sync_group"):  # vLLM: its workers join
+                return self.engine.init_weight_sync_group(host, port, rank_offset, world_size, backend)
+            from jetrl_precision.weight_sync import init_sync_group
+
+            self._group = init_sync_group(host, port, rank_offset, world_size, backend)
+            return [rank_offset]
+
+    def receive_weights(self, src: int = 0) -> dict[str, int]:
+        with self._using("receive_weights"):
+            self.engine.wake_up()  # weights go into an awake engine (colocated GPUs sleep between rollouts)
+            if hasattr(self.engine, "receive_weights"):
+                return self.engine.receive_weights(src)
+            from jetrl_precision.weight_sync import receive_sync_tensors
+
+            counts = {"fp8": 0, "hp": 0}
+            for bucket in receive_sync_tensors(self._group, src):
+                self.engine.update_weights(bucket)
+                for t in bucket:
+                    counts["fp8" if t.scale is not None else "hp"] += 1
+            return counts
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
+        with self._using("weight_digests"):
+            return self.engine.weight_digests(list(names))
+
+    def precision_graph(self) -> dict:
+        with self._using("precision_graph"):
+            graph = self.engine.precision_graph()
+        meta = graph.setdefault("meta", {})
+        meta["engine"] = f"{meta.get('engine', self.engine.name)} [{self.engine_id}]"
+        meta["engine_id"] = self.engine_id
+        return graph
+
+    def shutdown(self) -> None:
+        with self._using("shutdown"):
+            self.engine.shutdown()
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineHandles:
+    """What a policy rank needs to reach the engines (picklable: Ray actor handles + settings)."""
+
+    actors: tuple[Any, ...]
+    ids: tuple[str, ...]
+    kind: str
+    tensor_parallel_size: int = 1
+    sync_backend: str = "gloo"
+    enable_sleep: bool = False
+    timeout_s: float = 1800.0
+
+
+class RemoteEngine(RolloutEngine):
+    """The policy rank's view of the engine actors, behind the `RolloutEngine` interface.
+
+    Rank r rolls out on engines r, r+W, ... (W policy ranks) when there are at least W engines,
+    else on engine r mod N; engine deaths surface as `EngineDiedError` naming the engine.
+    """
+
+    def __init__(self, handles: EngineHandles) -> None:
+        import torch.distributed as dist
+
+        self.h = handles
+        self.name = handles.kind
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        n = len(handles.actors)
+        self.mine = list(range(self.rank, n, self.world_size)) if n >= self.world_size else [self.rank % n]
+        self._group = None
+        if self.rank == 0:
+            self._init_sync_group()
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _get(self, refs: list, idx: list[int], during: str) -> list:
+        return call(refs, [self.h.ids[i] for i in idx], during, EngineDiedError, timeout=self.h.timeout_s)
+
+    def _all(self, method: str, *args: Any, during: str) -> list:
+        idx = list(range(len(self.h.actors)))
+        return self._get([getattr(self.h.actors[i], method).remote(*args) for i in idx], idx, during)
+
+    def _raise_dead_engine(self, refs: list, during: str, cause: BaseException) -> None:
+        """After a transport error: name the engine that died, if one did."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            for i, a in enumerate(self.h.actors):
+                try:
+                    ray.get(a.status.remote(), timeout=2.0)
+                except RayActorError:
+                    raise EngineDiedError(self.h.ids[i], during, cause) from cause
+                except Exception:
+                    pass
+            time.sleep(0.5)
+
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and self.world_size > 1:
+            dist.barrier()
+
+    def _share(self, obj: Any) -> Any:
+        """Rank 0's object, on every policy rank."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _init_sync_group(self) -> None:
+        from jetrl_precision.weight_sync import init_sync_group
+
+        tp = self.h.tensor_parallel_size
+        world = 1 + len(self.h.actors) * tp
+        host = node_ip()
+        port = free_port(host)
+        refs = [a.init_sync_group.remote(host, port, 1 + i * tp, world, self.h.sync_backend) for i, a in enumerate(self.h.actors)]
+        t0 = time.perf_counter()
+        try:
+            self._group = init_sync_group(host, port, 0, world, self.h.sync_backend, timeout_s=min(self.h.timeout_s, 600.0))
+        except Exception as e:
+            self._raise_dead_engine(refs, "weight-sync group set-up", e)
+            raise
+        self._get(refs, list(range(len(refs))), "weight-sync group set-up")
+        logger.info("weight-sync group: %d ranks over %s at %s:%d (%.1f s)", world, self.h.sync_backend, host, port, time.perf_counter() - t0)
+
+    # ---- RolloutEngine ----------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:
+        k = len(self.mine)
+        bounds = [len(prompts) * j // k for j in range(k + 1)]
+        refs, idx = [], []
+        for j, e in enumerate(self.mine):
+            part = list(prompts[bounds[j] : bounds[j + 1]])
+            if not part:
+                continue
+            # distinct seeds per engine: two engines must not draw the same samples
+            s = sampling if j == 0 or sampling.seed is None else dataclasses.replace(sampling, seed=sampling.seed + 1_000_003 * j)
+            refs.append(self.h.actors[e].generate.remote(part, s))
+            idx.append(e)
+        return [group for part in self._get(refs, idx, "generate (rollout)") for group in part]
+
+    def update_weights(self, tensors: Iterable[Any]) -> None:
+        if self.rank != 0:
+            for _ in tensors:  # the ZeRO-3 gather is collective: consume in step with rank 0
+                pass
+            return
+        from jetrl_precision.weight_sync import broadcast_sync_tensors
+
+        refs = [a.receive_weights.remote(0) for a in self.h.actors]
+        try:
+            stats = broadcast_sync_tensors(tensors, self._group, src=0)
+        except Exception as e:
+            self._raise_dead_engine(refs, "weight sync", e)
+            raise
+        self._get(refs, list(range(len(refs))), "weight sync")
+        self.last_sync_stats = stats
+
+    def weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
+        from openrlhf.trainer.ppo_trainer import WeightSyncError
+
+        result: dict[str, Any] | None = None
+        if self.rank == 0:
+            per_engine = self._all("weight_digests", list(names), during="digest check")
+            base = per_engine[0]
+            differ = {self.h.ids[i]: [n for n in names if d.get(n) != base.get(n)] for i, d in enumerate(per_engine)}
+            differ = {k: v for k, v in differ.items() if v}
+            if differ:
+                detail = "; ".join(f"{k}: {v[:4]}" for k, v in differ.items())
+                result = {"error": f"engines disagree after weight sync ({detail} differ from {self.h.ids[0]})"}
+            else:
+                result = {"digests": base}
+        result = self._share(result)
+        if "error" in result:
+            raise WeightSyncError(result["error"])
+        return result["digests"]
+
+    def precision_graphs(self) -> list[dict]:
+        return self._all("precision_graph", during="precision check")
+
+    def precision_graph(self) -> dict:
+        return self.precision_graphs()[0]
+
+    def wake_up(self) -> None:
+        if not self.h.enable_sleep:
+            return
+        if self.rank == 0:
+            self._all("wake_up", during="wake_up")
+        self._barrier()  # no rank generates before every engine is awake
+
+    def sleep(self) -> None:
+        if not self.h.enable_sleep:
+            return
+        self._barrier()  # every rank's rollout is done
+        if self.rank == 0:
+            self._all("sleep", during="sleep")
+
+    def shutdown(self) -> None:
+        pass  # the driver owns the engine actors

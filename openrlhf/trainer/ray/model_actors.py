@@ -1,0 +1,196 @@
+"""Reference, critic and reward models as Ray actors, and the callables policy ranks use for them.
+
+Policy rank r talks to reference/reward actor r mod M (each holds a whole copy of its model)
+and to critic rank r. The critic group trains with its own DeepSpeed world; since every
+critic rank is driven by its paired policy rank, critic ranks run their collectives in the
+same order, and the critic step is `PPOTrainer._critic_micro_step` itself, run where the
+critic lives.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any, Sequence
+
+import torch
+
+from .errors import RayActorDiedError
+from .utils import call, free_port, node_ip
+
+__all__ = ["RefActor", "RewardActor", "CriticActor", "RemoteRef", "RemoteReward", "RemoteCritic"]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _dtype(cfg) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.ds.param_dtype]
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---- reference ------------------------------------------------------------------------------------
+class RefActor:
+    """The reference policy in the training forward's precision (as in SPMD mode), inference only."""
+
+    def __init__(self, cfg, actor_id: str) -> None:
+        from jetrl_precision import convert_to_fp8
+        from openrlhf.models.actor import Actor, load_causal_lm
+
+        self.actor_id = actor_id
+        model = load_causal_lm(cfg.ref_model_path, _dtype(cfg), cfg.ds.attn_implementation)
+        convert_to_fp8(model, cfg.precision.load_recipe(), side="train")
+        self.model = Actor(model).requires_grad_(False).eval().to(_device())
+
+    def info(self) -> dict[str, Any]:
+        return {"actor_id": self.actor_id, "node_ip": node_ip(), "pid": os.getpid()}
+
+    @torch.no_grad()
+    def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int, temperature: float = 1.0) -> torch.Tensor:
+        dev = _device()
+        return self.model(sequences.to(dev), attention_mask.to(dev), num_actions, temperature=temperature).float().cpu()
+
+
+class RemoteRef:
+    """`ref(sequences, attention_mask, num_actions, temperature=)` on a reference actor."""
+
+    def __init__(self, actors: Sequence[Any], ids: Sequence[str], timeout_s: float) -> None:
+        self.actors, self.ids, self.timeout_s = list(actors), list(ids), timeout_s
+
+    def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int, temperature: float = 1.0) -> torch.Tensor:
+        i = _rank() % len(self.actors)
+        ref = self.actors[i].forward.remote(sequences.cpu(), attention_mask.cpu(), num_actions, temperature)
+        return call(ref, self.ids[i], "reference forward", RayActorDiedError, self.timeout_s).to(sequences.device)
+
+
+# ---- reward model ---------------------------------------------------------------------------------
+class RewardActor:
+    """A reward model (or any configured reward) scoring prompt + response text."""
+
+    def __init__(self, cfg, actor_id: str) -> None:
+        from openrlhf.trainer.reward import build_reward_fn
+
+        self.actor_id = actor_id
+        self.fn = build_reward_fn(
+            cfg.reward_source, remote_url=cfg.reward.remote_url, model_path=cfg.reward.model_name_or_path,
+            clip_range=cfg.reward.clip_range, dtype=_dtype(cfg), device=_device(),
+        )
+
+    def info(self) -> dict[str, Any]:
+        return {"actor_id": self.actor_id, "node_ip": node_ip(), "pid": os.getpid()}
+
+    def score(self, prompts: list[str], responses: list[str], labels: list[str | None]) -> list[float]:
+        return self.fn(prompts, responses, labels)
+
+
+class RemoteReward:
+    def __init__(self, actors: Sequence[Any], ids: Sequence[str], timeout_s: float) -> None:
+        self.actors, self.ids, self.timeout_s = list(actors), list(ids), timeout_s
+
+    def __call__(self, prompts: list[str], responses: list[str], labels: list[str | None]) -> list[float]:
+        i = _rank() % len(self.actors)
+        ref = self.actors[i].score.remote(list(prompts), list(responses), list(labels))
+        return call(ref, self.ids[i], "reward scoring", RayActorDiedError, self.timeout_s)
+
+
+# ---- critic ---------------------------------------------------------------------------------------
+class CriticActor:
+    """One rank of the critic's DeepSpeed group (its own world, paired with policy rank `rank`)."""
+
+    def __init__(self, cfg, actor_id: str, rank: int, world_size: int, local_rank: int) -> None:
+        self.cfg, self.actor_id = cfg, actor_id
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self._remote_critic = None  # read by PPOTrainer._critic_micro_step
+
+    def info(self) -> dict[str, Any]:
+        return {"actor_id": self.actor_id, "node_ip": node_ip(), "pid": os.getpid()}
+
+    def address(self) -> tuple[str, int]:
+        ip = node_ip()
+        return ip, free_port(ip)
+
+    def setup(self, master_addr: str, master_port: int, total_updates: int) -> None:
+        from jetrl_precision import convert_to_fp8
+        from openrlhf.cli.train_ppo_ray import make_strategy
+        from openrlhf.models.actor import Critic
+        from openrlhf.models.loss import ValueLoss
+        from openrlhf.trainer.ppo_trainer import PPOTrainer
+
+        os.environ.update(
+            RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+        )
+        cfg = self.cfg
+        st = self.strategy = make_strategy(cfg)
+        st.setup_distributed()
+        with st.model_init_context(train=True):
+            critic = Critic.from_pretrained(cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation)
+        convert_to_fp8(critic, cfg.precision.load_recipe(), side="train")
+        opt = st.make_optimizer(critic, cfg.critic.adam.lr, cfg.critic.adam.betas, cfg.critic.adam.eps, cfg.critic.adam.weight_decay)
+        # The SPMD trainer's scheduler, for the same number of updates.
+        sched = PPOTrainer._scheduler(types.SimpleNamespace(total_updates=total_updates), opt, cfg.actor)
+        self.critic_engine = st.prepare(critic, opt, sched)
+        self.value_loss = ValueLoss(cfg.critic.value_clip)
+
+    @torch.no_grad()
+    def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
+        dev = self.strategy.device
+        return self.critic_engine(sequences.to(dev), attention_mask.to(dev), num_actions).float().cpu()
+
+    def train_micro_step(self, mb, global_tokens: float, scale: float) -> dict[str, float]:
+        from openrlhf.trainer.ppo_trainer import PPOTrainer
+
+        # The SPMD code path itself: this object carries what it reads (critic_engine, value_loss).
+        return PPOTrainer._critic_micro_step(self, mb.to(self.strategy.device), global_tokens, scale)
+
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict) -> Any:
+        return self.critic_engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir: str, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True) -> Any:
+        return self.critic_engine.load_checkpoint(
+            load_dir, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states
+        )
+
+
+class RemoteCritic:
+    """The critic as `PPOTrainer` uses it (see its constructor), on critic rank = policy rank."""
+
+    def __init__(self, actors: Sequence[Any], ids: Sequence[str], master: tuple[str, int], timeout_s: float) -> None:
+        self.actors, self.ids, self.master, self.timeout_s = list(actors), list(ids), master, timeout_s
+
+    def _call(self, ref, during: str):
+        return call(ref, self.ids[_rank()], during, RayActorDiedError, self.timeout_s)
+
+    @property
+    def _actor(self):
+        return self.actors[_rank()]
+
+    def setup(self, total_updates: int) -> None:
+        self._call(self._actor.setup.remote(*self.master, total_updates), "critic set-up")
+
+    def __call__(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
+        out = self._call(self._actor.forward.remote(sequences.cpu(), attention_mask.cpu(), num_actions), "critic forward")
+        return out.to(sequences.device)
+
+    def train_micro_step(self, mb, global_tokens: float, scale: float) -> dict[str, float]:
+        return self._call(self._actor.train_micro_step.remote(mb.to(torch.device("cpu")), global_tokens, scale), "critic training")
+
+    def train(self) -> "RemoteCritic":
+        return self
+
+    def eval(self) -> "RemoteCritic":
+        return self
+
+    # DeepSpeed engine signatures, so DeepspeedStrategy.save/load_checkpoint work unchanged
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict | None = None) -> Any:
+        return self._call(self._actor.save_checkpoint.remote(save_dir, tag, client_state or {}), "critic checkpoint save")
+
+    def load_checkpoint(self, load_dir: str, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True) -> Any:
+        ref = self._actor.load_checkpoint.remote(load_dir, load_optimizer_states, load_lr_scheduler_states)
+        return self._call(ref, "critic checkpoint load")

@@ -1,0 +1,114 @@
+"""Small Ray helpers: joining or starting a cluster, the env actors inherit, addresses and ports."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+__all__ = ["init_ray", "actor_env", "node_ip", "free_port", "call", "on_gpu_cluster"]
+
+logger = logging.getLogger(__name__)
+
+# Environment the actors need from the driver. A `ray start` cluster's workers do not see the
+# driver's shell, so these travel in each actor's runtime_env.
+_PASS_PREFIXES = ("HF_", "TRANSFORMERS_", "VLLM_", "DS_", "NCCL_", "TRITON_", "JETRL_", "TORCH_", "TOKENIZERS_")
+_PASS_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "WANDB_API_KEY", "WANDB_MODE")
+
+
+def _existing_cluster() -> str | None:
+    """RAY_ADDRESS (set by `ray job submit`), else a cluster this machine joined with `ray start`."""
+    addr = os.environ.get("RAY_ADDRESS")
+    if addr:
+        return addr
+    try:  # the file `ray start` writes; never "auto", which would join any Ray process on the machine
+        from ray._private.services import find_bootstrap_address
+
+        return find_bootstrap_address(None)
+    except Exception:  # a private helper: if it moves, fall back to a fresh local instance
+        return None
+
+
+def init_ray() -> bool:
+    """Join a running cluster if there is one, else start a local instance. Returns True when this
+    call started Ray (the caller then shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    addr = _existing_cluster()
+    if addr:
+        logger.info("joining the Ray cluster at %s", addr)
+        ray.init(address=addr, log_to_driver=True)
+        return False
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True)
+    if not _has_cuda():
+        # CPU machines: keep all traffic on loopback (VLLM_HOST_IP too), as the CPU CI does.
+        kwargs["_node_ip_address"] = os.environ.get("VLLM_HOST_IP", "127.0.0.1")
+    logger.info("no running Ray cluster found: starting a local one")
+    ray.init(**kwargs)
+    return True
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def on_gpu_cluster() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def actor_env(on_gpu: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.startswith(_PASS_PREFIXES) or k in _PASS_NAMES}
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray assigns devices
+    if not on_gpu:
+        env.setdefault("OMP_NUM_THREADS", "1")  # actors share a few cores: no oversubscription
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def call(ref_or_refs, actor_ids, during: str, error_cls=None, timeout: float | None = None):
+    """`ray.get` that turns an actor's death into `error_cls(actor_id, during)` naming the actor.
+
+    `ref_or_refs` and `actor_ids` are one ObjectRef and its id, or parallel lists. An exception
+    raised *inside* a live actor propagates unchanged (it is the actor's own error).
+    """
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    from .errors import RayActorDiedError
+
+    error_cls = error_cls or RayActorDiedError
+    single = not isinstance(ref_or_refs, list)
+    refs = [ref_or_refs] if single else list(ref_or_refs)
+    ids = [actor_ids] if single else list(actor_ids)
+    out = []
+    for ref, aid in zip(refs, ids):
+        try:
+            out.append(ray.get(ref, timeout=timeout))
+        except RayActorError as e:
+            raise error_cls(aid, during, e) from None
+        except GetTimeoutError as e:
+            raise error_cls(aid, during, f"no answer within {timeout:.0f} s") from e
+    return out[0] if single else out
