@@ -1,6 +1,6 @@
 """All GPU benchmarks of the FP8 path in one run; prints one table and writes JSON records.
 
-    PYTHONUNBUFFERED=1 python benchmarks/gpu_bench.py --out $OUT/gpu_bench.json
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --out $OUT/gpu_bench.json
 
 Sections (each guarded, so one failure does not lose the rest):
   env       GPU, clocks, software versions
@@ -44,7 +44,7 @@ LAYERS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 MS = (64, 256, 4096, 8192, 16384)
 DATE = "2026-11-29"
 RECORDS: list[dict] = []
-COMMAND = "PYTHONUNBUFFERED=1 python benchmarks/gpu_bench.py --out $OUT/gpu_bench.json"
+COMMAND = "PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --out $OUT/gpu_bench.json"
 
 
 def rec(name, shape, backend, value, unit, ratio=None, **extra):
@@ -304,11 +304,13 @@ def section_host(args):
             rec("host_us_per_call", f"M=64 K=N=4096 {name}", "host", round(us, 1), "us")
 
 
-def _saved_bytes(fn):
+def _saved_bytes(fn, params=()):
+    """Bytes autograd saves for backward, not counting parameters (F.linear saves an alias of W, not W)."""
     total = [0]
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
 
     def pack(t):
-        if not isinstance(t, nn.Parameter):
+        if not isinstance(t, nn.Parameter) and t.untyped_storage().data_ptr() not in param_ptrs:
             total[0] += t.numel() * t.element_size()
         return t
 
@@ -333,7 +335,7 @@ def section_linear(args):
         x, dy = xs[0], dys[0]
         cyc = itertools.cycle(range(2))
         t_bf = bench(lambda: (lambda i: lin(xs[i]).backward(dys[i]))(next(cyc)), grad_to_none=xs + [lin.weight], rep=150)
-        _, saved_bf = _saved_bytes(lambda: lin(x))
+        _, saved_bf = _saved_bytes(lambda: lin(x), [lin.weight])
         res = {"layer": lname, "bf16_ms": t_bf}
         rec("linear_fwd_bwd_ms", f"M={m} {lname}", "bf16", round(t_bf, 4), "ms", 1.0, saved_activation_bytes=saved_bf)
         for backend in ("auto", "triton"):
@@ -352,7 +354,7 @@ def section_linear(args):
 
             t_c = bench(step_cached, grad_to_none=xs + [lin.weight], rep=150)
             t_r = bench(step_requant, grad_to_none=xs + [lin.weight], rep=150)
-            _, saved = _saved_bytes(lambda: layer(x))
+            _, saved = _saved_bytes(lambda: layer(x), [lin.weight])
             res[f"{name}_cached"] = t_c
             res[f"{name}_requant"] = t_r
             res[f"{name}_saved"] = saved
