@@ -158,6 +158,29 @@ def test_plan_quant_groups_per_part_gives_each_part_its_own_blocks():
     assert (rows, cols) == (6, 2) and groups[1].scale_row_offset == 3
 
 
+def test_fp8_linear_op_equals_per_part_gemms_and_compiles_fullgraph():
+    """The engine's forward is one custom op (opaque to torch.compile, as vLLM compiles by default).
+    For parts with a partial block row it runs one GEMM per part, exactly as training does."""
+    from jetrl_precision.gemm import gemm_nt
+
+    recipe = get_recipe("jet_fp8")
+    g = torch.Generator().manual_seed(1)
+    parts = [128, 64, 64]
+    w = torch.randn(256, 200, generator=g) * torch.exp(torch.randn(256, 1, generator=g))
+    qs = [quantize_fp8(p, Granularity.BLOCK_128x128) for p in torch.split(w, parts)]
+    weight, scale = torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs])
+    x = torch.randn(7, 200, generator=g) * 3
+    x[2, 5] = 900.0  # an outlier: its 1x128 group gets its own scale
+
+    def op(x):
+        return torch.ops.jetrl.fp8_linear(x, weight, scale, parts, [1, 1, 1], 128, 128, vllm_plugin.spec_code(recipe.rollout.input), "emulated")
+
+    xq = quantize_fp8(x, Granularity.BLOCK_1x128)
+    ref = torch.cat([gemm_nt(xq, q, torch.float32, "emulated") for q in qs], dim=-1)
+    assert torch.equal(op(x), ref)
+    assert torch.equal(torch.compile(op, fullgraph=True)(x), ref)
+
+
 def test_settings_round_trip_and_engine_kwargs():
     recipe = pow2_recipe()
     kw = vllm_plugin.engine_kwargs(recipe, "rollout", "fused")

@@ -45,6 +45,9 @@ __all__ = [
     "register",
     "is_registered",
     "jetrl_method_of",
+    "fp8_linear_forward",
+    "spec_code",
+    "spec_from_code",
 ]
 
 logger = logging.getLogger(__name__)
@@ -166,6 +169,69 @@ def _check_aligned(layer: torch.nn.Module, what: str, start: int, length: int, f
             f"start/end on a {block}-block boundary, so its FP8 blocks would differ from training. "
             "Use a tensor_parallel_size that keeps shards multiples of 128."
         )
+
+
+# ---- the forward, as one custom op ------------------------------------------------------------
+def spec_code(spec: TensorSpec) -> str:
+    """A TensorSpec as a string a custom op can take: "" for high precision, else "granularity|scale_rule"."""
+    return f"{spec.granularity.value}|{spec.scale_rule.value}" if spec.is_fp8 else ""
+
+
+def spec_from_code(code: str) -> TensorSpec:
+    if not code:
+        return TensorSpec()
+    gran, rule = code.split("|")
+    return TensorSpec("e4m3", gran, rule)
+
+
+def fp8_linear_forward(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group_rows: list[int],
+    group_scale_rows: list[int],
+    block: tuple[int, int],
+    input_code: str,
+    backend: str,
+) -> torch.Tensor:
+    """x2 [M, K] @ W^T for an e4m3 weight stored as row groups (fused parts) with their own block grids."""
+    views = []
+    r = sr = 0
+    for rows, srows in zip(group_rows, group_scale_rows):
+        views.append(QuantizedTensor(weight[r : r + rows], weight_scale[sr : sr + srows], block))
+        r, sr = r + rows, sr + srows
+    input_spec = spec_from_code(input_code)
+    if not input_spec.is_fp8:
+        # W8A16 (not a named recipe): dequantize the weight, GEMM in fp32, round once.
+        w = torch.cat([v.dequantize(torch.float32) for v in views])
+        return (x2.float() @ w.t()).to(x2.dtype)
+    xq = ops.quantize(x2, input_spec)
+    if len(views) == 1 or all(rows % block[0] == 0 for rows in group_rows[:-1]):
+        # the groups tile one block grid: a single GEMM over the fused weight
+        return gemm_nt(xq, QuantizedTensor(weight, weight_scale, block), x2.dtype, backend)
+    # a part with a partial block row (e.g. k/v of N=64): one GEMM per part, as training runs them
+    return torch.cat([gemm_nt(xq, v, x2.dtype, backend) for v in views], dim=-1)
+
+
+def _register_custom_op() -> None:
+    if hasattr(torch.ops, "jetrl") and hasattr(torch.ops.jetrl, "fp8_linear"):
+        return
+
+    @torch.library.custom_op(
+        "jetrl::fp8_linear",
+        mutates_args=(),
+        schema="(Tensor x, Tensor weight, Tensor weight_scale, int[] group_rows, int[] group_scale_rows, "
+        "int block0, int block1, str input_code, str backend) -> Tensor",
+    )
+    def _op(x, weight, weight_scale, group_rows, group_scale_rows, block0, block1, input_code, backend):
+        return fp8_linear_forward(x, weight, weight_scale, list(group_rows), list(group_scale_rows), (block0, block1), input_code, backend)
+
+    @_op.register_fake
+    def _(x, weight, weight_scale, group_rows, group_scale_rows, block0, block1, input_code, backend):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+
+_register_custom_op()
 
 
 # ---- the vLLM classes (defined only when vLLM is importable) ---------------------------------
@@ -317,6 +383,15 @@ def _build_classes() -> dict[str, type]:
             # Nothing to repack: apply() reads the logical layout. Fused scope quantizes once all parts are in.
             if self.scope == "fused" and len(layer.jetrl_staged) == len(layer.jetrl_part_sizes):
                 self._quantize_staged(layer)
+            # Resolve the backend now, not in apply(): torch.compile must not trace the dispatch registry.
+            layer.jetrl_op_args = self._op_args(layer, layer.weight.device)
+
+        def _op_args(self, layer: torch.nn.Module, device: torch.device) -> tuple:
+            groups = layer.jetrl_groups
+            return (
+                [g.rows for g in groups], [g.scale_rows for g in groups], groups[0].block[0], groups[0].block[1],
+                spec_code(self.fprop.input), self.backend_for(device),
+            )
 
         # -- views used by apply, the weight sync and the digests ----------------------------
         def group_tensor(self, layer: torch.nn.Module, group: int) -> QuantizedTensor:
@@ -326,16 +401,6 @@ def _build_classes() -> dict[str, type]:
                 layer.weight_scale.data[g.scale_row_offset : g.scale_row_offset + g.scale_rows],
                 g.block,
             )
-
-        def fused_tensor(self, layer: torch.nn.Module) -> QuantizedTensor | None:
-            """The whole weight as one QuantizedTensor when its groups tile one block grid (no partial inner blocks)."""
-            groups = layer.jetrl_groups
-            if len(groups) == 1:
-                return self.group_tensor(layer, 0)
-            b0 = groups[0].block[0]
-            if any(g.block != groups[0].block for g in groups) or any(g.rows % b0 for g in groups[:-1]):
-                return None
-            return QuantizedTensor(layer.weight.data, layer.weight_scale.data, groups[0].block)
 
         def backend_for(self, device: torch.device) -> str:
             key = str(device)
@@ -350,18 +415,10 @@ def _build_classes() -> dict[str, type]:
             n = layer.weight.shape[0]
             if x2.shape[0] == 0:
                 return x.new_zeros(*x.shape[:-1], n)
-            if not self.fprop.input.is_fp8:
-                # W8A16 (not a named recipe): dequantize the weight, GEMM in the activation precision.
-                w = torch.cat([self.group_tensor(layer, i).dequantize(torch.float32) for i in range(len(layer.jetrl_groups))])
-                y = (x2.float() @ w.t()).to(x.dtype)
-            else:
-                backend = self.backend_for(x.device)
-                xq = ops.quantize(x2, self.fprop.input)
-                fused = self.fused_tensor(layer)
-                if fused is not None:
-                    y = gemm_nt(xq, fused, x.dtype, backend)
-                else:  # a part with a partial 128-row block: one GEMM per part, as training runs them
-                    y = torch.cat([gemm_nt(xq, self.group_tensor(layer, i), x.dtype, backend) for i in range(len(layer.jetrl_groups))], dim=-1)
+            args = getattr(layer, "jetrl_op_args", None) or self._op_args(layer, x.device)
+            # One opaque custom op: torch.compile / CUDA graphs (vLLM's default on GPU) see a single
+            # node instead of tracing our quantizer and GEMM dispatch.
+            y = torch.ops.jetrl.fp8_linear(x2, layer.weight, layer.weight_scale, *args)
             if bias is not None:
                 y = y + bias.to(y.dtype)
             return y.reshape(*x.shape[:-1], n)
