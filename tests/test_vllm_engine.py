@@ -235,6 +235,34 @@ def test_fp8_sync_three_rounds_bytes_equal_and_digest_catches_corruption(jet_eng
     assert jet_engine.verify_weights(trainer, names=[victim]) == []
 
 
+def test_bf16_trainer_into_fp32_cpu_engine_digests_compare_what_was_sent(jet_engine, model_dir):
+    """vLLM-CPU runs in fp32 while a DeepSpeed trainer holds bf16: FP8 bytes install as they are,
+    high-precision tensors are cast, and the digests still compare what the trainer sent."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = convert_to_fp8(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), get_recipe("jet_fp8"))
+    train_step(trainer, seed=30)
+    sent = {t.name: sync_tensor_digest(t) for t in iter_sync_tensors(trainer)}
+    jet_engine.update_weights(iter_sync_tensors(trainer))
+    assert compare_digests(sent, jet_engine.weight_digests(list(sent))) == []
+    assert jet_engine.verify_weights(trainer, k=21) == []
+    held = jet_engine.read_weights(["model.norm.weight", "model.layers.0.self_attn.k_proj.weight"])
+    assert held["model.norm.weight"][0].dtype == torch.float32
+    assert torch.equal(held["model.norm.weight"][0], trainer.model.norm.weight.detach().float())
+    wq = trainer.model.layers[0].self_attn.k_proj.quantized_weight()
+    assert torch.equal(held["model.layers.0.self_attn.k_proj.weight"][0].view(torch.uint8), wq.data.view(torch.uint8))
+    # a corrupted cast tensor is still caught
+    victim = "model.layers.1.post_attention_layernorm.weight"
+    jet_engine.llm.collective_rpc(_scale_param, args=(victim, 1.5))
+    with pytest.raises(WeightSyncError, match=victim.replace(".", r"\.")):
+        compare_digests(sent, jet_engine.weight_digests(list(sent)))
+
+
+def _scale_param(worker, name: str, factor: float) -> None:
+    with torch.no_grad():
+        worker.get_model().get_parameter(name).mul_(factor)
+
+
 def test_fp8_rollout_engine_quantizes_synced_high_precision_weights(pool, model_dir):
     """fp8_rollout: the trainer stays high precision and sends hp weights; the engine's loader quantizes
     them with the recipe's rollout spec (our quantizer), like VeRL's FP8 rollout."""

