@@ -89,6 +89,7 @@ def main() -> None:
     p.add_argument("--inter", type=int, default=4096)
     p.add_argument("--gemm_backend", default="auto")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--stop_on_error", action="store_true")
     p.add_argument("--workdir", default="/tmp/grpo_gpu")
     p.add_argument("--out", default=os.environ.get("OUT", "grpo_gpu_out"))
     a = p.parse_args()
@@ -101,6 +102,12 @@ def main() -> None:
             rec = run_one(model, data, work / f"{r}_{g}gpu", r, g, a)
             print(json.dumps(rec), flush=True)
             records.append(rec)
+            with open(out / "grpo_gpu.jsonl", "a") as f:  # incremental: survives a timeout
+                f.write(json.dumps(rec) + "\n")
+            if "error" in rec:
+                (out / f"log_{r}_{g}gpu.txt").write_text((work / f"{r}_{g}gpu" / "log.txt").read_text())
+                if a.stop_on_error:
+                    break
     (out / "grpo_gpu.json").write_text(json.dumps(records, indent=1))
     cols = ["recipe", "gpus", "perf/step_s", "perf/rollout_s", "perf/old_logprob_s", "perf/ref_s", "perf/train_s",
             "perf/weight_sync_s", "step_tokens_per_s", "perf/rollout_tokens_per_s", "perf/peak_mem_gb",
