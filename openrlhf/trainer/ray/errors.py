@@ -17,10 +17,12 @@ def _first_line(cause: BaseException | str | None) -> str:
 class RayActorDiedError(RuntimeError):
     """A Ray actor of this run (engine, reference, critic, reward, policy rank) died or became unreachable."""
 
+    what = "Ray actor"
+
     def __init__(self, actor_id: str, during: str, cause: BaseException | str | None = None) -> None:
         self.actor_id, self.during, self.detail = actor_id, during, _first_line(cause)
         super().__init__(
-            f"Ray actor {actor_id} died during {during}" + (f" ({self.detail})" if self.detail else "")
+            f"{self.what} {actor_id} died during {during}" + (f" ({self.detail})" if self.detail else "")
             + ". The run stopped; the last complete checkpoint is intact: rerun the same command with "
             "--ckpt.load_enable to resume from it."
         )
@@ -31,6 +33,8 @@ class RayActorDiedError(RuntimeError):
 
 class EngineDiedError(RayActorDiedError):
     """A rollout-engine actor died (killed, out of memory, node lost) mid-run."""
+
+    what = "rollout engine actor"
 
     @property
     def engine_id(self) -> str:

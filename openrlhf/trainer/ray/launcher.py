@@ -354,6 +354,9 @@ class _Launcher:
 
 def run_ray(cfg, *, evaluate: bool = True) -> dict:
     """Run `cfg` in Ray mode: join (or start) Ray, place the roles, train, clean up. Returns rank 0's summary."""
+    from openrlhf.utils.logging_utils import setup_logging
+
+    setup_logging(0)
     started = init_ray()
     launcher = None
     try:
