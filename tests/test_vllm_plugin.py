@@ -173,7 +173,7 @@ def test_fp8_linear_op_equals_per_part_gemms_and_compiles_fullgraph():
     x[2, 5] = 900.0  # an outlier: its 1x128 group gets its own scale
 
     def op(x):
-        return torch.ops.jetrl.fp8_linear(x, weight, scale, parts, [1, 1, 1], 128, 128, vllm_plugin.spec_code(recipe.rollout.input), "emulated")
+        return torch.ops.jetrl.fp8_linear(x, weight, scale, parts, [1, 1, 1], [128] * 3, 128, vllm_plugin.spec_code(recipe.rollout.input), "emulated")
 
     xq = quantize_fp8(x, Granularity.BLOCK_1x128)
     ref = torch.cat([gemm_nt(xq, q, torch.float32, "emulated") for q in qs], dim=-1)

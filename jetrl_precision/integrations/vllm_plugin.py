@@ -190,15 +190,16 @@ def fp8_linear_forward(
     weight_scale: torch.Tensor,
     group_rows: list[int],
     group_scale_rows: list[int],
-    block: tuple[int, int],
+    group_block_rows: list[int],
+    block_cols: int,
     input_code: str,
     backend: str,
 ) -> torch.Tensor:
     """x2 [M, K] @ W^T for an e4m3 weight stored as row groups (fused parts) with their own block grids."""
     views = []
     r = sr = 0
-    for rows, srows in zip(group_rows, group_scale_rows):
-        views.append(QuantizedTensor(weight[r : r + rows], weight_scale[sr : sr + srows], block))
+    for rows, srows, b0 in zip(group_rows, group_scale_rows, group_block_rows):
+        views.append(QuantizedTensor(weight[r : r + rows], weight_scale[sr : sr + srows], (b0, block_cols)))
         r, sr = r + rows, sr + srows
     input_spec = spec_from_code(input_code)
     if not input_spec.is_fp8:
@@ -206,9 +207,10 @@ def fp8_linear_forward(
         w = torch.cat([v.dequantize(torch.float32) for v in views])
         return (x2.float() @ w.t()).to(x2.dtype)
     xq = ops.quantize(x2, input_spec)
-    if len(views) == 1 or all(rows % block[0] == 0 for rows in group_rows[:-1]):
+    b0 = group_block_rows[0]
+    if len(views) == 1 or (len(set(group_block_rows)) == 1 and all(rows % b0 == 0 for rows in group_rows[:-1])):
         # the groups tile one block grid: a single GEMM over the fused weight
-        return gemm_nt(xq, QuantizedTensor(weight, weight_scale, block), x2.dtype, backend)
+        return gemm_nt(xq, QuantizedTensor(weight, weight_scale, (b0, block_cols)), x2.dtype, backend)
     # a part with a partial block row (e.g. k/v of N=64): one GEMM per part, as training runs them
     return torch.cat([gemm_nt(xq, v, x2.dtype, backend) for v in views], dim=-1)
 
@@ -221,13 +223,15 @@ def _register_custom_op() -> None:
         "jetrl::fp8_linear",
         mutates_args=(),
         schema="(Tensor x, Tensor weight, Tensor weight_scale, int[] group_rows, int[] group_scale_rows, "
-        "int block0, int block1, str input_code, str backend) -> Tensor",
+        "int[] group_block_rows, int block_cols, str input_code, str backend) -> Tensor",
     )
-    def _op(x, weight, weight_scale, group_rows, group_scale_rows, block0, block1, input_code, backend):
-        return fp8_linear_forward(x, weight, weight_scale, list(group_rows), list(group_scale_rows), (block0, block1), input_code, backend)
+    def _op(x, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend):
+        return fp8_linear_forward(
+            x, weight, weight_scale, list(group_rows), list(group_scale_rows), list(group_block_rows), block_cols, input_code, backend
+        )
 
     @_op.register_fake
-    def _(x, weight, weight_scale, group_rows, group_scale_rows, block0, block1, input_code, backend):
+    def _(x, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend):
         return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -389,7 +393,7 @@ def _build_classes() -> dict[str, type]:
         def _op_args(self, layer: torch.nn.Module, device: torch.device) -> tuple:
             groups = layer.jetrl_groups
             return (
-                [g.rows for g in groups], [g.scale_rows for g in groups], groups[0].block[0], groups[0].block[1],
+                [g.rows for g in groups], [g.scale_rows for g in groups], [g.block[0] for g in groups], groups[0].block[1],
                 spec_code(self.fprop.input), self.backend_for(device),
             )
 
