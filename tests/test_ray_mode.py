@@ -286,3 +286,49 @@ def test_gae_with_critic_group_and_reward_model_actor(task, tmp_path, ray_local)
     # the reward model scores text: not the {0, 1} of the math rule
     assert any(h["rollout/reward"] not in (0.0, 1.0) for h in hist)
     assert (out / "checkpoints_ppo" / "critic" / "latest").read_text().strip() == "global_step2"
+
+
+def test_actor_that_fails_to_start_is_named_and_the_run_cleans_up(task, tmp_path, ray_local):
+    from openrlhf.trainer.ray import run_ray
+    from openrlhf.trainer.ray.errors import RayActorStartError
+
+    cfg = _cfg(task, tmp_path / "o", 1, ["--vllm.num_engines", "1", "--rollout.engine", "hf"])
+    cfg = dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, model_name_or_path=str(tmp_path / "no_such_model")))
+    with pytest.raises(RayActorStartError, match=r"hf-engine-0 failed to start: FileNotFoundError: could not load a model"):
+        run_ray(cfg, evaluate=False)
+    assert not [n for n in ray_local.util.list_named_actors() if n.startswith("jetrl-")]  # every actor killed
+
+
+# ---- the example scripts: their flags parse and their layouts plan ---------------------------------------
+@pytest.mark.parametrize(
+    "script, recipe, world, groups",
+    [
+        ("train_grpo_ray_fp8_unified.sh", "jet_fp8", 8, {"policy": 8}),
+        ("train_grpo_ray_bf16_baseline.sh", "bf16", 8, {"policy": 8}),
+        ("train_grpo_ray_fp8_rollout_tis.sh", "fp8_rollout", 8, {"policy": 8}),
+        ("train_grpo_ray_fp8_unified_multinode.sh", "jet_fp8", 16, {"policy": 16, "engines": 8}),
+    ],
+)
+def test_gpu_example_scripts_submit_valid_jobs(tmp_path, script, recipe, world, groups):
+    """Run each script with a stand-in `ray` on PATH that records what it would submit."""
+    from openrlhf.trainer.ray.launcher import plan_layout
+
+    fake = tmp_path / "bin" / "ray"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{PY}\nimport json, os, sys\njson.dump(sys.argv[1:], open(os.environ['FAKE_RAY_OUT'], 'w'))\n")
+    fake.chmod(0o755)
+    record = tmp_path / "submitted.json"
+    env = {**ENV, "PATH": f"{fake.parent}:{os.environ['PATH']}", "FAKE_RAY_OUT": str(record), "DATA": "/data/math.jsonl"}
+    env.pop("SLURM_JOB_ID", None)
+    subprocess.run(["bash", f"examples/scripts/{script}"], cwd=REPO, env=env, check=True, timeout=60)
+    argv = json.loads(record.read_text())
+    assert argv[:2] == ["job", "submit"] and "--address=http://127.0.0.1:8265" in argv
+    runtime_env = json.loads(next(a.split("=", 1)[1] for a in argv if a.startswith("--runtime-env-json=")))
+    assert os.path.isdir(runtime_env["working_dir"])
+    cmd = argv[argv.index("--") + 1 :]
+    assert cmd[:3] == ["python3", "-m", "openrlhf.cli.train_ppo_ray"]
+    cfg = parse_config(cmd[3:])
+    assert cfg.precision.recipe == recipe and cfg.vllm.num_engines is not None
+    assert cfg.algo.advantage.is_correction_enable == (recipe == "fp8_rollout")
+    layout = plan_layout(cfg)
+    assert layout.world("policy") == world and layout.groups == groups and layout.world("ref") == world

@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from jetrl_precision import BackendUnavailable, RecipeError
     from openrlhf.trainer.ppo_trainer import PrecisionCheckError, WeightSyncError
-    from openrlhf.trainer.ray.errors import RayActorDiedError
+    from openrlhf.trainer.ray.errors import RayActorDiedError, RayActorStartError
 
     try:
         if use_ray_mode(cfg):
@@ -141,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             train(cfg)
     except (
         FileNotFoundError, KeyError, RecipeError, BackendUnavailable, PrecisionCheckError, WeightSyncError, ConfigError, RayActorDiedError,
+        RayActorStartError,
     ) as e:
         # Problems with the user's inputs or setup: one clear message, no traceback.
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["RayActorDiedError", "EngineDiedError"]
+__all__ = ["RayActorDiedError", "EngineDiedError", "RayActorStartError"]
 
 
 def _first_line(cause: BaseException | str | None) -> str:
@@ -39,3 +39,14 @@ class EngineDiedError(RayActorDiedError):
     @property
     def engine_id(self) -> str:
         return self.actor_id
+
+
+class RayActorStartError(RuntimeError):
+    """An actor's constructor raised (bad model path, engine settings, out of memory at load)."""
+
+    def __init__(self, actor_id: str, cause: str) -> None:
+        self.actor_id, self.cause = actor_id, cause
+        super().__init__(f"Ray actor {actor_id} failed to start: {cause}")
+
+    def __reduce__(self):
+        return type(self), (self.actor_id, self.cause)

@@ -280,10 +280,29 @@ class _Launcher:
             except Exception:
                 pass
 
+    def sync_backend(self) -> str:
+        """gloo on CPU; NCCL on GPU unless engines share GPUs with policy rank 0 (--train.colocate_all):
+        NCCL refuses two ranks of one communicator on the same device, so those sync over gloo."""
+        chosen = self.cfg.vllm.sync_backend
+        shared = self.on_gpu and self.cfg.train.colocate_all
+        if chosen == "auto":
+            chosen = "gloo" if (shared or not self.on_gpu) else "nccl"
+            if shared:
+                logger.info("weight sync over gloo: with --train.colocate_all engine 0 shares policy rank 0's GPU")
+        elif chosen == "nccl" and shared:
+            raise ConfigError(
+                "--vllm.sync_backend nccl with --train.colocate_all: engine 0 shares policy rank 0's GPU and NCCL "
+                "refuses two ranks on one device; use --vllm.sync_backend gloo (or auto)"
+            )
+        elif chosen == "nccl" and not self.on_gpu:
+            raise ConfigError("--vllm.sync_backend nccl needs GPUs; this Ray cluster has none (use gloo or auto)")
+        return chosen
+
     # -- the run
     def run(self, evaluate: bool) -> dict:
         cfg = self.cfg
         t0 = time.perf_counter()
+        backend = self.sync_backend()  # refuse a bad backend before placing anything
         self.create_placement_groups()
         engines = self.create_engines()  # slowest to start: first
         if "ref" in self.layout.slots:
@@ -296,7 +315,6 @@ class _Launcher:
             critic_master = call(critics.actors[0].address.remote(), critics.ids[0], "critic start-up", RayActorDiedError, self.timeout_s)
         policy = self.create_ranked("policy", PolicyActor, with_id=False)
         self.wait_ready()
-        backend = cfg.vllm.sync_backend if cfg.vllm.sync_backend != "auto" else ("nccl" if self.on_gpu else "gloo")
         roles = RoleHandles(
             engines=EngineHandles(
                 tuple(engines.actors), tuple(engines.ids), self.kind, self.layout.tensor_parallel_size, backend,

@@ -97,7 +97,7 @@ def call(ref_or_refs, actor_ids, during: str, error_cls=None, timeout: float | N
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    from .errors import RayActorDiedError
+    from .errors import RayActorDiedError, RayActorStartError
 
     error_cls = error_cls or RayActorDiedError
     single = not isinstance(ref_or_refs, list)
@@ -108,6 +108,10 @@ def call(ref_or_refs, actor_ids, during: str, error_cls=None, timeout: float | N
         try:
             out.append(ray.get(ref, timeout=timeout))
         except RayActorError as e:
+            text = str(e)
+            if "creation task" in text:  # the constructor raised: report its exception, not a "death"
+                lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+                raise RayActorStartError(aid, lines[-1] if lines else text) from None
             raise error_cls(aid, during, e) from None
         except GetTimeoutError as e:
             raise error_cls(aid, during, f"no answer within {timeout:.0f} s") from e
