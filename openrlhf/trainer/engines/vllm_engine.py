@@ -161,6 +161,7 @@ class VLLMEngine(RolloutEngine):
         self._external_world = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.enable_sleep = enable_sleep and self.on_gpu
         self._sleeping = False
+        self._weights_awake = True
         self._temperature = 1.0
         self._synced = False  # until the first sync, weights come from the checkpoint (quantized by our loader)
         from vllm import LLM
@@ -209,6 +210,9 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams
 
         s = sampling or self.default_sampling
+        if self._sleeping:
+            logger.info("vLLM engine: generate() on a sleeping engine; waking it up")
+            self.wake_up()
         params = SamplingParams(
             n=s.n,
             temperature=self._apply_temperature(s.temperature),
@@ -242,6 +246,7 @@ class VLLMEngine(RolloutEngine):
         """
         import time
 
+        self._weights_on_device()
         stats = SyncStats()
         t0 = time.perf_counter()
         chunk: list[SyncTensor] = []
@@ -274,6 +279,7 @@ class VLLMEngine(RolloutEngine):
 
     def receive_weights(self, src: int = 0) -> dict[str, int]:
         """Receive one `broadcast_sync_tensors` from rank `src` of the sync group and install it."""
+        self._weights_on_device()
         counts = self.llm.collective_rpc("jetrl_receive_weights", args=(src,))[0]
         self._reset_prefix_cache()
         self._synced = True
@@ -281,15 +287,18 @@ class VLLMEngine(RolloutEngine):
 
     def broadcast_weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
         """Send digests of `names` over the sync group to the trainer (`weight_sync.broadcast_json(group, None, src)`)."""
+        self._weights_on_device()
         return self.llm.collective_rpc("jetrl_broadcast_digests", args=(list(names),))[0]
 
     def weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
         if self.tensor_parallel_size > 1:
             raise NotImplementedError("weight digests with tensor_parallel_size > 1 are not supported yet")
+        self._weights_on_device()
         return self.llm.collective_rpc("jetrl_weight_digests", args=(list(names),))[0]
 
     def read_weights(self, names: Sequence[str]) -> dict:
         """Copies of the engine's (data, scale) per training name (tests / debugging)."""
+        self._weights_on_device()
         return self.llm.collective_rpc("jetrl_read_weights", args=(list(names),))[0]
 
     def param_names(self) -> list[str]:
@@ -322,17 +331,27 @@ class VLLMEngine(RolloutEngine):
 
     # ---- memory / lifetime --------------------------------------------------------------------
     def sleep(self) -> None:
+        """Free GPU memory while training runs: weights to CPU, KV cache dropped (vLLM sleep level 1)."""
         if not self.enable_sleep:
             logger.debug("vLLM engine: sleep() is a no-op (needs a GPU and enable_sleep=True)")
             return
         if not self._sleeping:
             self.llm.sleep(level=1)
             self._sleeping = True
+            self._weights_awake = False
 
     def wake_up(self) -> None:
         if self._sleeping:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
             self._sleeping = False
+            self._weights_awake = True
+
+    def _weights_on_device(self) -> None:
+        # A sleeping engine's weights live on the CPU: bring back only them before installing a sync,
+        # so the KV cache is not allocated while training still holds its memory.
+        if self._sleeping and not self._weights_awake:
+            self.llm.wake_up(tags=["weights"])
+            self._weights_awake = True
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
