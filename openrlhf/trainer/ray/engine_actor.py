@@ -125,8 +125,7 @@ class EngineActor:
 
     def receive_weights(self, src: int = 0) -> dict[str, int]:
         with self._using("receive_weights"):
-            self.engine.wake_up()  # weights go into an awake engine (colocated GPUs sleep between rollouts)
-            if hasattr(self.engine, "receive_weights"):
+            if hasattr(self.engine, "receive_weights"):  # vLLM: wakes only the weights of a sleeping engine
                 return self.engine.receive_weights(src)
             from jetrl_precision.weight_sync import receive_sync_tensors
 
