@@ -139,3 +139,21 @@ def test_missing_dataset_key_is_clear(task, tmp_path):
     assert proc.returncode != 0
     assert "--data.input_key" in proc.stderr and "question" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_optional_training_flags_run(task, tmp_path):
+    """Entropy bonus, reward normalization, Dr.GRPO via no_std_norm, offloaded reference, fp32 grad accumulation."""
+    model, data = task
+    out = tmp_path / "flags"
+    extra = [
+        "--actor.entropy_coef", "0.01", "--reward.normalize_enable", "--algo.advantage.no_std_norm",
+        "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--ref.offload",
+        "--ds.grad_accum_dtype", "fp32", "--ckpt.save_steps", "-1",
+    ]
+    args = grpo_args(model, data, out, "jet_fp8", 2, extra)
+    run([PY, "-m", "openrlhf.cli.train_ppo_ray", *args], timeout=600)
+    hist = metrics(out)
+    assert len(hist) == 2
+    assert all(h["train/entropy"] > 0 and "train/kl_loss" in h for h in hist)
+    # Normalized rewards feed the advantages; the logged task reward stays the raw 0/1 score.
+    assert all(0.0 <= h["rollout/reward"] <= 1.0 for h in hist)

@@ -72,6 +72,7 @@ def make_strategy(cfg: PPOConfig):
             zero_stage=cfg.ds.zero_stage, param_dtype=cfg.ds.param_dtype, adam_offload=cfg.ds.adam_offload,
             micro_batch_size=cfg.train.micro_batch_size, train_batch_size=cfg.train.batch_size, max_norm=cfg.actor.max_norm,
             seed=cfg.train.seed, gradient_checkpointing=cfg.actor.gradient_checkpointing_enable, overlap_comm=cfg.ds.overlap_comm,
+            grad_accum_dtype=cfg.ds.grad_accum_dtype, offload_params=cfg.ref.offload,
         )
     )
 

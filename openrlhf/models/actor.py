@@ -37,11 +37,18 @@ class Actor(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int, temperature: float = 1.0) -> torch.Tensor:
-        """Log-probs [B, num_actions] of the response tokens under the (temperature-scaled) policy."""
+    def forward(
+        self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int, temperature: float = 1.0, return_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs [B, num_actions] of the response tokens under the (temperature-scaled) policy;
+        with `return_entropy`, also the policy's entropy at each of those positions."""
         out = self.model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
         logits = out.logits[:, -num_actions - 1 : -1]
-        return log_probs_from_logits(logits, sequences[:, -num_actions:], temperature=temperature)
+        logp = log_probs_from_logits(logits, sequences[:, -num_actions:], temperature=temperature)
+        if not return_entropy:
+            return logp
+        logz = torch.log_softmax(logits.float() / temperature, dim=-1)
+        return logp, -(logz.exp() * logz).sum(-1)
 
     def gradient_checkpointing_enable(self) -> None:
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -72,6 +72,40 @@ class _AdaptiveKL:
         self.value *= 1 + err * n_steps / self.horizon
 
 
+class _RunningRewardNorm:
+    """Normalize rewards by running mean/std over all ranks and steps (--reward.normalize_enable)."""
+
+    def __init__(self, strategy: DeepspeedStrategy) -> None:
+        self.strategy, self.count, self.mean, self.m2 = strategy, 0.0, 0.0, 0.0
+
+    def __call__(self, r: torch.Tensor) -> torch.Tensor:
+        st = self.strategy
+        n = st.all_reduce(float(r.numel())).item()
+        mean = st.all_reduce(r.sum()).item() / n
+        m2 = st.all_reduce(((r - mean) ** 2).sum()).item()
+        # Chan et al. parallel update of (count, mean, M2).
+        delta, total = mean - self.mean, self.count + n
+        self.mean += delta * n / total
+        self.m2 += m2 + delta**2 * self.count * n / total
+        self.count = total
+        std = (self.m2 / max(self.count - 1, 1.0)) ** 0.5
+        return (r - self.mean) / (std + 1e-8)
+
+
+class _OffloadedModule:
+    """Keep a (non-ZeRO-3) inference model on CPU and move it to the device only while it runs (--ref.offload)."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self.module, self.device = module.cpu(), device
+
+    def __call__(self, *args, **kwargs):
+        self.module.to(self.device)
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self.module.cpu()
+
+
 class PPOTrainer:
     def __init__(
         self,
@@ -145,7 +179,10 @@ class PPOTrainer:
                 ref = load_causal_lm(cfg.ref_model_path, st.dtype, cfg.ds.attn_implementation)
             convert_to_fp8(ref, self.recipe, side="train")  # the reference runs the training forward's precision
             ref_actor = Actor(ref).requires_grad_(False).eval()
-            self.ref_engine = st.prepare(ref_actor, train=False) if cfg.ds.zero_stage == 3 else ref_actor.to(st.device)
+            if cfg.ds.zero_stage == 3:  # sharded like the actor; --ref.offload keeps the shards on CPU
+                self.ref_engine = st.prepare(ref_actor, train=False)
+            else:
+                self.ref_engine = _OffloadedModule(ref_actor, st.device) if cfg.ref.offload else ref_actor.to(st.device)
         self.critic_engine = None
         if cfg.needs_critic and self._remote_critic is not None:
             self._remote_critic.setup(self.total_updates)
@@ -163,6 +200,15 @@ class PPOTrainer:
         self.policy_loss = PolicyLoss(cfg.eps_clip_low, cfg.eps_clip_high, cfg.actor.dual_clip, is_corr)
         self.value_loss = ValueLoss(cfg.critic.value_clip)
         self.kl_ctl = _AdaptiveKL(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
+        self.estimator = adv.estimator
+        if adv.no_std_norm:
+            if adv.estimator != "group_norm":
+                raise ValueError(
+                    f"--algo.advantage.no_std_norm is supported with group_norm only (it is then Dr. GRPO's "
+                    f"mean-only baseline); {adv.estimator} does not divide by a group std. Drop the flag."
+                )
+            self.estimator = "dr_grpo"
+        self.reward_norm = _RunningRewardNorm(st) if cfg.reward.normalize_enable else None
         from .reward import build_reward_fn
 
         self.reward_fn: RewardFn = self._remote_reward_fn or build_reward_fn(
@@ -294,11 +340,12 @@ class PPOTrainer:
         maker = ExperienceMaker(
             self.actor_engine, self.reward_fn, self.tokenizer,
             AdvantageSettings(
-                cfg.algo.advantage.estimator, cfg.rollout.n_samples_per_prompt, cfg.algo.advantage.gamma, cfg.algo.advantage.lambd,
+                self.estimator, cfg.rollout.n_samples_per_prompt, cfg.algo.advantage.gamma, cfg.algo.advantage.lambd,
                 kl_coef=0.0 if cfg.algo.kl.use_loss else self.kl_ctl.value, kl_estimator=cfg.algo.kl.estimator,
                 temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
             ),
             ref=self.ref_engine, critic=self.critic_engine, micro_batch_size=cfg.rollout.micro_batch_size, device=st.device,
+            reward_transform=self.reward_norm,
         )
         self.actor_engine.eval()
         exp = maker.make(samples, prompts, labels)
@@ -336,7 +383,7 @@ class PPOTrainer:
         rl, ol, mk = (torch.cat([pad(p[i]) for p in parts]) for i in range(3))
         out = {f"rollout_train_mismatch/{k}": v for k, v in mismatch_metrics(rl, ol, mk.bool()).items()}
         n_resp = st.all_reduce(float(len(exp))).item()
-        out["rollout/reward"] = st.all_reduce(exp.rewards.sum()).item() / n_resp
+        out["rollout/reward"] = st.all_reduce(exp.scores.sum()).item() / n_resp
         tokens = st.all_reduce(mask.sum()).item()
         out["rollout/total_response_tokens"] = tokens
         out["rollout/response_length"] = tokens / n_resp
@@ -372,13 +419,17 @@ class PPOTrainer:
     def _actor_micro_step(self, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:
         cfg = self.cfg
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-        logp = self.actor_engine(mb.sequences, mb.attention_mask, mb.num_actions, temperature=temp)
+        entropy_coef = cfg.actor.entropy_coef
+        out_fwd = self.actor_engine(mb.sequences, mb.attention_mask, mb.num_actions, temperature=temp, return_entropy=entropy_coef > 0)
+        logp, entropy = out_fwd if entropy_coef > 0 else (out_fwd, None)
         out = self.policy_loss(logp, mb.old_logprobs, mb.advantages, mb.action_mask, rollout_log_probs=mb.rollout_logprobs)
         loss = aggregate_loss(out.token_loss, mb.action_mask, global_tokens, scale)
         kl_term = torch.zeros(())
         if cfg.algo.kl.use_loss and mb.ref_logprobs is not None:
             kl_term = aggregate_loss(kl_loss(logp, mb.ref_logprobs, mb.action_mask, cfg.algo.kl.estimator), mb.action_mask, global_tokens, scale)
             loss = loss + self.kl_ctl.value * kl_term
+        if entropy is not None:  # an entropy bonus: maximize the token-mean entropy
+            loss = loss - entropy_coef * aggregate_loss(entropy, mb.action_mask, global_tokens, scale)
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"non-finite policy loss at step {self.global_step}: lower --actor.adam.lr, check rewards, "
@@ -393,6 +444,8 @@ class PPOTrainer:
         }
         if out.is_weight_mean is not None:
             stats["train/is_weight_mean"] = float(out.is_weight_mean)
+        if entropy is not None:
+            stats["train/entropy"] = masked_mean(entropy.detach(), mb.action_mask).item()
         if cfg.algo.kl.use_loss:
             stats["train/kl_loss"] = kl_term.item() / scale * global_tokens / max(float(mb.action_mask.sum()), 1.0)
         return stats
@@ -432,6 +485,7 @@ class PPOTrainer:
         return {
             "global_step": self.global_step, "episode": self.episode, "rollout_index": self.rollout_index,
             "kl_coef": self.kl_ctl.value, "recipe": self.recipe.to_dict(),
+            "reward_norm": None if self.reward_norm is None else (self.reward_norm.count, self.reward_norm.mean, self.reward_norm.m2),
         }
 
     def save_checkpoint(self) -> Path:
@@ -459,6 +513,8 @@ class PPOTrainer:
             self.strategy.load_checkpoint(self.critic_engine, Path(self.cfg.ckpt_path) / "critic")
         self.global_step, self.episode, self.rollout_index = state["global_step"], state["episode"], state["rollout_index"]
         self.kl_ctl.value = state["kl_coef"]
+        if self.reward_norm is not None and state.get("reward_norm"):
+            self.reward_norm.count, self.reward_norm.mean, self.reward_norm.m2 = state["reward_norm"]
         mark_weights_updated()
         self.sync_weights()
         logger.info("resumed from step %d (episode %d, rollout %d)", self.global_step, self.episode, self.rollout_index)

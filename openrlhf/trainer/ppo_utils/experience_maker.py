@@ -35,7 +35,8 @@ class Experience:
     values: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
-    rewards: torch.Tensor | None = None  # [B] scalar task reward
+    rewards: torch.Tensor | None = None  # [B] scalar reward fed to the advantages (normalized if asked)
+    scores: torch.Tensor | None = None  # [B] raw task reward, for logging
     kl: torch.Tensor | None = None  # [B, R] KL(actor || ref) estimate, for logging / reward shaping
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -111,10 +112,12 @@ class ExperienceMaker:
         critic: Callable[..., torch.Tensor] | None = None,
         micro_batch_size: int = 8,
         device: torch.device | str = "cpu",
+        reward_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.actor, self.ref, self.critic = actor, ref, critic
         self.reward_fn, self.tokenizer, self.s = reward_fn, tokenizer, settings
         self.micro_batch_size, self.device = micro_batch_size, torch.device(device)
+        self.reward_transform = reward_transform  # e.g. running normalization (--reward.normalize_enable)
 
     @torch.no_grad()
     def _forward(self, fn: Callable[..., torch.Tensor], exp: Experience, **kw) -> torch.Tensor:
@@ -135,7 +138,8 @@ class ExperienceMaker:
         rep_prompts = [p for p in prompts for _ in range(n)]
         rep_labels = [lab for lab in labels for _ in range(n)]
         rewards = self.reward_fn(rep_prompts, responses, rep_labels)
-        exp.rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(len(samples))
+        exp.scores = torch.as_tensor(rewards, dtype=torch.float32).reshape(len(samples))
+        exp.rewards = self.reward_transform(exp.scores) if self.reward_transform is not None else exp.scores
         t1 = time.perf_counter()
         exp.old_logprobs = self._forward(self.actor, exp, temperature=self.s.temperature)
         t2 = time.perf_counter()

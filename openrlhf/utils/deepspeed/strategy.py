@@ -39,6 +39,8 @@ class StrategyConfig:
     seed: int = 42
     gradient_checkpointing: bool = False
     overlap_comm: bool = False
+    grad_accum_dtype: str | None = None  # DeepSpeed data_types.grad_accum_dtype
+    offload_params: bool = False  # inference engines (reference) keep ZeRO-3 params on CPU
 
 
 def _free_port() -> int:
@@ -137,6 +139,8 @@ class DeepspeedStrategy:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         if train and c.overlap_comm:
             zero["overlap_comm"] = True
+        if not train and c.offload_params and c.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         cfg: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": c.micro_batch_size,
             "gradient_accumulation_steps": getattr(self, "grad_accum_steps", 1) if train else 1,
@@ -147,6 +151,8 @@ class DeepspeedStrategy:
         }
         if train:
             cfg["gradient_clipping"] = c.max_norm
+            if c.grad_accum_dtype:
+                cfg["data_types"] = {"grad_accum_dtype": c.grad_accum_dtype}
         if c.param_dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         elif c.param_dtype == "fp16":
