@@ -3,8 +3,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Tests and the demo start launchers (deepspeed, ray, python3) as subprocesses: the venv comes first on PATH.
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export VIRTUAL_ENV := $(CURDIR)/$(VENV)
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 \
        VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=1 DS_ACCELERATOR=cpu TOKENIZERS_PARALLELISM=false
+
+TESTS ?= tests
 
 .PHONY: demo test test-fast setup clean
 
@@ -24,7 +29,7 @@ demo: $(STAMP)
 	$(BIN)/python -m openrlhf.cli.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q $(TESTS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests -m "not slow"

@@ -19,6 +19,8 @@ ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "RAY_USAGE_STATS_ENABLED": "0",
     "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    # Launchers (deepspeed, ray) live next to this interpreter, whether or not the venv is activated.
+    "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
     "OMP_NUM_THREADS": "1",
 }
 
