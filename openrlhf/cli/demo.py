@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + "=" * 78)
     print(f"GRPO demo  recipe={summary['recipe']}  rollout engine={summary['engine']}  steps={summary['steps']}  "
           f"wall={time.perf_counter() - t0:.0f}s")
-    print(f"  greedy reward on 64 prompts: before {summary['eval_greedy_reward_before']:.3f} -> after {summary['eval_greedy_reward_after']:.3f}")
+    print(f"  reward on 64 fixed prompts (4 samples each, T=1): before {summary['eval_reward_before']:.3f} -> after {summary['eval_reward_after']:.3f}")
     print(f"  sampled reward (T=1, 128 samples/step): first {k} steps {early:.3f} -> last {k} steps {late:.3f}")
     print(f"  rollout-train mismatch (last step): mean |dlogp| {mm(last, 'abs_logp_diff_mean'):.2e}, max {mm(last, 'abs_logp_diff_max'):.2e}, "
           f"k3 KL {mm(last, 'kl_k3'):.2e}, ratio outside [0.8,1.25] {mm(last, 'ratio_outside_0.8_1.25'):.4f}")
