@@ -157,3 +157,14 @@ def test_optional_training_flags_run(task, tmp_path):
     assert all(h["train/entropy"] > 0 and "train/kl_loss" in h for h in hist)
     # Normalized rewards feed the advantages; the logged task reward stays the raw 0/1 score.
     assert all(0.0 <= h["rollout/reward"] <= 1.0 for h in hist)
+
+
+@pytest.mark.slow
+def test_torchrun_launch_two_ranks(task, tmp_path):
+    model, data = task
+    out = tmp_path / "torchrun"
+    args = grpo_args(model, data, out, "jet_fp8", 2, ["--ds.zero_stage", "3", "--ckpt.save_steps", "-1"])
+    run(["torchrun", "--nproc_per_node", "2", "--master_port", "29655", "-m", "openrlhf.cli.train_ppo_ray", *args], timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 2
+    assert "precision check: OK" in summary["precision_report"]
