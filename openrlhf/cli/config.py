@@ -320,7 +320,7 @@ class DeepSpeedConfig:
         const_aliases={"--bf16": "bf16"},
     )
     adam_offload: bool = opt(False, "keep optimizer states on CPU", aliases=["--adam_offload"])
-    attn_implementation: str = opt("sdpa", "HF attention implementation (eager, sdpa, flash_attention_2)",
+    attn_implementation: str = opt("sdpa", "HF attention implementation (eager, sdpa, flash_attention_2, or jetrl_invariant: float64, batch-invariant, for bit-exact rollout/train verification on CPU)",
                                    aliases=["--attn_implementation"])
     overlap_comm: bool = opt(False, "overlap ZeRO communication with compute", aliases=["--overlap_comm"])
     grad_accum_dtype: Literal["fp16", "bf16", "fp32"] | None = opt(

@@ -23,6 +23,11 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
+    if attn_implementation == "jetrl_invariant":
+        from .invariant_attention import register_invariant_attention
+
+        register_invariant_attention()
+
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as e:
