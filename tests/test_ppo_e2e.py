@@ -133,11 +133,19 @@ def test_cli_errors_are_clear(task, tmp_path, argv, needle):
     assert "Traceback" not in proc.stderr
 
 
-def test_missing_dataset_key_is_clear(task, tmp_path):
+@pytest.mark.parametrize(
+    "extra,needles",
+    [
+        (["--data.input_key", "question"], ["--data.input_key", "question"]),
+        (["--rollout.batch_size", "4096", "--train.batch_size", "4096"], ["fewer than --rollout.batch_size"]),
+        (["--rollout.engine", "vllm", "--data.max_len", "100000", "--rollout.max_new_tokens", "4"], ["--data.max_len 100000", "positions"]),
+    ],
+)
+def test_setup_errors_are_clear(task, tmp_path, extra, needles):
     model, data = task
-    proc = run([PY, "-m", "openrlhf.cli.train_ppo_ray", *grpo_args(model, data, tmp_path / "o", "bf16", 1, ["--data.input_key", "question"])], timeout=300, check=False)
-    assert proc.returncode != 0
-    assert "--data.input_key" in proc.stderr and "question" in proc.stderr
+    proc = run([PY, "-m", "openrlhf.cli.train_ppo_ray", *grpo_args(model, data, tmp_path / "o", "bf16", 1, extra)], timeout=300, check=False)
+    assert proc.returncode == 1
+    assert all(n in proc.stderr for n in needles), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 

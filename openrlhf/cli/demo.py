@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  sampled reward (T=1, 128 samples/step): first {k} steps {early:.3f} -> last {k} steps {late:.3f}")
     print(f"  rollout-train mismatch (last step): mean |dlogp| {mm(last, 'abs_logp_diff_mean'):.2e}, max {mm(last, 'abs_logp_diff_max'):.2e}, "
           f"k3 KL {mm(last, 'kl_k3'):.2e}, ratio outside [0.8,1.25] {mm(last, 'ratio_outside_0.8_1.25'):.4f}")
-    print(f"  weight sync: {last.get('sync/bytes', 0) / 1e6:.2f} MB per step, digests checked every step")
+    check = next((line.strip() for line in summary["precision_report"].splitlines() if line.startswith("precision check")), "?")
+    print(f"  {check}")
+    print(f"  weight sync: {last.get('sync/bytes', 0) / 1e6:.2f} MB per step (FP8 bytes + scales for FP8 layers), digests checked every step")
     print(f"  TensorBoard: tensorboard --logdir {summary['tensorboard_dir']}")
     print(f"  checkpoint:  {summary['checkpoint_dir']}    summary: {out / 'summary.json'}")
     print("=" * 78)

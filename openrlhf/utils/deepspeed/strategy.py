@@ -18,8 +18,11 @@ from typing import Any, Iterable
 
 import numpy as np
 import torch
+
 import torch.distributed as dist
 from torch import nn
+
+from openrlhf.cli.config import ConfigError
 
 __all__ = ["StrategyConfig", "DeepspeedStrategy"]
 
@@ -74,7 +77,7 @@ class DeepspeedStrategy:
         world = self.world_size
         per_step = self.cfg.micro_batch_size * world
         if self.cfg.train_batch_size % per_step:
-            raise ValueError(
+            raise ConfigError(
                 f"--train.batch_size {self.cfg.train_batch_size} must be a multiple of "
                 f"--train.micro_batch_size x world size = {self.cfg.micro_batch_size} x {world}"
             )
