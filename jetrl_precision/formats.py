@@ -35,14 +35,15 @@ class Granularity(str, enum.Enum):
     TENSOR = "tensor"  # one scale for the whole tensor (comparison only)
 
     def block(self, shape: tuple[int, int]) -> Block:
+        # Called on every quantization in the hot path: plain branches, no per-call dict.
+        if self is Granularity.BLOCK_1x128:
+            return (1, 128)
+        if self is Granularity.BLOCK_128x128:
+            return (128, 128)
+        if self is Granularity.BLOCK_128x1:
+            return (128, 1)
         rows, cols = shape
-        return {
-            Granularity.BLOCK_1x128: (1, 128),
-            Granularity.BLOCK_128x128: (128, 128),
-            Granularity.BLOCK_128x1: (128, 1),
-            Granularity.ROW: (1, max(cols, 1)),
-            Granularity.TENSOR: (max(rows, 1), max(cols, 1)),
-        }[self]
+        return (1, max(cols, 1)) if self is Granularity.ROW else (max(rows, 1), max(cols, 1))
 
     @property
     def transposed(self) -> "Granularity":
