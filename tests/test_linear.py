@@ -203,7 +203,7 @@ def test_weight_cache_reuse_and_invalidation():
     ref3 = quantize_fp8(new_w, (128, 128))
     assert torch.equal(wq3.data.view(torch.uint8), ref3.data.view(torch.uint8)) and torch.equal(wq3.scale, ref3.scale)
     y = fp8(x)
-    torch.testing.assert_close(y, quantize_fp8(x, (1, 128)).dequantize() @ ref3.dequantize().t() + lin.bias.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, (quantize_fp8(x, (1, 128)).dequantize(torch.float64) @ ref3.dequantize(torch.float64).t()).float() + lin.bias.detach(), rtol=1e-5, atol=1e-5)
     fp8.invalidate_cache()
     assert fp8.quantized_weight() is not wq3
 
