@@ -52,18 +52,24 @@ def _gather_if_partitioned(p: torch.Tensor) -> None:
         p.all_gather()
 
 
+def _fprop(layer: "Fp8Linear", x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, backend: str):
+    """y = Q(x) . Q(W)^T (+ bias) as the layer's fprop spec says; returns y and the quantized x."""
+    fprop = layer.fprop
+    xq = ops.quantize(x2, fprop.input) if fprop.input.is_fp8 else None
+    wq = layer.quantized_weight(weight) if fprop.weight.is_fp8 else None
+    y = _mm(xq if xq is not None else x2, wq if wq is not None else weight, out_dtype, backend)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y, xq
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Fp8Linear") -> torch.Tensor:
-        fprop = layer.fprop
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         backend = layer.backend_for(x.device)
-        xq = ops.quantize(x2, fprop.input) if fprop.input.is_fp8 else None
-        wq = layer.quantized_weight(weight) if fprop.weight.is_fp8 else None
-        y = _mm(xq if xq is not None else x2, wq if wq is not None else weight, x.dtype, backend)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
+        y, xq = _fprop(layer, x2, weight, bias, x.dtype, backend)
         ctx.layer, ctx.backend, ctx.x_shape, ctx.x_dtype, ctx.has_bias = layer, backend, x.shape, x.dtype, bias is not None
         if any(ctx.needs_input_grad):
             saved_fp8 = layer.backward_spec is not None and layer.backward_spec.saved_input.is_fp8 and xq is not None
@@ -103,7 +109,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if bw.wgrad_grad_output.is_fp8 and bw.wgrad_input.is_fp8:
                 gy_t = ops.quantize_transposed(gy, bw.wgrad_grad_output)
                 x_t = ops.requantize_transposed(xq, bw.wgrad_input) if xq is not None else ops.quantize_transposed(x_hp, bw.wgrad_input)
-                grad_w = gemm_nt(gy_t, x_t, torch.float32, ctx.backend).to(weight.dtype)
+                # The GEMM accumulates in fp32 and rounds once to the weight dtype: the same bytes as an
+                # fp32 output cast afterwards, without the extra pass over dW.
+                grad_w = gemm_nt(gy_t, x_t, weight.dtype, ctx.backend)
             else:
                 x_in = xq.dequantize(gy.dtype) if xq is not None else x_hp.to(gy.dtype)
                 grad_w = (gy.t() @ x_in).to(weight.dtype)
@@ -235,6 +243,10 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"{self.fqn or 'Fp8Linear'}: input last dim {x.shape[-1]} != in_features {self.in_features}")
         if x.numel() == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
+        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
+            # Rollout / reference / logprob passes: the same math without autograd's bookkeeping.
+            y, _ = _fprop(self, x.reshape(-1, x.shape[-1]), self.weight, self.bias, x.dtype, self.backend_for(x.device))
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         return _Fp8LinearFunction.apply(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:
