@@ -53,7 +53,13 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2)
     p.add_argument("--bucket", type=int, default=16)
     p.add_argument("--out", default="mismatch_out")
+    p.add_argument("--label", default=None, help="model name for the plot title")
+    p.add_argument("--from_json", default=None, help="only re-plot an earlier mismatch.json")
     a = p.parse_args()
+    if a.from_json:
+        saved = json.loads(Path(a.from_json).read_text())
+        plot(saved["results"], a.label or Path(saved["model"]).name, Path(a.out) / "mismatch.png")
+        return
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,11 +86,17 @@ def main() -> None:
                   f"k3 {m['kl_k3']:.3e}  ({time.perf_counter() - t0:.0f}s)", flush=True)
     (out / "mismatch.json").write_text(json.dumps({"model": model, "args": vars(a), "results": results}, indent=1))
 
+    plot(results, a.label or Path(model).name, out / "mismatch.png")
+    print(f"wrote {out / 'mismatch.json'} and {out / 'mismatch.png'}")
+
+
+def plot(results: dict, title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     colors = {"bf16": "tab:blue", "jet_fp8": "tab:green", "fp8_rollout": "tab:red"}
     for ax, attn in zip(axes, ("sdpa", "jetrl_invariant")):
@@ -99,10 +111,10 @@ def main() -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[0].set_ylabel("mean |logp_rollout - logp_train| per token")
-    fig.suptitle(f"rollout-train mismatch by recipe: {Path(model).name}", fontsize=11)
+    fig.suptitle(f"rollout-train mismatch by recipe: {title}", fontsize=11)
     fig.tight_layout()
-    fig.savefig(out / "mismatch.png", dpi=110)
-    print(f"wrote {out / 'mismatch.json'} and {out / 'mismatch.png'}")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
