@@ -9,7 +9,7 @@ the reference runs and `kernel_name(device)` says so (it is recorded in the prec
 from __future__ import annotations
 
 import logging
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -95,8 +95,6 @@ def requantize(qt: QuantizedTensor, spec: TensorSpec) -> QuantizedTensor:
         return impl.requantize(qt, block, spec.pow2_scale)
     return requantize_fp8(qt, block, pow2_scale=spec.pow2_scale)
 
-
-QuantizeFn = Callable[[torch.Tensor, TensorSpec], QuantizedTensor]
 
 
 def quantize_transposed(x: torch.Tensor, spec: TensorSpec) -> QuantizedTensor:

@@ -31,7 +31,7 @@ from jetrl_precision import (
     mark_weights_updated,
     mismatch_metrics,
 )
-from jetrl_precision.weight_sync import iter_sync_tensors
+from jetrl_precision.weight_sync import WeightSyncError, compare_digests, iter_sync_tensors, sync_tensor_digest
 from openrlhf.datasets.prompts_dataset import PromptDataset, load_prompt_records
 from openrlhf.models.actor import Actor, Critic, load_causal_lm
 from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss
@@ -39,7 +39,6 @@ from openrlhf.models.utils import masked_mean
 from openrlhf.utils.deepspeed import DeepspeedStrategy
 
 from .engines.base import RolloutEngine, SamplingConfig
-from .engines.hf_engine import sync_tensor_digest
 from .ppo_utils.experience_maker import AdvantageSettings, Experience, ExperienceMaker, RewardFn
 
 __all__ = ["PPOTrainer", "PrecisionCheckError", "WeightSyncError", "StepResult"]
@@ -49,10 +48,6 @@ logger = logging.getLogger(__name__)
 
 class PrecisionCheckError(RuntimeError):
     """The rollout engine's precision graph is not a subgraph of the trainer's forward graph."""
-
-
-class WeightSyncError(RuntimeError):
-    """The engine's weight bytes differ from the trainer's after a sync."""
 
 
 @dataclass
@@ -290,18 +285,13 @@ class PPOTrainer:
             for i, t in enumerate(iter_sync_tensors(self.actor.model, gather=self.strategy.gather_params, fp8=fp8)):
                 nbytes += t.nbytes()
                 if i % 5 == self.global_step % 5:  # a rotating ~20% sample: every tensor gets checked over 5 steps
-                    digests[t.name] = sync_tensor_digest(t.data, t.scale)
+                    digests[t.name] = sync_tensor_digest(t)
                 yield t
 
         self.engine.update_weights(tensors())
         sync_s = time.perf_counter() - t0
-        engine_digests = self.engine.weight_digests(sorted(digests))
-        bad = sorted(n for n in digests if engine_digests.get(n) != digests[n])
-        if bad:
-            raise WeightSyncError(
-                f"after weight sync at step {self.global_step}, the engine's bytes differ from the trainer's for "
-                f"{len(bad)} of {len(digests)} checked tensors: {bad[:8]}. The rollout would not run the trained policy."
-            )
+        # Raises WeightSyncError naming the tensors whose engine bytes differ from what was sent.
+        compare_digests(digests, self.engine.weight_digests(sorted(digests)))
         return {"sync/seconds": sync_s, "sync/bytes": float(nbytes), "sync/checked_tensors": float(len(digests))}
 
     # =========================================================================================

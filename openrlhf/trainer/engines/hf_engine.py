@@ -16,17 +16,13 @@ import torch.nn.functional as F
 
 from jetrl_precision import PrecisionRecipe, QuantizedTensor, build_precision_graph, convert_to_fp8, fp8_linears
 from jetrl_precision.graph import canonical_name
-from jetrl_precision.weight_sync import SyncTensor, digest
+from jetrl_precision.weight_sync import SyncTensor, sync_tensor_digest
 
 from .base import RolloutEngine, RolloutSample, SamplingConfig
 
-__all__ = ["HFEngine", "sync_tensor_digest"]
+__all__ = ["HFEngine"]
 
 logger = logging.getLogger(__name__)
-
-
-def sync_tensor_digest(data: torch.Tensor, scale: torch.Tensor | None) -> str:
-    return digest(data) if scale is None else f"{digest(data)}:{digest(scale)}"
 
 
 class HFEngine(RolloutEngine):
@@ -128,9 +124,9 @@ class HFEngine(RolloutEngine):
             layer = self._fp8.get(name)
             if layer is not None and layer._installed is not None:
                 wq = layer.quantized_weight()
-                out[name] = sync_tensor_digest(wq.data, wq.scale)
+                out[name] = sync_tensor_digest(SyncTensor(name, wq.data, wq.scale, wq.block))
             elif name in self._params:
-                out[name] = sync_tensor_digest(self._params[name].detach(), None)
+                out[name] = sync_tensor_digest(SyncTensor(name, self._params[name].detach()))
             else:
                 raise KeyError(f"hf engine: no tensor named {name}")
         return out
