@@ -97,17 +97,25 @@ class _Fp8LinearFunction(torch.autograd.Function):
         gy = grad_out.reshape(-1, n)
         grad_x = grad_w = grad_b = None
 
-        if ctx.needs_input_grad[0]:
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fp8_wgrad = bw.wgrad_grad_output.is_fp8 and bw.wgrad_input.is_fp8
+        gy_q = gy_t = None
+        if need_dx and need_dw and bw.dgrad_grad_output.is_fp8 and fp8_wgrad:
+            # Both layouts of dY from one pass over it.
+            gy_q, gy_t = ops.quantize_dual(gy, bw.dgrad_grad_output, bw.wgrad_grad_output)
+
+        if need_dx:
             if bw.dgrad_grad_output.is_fp8:
                 wq_t = layer.quantized_weight_t(weight)
-                grad_x = gemm_nt(ops.quantize(gy, bw.dgrad_grad_output), wq_t, ctx.x_dtype, ctx.backend)
+                gy_q = gy_q if gy_q is not None else ops.quantize(gy, bw.dgrad_grad_output)
+                grad_x = gemm_nt(gy_q, wq_t, ctx.x_dtype, ctx.backend)
             else:
                 grad_x = (gy @ weight.to(gy.dtype)).to(ctx.x_dtype)
             grad_x = grad_x.reshape(ctx.x_shape)
 
-        if ctx.needs_input_grad[1]:
-            if bw.wgrad_grad_output.is_fp8 and bw.wgrad_input.is_fp8:
-                gy_t = ops.quantize_transposed(gy, bw.wgrad_grad_output)
+        if need_dw:
+            if fp8_wgrad:
+                gy_t = gy_t if gy_t is not None else ops.quantize_transposed(gy, bw.wgrad_grad_output)
                 x_t = ops.requantize_transposed(xq, bw.wgrad_input) if xq is not None else ops.quantize_transposed(x_hp, bw.wgrad_input)
                 # The GEMM accumulates in fp32 and rounds once to the weight dtype: the same bytes as an
                 # fp32 output cast afterwards, without the extra pass over dW.

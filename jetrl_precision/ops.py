@@ -114,4 +114,19 @@ def requantize_transposed(qt: QuantizedTensor, spec: TensorSpec) -> QuantizedTen
     return requantize(qt, spec).t()
 
 
-__all__ += ["quantize_transposed", "requantize_transposed"]
+def quantize_dual(x: torch.Tensor, spec: TensorSpec, t_spec: TensorSpec) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """(quantize(x, spec), quantize_transposed(x, t_spec)): the two dY layouts of the backward pass.
+
+    Fast kernels produce both from one read of x (same bytes as the two separate calls).
+    """
+    impl = _impl_for(x.device)
+    fn = getattr(impl, "quantize_dual", None)
+    if fn is not None:
+        shape = tuple(x.shape)
+        out = fn(x, spec.granularity.block(shape), spec.pow2_scale, t_spec.granularity.block(shape), t_spec.pow2_scale)
+        if out is not None:
+            return out
+    return quantize(x, spec), quantize_transposed(x, t_spec)
+
+
+__all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual"]

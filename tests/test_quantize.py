@@ -321,3 +321,18 @@ def test_quantized_tensor_rejects_bad_scale_shape():
         QuantizedTensor(qt.data, qt.scale[:, :1], (1, 128))
     assert qt.nbytes() == 4 * 256 + 4 * 2 * 4
     assert math.isclose(qt.nbytes() / (x.numel() * 2), (1 + 4 / 128) / 2)
+
+
+def test_ops_quantize_dual_is_both_layouts_of_one_tensor():
+    """The backward's dY entry point: (Q(x, 1x128), Q(x, 128x1)^T), checked against the numpy reference."""
+    from jetrl_precision import get_recipe, ops
+
+    bw = get_recipe("jet_fp8").train_backward
+    x = outlier_data((300, 200)).to(torch.bfloat16)
+    q, qt = ops.quantize_dual(x, bw.dgrad_grad_output, bw.wgrad_grad_output)
+    assert q.block == (1, 128) and qt.block == (1, 128) and tuple(qt.shape) == (200, 300)
+    ref_bytes, ref_scale = np_quantize(x.float().numpy(), (1, 128), bw.dgrad_grad_output.pow2_scale)
+    assert np.array_equal(q.data.view(torch.uint8).numpy(), ref_bytes) and np.array_equal(q.scale.numpy(), ref_scale)
+    ref_bytes_t, ref_scale_t = np_quantize(x.float().numpy(), (128, 1), bw.wgrad_grad_output.pow2_scale)
+    assert np.array_equal(qt.data.view(torch.uint8).numpy(), ref_bytes_t.T)
+    assert np.array_equal(qt.scale.numpy(), ref_scale_t.T)

@@ -98,6 +98,14 @@ class TritonQuantizeImpl:
                 return quant.quantize_128x128(x, pow2_scale, write=False, write_t=True)[1]
         return self.quantize(x, block, pow2_scale).t()
 
+    def quantize_dual(
+        self, x: torch.Tensor, block: Block, pow2_scale: bool, t_block: Block, t_pow2_scale: bool
+    ) -> tuple[QuantizedTensor, QuantizedTensor] | None:
+        """(Q(x, 1x128), Q(x, 128x1).t()) from one read of x; None for other block pairs."""
+        if block == (1, 128) and t_block == (128, 1) and x.dim() == 2 and x.numel() > 0 and x.is_floating_point():
+            return quant.quantize_1x128_and_128x1_t(x, pow2_scale, t_pow2_scale)
+        return None
+
     def requantize_transposed(self, qt: QuantizedTensor, block: Block, pow2_scale: bool) -> QuantizedTensor:
         if qt.block == (1, 128) and block == (128, 1):
             if not self.share_results:

@@ -24,6 +24,7 @@ __all__ = [
     "quantize_128x1",
     "quantize_128x1_t",
     "requantize_1x128_to_128x1",
+    "quantize_1x128_and_128x1_t",
     "new_scale_1x128",
     "new_scale_128x128",
     "transpose_quantized",
@@ -96,7 +97,7 @@ def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False, block_r: int | Non
 def _quant_128x1_kernel(
     x_ptr, in_s_ptr, q_ptr, s_ptr, R, C,
     sxr, sxc, sir, sig, sqr, sqc, ssb, ssc,
-    BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr,
+    BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr, EXPLICIT_T: tl.constexpr,
 ):
     rb = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -105,18 +106,25 @@ def _quant_128x1_kernel(
     mask = (rr[:, None] < R) & (cc[None, :] < C)
     x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
     if DEQ:
-        s_in = tl.load(in_s_ptr + rr[:, None] * sir + (cc // 128)[None, :] * sig, mask=mask, other=0.0)
-        x = x * s_in
+        # BLOCK_C divides 128, so the whole tile sits in one input scale group: one scale per row,
+        # not one load per element.
+        s_in = tl.load(in_s_ptr + rr * sir + ((pid_c * BLOCK_C) // 128) * sig, mask=rr < R, other=0.0)
+        x = x * s_in[:, None]
     amax = tl.max(tl.abs(x), axis=0)
     has_nan = tl.max((x != x).to(tl.int32), axis=0)
     scale = group_scale(amax, has_nan, POW2)
     q = quantize_values(x, scale[None, :])
-    tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=mask)
+    if EXPLICIT_T:
+        # Transpose in registers first so the store's fastest axis is the output's contiguous one.
+        tl.store(q_ptr + cc[:, None].to(tl.int64) * sqc + rr[None, :] * sqr, tl.trans(q), mask=tl.trans(mask))
+    else:
+        tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=mask)
     tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
 
 
 def _launch_128x1(
-    x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, block_c: int | None, num_warps: int = 4
+    x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, block_c: int | None, num_warps: int = 4,
+    explicit_t: bool = False,
 ) -> QuantizedTensor:
     nrb = _cdiv(rows, 128)
     sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=x.device)
@@ -129,11 +137,13 @@ def _launch_128x1(
     deq = in_scale is not None
     sir, sig = (in_scale.stride(0), in_scale.stride(1)) if deq else (0, 0)
     bc = block_c or 64
+    if 128 % bc:
+        raise ValueError(f"block_c must divide 128, got {bc}")
     grid = (nrb, _cdiv(cols, bc))
     _quant_128x1_kernel[grid](
         x, in_scale if deq else sbuf, q, sbuf, rows, cols,
         x.stride(0), x.stride(1), sir, sig, sqr, sqc, sbuf.stride(0), sbuf.stride(1),
-        BLOCK_C=bc, POW2=pow2_scale, DEQ=deq, num_warps=num_warps,
+        BLOCK_C=bc, POW2=pow2_scale, DEQ=deq, EXPLICIT_T=explicit_t and transposed, num_warps=num_warps,
     )
     if transposed:
         # quantize(x, 128x1).t(): data x^T [C, R], 1x128 groups, scale (C, ceil(R/128)) MN-major.
@@ -146,18 +156,74 @@ def quantize_128x1(x: torch.Tensor, pow2_scale: bool = False, block_c: int | Non
 
 
 def quantize_128x1_t(
-    x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None, num_warps: int = 4
+    x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None, num_warps: int = 4, explicit_t: bool = False
 ) -> QuantizedTensor:
     """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy)."""
-    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, block_c, num_warps)
+    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, block_c, num_warps, explicit_t)
 
 
-def requantize_1x128_to_128x1(qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, block_c: int | None = None) -> QuantizedTensor:
+def requantize_1x128_to_128x1(
+    qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, block_c: int | None = None,
+    num_warps: int = 4, explicit_t: bool = False,
+) -> QuantizedTensor:
     """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes."""
     if qt.block != (1, 128):
         raise ValueError(f"requantize_1x128_to_128x1 needs a 1x128 input, got block {qt.block}")
     rows, cols = qt.shape
-    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, block_c)
+    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, block_c, num_warps, explicit_t)
+
+
+# ---------------------------------------------------------------------------------------------
+# Both dY layouts from one read: Q(x, 1x128) for DGrad and Q(x, 128x1).t() for WGrad.
+@triton.jit
+def _quant_dual_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C,
+    sxr, sxc, sqr, sqc, ssr, ssg, stqr, stqc, stsr, stsb,
+    POW2_ROW: tl.constexpr, POW2_COL: tl.constexpr, EXPLICIT_T: tl.constexpr,
+):
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    rr = rb * 128 + tl.arange(0, 128)
+    cc = cb * 128 + tl.arange(0, 128)
+    mask = (rr[:, None] < R) & (cc[None, :] < C)
+    x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
+    nan = (x != x).to(tl.int32)
+    # 1x128 groups: one scale per row of the tile.
+    s_row = group_scale(tl.max(tl.abs(x), axis=1), tl.max(nan, axis=1), POW2_ROW)
+    tl.store(q_ptr + rr[:, None].to(tl.int64) * sqr + cc[None, :] * sqc, quantize_values(x, s_row[:, None]), mask=mask)
+    tl.store(s_ptr + rr * ssr + cb * ssg, s_row, mask=rr < R)
+    # 128x1 groups: one scale per column of the tile, data written transposed ([C, R]).
+    s_col = group_scale(tl.max(tl.abs(x), axis=0), tl.max(nan, axis=0), POW2_COL)
+    q_col = quantize_values(x, s_col[None, :])
+    if EXPLICIT_T:
+        tl.store(qt_ptr + cc[:, None].to(tl.int64) * stqr + rr[None, :] * stqc, tl.trans(q_col), mask=tl.trans(mask))
+    else:
+        tl.store(qt_ptr + cc[None, :].to(tl.int64) * stqr + rr[:, None] * stqc, q_col, mask=mask)
+    tl.store(st_ptr + cc * stsr + rb * stsb, s_col, mask=cc < C)
+
+
+def quantize_1x128_and_128x1_t(
+    x: torch.Tensor, pow2_row: bool = False, pow2_col: bool = False, num_warps: int = 8, explicit_t: bool = False
+) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """(quantize_fp8(x, (1, 128)), quantize_fp8(x, (128, 1)).t()) from one read of x.
+
+    The backward pass needs dY twice (1x128 for DGrad, 128x1 transposed for WGrad); two separate
+    kernels read it twice, which at gate_up size is as much traffic as both writes together.
+    """
+    rows, cols = x.shape
+    dev = x.device
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=dev)
+    _, s = new_scale_1x128(rows, cols, dev)
+    qt = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev)
+    _, st = new_scale_1x128(cols, rows, dev)  # the transposed data's 1x128 scales, MN-major
+    grid = (_cdiv(rows, 128), _cdiv(cols, 128))
+    _quant_dual_kernel[grid](
+        x, q, s, qt, st, rows, cols,
+        x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
+        qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
+        POW2_ROW=pow2_row, POW2_COL=pow2_col, EXPLICIT_T=explicit_t, num_warps=num_warps,
+    )
+    return QuantizedTensor(q, s, (1, 128)), QuantizedTensor(qt, st, (1, 128))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,6 +67,25 @@ def test_128x1_and_transposed_bytes(shape, pow2):
     got_t = quant.quantize_128x1_t(x, pow2)
     assert_same(got_t, ref.t(), f"128x1 transposed {shape}")
     assert got_t.scale.stride() == (1, shape[1])
+    for bc, nw in ((32, 4), (128, 8)):  # the other tile shapes the benchmark sweeps, both store paths
+        assert_same(quant.quantize_128x1_t(x, pow2, block_c=bc, num_warps=nw, explicit_t=True), ref.t(), f"128x1^T bc={bc}")
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(8192, 1536)])
+@pytest.mark.parametrize("pow2", [(False, False), (True, True), (False, True)])
+@pytest.mark.parametrize("explicit_t", [False, True])
+def test_dual_layout_bytes(shape, pow2, explicit_t):
+    """One read of dY gives the 1x128 (DGrad) and the transposed 128x1 (WGrad) quantizations, both byte-exact."""
+    x = outlier_data(*shape, seed=15)
+    q, qt = quant.quantize_1x128_and_128x1_t(x, pow2[0], pow2[1], explicit_t=explicit_t)
+    assert_same(q, quantize_fp8(x, (1, 128), pow2_scale=pow2[0]), f"dual 1x128 {shape}")
+    assert_same(qt, quantize_fp8(x, (128, 1), pow2_scale=pow2[1]).t(), f"dual 128x1^T {shape}")
+    assert q.scale.stride() == (1, shape[0]) and qt.scale.stride() == (1, shape[1])  # both MN-major for the GEMMs
+    # Through the ops dispatch (what the FP8 linear's backward calls).
+    bw = get_recipe("jet_fp8").train_backward
+    q2, qt2 = ops.quantize_dual(x, bw.dgrad_grad_output, bw.wgrad_grad_output)
+    assert_same(q2, quantize_fp8(x, (1, 128), pow2_scale=bw.dgrad_grad_output.pow2_scale), "ops dual 1x128")
+    assert_same(qt2, quantize_fp8(x, (128, 1), pow2_scale=bw.wgrad_grad_output.pow2_scale).t(), "ops dual 128x1^T")
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -77,6 +96,9 @@ def test_requantize_bytes(shape, pow2):
     ref = requantize_fp8(q1, (128, 1), pow2_scale=pow2)
     assert_same(quant.requantize_1x128_to_128x1(q1, transposed=False, pow2_scale=pow2), ref, f"requant {shape}")
     assert_same(quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2), ref.t(), f"requant^T {shape}")
+    for bc in (32, 128):  # one input scale per row of the tile, whatever the tile width
+        got = quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2, block_c=bc, explicit_t=True)
+        assert_same(got, ref.t(), f"requant^T bc={bc} {shape}")
     # Also from a reference-made (row-major scale) input.
     q1r = quantize_fp8(x, (1, 128))
     ref_r = requantize_fp8(q1r, (128, 1), pow2_scale=pow2)
