@@ -8,6 +8,7 @@ old-logprob, reference, actor update and weight quantization+sync, rollout token
 memory per GPU and the rollout-train mismatch. Results go to --out as JSON + markdown.
 
     python benchmarks/grpo_gpu.py --gpus 1 2 --recipes bf16 jet_fp8 --steps 3 --max_new_tokens 1024 --out $OUT
+    (--concurrent_single runs the 1-GPU runs side by side, one GPU each, on a multi-GPU host)
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def build(workdir: Path, hidden: int, layers: int, inter: int) -> tuple[Path, Pa
     return model, data
 
 
-def run_one(model: Path, data: Path, out: Path, recipe: str, gpus: int, a) -> dict:
+def start_one(model: Path, data: Path, out: Path, recipe: str, gpus: int, a, gpu_ids: list[int] | None = None, port: int = 29500):
+    """Launch one run; `gpu_ids` pins it to those GPUs (deepspeed's --include), so 1-GPU runs can share a host."""
     per_rank_prompts = a.prompts_per_gpu
     args = [
         "--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(data), "--data.label_key", "label",
@@ -57,23 +59,43 @@ def run_one(model: Path, data: Path, out: Path, recipe: str, gpus: int, a) -> di
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    cmd = ["deepspeed", "--num_gpus", str(gpus), "--master_port", str(29500 + gpus), str(REPO / "openrlhf/cli/train_ppo_ray.py"), *args]
-    t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.timeout)
-    (out / "log.txt").parent.mkdir(parents=True, exist_ok=True)
-    (out / "log.txt").write_text(proc.stdout[-20000:] + "\n---stderr---\n" + proc.stderr[-20000:])
+    where = ["--include", "localhost:" + ",".join(map(str, gpu_ids))] if gpu_ids else ["--num_gpus", str(gpus)]
+    cmd = ["deepspeed", *where, "--master_port", str(port), str(REPO / "openrlhf/cli/train_ppo_ray.py"), *args]
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "log.txt", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return {"proc": proc, "log": log, "out": out, "recipe": recipe, "gpus": gpus, "t0": time.time()}
+
+
+def finish_one(job: dict, a) -> dict:
+    proc, out, recipe, gpus = job["proc"], job["out"], job["recipe"], job["gpus"]
+    try:
+        proc.wait(timeout=max(1.0, a.timeout - (time.time() - job["t0"])))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    job["log"].close()
     if proc.returncode != 0:
-        return {"recipe": recipe, "gpus": gpus, "error": proc.stderr[-1500:]}
+        return {"recipe": recipe, "gpus": gpus, "error": (out / "log.txt").read_text()[-1500:]}
     hist = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steady = hist[1:] or hist  # step 1 includes kernel autotuning / allocator warm-up
     avg = lambda k: sum(h.get(k, 0.0) for h in steady) / len(steady)  # noqa: E731
     keys = ["perf/step_s", "perf/rollout_s", "perf/old_logprob_s", "perf/ref_s", "perf/train_s", "perf/weight_sync_s",
             "perf/rollout_tokens_per_s", "perf/peak_mem_gb", "rollout/total_response_tokens",
             "rollout_train_mismatch/abs_logp_diff_mean", "rollout_train_mismatch/abs_logp_diff_max", "rollout_train_mismatch/kl_k3"]
-    rec = {"recipe": recipe, "gpus": gpus, "wall_s": time.time() - t0, **{k: avg(k) for k in keys}}
+    rec = {"recipe": recipe, "gpus": gpus, "wall_s": time.time() - job["t0"], **{k: avg(k) for k in keys}}
     rec["per_step_mismatch"] = [h["rollout_train_mismatch/abs_logp_diff_mean"] for h in hist]
+    # total_response_tokens is counted over all ranks, so this is the whole job's throughput.
     rec["step_tokens_per_s"] = rec["rollout/total_response_tokens"] / rec["perf/step_s"]
     return rec
+
+
+def n_params(model: Path) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    return layers * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2) + h
 
 
 def main() -> None:
@@ -90,24 +112,38 @@ def main() -> None:
     p.add_argument("--gemm_backend", default="auto")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--stop_on_error", action="store_true")
+    p.add_argument("--concurrent_single", action="store_true", help="run the 1-GPU runs of all recipes at once, one GPU each")
     p.add_argument("--workdir", default="/tmp/grpo_gpu")
     p.add_argument("--out", default=os.environ.get("OUT", "grpo_gpu_out"))
     a = p.parse_args()
     work, out = Path(a.workdir), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model, data = build(work, a.hidden, a.layers, a.inter)
+    print(f"model: {n_params(model) / 1e9:.2f}B parameters ({a.layers} layers, hidden {a.hidden}, mlp {a.inter})", flush=True)
     records = []
+
+    def record(rec: dict, run_dir: Path) -> None:
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+        with open(out / "grpo_gpu.jsonl", "a") as f:  # incremental: survives a timeout
+            f.write(json.dumps(rec) + "\n")
+        if "error" in rec:
+            (out / f"log_{rec['recipe']}_{rec['gpus']}gpu.txt").write_text((run_dir / "log.txt").read_text())
+
     for g in a.gpus:
+        if g == 1 and a.concurrent_single:
+            # One recipe per GPU at once: each run still has a GPU to itself (the host's cores are shared,
+            # as they are between the ranks of a multi-GPU run).
+            jobs = [start_one(model, data, work / f"{r}_1gpu", r, 1, a, gpu_ids=[i], port=29600 + i) for i, r in enumerate(a.recipes)]
+            for job in jobs:
+                record(finish_one(job, a), job["out"])
+            continue
         for r in a.recipes:
-            rec = run_one(model, data, work / f"{r}_{g}gpu", r, g, a)
-            print(json.dumps(rec), flush=True)
-            records.append(rec)
-            with open(out / "grpo_gpu.jsonl", "a") as f:  # incremental: survives a timeout
-                f.write(json.dumps(rec) + "\n")
-            if "error" in rec:
-                (out / f"log_{r}_{g}gpu.txt").write_text((work / f"{r}_{g}gpu" / "log.txt").read_text())
-                if a.stop_on_error:
-                    break
+            job = start_one(model, data, work / f"{r}_{g}gpu", r, g, a, port=29500 + g)
+            rec = finish_one(job, a)
+            record(rec, job["out"])
+            if "error" in rec and a.stop_on_error:
+                break
     (out / "grpo_gpu.json").write_text(json.dumps(records, indent=1))
     cols = ["recipe", "gpus", "perf/step_s", "perf/rollout_s", "perf/old_logprob_s", "perf/ref_s", "perf/train_s",
             "perf/weight_sync_s", "step_tokens_per_s", "perf/rollout_tokens_per_s", "perf/peak_mem_gb",
