@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -63,7 +64,8 @@ def start_one(model: Path, data: Path, out: Path, recipe: str, gpus: int, a, gpu
     cmd = ["deepspeed", *where, "--master_port", str(port), str(REPO / "openrlhf/cli/train_ppo_ray.py"), *args]
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "log.txt", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    # Own process group: a timeout must take the launcher's workers down too, or they keep the port.
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     return {"proc": proc, "log": log, "out": out, "recipe": recipe, "gpus": gpus, "t0": time.time()}
 
 
@@ -72,7 +74,7 @@ def finish_one(job: dict, a) -> dict:
     try:
         proc.wait(timeout=max(1.0, a.timeout - (time.time() - job["t0"])))
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     job["log"].close()
     if proc.returncode != 0:

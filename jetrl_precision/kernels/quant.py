@@ -106,10 +106,10 @@ def _quant_128x1_kernel(
     mask = (rr[:, None] < R) & (cc[None, :] < C)
     x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
     if DEQ:
-        # BLOCK_C divides 128, so the whole tile sits in one input scale group: one scale per row,
-        # not one load per element.
-        s_in = tl.load(in_s_ptr + rr * sir + ((pid_c * BLOCK_C) // 128) * sig, mask=rr < R, other=0.0)
-        x = x * s_in[:, None]
+        # A per-element scale load (L1 hits) measured faster on the H200 than one load per row plus the
+        # broadcast's layout conversion (95 vs 111 us at 16384x4096).
+        s_in = tl.load(in_s_ptr + rr[:, None] * sir + (cc // 128)[None, :] * sig, mask=mask, other=0.0)
+        x = x * s_in
     amax = tl.max(tl.abs(x), axis=0)
     has_nan = tl.max((x != x).to(tl.int32), axis=0)
     scale = group_scale(amax, has_nan, POW2)
