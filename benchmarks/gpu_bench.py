@@ -367,7 +367,7 @@ def section_linear(args):
         cyc = itertools.cycle(range(2))
         t_bf = bench(lambda: (lambda i: lin(xs[i]).backward(dys[i]))(next(cyc)), grad_to_none=xs + [lin.weight], rep=150)
         _, saved_bf = _saved_bytes(lambda: lin(x), [lin.weight])
-        res = {"layer": lname, "bf16_ms": t_bf, "bf16_graph": _graphed_step_ms(lin, xs, dys, lin.weight)}
+        res = {"layer": lname, "bf16_ms": t_bf, "bf16_graph": _graphed_step_ms(_twin(lin), xs, dys, lin.weight)}
         rec("linear_fwd_bwd_ms", f"M={m} {lname}", "bf16", round(t_bf, 4), "ms", 1.0, saved_activation_bytes=saved_bf)
         rec("linear_fwd_bwd_ms", f"M={m} {lname} cuda-graph", "bf16", round(res["bf16_graph"], 4), "ms", 1.0)
         for backend in ("auto", "triton"):
@@ -391,7 +391,7 @@ def section_linear(args):
             res[f"{name}_requant"] = t_r
             if backend == "auto":
                 # Host time out of the picture: the same step captured once and replayed as a CUDA graph.
-                t_g = _graphed_step_ms(layer, xs, dys, lin.weight)
+                t_g = _graphed_step_ms(Fp8Linear.from_linear(lin, fp, bw, gemm_backend=backend), xs, dys, lin.weight)
                 res["graph"] = t_g
                 rec("linear_fwd_bwd_ms", f"M={m} {lname} weight-cached cuda-graph", name, round(t_g, 4), "ms",
                     round(res["bf16_graph"] / t_g, 3))
@@ -455,24 +455,33 @@ def section_linear(args):
 
 
 def _graphed_step_ms(module, xs, dys, weight):
-    """One fwd+bwd of `module` captured as a CUDA graph and replayed (ms). Warm-up runs on xs[1], the
-    capture on xs[0], so the quantizers' share cache cannot let the capture skip the x quantization."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            module(xs[1]).backward(dys[1])
-    torch.cuda.current_stream().wait_stream(s)
-    for t in (xs[0], xs[1], weight):
-        t.grad = None
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        module(xs[0]).backward(dys[0])
-    t = bench(g.replay, rep=150)
-    del g
+    """fwd+bwd of `module` through `torch.cuda.make_graphed_callables` (one graph each way), in ms.
+
+    `module` must be a fresh wrapper that shares `weight` (graphing patches its forward). The
+    quantizers' share cache is off while capturing: the capture reuses the warm-up's input, and a
+    cache hit would leave the x quantization out of the graph.
+    """
+    impl = ops._impl_for(torch.device("cuda"))
+    share = getattr(impl, "share_results", None)
+    if share is not None:
+        impl.share_results = False
+    try:
+        graphed = torch.cuda.make_graphed_callables(module, (xs[0],), num_warmup_iters=3)
+        t = bench(lambda: graphed(xs[0]).backward(dys[0]), grad_to_none=[xs[0], weight], rep=150)
+    finally:
+        if share is not None:
+            impl.share_results = share
     for t_ in (xs[0], xs[1], weight):
         t_.grad = None
     return t
+
+
+def _twin(lin: nn.Linear) -> nn.Linear:
+    """A second nn.Linear over the same weight Parameter (so graphing it leaves `lin` alone)."""
+    with torch.device("meta"):
+        twin = nn.Linear(lin.in_features, lin.out_features, bias=False)
+    twin.weight = lin.weight
+    return twin
 
 
 # ---------------------------------------------------------------------------------------------

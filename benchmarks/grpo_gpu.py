@@ -57,6 +57,7 @@ def start_one(model: Path, data: Path, out: Path, recipe: str, gpus: int, a, gpu
         "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
         "--ds.zero_stage", "3", "--ds.param_dtype", "bf16", "--actor.gradient_checkpointing_enable",
         "--ckpt.output_dir", str(out), "--ckpt.save_steps", "0",
+        "--train.eval_prompts", "0",  # the before/after evaluation would cost more than the timed steps
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

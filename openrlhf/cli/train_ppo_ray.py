@@ -93,9 +93,11 @@ def train(cfg: PPOConfig, *, evaluate: bool = True, engine_factory=None, **train
         logger.warning(w)
     trainer = PPOTrainer(cfg, strategy, engine_factory or make_engine_factory(cfg, strategy), **trainer_kwargs)
     trainer.setup()
-    eval_before = trainer.evaluate() if evaluate else None
+    evaluate = evaluate and cfg.train.eval_prompts > 0
+    eval_kw = {"n_prompts": cfg.train.eval_prompts, "n_samples": cfg.train.eval_samples}
+    eval_before = trainer.evaluate(**eval_kw) if evaluate else None
     history = trainer.fit()
-    eval_after = trainer.evaluate() if evaluate else None
+    eval_after = trainer.evaluate(**eval_kw) if evaluate else None
     if cfg.ckpt.save_steps != 0 and (not history or cfg.ckpt.save_steps < 0 or trainer.global_step % cfg.ckpt.save_steps):
         trainer.save_checkpoint()
     summary = {
