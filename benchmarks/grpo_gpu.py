@@ -101,6 +101,37 @@ def n_params(model: Path) -> int:
     return layers * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2) + h
 
 
+PARTS = [("perf/rollout_s", "rollout"), ("perf/old_logprob_s", "old logprob"), ("perf/ref_s", "reference"),
+         ("perf/train_s", "actor update"), ("perf/weight_sync_s", "weight quant + sync")]
+
+
+def plot(records: list[dict], path: Path) -> None:
+    """Stacked bars of the step-time split per (recipe, GPUs), tokens/s written on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = sorted((r for r in records if "error" not in r), key=lambda r: (r["gpus"], r["recipe"]))
+    labels = [f"{r['recipe']}\n{r['gpus']} GPU" for r in ok]
+    fig, ax = plt.subplots(figsize=(1.6 * len(ok) + 3.5, 4.2))
+    bottom = [0.0] * len(ok)
+    for key, name in PARTS:
+        vals = [r.get(key, 0.0) for r in ok]
+        ax.bar(labels, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    other = [r["perf/step_s"] - b for r, b in zip(ok, bottom)]
+    ax.bar(labels, other, bottom=bottom, label="other (reward, advantages, logging)", color="lightgrey")
+    for i, r in enumerate(ok):
+        ax.text(i, r["perf/step_s"] * 1.01, f"{r['step_tokens_per_s']:.0f} tok/s", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("seconds per GRPO step")
+    ax.set_ylim(0, max(r["perf/step_s"] for r in ok) * 1.15)
+    ax.set_title("GRPO step split on H200s (ZeRO-3, NCCL, transformers rollout engine)", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, nargs="+", default=[1])
@@ -118,7 +149,12 @@ def main() -> None:
     p.add_argument("--concurrent_single", action="store_true", help="run the 1-GPU runs of all recipes at once, one GPU each")
     p.add_argument("--workdir", default="/tmp/grpo_gpu")
     p.add_argument("--out", default=os.environ.get("OUT", "grpo_gpu_out"))
+    p.add_argument("--plot", default=None, help="also write the step-split bar chart to this PNG")
+    p.add_argument("--plot_from", nargs="+", default=None, help="only plot: read records from these grpo_gpu.jsonl files")
     a = p.parse_args()
+    if a.plot_from:
+        plot([json.loads(line) for f in a.plot_from for line in Path(f).read_text().splitlines() if line.strip()], Path(a.plot or "grpo_step_split.png"))
+        return
     work, out = Path(a.workdir), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     model, data = build(work, a.hidden, a.layers, a.inter)
@@ -160,6 +196,8 @@ def main() -> None:
     table = "\n".join(lines)
     (out / "grpo_gpu.md").write_text(table + "\n")
     print(table)
+    if a.plot:
+        plot(records, Path(a.plot))
 
 
 if __name__ == "__main__":
