@@ -367,7 +367,7 @@ def section_linear(args):
         cyc = itertools.cycle(range(2))
         t_bf = bench(lambda: (lambda i: lin(xs[i]).backward(dys[i]))(next(cyc)), grad_to_none=xs + [lin.weight], rep=150)
         _, saved_bf = _saved_bytes(lambda: lin(x), [lin.weight])
-        res = {"layer": lname, "bf16_ms": t_bf, "bf16_graph": _graphed_step_ms(_twin(lin), xs, dys, lin.weight)}
+        res = {"layer": lname, "bf16_ms": t_bf, "bf16_graph": _graphed_step_ms(_linear_over, lin.weight, xs, dys)}
         rec("linear_fwd_bwd_ms", f"M={m} {lname}", "bf16", round(t_bf, 4), "ms", 1.0, saved_activation_bytes=saved_bf)
         rec("linear_fwd_bwd_ms", f"M={m} {lname} cuda-graph", "bf16", round(res["bf16_graph"], 4), "ms", 1.0)
         for backend in ("auto", "triton"):
@@ -391,7 +391,7 @@ def section_linear(args):
             res[f"{name}_requant"] = t_r
             if backend == "auto":
                 # Host time out of the picture: the same step captured once and replayed as a CUDA graph.
-                t_g = _graphed_step_ms(Fp8Linear.from_linear(lin, fp, bw, gemm_backend=backend), xs, dys, lin.weight)
+                t_g = _graphed_step_ms(lambda w: Fp8Linear.from_linear(_linear_over(w), fp, bw, gemm_backend=backend), lin.weight, xs, dys)
                 res["graph"] = t_g
                 rec("linear_fwd_bwd_ms", f"M={m} {lname} weight-cached cuda-graph", name, round(t_g, 4), "ms",
                     round(res["bf16_graph"] / t_g, 3))
@@ -448,40 +448,48 @@ def section_linear(args):
     ratios["graph"] = [r["bf16_graph"] / r["graph"] for r in rows]
     ratios["kernels_sum"] = [r["bf16_ms"] / r["kernels_sum"] for r in rows]
     for key, v in ratios.items():
+        v = [r for r in v if math.isfinite(r)]
+        if not v:
+            continue
         g = gm(v)
         print(f"geomean bf16/fp8 ({key}): {g:.3f}x")
         rec("linear_fwd_bwd_geomean_ratio", f"M={m} 4 layers {key}", name if key in ("graph", "kernels_sum") else key.split("_")[0],
             round(g, 3), "x", round(g, 3))
 
 
-def _graphed_step_ms(module, xs, dys, weight):
-    """fwd+bwd of `module` through `torch.cuda.make_graphed_callables` (one graph each way), in ms.
+def _graphed_step_ms(build, weight, xs, dys):
+    """fwd+bwd through `torch.cuda.make_graphed_callables` (one graph each way), in ms; NaN if capture fails.
 
-    `module` must be a fresh wrapper that shares `weight` (graphing patches its forward). The
-    quantizers' share cache is off while capturing: the capture reuses the warm-up's input, and a
+    `build(w)` makes the module over a weight Parameter. The weight and input are fresh copies: leaves
+    that went through eager backward passes keep an AccumulateGrad node bound to the default stream,
+    and capture refuses to depend on that stream (cudaErrorStreamCaptureImplicit, seen on torch 2.11).
+    The quantizers' share cache is off while capturing: the capture reuses the warm-up's input, and a
     cache hit would leave the x quantization out of the graph.
     """
+    w = nn.Parameter(weight.detach().clone())
+    x = xs[0].detach().clone().requires_grad_(True)
+    dy = dys[0].clone()
     impl = ops._impl_for(torch.device("cuda"))
     share = getattr(impl, "share_results", None)
     if share is not None:
         impl.share_results = False
     try:
-        graphed = torch.cuda.make_graphed_callables(module, (xs[0],), num_warmup_iters=3)
-        t = bench(lambda: graphed(xs[0]).backward(dys[0]), grad_to_none=[xs[0], weight], rep=150)
+        graphed = torch.cuda.make_graphed_callables(build(w), (x,), num_warmup_iters=3)
+        return bench(lambda: graphed(x).backward(dy), grad_to_none=[x, w], rep=150)
+    except Exception as e:  # noqa: BLE001 - a failed capture must not lose the eager figures
+        print(f"  CUDA-graph capture failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+        return float("nan")
     finally:
         if share is not None:
             impl.share_results = share
-    for t_ in (xs[0], xs[1], weight):
-        t_.grad = None
-    return t
 
 
-def _twin(lin: nn.Linear) -> nn.Linear:
-    """A second nn.Linear over the same weight Parameter (so graphing it leaves `lin` alone)."""
+def _linear_over(w: nn.Parameter) -> nn.Linear:
+    """An nn.Linear whose weight is `w` (no copy)."""
     with torch.device("meta"):
-        twin = nn.Linear(lin.in_features, lin.out_features, bias=False)
-    twin.weight = lin.weight
-    return twin
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight = w
+    return lin
 
 
 # ---------------------------------------------------------------------------------------------
