@@ -518,6 +518,9 @@ class PPOTrainer:
         (same temperature, fixed seed), averaged over ranks. Greedy accuracy saturates early on
         small tasks; the sampled reward is what the policy gradient optimizes."""
         st, r = self.strategy, self.cfg.rollout
+        t0 = time.perf_counter()
+        if st.is_rank_0:
+            logger.info("evaluating: %d prompts x %d samples (--train.eval_prompts 0 skips this)", n_prompts, n_samples)
         idx = list(range(min(n_prompts, len(self.dataset))))[st.rank :: st.world_size]
         items = [self.dataset[i] for i in idx]
         ids = [self.tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items]
@@ -532,6 +535,8 @@ class PPOTrainer:
         )
         total = st.all_reduce(sum(rewards)).item()
         count = st.all_reduce(float(len(rewards))).item()
+        if st.is_rank_0:
+            logger.info("evaluation: mean reward %.4f over %d samples in %.1f s", total / max(count, 1.0), int(count), time.perf_counter() - t0)
         return total / max(count, 1.0)
 
     def close(self) -> None:
