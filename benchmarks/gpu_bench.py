@@ -129,7 +129,8 @@ def section_quant(args, copy_bw):
         one("128x1_transposed", shp, lambda: quant.quantize_128x1_t(x), io)
         # dY's two layouts from one read (what Fp8Linear's backward runs) against the two kernels apart.
         io_dual = m * k * 2 + 2 * m * k + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
-        one("dual_1x128_and_128x1_T", shp, lambda: ops.quantize_dual(x, BW.dgrad_grad_output, BW.wgrad_grad_output), io_dual)
+        one("dual_onepass_1x128_and_128x1_T", shp, lambda: quant.quantize_1x128_and_128x1_t(x, num_warps=4), io_dual)
+        one("ops_quantize_dual", shp, lambda: ops.quantize_dual(x, BW.dgrad_grad_output, BW.wgrad_grad_output), io_dual)
         one("separate_1x128_then_128x1_T", shp, lambda: (quant.quantize_1x128(x), quant.quantize_128x1_t(x)), io_dual)
         if (m, k) == (16384, 4096):
             for bc in (32, 64, 128):

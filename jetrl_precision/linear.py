@@ -101,7 +101,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         fp8_wgrad = bw.wgrad_grad_output.is_fp8 and bw.wgrad_input.is_fp8
         gy_q = gy_t = None
         if need_dx and need_dw and bw.dgrad_grad_output.is_fp8 and fp8_wgrad:
-            # Both layouts of dY from one pass over it.
+            # Both layouts of dY in one call, so a kernel can produce them from one read.
             gy_q, gy_t = ops.quantize_dual(gy, bw.dgrad_grad_output, bw.wgrad_grad_output)
 
         if need_dx:
