@@ -203,7 +203,7 @@ def _quant_dual_kernel(
 
 
 def quantize_1x128_and_128x1_t(
-    x: torch.Tensor, pow2_row: bool = False, pow2_col: bool = False, num_warps: int = 8, explicit_t: bool = False
+    x: torch.Tensor, pow2_row: bool = False, pow2_col: bool = False, num_warps: int = 4, explicit_t: bool = False
 ) -> tuple[QuantizedTensor, QuantizedTensor]:
     """(quantize_fp8(x, (1, 128)), quantize_fp8(x, (128, 1)).t()) from one read of x.
 
