@@ -16,6 +16,7 @@ Timing: triton.testing.do_bench medians (L2 flushed before each repeat); ratios 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -44,6 +45,12 @@ LAYERS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 MS = (64, 256, 4096, 8192, 16384)
 DATE = "2026-11-29"
 BW = get_recipe("jet_fp8").train_backward
+# TritonKernelOptions variants timed in the linear section (every one writes the same bytes).
+KERNEL_VARIANTS = {
+    "pack4": dict(pack4=True),
+    "dual_chunked": dict(fused_dual=True, dual_chunked=True),
+    "dual_chunked_pack4": dict(fused_dual=True, dual_chunked=True, pack4=True),
+}
 RECORDS: list[dict] = []
 COMMAND = "PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --out $OUT/gpu_bench.json"
 
@@ -130,27 +137,32 @@ def section_quant(args, copy_bw):
         # dY's two layouts from one read (what Fp8Linear's backward runs) against the two kernels apart.
         io_dual = m * k * 2 + 2 * m * k + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
         one("dual_onepass_1x128_and_128x1_T", shp, lambda: quant.quantize_1x128_and_128x1_t(x, num_warps=4), io_dual)
+        one("dual_chunked_pack4", shp, lambda: quant.quantize_1x128_and_128x1_t(x, pack4=True, chunked=True), io_dual)
+        one("128x1_transposed_pack4", shp, lambda: quant.quantize_128x1_t(x, pack4=True), io)
         one("ops_quantize_dual", shp, lambda: ops.quantize_dual(x, BW.dgrad_grad_output, BW.wgrad_grad_output), io_dual)
         one("separate_1x128_then_128x1_T", shp, lambda: (quant.quantize_1x128(x), quant.quantize_128x1_t(x)), io_dual)
         if (m, k) == (16384, 4096):
             for bc in (32, 64, 128):
                 for nw in (4, 8):
                     for ex in (False, True):
-                        one(f"128x1_transposed_blockc{bc}_w{nw}{'_explicitT' if ex else ''}", shp,
-                            lambda bc=bc, nw=nw, ex=ex: quant.quantize_128x1_t(x, block_c=bc, num_warps=nw, explicit_t=ex), io)
-            for nw in (4, 8, 16):
+                        one(f"128x1_transposed_blockc{bc}_w{nw}{'_pack4' if ex else ''}", shp,
+                            lambda bc=bc, nw=nw, ex=ex: quant.quantize_128x1_t(x, block_c=bc, num_warps=nw, pack4=ex), io)
+            for nw in (4, 8):
                 for ex in (False, True):
-                    one(f"dual_w{nw}{'_explicitT' if ex else ''}", shp,
-                        lambda nw=nw, ex=ex: quant.quantize_1x128_and_128x1_t(x, num_warps=nw, explicit_t=ex), io_dual)
+                    one(f"dual_w{nw}{'_pack4' if ex else ''}", shp,
+                        lambda nw=nw, ex=ex: quant.quantize_1x128_and_128x1_t(x, num_warps=nw, pack4=ex), io_dual)
+                    one(f"dual_chunked_w{nw}{'_pack4' if ex else ''}", shp,
+                        lambda nw=nw, ex=ex: quant.quantize_1x128_and_128x1_t(x, num_warps=nw, pack4=ex, chunked=True), io_dual)
         q1 = quant.quantize_1x128(x)
         io_rq = m * k * 2 + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
         one("requant_1x128_to_128x1_T", shp, lambda: quant.requantize_1x128_to_128x1(q1, True), io_rq)
+        one("requant_1x128_to_128x1_T_pack4", shp, lambda: quant.requantize_1x128_to_128x1(q1, True, pack4=True), io_rq)
         if (m, k) == (16384, 4096):
             for bc in (32, 64, 128):
                 for nw in (4, 8):
                     for ex in (False, True):
-                        one(f"requant_T_blockc{bc}_w{nw}{'_explicitT' if ex else ''}", shp,
-                            lambda bc=bc, nw=nw, ex=ex: quant.requantize_1x128_to_128x1(q1, True, block_c=bc, num_warps=nw, explicit_t=ex), io_rq)
+                        one(f"requant_T_blockc{bc}_w{nw}{'_pack4' if ex else ''}", shp,
+                            lambda bc=bc, nw=nw, ex=ex: quant.requantize_1x128_to_128x1(q1, True, block_c=bc, num_warps=nw, pack4=ex), io_rq)
         if (m, k) == (16384, 4096):
             one("torch_reference_1x128", shp, lambda: quantize_fp8(x, (1, 128), nonfinite="propagate"), io, backend="torch-ops")
         del x, q1
@@ -391,6 +403,19 @@ def section_linear(args):
             res[f"{name}_cached"] = t_c
             res[f"{name}_requant"] = t_r
             if backend == "auto":
+                # Kernel variants still being decided (same bytes): the same cached step with each.
+                impl = ops._impl_for(torch.device("cuda"))
+                base_opts = impl.options
+                for vname, kw in KERNEL_VARIANTS.items():
+                    impl.options = dataclasses.replace(base_opts, **kw)
+                    try:
+                        layer(x).backward(dy)  # compile the variant's kernels outside the timing
+                        t_v = bench(step_cached, grad_to_none=xs + [lin.weight], rep=150)
+                    finally:
+                        impl.options = base_opts
+                    res.setdefault("variants", {})[vname] = t_v
+                    rec("linear_fwd_bwd_ms", f"M={m} {lname} weight-cached kernels={vname}", name, round(t_v, 4), "ms",
+                        round(t_bf / t_v, 3))
                 # Host time out of the picture: the same step captured once and replayed as a CUDA graph.
                 t_g = _graphed_step_ms(lambda w: Fp8Linear.from_linear(_linear_over(w), fp, bw, gemm_backend=backend), lin.weight, xs, dys)
                 res["graph"] = t_g
@@ -444,9 +469,12 @@ def section_linear(args):
               f" {r[name + '_saved'] / 2**20:7.1f}MiB")
         print("          parts(us): " + " ".join(f"{kk}={v * 1e3:.0f}" for kk, v in r["parts"].items())
               + f"  sum={r['kernels_sum'] * 1e3:.0f} ({r['bf16_ms'] / r['kernels_sum']:.2f}x)")
+        print("          kernel variants, cached: " + " ".join(f"{kk}={v:.3f}ms ({r['bf16_ms'] / v:.2f}x)" for kk, v in r.get("variants", {}).items()))
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     ratios = {key: [r["bf16_ms"] / r[key] for r in rows] for key in (name + "_cached", name + "_requant", "triton_cached")}
     ratios["graph"] = [r["bf16_graph"] / r["graph"] for r in rows]
+    for vname in KERNEL_VARIANTS:
+        ratios[f"variant_{vname}"] = [r["bf16_ms"] / r["variants"][vname] for r in rows if vname in r.get("variants", {})]
     ratios["kernels_sum"] = [r["bf16_ms"] / r["kernels_sum"] for r in rows]
     for key, v in ratios.items():
         v = [r for r in v if math.isfinite(r)]
@@ -454,7 +482,8 @@ def section_linear(args):
             continue
         g = gm(v)
         print(f"geomean bf16/fp8 ({key}): {g:.3f}x")
-        rec("linear_fwd_bwd_geomean_ratio", f"M={m} 4 layers {key}", name if key in ("graph", "kernels_sum") else key.split("_")[0],
+        rec("linear_fwd_bwd_geomean_ratio", f"M={m} 4 layers {key}",
+            name if key in ("graph", "kernels_sum") or key.startswith("variant_") else key.split("_")[0],
             round(g, 3), "x", round(g, 3))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -9,7 +11,7 @@ from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
 from . import quant
 
-__all__ = ["TritonQuantizeImpl"]
+__all__ = ["TritonQuantizeImpl", "TritonKernelOptions"]
 
 
 def _fp8_capable(device: torch.device) -> bool:
@@ -54,17 +56,30 @@ class _LastResult:
         return value
 
 
+@dataclass(frozen=True)
+class TritonKernelOptions:
+    """Kernel variants still being measured on the H200. Every choice writes the same bytes.
+
+    fused_dual:   one kernel for both dY layouts of the backward; its one-tile form measured
+                  1.7-2.3x slower than two kernels, so it is off.
+    dual_chunked: with fused_dual, run the chunked candidate instead of the one-tile kernel.
+    pack4:        transposed 128x1 outputs (dY^T, X^T for WGrad) stored as 4-byte words.
+    """
+
+    fused_dual: bool = False
+    dual_chunked: bool = True
+    pack4: bool = False
+
+
 class TritonQuantizeImpl:
     """Byte-exact Triton kernels for 1x128, 128x128 and 128x1 blocks; other blocks use the reference."""
 
     name = "triton"
 
-    def __init__(self, share_results: bool = True) -> None:
+    def __init__(self, share_results: bool = True, options: TritonKernelOptions = TritonKernelOptions()) -> None:
         self._ok: dict[str, bool] = {}
         self.share_results = share_results
-        # The one-pass dual-layout dY kernel measured slower on the H200 (275-340 us vs 160 us for the
-        # two kernels apart at 16384x4096), so the backward uses the two kernels unless asked.
-        self.fused_dual = False
+        self.options = options
         self._last_q = _LastResult()
         self._last_rq_t = _LastResult()
 
@@ -96,7 +111,7 @@ class TritonQuantizeImpl:
         """quantize(x, block).t() with the transposed layout written directly."""
         if x.dim() == 2 and x.numel() > 0 and x.is_floating_point():
             if block == (128, 1):
-                return quant.quantize_128x1_t(x, pow2_scale)
+                return quant.quantize_128x1_t(x, pow2_scale, pack4=self.options.pack4)
             if block == (128, 128):
                 return quant.quantize_128x128(x, pow2_scale, write=False, write_t=True)[1]
         return self.quantize(x, block, pow2_scale).t()
@@ -106,19 +121,21 @@ class TritonQuantizeImpl:
     ) -> tuple[QuantizedTensor, QuantizedTensor] | None:
         """(Q(x, 1x128), Q(x, 128x1).t()) from one read of x; None for other block pairs."""
         if block == (1, 128) and t_block == (128, 1) and x.dim() == 2 and x.numel() > 0 and x.is_floating_point():
-            if self.fused_dual:
-                return quant.quantize_1x128_and_128x1_t(x, pow2_scale, t_pow2_scale)
-            return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale)
+            o = self.options
+            if o.fused_dual:
+                return quant.quantize_1x128_and_128x1_t(x, pow2_scale, t_pow2_scale, pack4=o.pack4, chunked=o.dual_chunked)
+            return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pack4=o.pack4)
         return None
 
     def requantize_transposed(self, qt: QuantizedTensor, block: Block, pow2_scale: bool) -> QuantizedTensor:
         if qt.block == (1, 128) and block == (128, 1):
+            pack4 = self.options.pack4
             if not self.share_results:
-                return quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale)
+                return quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale, pack4=pack4)
             # Keyed on the FP8 bytes' storage; the scale lives and dies with them in the saved activation.
             extra = (block, pow2_scale, qt.scale.data_ptr(), qt.scale.stride())
             hit = self._last_rq_t.get(qt.data, extra)
             if hit is not None:
                 return hit
-            return self._last_rq_t.put(qt.data, extra, quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale))
+            return self._last_rq_t.put(qt.data, extra, quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale, pack4=pack4))
         return self.requantize(qt, block, pow2_scale).t()

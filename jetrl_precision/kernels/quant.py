@@ -97,7 +97,7 @@ def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False, block_r: int | Non
 def _quant_128x1_kernel(
     x_ptr, in_s_ptr, q_ptr, s_ptr, R, C,
     sxr, sxc, sir, sig, sqr, sqc, ssb, ssc,
-    BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr, EXPLICIT_T: tl.constexpr,
+    BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr, PACK4: tl.constexpr,
 ):
     rb = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -114,17 +114,34 @@ def _quant_128x1_kernel(
     has_nan = tl.max((x != x).to(tl.int32), axis=0)
     scale = group_scale(amax, has_nan, POW2)
     q = quantize_values(x, scale[None, :])
-    if EXPLICIT_T:
-        # Transpose in registers first so the store's fastest axis is the output's contiguous one.
-        tl.store(q_ptr + cc[:, None].to(tl.int64) * sqc + rr[None, :] * sqr, tl.trans(q), mask=tl.trans(mask))
+    if PACK4:
+        # Transposed output as int32 words [C, R/4] (sqc = words per output row).
+        _store_t_pack4(q_ptr, q, rb, cc, R, C, sqc, BLOCK_C)
     else:
         tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=mask)
     tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
 
 
+@triton.jit
+def _store_t_pack4(w_ptr, q, rb, cc, R, C, words_per_row, BLOCK_C: tl.constexpr):
+    """Store the fp8 tile q [128 rows, BLOCK_C cols] transposed, four rows' bytes per little-endian word.
+
+    The transposed output [C, R] is viewed as int32 [C, R/4] (R % 4 == 0): byte j of word i of row c is
+    element (4i + j, c). Moving 4-byte words lets the layout change before the store work on 32-bit
+    values instead of single bytes.
+    """
+    b = q.to(tl.uint8, bitcast=True).to(tl.uint32)
+    b = tl.reshape(b, [32, 4, BLOCK_C])
+    shift = (tl.arange(0, 4) * 8).to(tl.uint32)
+    words = tl.sum(b << shift[None, :, None], axis=1)  # the bytes do not overlap: sum == or
+    ii = rb * 32 + tl.arange(0, 32)
+    wmask = (ii[:, None] * 4 < R) & (cc[None, :] < C)
+    tl.store(w_ptr + cc[None, :].to(tl.int64) * words_per_row + ii[:, None], words.to(tl.int32, bitcast=True), mask=wmask)
+
+
 def _launch_128x1(
     x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, block_c: int | None, num_warps: int = 4,
-    explicit_t: bool = False,
+    pack4: bool = False,
 ) -> QuantizedTensor:
     nrb = _cdiv(rows, 128)
     sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=x.device)
@@ -140,10 +157,14 @@ def _launch_128x1(
     if 128 % bc:
         raise ValueError(f"block_c must divide 128, got {bc}")
     grid = (nrb, _cdiv(cols, bc))
+    pack4 = pack4 and transposed and rows % 4 == 0  # word stores need whole words per output row
+    out = q.view(torch.int32) if pack4 else q
+    if pack4:
+        sqr, sqc = 1, out.stride(0)
     _quant_128x1_kernel[grid](
-        x, in_scale if deq else sbuf, q, sbuf, rows, cols,
+        x, in_scale if deq else sbuf, out, sbuf, rows, cols,
         x.stride(0), x.stride(1), sir, sig, sqr, sqc, sbuf.stride(0), sbuf.stride(1),
-        BLOCK_C=bc, POW2=pow2_scale, DEQ=deq, EXPLICIT_T=explicit_t and transposed, num_warps=num_warps,
+        BLOCK_C=bc, POW2=pow2_scale, DEQ=deq, PACK4=pack4, num_warps=num_warps,
     )
     if transposed:
         # quantize(x, 128x1).t(): data x^T [C, R], 1x128 groups, scale (C, ceil(R/128)) MN-major.
@@ -156,21 +177,24 @@ def quantize_128x1(x: torch.Tensor, pow2_scale: bool = False, block_c: int | Non
 
 
 def quantize_128x1_t(
-    x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None, num_warps: int = 4, explicit_t: bool = False
+    x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None, num_warps: int = 4, pack4: bool = False
 ) -> QuantizedTensor:
-    """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy)."""
-    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, block_c, num_warps, explicit_t)
+    """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy).
+
+    `pack4` stores the transposed bytes as 4-byte words (used when rows % 4 == 0); same bytes.
+    """
+    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, block_c, num_warps, pack4)
 
 
 def requantize_1x128_to_128x1(
     qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, block_c: int | None = None,
-    num_warps: int = 4, explicit_t: bool = False,
+    num_warps: int = 4, pack4: bool = False,
 ) -> QuantizedTensor:
     """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes."""
     if qt.block != (1, 128):
         raise ValueError(f"requantize_1x128_to_128x1 needs a 1x128 input, got block {qt.block}")
     rows, cols = qt.shape
-    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, block_c, num_warps, explicit_t)
+    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, block_c, num_warps, pack4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +203,7 @@ def requantize_1x128_to_128x1(
 def _quant_dual_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C,
     sxr, sxc, sqr, sqc, ssr, ssg, stqr, stqc, stsr, stsb,
-    POW2_ROW: tl.constexpr, POW2_COL: tl.constexpr, EXPLICIT_T: tl.constexpr,
+    POW2_ROW: tl.constexpr, POW2_COL: tl.constexpr, PACK4: tl.constexpr,
 ):
     rb = tl.program_id(0)
     cb = tl.program_id(1)
@@ -195,15 +219,50 @@ def _quant_dual_kernel(
     # 128x1 groups: one scale per column of the tile, data written transposed ([C, R]).
     s_col = group_scale(tl.max(tl.abs(x), axis=0), tl.max(nan, axis=0), POW2_COL)
     q_col = quantize_values(x, s_col[None, :])
-    if EXPLICIT_T:
-        tl.store(qt_ptr + cc[:, None].to(tl.int64) * stqr + rr[None, :] * stqc, tl.trans(q_col), mask=tl.trans(mask))
+    if PACK4:
+        _store_t_pack4(qt_ptr, q_col, rb, cc, R, C, stqr, 128)
     else:
         tl.store(qt_ptr + cc[None, :].to(tl.int64) * stqr + rr[:, None] * stqc, q_col, mask=mask)
     tl.store(st_ptr + cc * stsr + rb * stsb, s_col, mask=cc < C)
 
 
+@triton.jit
+def _quant_dual_chunked_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C,
+    sxr, sxc, sqr, sqc, ssr, ssg, stqr, stqc, stsr, stsb,
+    POW2_ROW: tl.constexpr, POW2_COL: tl.constexpr, PACK4: tl.constexpr, CW: tl.constexpr, RH: tl.constexpr,
+):
+    """The same two outputs as `_quant_dual_kernel`, from a CTA that walks its 128x128 region twice in
+    narrow slices: column slices of CW for the 128x1 groups (as the fastest 128x1ᵀ tile), then row
+    slices of RH for the 1x128 groups. The second walk re-reads the region, which the first walk has
+    just pulled through L2, so HBM still sees one read while no thread holds the whole tile."""
+    rb = tl.program_id(0)
+    cb = tl.program_id(1)
+    rr = rb * 128 + tl.arange(0, 128)
+    for j in tl.static_range(128 // CW):
+        cc = cb * 128 + j * CW + tl.arange(0, CW)
+        mask = (rr[:, None] < R) & (cc[None, :] < C)
+        x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
+        s_col = group_scale(tl.max(tl.abs(x), axis=0), tl.max((x != x).to(tl.int32), axis=0), POW2_COL)
+        q_col = quantize_values(x, s_col[None, :])
+        if PACK4:
+            _store_t_pack4(qt_ptr, q_col, rb, cc, R, C, stqr, CW)
+        else:
+            tl.store(qt_ptr + cc[None, :].to(tl.int64) * stqr + rr[:, None] * stqc, q_col, mask=mask)
+        tl.store(st_ptr + cc * stsr + rb * stsb, s_col, mask=cc < C)
+    cc = cb * 128 + tl.arange(0, 128)
+    for i in tl.static_range(128 // RH):
+        r2 = rb * 128 + i * RH + tl.arange(0, RH)
+        mask = (r2[:, None] < R) & (cc[None, :] < C)
+        x = tl.load(x_ptr + r2[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
+        s_row = group_scale(tl.max(tl.abs(x), axis=1), tl.max((x != x).to(tl.int32), axis=1), POW2_ROW)
+        tl.store(q_ptr + r2[:, None].to(tl.int64) * sqr + cc[None, :] * sqc, quantize_values(x, s_row[:, None]), mask=mask)
+        tl.store(s_ptr + r2 * ssr + cb * ssg, s_row, mask=r2 < R)
+
+
 def quantize_1x128_and_128x1_t(
-    x: torch.Tensor, pow2_row: bool = False, pow2_col: bool = False, num_warps: int = 4, explicit_t: bool = False
+    x: torch.Tensor, pow2_row: bool = False, pow2_col: bool = False, num_warps: int = 4, pack4: bool = False,
+    chunked: bool = False,
 ) -> tuple[QuantizedTensor, QuantizedTensor]:
     """(quantize_fp8(x, (1, 128)), quantize_fp8(x, (128, 1)).t()) from one read of x.
 
@@ -211,6 +270,8 @@ def quantize_1x128_and_128x1_t(
     kernels read it twice. Measured on the H200 this one-pass kernel is nevertheless 1.7-2.3x slower
     than the two kernels (a 128x128 fp32 tile reduced along both axes), so `TritonQuantizeImpl` only
     uses it when `fused_dual` is set; it is kept, byte-tested, as the baseline for a faster version.
+    `chunked=True` runs that candidate (`_quant_dual_chunked_kernel`); `pack4` writes the transposed
+    bytes as 4-byte words when rows % 4 == 0. Every variant gives the same bytes.
     """
     rows, cols = x.shape
     dev = x.device
@@ -219,12 +280,17 @@ def quantize_1x128_and_128x1_t(
     qt = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev)
     _, st = new_scale_1x128(cols, rows, dev)  # the transposed data's 1x128 scales, MN-major
     grid = (_cdiv(rows, 128), _cdiv(cols, 128))
-    _quant_dual_kernel[grid](
-        x, q, s, qt, st, rows, cols,
+    pack4 = pack4 and rows % 4 == 0
+    qt_out = qt.view(torch.int32) if pack4 else qt
+    args = (
+        x, q, s, qt_out, st, rows, cols,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-        qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
-        POW2_ROW=pow2_row, POW2_COL=pow2_col, EXPLICIT_T=explicit_t, num_warps=num_warps,
+        qt_out.stride(0), qt_out.stride(1), st.stride(0), st.stride(1),
     )
+    if chunked:
+        _quant_dual_chunked_kernel[grid](*args, POW2_ROW=pow2_row, POW2_COL=pow2_col, PACK4=pack4, CW=32, RH=32, num_warps=num_warps)
+    else:
+        _quant_dual_kernel[grid](*args, POW2_ROW=pow2_row, POW2_COL=pow2_col, PACK4=pack4, num_warps=num_warps)
     return QuantizedTensor(q, s, (1, 128)), QuantizedTensor(qt, st, (1, 128))
 
 

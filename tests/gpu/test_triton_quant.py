@@ -68,16 +68,17 @@ def test_128x1_and_transposed_bytes(shape, pow2):
     assert_same(got_t, ref.t(), f"128x1 transposed {shape}")
     assert got_t.scale.stride() == (1, shape[1])
     for bc, nw in ((32, 4), (128, 8)):  # the other tile shapes the benchmark sweeps, both store paths
-        assert_same(quant.quantize_128x1_t(x, pow2, block_c=bc, num_warps=nw, explicit_t=True), ref.t(), f"128x1^T bc={bc}")
+        assert_same(quant.quantize_128x1_t(x, pow2, block_c=bc, num_warps=nw, pack4=True), ref.t(), f"128x1^T pack4 bc={bc}")
 
 
 @pytest.mark.parametrize("shape", SHAPES + [(8192, 1536)])
 @pytest.mark.parametrize("pow2", [(False, False), (True, True), (False, True)])
-@pytest.mark.parametrize("explicit_t", [False, True])
-def test_dual_layout_bytes(shape, pow2, explicit_t):
+@pytest.mark.parametrize("pack4", [False, True])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_dual_layout_bytes(shape, pow2, pack4, chunked):
     """One read of dY gives the 1x128 (DGrad) and the transposed 128x1 (WGrad) quantizations, both byte-exact."""
     x = outlier_data(*shape, seed=15)
-    q, qt = quant.quantize_1x128_and_128x1_t(x, pow2[0], pow2[1], explicit_t=explicit_t)
+    q, qt = quant.quantize_1x128_and_128x1_t(x, pow2[0], pow2[1], pack4=pack4, chunked=chunked)
     assert_same(q, quantize_fp8(x, (1, 128), pow2_scale=pow2[0]), f"dual 1x128 {shape}")
     assert_same(qt, quantize_fp8(x, (128, 1), pow2_scale=pow2[1]).t(), f"dual 128x1^T {shape}")
     assert q.scale.stride() == (1, shape[0]) and qt.scale.stride() == (1, shape[1])  # both MN-major for the GEMMs
@@ -97,7 +98,7 @@ def test_requantize_bytes(shape, pow2):
     assert_same(quant.requantize_1x128_to_128x1(q1, transposed=False, pow2_scale=pow2), ref, f"requant {shape}")
     assert_same(quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2), ref.t(), f"requant^T {shape}")
     for bc in (32, 128):  # one input scale per row of the tile, whatever the tile width
-        got = quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2, block_c=bc, explicit_t=True)
+        got = quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2, block_c=bc, pack4=True)
         assert_same(got, ref.t(), f"requant^T bc={bc} {shape}")
     # Also from a reference-made (row-major scale) input.
     q1r = quantize_fp8(x, (1, 128))
@@ -194,3 +195,39 @@ def test_sibling_layers_share_one_quantization():
     r1 = ops.requantize_transposed(c, wspec)
     assert ops.requantize_transposed(c, wspec) is r1
     assert_same(r1, requantize_fp8(c, (128, 1)).t(), "shared requant")
+
+
+@pytest.mark.parametrize(
+    "options", [dict(), dict(pack4=True), dict(fused_dual=True, dual_chunked=False), dict(fused_dual=True, pack4=True)]
+)
+def test_kernel_options_keep_the_linear_bytes(options):
+    """Every TritonKernelOptions variant gives the FP8 linear the same gradients, bit for bit."""
+    import dataclasses
+
+    from torch import nn
+
+    from jetrl_precision import Fp8Linear
+    from jetrl_precision.kernels.impl import TritonKernelOptions
+
+    impl = ops._impl_for(torch.device("cuda"))
+    saved = impl.options
+    r = get_recipe("jet_fp8")
+    lin = nn.Linear(640, 384, bias=False, device="cuda", dtype=torch.bfloat16)
+    x0 = outlier_data(1000, 640, seed=21)
+    dy = outlier_data(1000, 384, seed=22) * 1e-3
+
+    def grads():
+        layer = Fp8Linear.from_linear(lin, r.train_fprop, r.train_backward, gemm_backend="torch")
+        x = x0.clone().requires_grad_(True)
+        lin.weight.grad = None
+        layer(x).backward(dy)
+        return x.grad.clone(), lin.weight.grad.clone()
+
+    try:
+        impl.options = TritonKernelOptions()
+        ref = grads()
+        impl.options = dataclasses.replace(TritonKernelOptions(), **options)
+        got = grads()
+    finally:
+        impl.options = saved
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), f"options {options} changed the gradients"
