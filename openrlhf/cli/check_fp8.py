@@ -1,0 +1,257 @@
+"""Check a model before an FP8 run: per-layer FP8 error and rollout-train mismatch per recipe.
+
+    python -m openrlhf.cli.check_fp8 --model PATH [--prompt_data FILE --input_key prompt --apply_chat_template]
+                                     [--recipes bf16 jet_fp8 fp8_rollout] [--out DIR] [--strict]
+
+Three questions, answered on the user's own model and prompts:
+1. Does any linear lose too much to FP8? For every layer the recipe converts, the SQNR of its
+   FP8 forward output and (with an FP8 backward) of dX and dW against float64, on the layer's real
+   input (`jetrl_precision.diagnostics`). Outlier channels show as a high peak/RMS and a low SQNR.
+2. Is each recipe on-policy here? The transformers rollout engine samples with the recipe's
+   rollout numerics and the trainer recomputes the logprobs with its training numerics: the same
+   `rollout_train_mismatch/*` a run logs every step, before the run.
+3. How far does the recipe's training policy sit from the high-precision one? The trainer's
+   logprobs under the recipe against the unconverted model's, on the same tokens.
+
+Prints a report, writes check_fp8.json and check_fp8.md to --out, exits 0. With --strict it exits 1
+when a layer is flagged (SQNR below --min_sqnr_db, or more than --max_subnormal_frac of its inputs
+below e4m3's smallest normal after scaling: the mark of outlier channels). Bad input (missing model, unknown recipe) exits 2 with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+__all__ = ["main", "run_check"]
+
+logger = logging.getLogger("openrlhf.check_fp8")
+
+# Used when no --prompt_data is given: short, varied, model-agnostic.
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "Explain why the sky is blue in one sentence.",
+    "12 * 7 + 3 =",
+    "Translate to German: The weather is nice today.",
+    "List three prime numbers greater than 50:",
+    "Once upon a time, in a small village,",
+)
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m openrlhf.cli.check_fp8", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", "--pretrain", dest="model", required=True, help="HF model folder")
+    p.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8", "fp8_rollout"], help="recipes whose mismatch to measure")
+    p.add_argument("--diagnose_recipe", default="jet_fp8", help="recipe whose FP8 linears get the per-layer SQNR")
+    p.add_argument("--prompt_data", default=None, help="prompt file/folder as for training (default: 8 built-in prompts)")
+    p.add_argument("--input_key", default="input")
+    p.add_argument("--apply_chat_template", action="store_true")
+    p.add_argument("--n_prompts", type=int, default=8)
+    p.add_argument("--n_samples", type=int, default=2, help="samples per prompt")
+    p.add_argument("--max_new_tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    p.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or jetrl_invariant (batch-invariant, CPU)")
+    p.add_argument("--gemm_backend", default="auto")
+    p.add_argument("--min_sqnr_db", type=float, default=20.0, help="flag layers whose worst SQNR is below this")
+    p.add_argument("--max_subnormal_frac", type=float, default=0.01,
+                   help="flag layers with more of their nonzero inputs below e4m3's smallest normal after scaling")
+    p.add_argument("--max_tokens", type=int, default=2048, help="tokens per layer for the SQNR measurement")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for check_fp8.json / check_fp8.md")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any layer is below --min_sqnr_db")
+    return p
+
+
+def _validate(a: argparse.Namespace) -> None:
+    from jetrl_precision import RECIPE_NAMES
+
+    if not (Path(a.model) / "config.json").is_file():
+        raise ValueError(f"--model {a.model}: no config.json there (expected a Hugging Face model folder)")
+    for r in [*a.recipes, a.diagnose_recipe]:
+        if r not in RECIPE_NAMES:
+            raise ValueError(f"unknown recipe {r!r}; choose from {', '.join(RECIPE_NAMES)}")
+    for name in ("n_prompts", "n_samples", "max_new_tokens", "max_tokens"):
+        if getattr(a, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(a, name)}")
+    if a.prompt_data is not None and not Path(a.prompt_data).exists():
+        raise ValueError(f"--prompt_data {a.prompt_data}: no such file or folder")
+
+
+def _prompt_ids(a: argparse.Namespace, tokenizer) -> list[list[int]]:
+    if a.prompt_data is None:
+        texts = list(DEFAULT_PROMPTS)
+        if a.apply_chat_template:
+            texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True) for t in texts]
+    else:
+        from openrlhf.datasets.prompts_dataset import PromptDataset, load_prompt_records
+
+        records = load_prompt_records(a.prompt_data, max_samples=a.n_prompts)
+        texts = [it["prompt"] for it in PromptDataset(records, tokenizer, input_key=a.input_key, apply_chat_template=a.apply_chat_template)]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[: a.n_prompts]]
+    ids = [x for x in ids if x]
+    if not ids:
+        raise ValueError("every prompt tokenized to nothing")
+    return ids
+
+
+def _recipe_mismatch(a, recipe_name: str, dtype, device, prompts, hp_model) -> dict:
+    """Engine (rollout numerics) samples, trainer (training numerics) recomputes, as in a run's first step."""
+    import torch
+
+    from jetrl_precision import convert_to_fp8, get_recipe, mismatch_metrics
+    from jetrl_precision.weight_sync import iter_sync_tensors
+    from openrlhf.models.actor import Actor, load_causal_lm
+    from openrlhf.trainer.engines.base import SamplingConfig
+    from openrlhf.trainer.engines.hf_engine import HFEngine
+    from openrlhf.trainer.ppo_utils.experience_maker import samples_to_tensors
+
+    recipe = get_recipe(recipe_name)
+    if a.gemm_backend != "auto":
+        import dataclasses
+
+        recipe = dataclasses.replace(recipe, gemm_backend=a.gemm_backend)
+    trainer = convert_to_fp8(load_causal_lm(a.model, dtype, a.attn_implementation).to(device), recipe, side="train").eval()
+    engine = HFEngine(a.model, recipe, dtype=dtype, device=device, attn_implementation=a.attn_implementation)
+    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.unified and recipe.train_fprop.is_fp8))
+    sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, n=a.n_samples, seed=a.seed + 1)
+    samples = [s for grp in engine.generate(prompts, sampling) for s in grp]
+    engine.shutdown()
+    exp = samples_to_tensors(samples, pad_token_id=engine.pad_token_id)
+    seq, attn, mask = exp.sequences.to(device), exp.attention_mask.to(device), exp.action_mask.to(device)
+    with torch.no_grad():
+        train_lp = Actor(trainer)(seq, attn, exp.num_actions).float().cpu()
+        hp_lp = Actor(hp_model)(seq, attn, exp.num_actions).float().cpu()
+    mask = mask.cpu()
+    on_policy = mismatch_metrics(exp.rollout_logprobs.float(), train_lp, mask)
+    shift = mismatch_metrics(hp_lp, train_lp, mask)
+    del trainer, engine
+    return {
+        "recipe": recipe_name,
+        "tokens": int(mask.sum()),
+        "rollout_train": {k: on_policy[k] for k in ("abs_logp_diff_mean", "abs_logp_diff_max", "kl_k3", "ratio_outside_0.8_1.25")},
+        "train_vs_high_precision": {k: shift[k] for k in ("abs_logp_diff_mean", "abs_logp_diff_max", "kl_k3")},
+    }
+
+
+def run_check(a: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from jetrl_precision.diagnostics import diagnose_linears, format_diagnostics
+    from openrlhf.models.actor import load_causal_lm
+
+    _validate(a)
+    device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
+    dtype = getattr(torch, DTYPES[a.dtype])
+    torch.manual_seed(a.seed)
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    prompts = _prompt_ids(a, tokenizer)
+    hp = load_causal_lm(a.model, dtype, a.attn_implementation).to(device).eval()
+
+    # 1. Per-layer FP8 error on the model's own activations (prompts padded on the left, as the engine does).
+    width = max(map(len, prompts))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    logger.info("check_fp8: per-layer SQNR under %s on %d prompts (%d tokens)", a.diagnose_recipe, len(prompts), int(attn.sum()))
+    diags = diagnose_linears(
+        hp, a.diagnose_recipe, lambda: hp(input_ids=ids, attention_mask=attn), gemm_backend=a.gemm_backend, max_tokens=a.max_tokens, seed=a.seed
+    )
+    flagged = {d.fqn: d.problems(a.min_sqnr_db, a.max_subnormal_frac) for d in diags}
+    flagged = {k: v for k, v in flagged.items() if v}
+
+    # 2 + 3. Mismatch per recipe.
+    recipes = []
+    for i, name in enumerate(a.recipes):
+        logger.info("check_fp8: recipe %s (%d/%d): sampling %d x %d x %d tokens", name, i + 1, len(a.recipes), len(prompts), a.n_samples, a.max_new_tokens)
+        recipes.append(_recipe_mismatch(a, name, dtype, device, prompts, hp))
+
+    report = {
+        "model": str(a.model), "dtype": a.dtype, "device": str(device), "attn_implementation": a.attn_implementation,
+        "diagnose_recipe": a.diagnose_recipe, "min_sqnr_db": a.min_sqnr_db, "max_subnormal_frac": a.max_subnormal_frac,
+        "layers": [d.to_dict() for d in diags], "flagged_layers": flagged, "recipes": recipes,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "diagnostics_table": format_diagnostics(diags, a.min_sqnr_db, a.max_subnormal_frac),
+    }
+    return report
+
+
+def _fmt_recipes(recipes: list[dict]) -> str:
+    lines = [
+        "| recipe | tokens | rollout-train mean abs dlogp | max | k3 KL | ratio outside [0.8, 1.25] | train vs high-precision mean abs dlogp |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in recipes:
+        o, s = r["rollout_train"], r["train_vs_high_precision"]
+        lines.append(
+            f"| {r['recipe']} | {r['tokens']} | {o['abs_logp_diff_mean']:.3g} | {o['abs_logp_diff_max']:.3g} | {o['kl_k3']:.3g} "
+            f"| {o['ratio_outside_0.8_1.25']:.3g} | {s['abs_logp_diff_mean']:.3g} |"
+        )
+    return "\n".join(lines)
+
+
+def _verdict(report: dict) -> str:
+    by = {r["recipe"]: r["rollout_train"]["abs_logp_diff_mean"] for r in report["recipes"]}
+    out = []
+    low = list(report["flagged_layers"])
+    out.append(
+        f"FP8 error: {len(low)} of {len(report['layers'])} layers flagged"
+        + (f" ({', '.join(low[:5])}{', ...' if len(low) > 5 else ''}); to keep them high precision, add their names to a "
+           "recipe's keep_high_precision (docs/precision.md, Recipes)" if low else "")
+    )
+    if by:
+        out.append("rollout-train mean |dlogp|: " + ", ".join(f"{k} {v:.3g}" for k, v in by.items())
+                   + (" (bf16 is this engine's float-noise floor at this dtype)" if "bf16" in by else ""))
+    if "jet_fp8" in by and "fp8_rollout" in by:
+        ratio = by["fp8_rollout"] / by["jet_fp8"] if by["jet_fp8"] > 0 else math.inf
+        out.append(f"on-policy: jet_fp8 is {ratio:.1f}x closer to its trainer than fp8_rollout")
+    if "jet_fp8" in by and "bf16" in by and by["jet_fp8"] > 10 * max(by["bf16"], 1e-9):
+        out.append(
+            "jet_fp8's residual mismatch is above bf16's: KV-cached decoding and the trainer's full forward differ by float "
+            "noise that FP8 rounding amplifies; batch-invariant numerics remove it (docs/benchmarks.md, 'Why jet_fp8 is not bit-exact')"
+        )
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        report = run_check(a)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = "\n\n".join(["## Per-layer FP8 error (worst first)", report["diagnostics_table"], "## Rollout-train mismatch per recipe", _fmt_recipes(report["recipes"]), "## Verdict", _verdict(report)])
+    print(text)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "check_fp8.json").write_text(json.dumps(report, indent=1))
+        (out / "check_fp8.md").write_text(f"# FP8 check of {report['model']}\n\n{text}\n")
+        print(f"\nwrote {out / 'check_fp8.json'} and {out / 'check_fp8.md'} ({report['seconds']} s)")
+    if a.strict and report["flagged_layers"]:
+        print(f"strict: {len(report['flagged_layers'])} layer(s) flagged (SQNR below {a.min_sqnr_db} dB or subnormal inputs "
+              f"above {a.max_subnormal_frac})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Per-layer FP8 diagnostics and the `check_fp8` CLI, on CPU with real models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from jetrl_precision import dequantize_fp8, quantize_fp8
+from jetrl_precision.diagnostics import diagnose_linears, format_diagnostics, sqnr_db
+from openrlhf.cli.check_fp8 import main as check_main
+from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(256, 384, bias=False)
+        self.down = nn.Linear(384, 256, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+def _inputs(tokens: int = 300, outlier_channel: int | None = None, factor: float = 300.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, 256, generator=g) * torch.exp(0.5 * torch.randn(tokens, 1, generator=g))
+    if outlier_channel is not None:
+        x[:, outlier_channel] *= factor  # one massive-activation channel, as in some LLM layers
+    return x
+
+
+def test_sqnr_matches_an_independent_fp8_forward_and_the_model_is_untouched():
+    torch.manual_seed(0)
+    m = _MLP()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    x = _inputs()
+    diags = diagnose_linears(m, "jet_fp8", lambda: m(x))
+    assert [d.fqn for d in diags] == ["up", "down"] and all(d.tokens == 300 for d in diags)
+    up = diags[0]
+    # Independent: quantize with the reference, multiply in float64.
+    y8 = dequantize_fp8(quantize_fp8(x, (1, 128))).double() @ dequantize_fp8(quantize_fp8(m.up.weight.detach(), (128, 128))).double().t()
+    ref = x.double() @ m.up.weight.detach().double().t()
+    assert up.sqnr_y_db == pytest.approx(sqnr_db(y8.float(), ref), abs=0.05)
+    assert up.sqnr_x_db == pytest.approx(sqnr_db(dequantize_fp8(quantize_fp8(x, (1, 128))), x), abs=1e-9)
+    # e4m3 with 1x128 / 128x128 blocks on Gaussian data: about 30 dB per operand, high 20s for products.
+    for d in diags:
+        assert 25 < d.sqnr_y_db < 40 and 25 < d.sqnr_x_db < 40 and 25 < d.sqnr_w_db < 40
+        assert 20 < d.sqnr_dx_db < 40 and 20 < d.sqnr_dw_db < 40
+    # Diagnosing never writes gradients or weights of the model.
+    assert all(p.grad is None for p in m.parameters())
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+def test_an_outlier_channel_shows_as_subnormal_inputs_not_as_lower_sqnr():
+    """A massive channel sets its groups' scales; the other values of those groups go subnormal.
+
+    SQNR does not see it (the outlier dominates the energy, and even improves the ratio), which is
+    why the report also counts subnormal inputs."""
+    torch.manual_seed(0)
+    m = _MLP()
+    clean = diagnose_linears(m, "jet_fp8", lambda: m(_inputs()), backward=False)[0]
+    spiky = diagnose_linears(m, "jet_fp8", lambda: m(_inputs(outlier_channel=7, factor=1e4)), backward=False)[0]
+    mild = diagnose_linears(m, "jet_fp8", lambda: m(_inputs(outlier_channel=7, factor=300.0)), backward=False)[0]
+    assert spiky.x_peak_to_rms > 5 * clean.x_peak_to_rms
+    assert clean.x_subnormal_frac < 1e-3 and mild.x_subnormal_frac < 1e-2 < 0.05 < spiky.x_subnormal_frac
+    assert spiky.sqnr_x_db > clean.sqnr_x_db  # energy-weighted: blind to the small values' loss
+    assert spiky.sqnr_dx_db is None  # backward=False
+    assert clean.problems() == [] and mild.problems() == []
+    assert spiky.problems() == [f"{100 * spiky.x_subnormal_frac:.1f}% of inputs subnormal"]
+    table = format_diagnostics([clean, spiky])
+    assert table.splitlines()[1].startswith("up") and "% of inputs subnormal" in table.splitlines()[1]
+    assert "1 layer(s) flagged" in table
+
+
+def test_diagnostics_refuse_what_they_cannot_measure():
+    m = _MLP()
+    with pytest.raises(ValueError, match="no FP8 GEMM"):
+        diagnose_linears(m, "bf16", lambda: m(_inputs()))
+    from jetrl_precision import convert_to_fp8
+
+    with pytest.raises(ValueError, match="high-precision model"):
+        diagnose_linears(convert_to_fp8(_MLP(), "jet_fp8"), "jet_fp8", lambda: None)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), TinyModelSpec(initializer_range=0.1, seed=3))
+
+
+def test_cli_reports_layers_and_per_recipe_mismatch(tiny, tmp_path, capsys):
+    rc = check_main(["--model", str(tiny), "--dtype", "fp32", "--max_new_tokens", "12", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "check_fp8.json").read_text())
+    assert (tmp_path / "check_fp8.md").exists()
+    assert len(report["layers"]) == 14 and not report["flagged_layers"]  # 2 layers x 7 projections
+    assert all(math.isfinite(d["sqnr_y_db"]) and d["sqnr_y_db"] > 20 for d in report["layers"])
+    m = {r["recipe"]: r for r in report["recipes"]}
+    assert set(m) == {"bf16", "jet_fp8", "fp8_rollout"}
+    on = {k: v["rollout_train"]["abs_logp_diff_mean"] for k, v in m.items()}
+    # fp32 model: bf16 is float noise, jet_fp8 shares its numerics with the trainer, fp8_rollout does not.
+    assert on["bf16"] < 1e-5 and on["fp8_rollout"] > 10 * on["jet_fp8"]
+    # The off-policy recipe trains the high-precision policy; jet_fp8 trains an FP8 one.
+    assert m["fp8_rollout"]["train_vs_high_precision"]["abs_logp_diff_mean"] == 0.0
+    assert m["jet_fp8"]["train_vs_high_precision"]["abs_logp_diff_mean"] > 0.0
+    out = capsys.readouterr().out
+    assert "Per-layer FP8 error" in out and "0 of 14 layers flagged" in out
+
+
+def test_cli_strict_and_bad_input(tiny, tmp_path, capsys):
+    assert check_main(["--model", str(tiny), "--recipes", "jet_fp8", "--max_new_tokens", "4", "--min_sqnr_db", "99", "--strict"]) == 1
+    assert "SQNR below 99" in capsys.readouterr().err
+    assert check_main(["--model", str(tmp_path / "nope")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert check_main(["--model", str(tiny), "--recipes", "fp9"]) == 2
+    assert "unknown recipe 'fp9'" in capsys.readouterr().err
