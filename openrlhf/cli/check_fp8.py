@@ -229,6 +229,17 @@ def _verdict(report: dict) -> str:
     return "\n".join(out)
 
 
+def _finite(v):
+    """JSON has no inf/nan: an exact (infinite-SQNR) value is written as null."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -243,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "check_fp8.json").write_text(json.dumps(report, indent=1))
+        (out / "check_fp8.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
         (out / "check_fp8.md").write_text(f"# FP8 check of {report['model']}\n\n{text}\n")
         print(f"\nwrote {out / 'check_fp8.json'} and {out / 'check_fp8.md'} ({report['seconds']} s)")
     if a.strict and report["flagged_layers"]:
