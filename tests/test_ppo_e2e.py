@@ -31,6 +31,7 @@ def test_grpo_deepspeed_zero3_two_ranks_reward_rises(task, tmp_path, recipe):
     hist = metrics(out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 20 and summary["engine"] == "hf"
+    assert summary["eval_reward_before"] is None  # the evaluation is opt-in (--train.eval_prompts)
     rewards = [h["rollout/reward"] for h in hist]
     print(recipe, [round(r, 3) for r in rewards])
     assert _mean(rewards[-5:]) > _mean(rewards[:5]) + 0.05, rewards
@@ -156,14 +157,15 @@ def test_optional_training_flags_run(task, tmp_path):
     extra = [
         "--actor.entropy_coef", "0.01", "--reward.normalize_enable", "--algo.advantage.no_std_norm",
         "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--ref.offload",
-        "--ds.grad_accum_dtype", "fp32", "--ckpt.save_steps", "-1", "--train.eval_prompts", "0",
+        "--ds.grad_accum_dtype", "fp32", "--ckpt.save_steps", "-1", "--train.eval_prompts", "8", "--eval_n_samples_per_prompt", "2",
     ]
     args = grpo_args(model, data, out, "jet_fp8", 2, extra)
     run([PY, "-m", "openrlhf.cli.train_ppo_ray", *args], timeout=600)
     hist = metrics(out)
     assert len(hist) == 2
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["eval_reward_before"] is None and summary["eval_reward_after"] is None  # evaluation skipped
+    # Opted in: the sampled reward on the first 8 prompts, before and after.
+    assert all(0.0 <= summary[k] <= 1.0 for k in ("eval_reward_before", "eval_reward_after"))
     assert all(h["train/entropy"] > 0 and "train/kl_loss" in h for h in hist)
     # Normalized rewards feed the advantages; the logged task reward stays the raw 0/1 score.
     assert all(0.0 <= h["rollout/reward"] <= 1.0 for h in hist)

@@ -17,7 +17,7 @@ DATA_ARGS=(--data.prompt_dataset "$WORK/prompts.jsonl" --data.input_key input --
            --data.apply_chat_template --data.input_template "Compute {} Answer with the number only." --data.max_len 256)
 ROLLOUT_ARGS=(--rollout.batch_size 4 --rollout.n_samples_per_prompt 4 --rollout.max_new_tokens 48
               --rollout.temperature 1.0 --rollout.micro_batch_size 8 --rollout.engine "${ENGINE:-auto}")
-TRAIN_ARGS=(--train.batch_size 16 --train.micro_batch_size 4 --train.max_steps "${STEPS:-3}" --actor.adam.lr 1e-6)
+TRAIN_ARGS=(--train.batch_size 16 --train.micro_batch_size 4 --train.max_steps "${STEPS:-3}" --actor.adam.lr 1e-6 --train.eval_prompts 64)
 ALGO_ARGS=(--algo.advantage.estimator group_norm --algo.kl.init_coef 0.001 --algo.kl.use_loss --algo.kl.estimator k3)
 LOG_ARGS=(--ckpt.output_dir "$WORK/grpo" --ckpt.save_steps -1 --logger.tensorboard_dir "$WORK/grpo/tensorboard")
 

@@ -257,7 +257,7 @@ class TrainConfig:
     seed: int = opt(42, "random seed (data order, sampling, init)", aliases=["--seed"])
     max_steps: int | None = opt(None, "stop after this many optimizer steps (handy for demos)", ge=1)
     eval_prompts: int = opt(
-        64, "prompts of the sampled-reward evaluation run before and after training (0 skips it)", ge=0
+        0, "prompts (the dataset's first) of a sampled-reward evaluation before and after training; 0: none", ge=0
     )
     eval_samples: int = opt(4, "samples per evaluation prompt", aliases=["--eval_n_samples_per_prompt"], ge=1)
     colocate_actor_ref: bool = opt(False, "put actor and reference on the same GPUs", aliases=["--colocate_actor_ref"])

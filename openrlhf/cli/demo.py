@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rollout.batch_size", str(rollout_bs), "--rollout.max_new_tokens", "4", "--rollout.micro_batch_size", "64",
         "--rollout.temperature", "1.0",
         "--train.batch_size", "32", "--train.micro_batch_size", "16",
-        "--train.max_steps", str(4 * args.steps), "--train.seed", str(args.seed),
+        "--train.max_steps", str(4 * args.steps), "--train.seed", str(args.seed), "--train.eval_prompts", "64",
         "--actor.adam.lr", "3e-4", "--actor.lr_warmup_ratio", "0.15",
         "--algo.kl.init_coef", "0.001", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
         "--ds.zero_stage", "2", "--ds.param_dtype", "fp32",  # fp32 master weights on CPU

@@ -520,7 +520,7 @@ class PPOTrainer:
         st, r = self.strategy, self.cfg.rollout
         t0 = time.perf_counter()
         if st.is_rank_0:
-            logger.info("evaluating: %d prompts x %d samples (--train.eval_prompts 0 skips this)", n_prompts, n_samples)
+            logger.info("evaluating: %d prompts x %d samples (--train.eval_prompts)", n_prompts, n_samples)
         idx = list(range(min(n_prompts, len(self.dataset))))[st.rank :: st.world_size]
         items = [self.dataset[i] for i in idx]
         ids = [self.tokenizer(it["prompt"], add_special_tokens=False)["input_ids"] for it in items]
