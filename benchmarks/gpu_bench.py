@@ -48,8 +48,8 @@ BW = get_recipe("jet_fp8").train_backward
 # TritonKernelOptions variants timed in the linear section (every one writes the same bytes).
 KERNEL_VARIANTS = {
     "pack4": dict(pack4=True),
-    "dual_chunked": dict(fused_dual=True, dual_chunked=True),
-    "dual_chunked_pack4": dict(fused_dual=True, dual_chunked=True, pack4=True),
+    "fused_dual": dict(fused_dual=True),
+    "fused_dual_pack4": dict(fused_dual=True, pack4=True),
 }
 RECORDS: list[dict] = []
 COMMAND = "PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --out $OUT/gpu_bench.json"
@@ -136,8 +136,8 @@ def section_quant(args, copy_bw):
         one("128x1_transposed", shp, lambda: quant.quantize_128x1_t(x), io)
         # dY's two layouts from one read (what Fp8Linear's backward runs) against the two kernels apart.
         io_dual = m * k * 2 + 2 * m * k + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
-        one("dual_onepass_1x128_and_128x1_T", shp, lambda: quant.quantize_1x128_and_128x1_t(x, num_warps=4), io_dual)
-        one("dual_chunked_pack4", shp, lambda: quant.quantize_1x128_and_128x1_t(x, pack4=True, chunked=True), io_dual)
+        one("dual_onepass_1x128_and_128x1_T", shp, lambda: quant.quantize_1x128_and_128x1_t(x), io_dual)
+        one("dual_onepass_pack4", shp, lambda: quant.quantize_1x128_and_128x1_t(x, pack4=True), io_dual)
         one("128x1_transposed_pack4", shp, lambda: quant.quantize_128x1_t(x, pack4=True), io)
         one("ops_quantize_dual", shp, lambda: ops.quantize_dual(x, BW.dgrad_grad_output, BW.wgrad_grad_output), io_dual)
         one("separate_1x128_then_128x1_T", shp, lambda: (quant.quantize_1x128(x), quant.quantize_128x1_t(x)), io_dual)
@@ -148,11 +148,11 @@ def section_quant(args, copy_bw):
                         one(f"128x1_transposed_blockc{bc}_w{nw}{'_pack4' if ex else ''}", shp,
                             lambda bc=bc, nw=nw, ex=ex: quant.quantize_128x1_t(x, block_c=bc, num_warps=nw, pack4=ex), io)
             for nw in (4, 8):
-                for ex in (False, True):
-                    one(f"dual_w{nw}{'_pack4' if ex else ''}", shp,
-                        lambda nw=nw, ex=ex: quant.quantize_1x128_and_128x1_t(x, num_warps=nw, pack4=ex), io_dual)
-                    one(f"dual_chunked_w{nw}{'_pack4' if ex else ''}", shp,
-                        lambda nw=nw, ex=ex: quant.quantize_1x128_and_128x1_t(x, num_warps=nw, pack4=ex, chunked=True), io_dual)
+                for cw, rh in ((32, 32), (64, 32), (32, 16)):
+                    for ex in (False, True):
+                        one(f"dual_w{nw}_cw{cw}_rh{rh}{'_pack4' if ex else ''}", shp,
+                            lambda nw=nw, cw=cw, rh=rh, ex=ex: quant.quantize_1x128_and_128x1_t(
+                                x, num_warps=nw, pack4=ex, col_width=cw, row_height=rh), io_dual)
         q1 = quant.quantize_1x128(x)
         io_rq = m * k * 2 + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
         one("requant_1x128_to_128x1_T", shp, lambda: quant.requantize_1x128_to_128x1(q1, True), io_rq)

@@ -60,14 +60,12 @@ class _LastResult:
 class TritonKernelOptions:
     """Kernel variants still being measured on the H200. Every choice writes the same bytes.
 
-    fused_dual:   one kernel for both dY layouts of the backward; its one-tile form measured
-                  1.7-2.3x slower than two kernels, so it is off.
-    dual_chunked: with fused_dual, run the chunked candidate instead of the one-tile kernel.
-    pack4:        transposed 128x1 outputs (dY^T, X^T for WGrad) stored as 4-byte words.
+    fused_dual: one kernel for both dY layouts of the backward (a first, one-tile version measured
+                1.7-2.3x slower than two kernels; the current one is not measured yet).
+    pack4:      transposed 128x1 outputs (dY^T, X^T for WGrad) stored as 4-byte words.
     """
 
     fused_dual: bool = False
-    dual_chunked: bool = True
     pack4: bool = False
 
 
@@ -123,7 +121,7 @@ class TritonQuantizeImpl:
         if block == (1, 128) and t_block == (128, 1) and x.dim() == 2 and x.numel() > 0 and x.is_floating_point():
             o = self.options
             if o.fused_dual:
-                return quant.quantize_1x128_and_128x1_t(x, pow2_scale, t_pow2_scale, pack4=o.pack4, chunked=o.dual_chunked)
+                return quant.quantize_1x128_and_128x1_t(x, pow2_scale, t_pow2_scale, pack4=o.pack4)
             return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pack4=o.pack4)
         return None
 

@@ -203,39 +203,13 @@ def requantize_1x128_to_128x1(
 def _quant_dual_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C,
     sxr, sxc, sqr, sqc, ssr, ssg, stqr, stqc, stsr, stsb,
-    POW2_ROW: tl.constexpr, POW2_COL: tl.constexpr, PACK4: tl.constexpr,
-):
-    rb = tl.program_id(0)
-    cb = tl.program_id(1)
-    rr = rb * 128 + tl.arange(0, 128)
-    cc = cb * 128 + tl.arange(0, 128)
-    mask = (rr[:, None] < R) & (cc[None, :] < C)
-    x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
-    nan = (x != x).to(tl.int32)
-    # 1x128 groups: one scale per row of the tile.
-    s_row = group_scale(tl.max(tl.abs(x), axis=1), tl.max(nan, axis=1), POW2_ROW)
-    tl.store(q_ptr + rr[:, None].to(tl.int64) * sqr + cc[None, :] * sqc, quantize_values(x, s_row[:, None]), mask=mask)
-    tl.store(s_ptr + rr * ssr + cb * ssg, s_row, mask=rr < R)
-    # 128x1 groups: one scale per column of the tile, data written transposed ([C, R]).
-    s_col = group_scale(tl.max(tl.abs(x), axis=0), tl.max(nan, axis=0), POW2_COL)
-    q_col = quantize_values(x, s_col[None, :])
-    if PACK4:
-        _store_t_pack4(qt_ptr, q_col, rb, cc, R, C, stqr, 128)
-    else:
-        tl.store(qt_ptr + cc[None, :].to(tl.int64) * stqr + rr[:, None] * stqc, q_col, mask=mask)
-    tl.store(st_ptr + cc * stsr + rb * stsb, s_col, mask=cc < C)
-
-
-@triton.jit
-def _quant_dual_chunked_kernel(
-    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C,
-    sxr, sxc, sqr, sqc, ssr, ssg, stqr, stqc, stsr, stsb,
     POW2_ROW: tl.constexpr, POW2_COL: tl.constexpr, PACK4: tl.constexpr, CW: tl.constexpr, RH: tl.constexpr,
 ):
-    """The same two outputs as `_quant_dual_kernel`, from a CTA that walks its 128x128 region twice in
-    narrow slices: column slices of CW for the 128x1 groups (as the fastest 128x1ᵀ tile), then row
-    slices of RH for the 1x128 groups. The second walk re-reads the region, which the first walk has
-    just pulled through L2, so HBM still sees one read while no thread holds the whole tile."""
+    """Each CTA walks its 128x128 region twice in narrow slices: column slices of CW for the 128x1
+    groups (as the fastest 128x1ᵀ tile), then row slices of RH for the 1x128 groups. The second walk
+    re-reads the region, which the first has just pulled through L2, so HBM sees one read while no
+    thread holds the whole tile. (A first version held the 128x128 fp32 tile and reduced it along
+    both axes: byte-exact, but 1.7-2.3x slower on the H200 than two separate kernels.)"""
     rb = tl.program_id(0)
     cb = tl.program_id(1)
     rr = rb * 128 + tl.arange(0, 128)
@@ -262,17 +236,17 @@ def _quant_dual_chunked_kernel(
 
 def quantize_1x128_and_128x1_t(
     x: torch.Tensor, pow2_row: bool = False, pow2_col: bool = False, num_warps: int = 4, pack4: bool = False,
-    chunked: bool = False,
+    col_width: int = 32, row_height: int = 32,
 ) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """(quantize_fp8(x, (1, 128)), quantize_fp8(x, (128, 1)).t()) from one read of x.
+    """(quantize_fp8(x, (1, 128)), quantize_fp8(x, (128, 1)).t()) from one HBM read of x.
 
-    The backward pass needs dY twice (1x128 for DGrad, 128x1 transposed for WGrad); two separate
-    kernels read it twice. Measured on the H200 this one-pass kernel is nevertheless 1.7-2.3x slower
-    than the two kernels (a 128x128 fp32 tile reduced along both axes), so `TritonQuantizeImpl` only
-    uses it when `fused_dual` is set; it is kept, byte-tested, as the baseline for a faster version.
-    `chunked=True` runs that candidate (`_quant_dual_chunked_kernel`); `pack4` writes the transposed
-    bytes as 4-byte words when rows % 4 == 0. Every variant gives the same bytes.
+    The backward pass needs dY twice (1x128 for DGrad, 128x1 transposed for WGrad). Not yet measured
+    against the two separate kernels, so `TritonQuantizeImpl` uses it only when
+    `TritonKernelOptions.fused_dual` is set. `pack4` writes the transposed bytes as 4-byte words
+    when rows % 4 == 0. Every setting gives the same bytes.
     """
+    if 128 % col_width or 128 % row_height:
+        raise ValueError(f"col_width and row_height must divide 128, got {col_width} and {row_height}")
     rows, cols = x.shape
     dev = x.device
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=dev)
@@ -282,15 +256,12 @@ def quantize_1x128_and_128x1_t(
     grid = (_cdiv(rows, 128), _cdiv(cols, 128))
     pack4 = pack4 and rows % 4 == 0
     qt_out = qt.view(torch.int32) if pack4 else qt
-    args = (
+    _quant_dual_kernel[grid](
         x, q, s, qt_out, st, rows, cols,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
         qt_out.stride(0), qt_out.stride(1), st.stride(0), st.stride(1),
+        POW2_ROW=pow2_row, POW2_COL=pow2_col, PACK4=pack4, CW=col_width, RH=row_height, num_warps=num_warps,
     )
-    if chunked:
-        _quant_dual_chunked_kernel[grid](*args, POW2_ROW=pow2_row, POW2_COL=pow2_col, PACK4=pack4, CW=32, RH=32, num_warps=num_warps)
-    else:
-        _quant_dual_kernel[grid](*args, POW2_ROW=pow2_row, POW2_COL=pow2_col, PACK4=pack4, num_warps=num_warps)
     return QuantizedTensor(q, s, (1, 128)), QuantizedTensor(qt, st, (1, 128))
 
 

@@ -74,11 +74,11 @@ def test_128x1_and_transposed_bytes(shape, pow2):
 @pytest.mark.parametrize("shape", SHAPES + [(8192, 1536)])
 @pytest.mark.parametrize("pow2", [(False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("pack4", [False, True])
-@pytest.mark.parametrize("chunked", [False, True])
-def test_dual_layout_bytes(shape, pow2, pack4, chunked):
+@pytest.mark.parametrize("slices", [(32, 32), (128, 128)])
+def test_dual_layout_bytes(shape, pow2, pack4, slices):
     """One read of dY gives the 1x128 (DGrad) and the transposed 128x1 (WGrad) quantizations, both byte-exact."""
     x = outlier_data(*shape, seed=15)
-    q, qt = quant.quantize_1x128_and_128x1_t(x, pow2[0], pow2[1], pack4=pack4, chunked=chunked)
+    q, qt = quant.quantize_1x128_and_128x1_t(x, pow2[0], pow2[1], pack4=pack4, col_width=slices[0], row_height=slices[1])
     assert_same(q, quantize_fp8(x, (1, 128), pow2_scale=pow2[0]), f"dual 1x128 {shape}")
     assert_same(qt, quantize_fp8(x, (128, 1), pow2_scale=pow2[1]).t(), f"dual 128x1^T {shape}")
     assert q.scale.stride() == (1, shape[0]) and qt.scale.stride() == (1, shape[1])  # both MN-major for the GEMMs
@@ -198,7 +198,7 @@ def test_sibling_layers_share_one_quantization():
 
 
 @pytest.mark.parametrize(
-    "options", [dict(), dict(pack4=True), dict(fused_dual=True, dual_chunked=False), dict(fused_dual=True, pack4=True)]
+    "options", [dict(), dict(pack4=True), dict(fused_dual=True), dict(fused_dual=True, pack4=True)]
 )
 def test_kernel_options_keep_the_linear_bytes(options):
     """Every TritonKernelOptions variant gives the FP8 linear the same gradients, bit for bit."""
