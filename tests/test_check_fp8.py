@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,3 +119,21 @@ def test_cli_strict_and_bad_input(tiny, tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert check_main(["--model", str(tiny), "--recipes", "fp9"]) == 2
     assert "unknown recipe 'fp9'" in capsys.readouterr().err
+    assert check_main(["--model", str(tiny), "--engine", "vllm"]) == 2  # vLLM-CPU is fp32-only
+    assert "pass --dtype fp32" in capsys.readouterr().err
+
+
+def test_cli_measures_the_vllm_engine(tiny, tmp_path):
+    """The same check through vLLM-CPU (what a run with --rollout.engine vllm samples from), in its own process."""
+    from _rl_helpers import ENV
+
+    env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1"}
+    cmd = [sys.executable, "-m", "openrlhf.cli.check_fp8", "--model", str(tiny), "--engine", "vllm", "--dtype", "fp32",
+           "--recipes", "jet_fp8", "fp8_rollout", "--max_new_tokens", "8", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "check_fp8.json").read_text())
+    m = {r["recipe"]: r for r in report["recipes"]}
+    assert report["engine"] == "vllm" and all(r["engine"] == "vllm" for r in m.values())
+    # Measured 2026-11-29: jet_fp8 9.9e-5, fp8_rollout 0.137 mean |dlogp| on this tiny model.
+    assert m["fp8_rollout"]["rollout_train"]["abs_logp_diff_mean"] > 20 * m["jet_fp8"]["rollout_train"]["abs_logp_diff_mean"]

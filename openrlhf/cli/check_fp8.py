@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto")
     p.add_argument("--attn_implementation", default="sdpa", help="sdpa, eager or jetrl_invariant (batch-invariant, CPU)")
+    p.add_argument("--engine", choices=["auto", "hf", "vllm"], default="auto",
+                   help="rollout engine to measure: auto = vllm on a GPU when installed, else the transformers engine")
+    p.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3)
     p.add_argument("--gemm_backend", default="auto")
     p.add_argument("--min_sqnr_db", type=float, default=20.0, help="flag layers whose worst SQNR is below this")
     p.add_argument("--max_subnormal_frac", type=float, default=0.01,
@@ -92,6 +95,33 @@ def _validate(a: argparse.Namespace) -> None:
         raise ValueError(f"--prompt_data {a.prompt_data}: no such file or folder")
 
 
+def _engine_choice(a: argparse.Namespace, device) -> str:
+    if a.engine == "auto":
+        import importlib.util
+
+        return "vllm" if device.type == "cuda" and importlib.util.find_spec("vllm") is not None else "hf"
+    if a.engine == "vllm":
+        from openrlhf.trainer.engines.vllm_engine import require_vllm
+
+        require_vllm()
+        if device.type != "cuda" and a.dtype != "fp32":
+            raise ValueError("--engine vllm on CPU runs in fp32 only (vLLM-CPU); pass --dtype fp32")
+    return a.engine
+
+
+def _make_engine(a: argparse.Namespace, kind: str, recipe, dtype, device, max_len: int):
+    if kind == "vllm":
+        from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            a.model, recipe, dtype=DTYPES[a.dtype], seed=a.seed, gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+            max_model_len=max_len,
+        )
+    from openrlhf.trainer.engines.hf_engine import HFEngine
+
+    return HFEngine(a.model, recipe, dtype=dtype, device=device, attn_implementation=a.attn_implementation)
+
+
 def _prompt_ids(a: argparse.Namespace, tokenizer) -> list[list[int]]:
     if a.prompt_data is None:
         texts = list(DEFAULT_PROMPTS)
@@ -109,7 +139,7 @@ def _prompt_ids(a: argparse.Namespace, tokenizer) -> list[list[int]]:
     return ids
 
 
-def _recipe_mismatch(a, recipe_name: str, dtype, device, prompts, hp_model) -> dict:
+def _recipe_mismatch(a, recipe_name: str, dtype, device, prompts, hp_model, engine_kind: str) -> dict:
     """Engine (rollout numerics) samples, trainer (training numerics) recomputes, as in a run's first step."""
     import torch
 
@@ -117,7 +147,6 @@ def _recipe_mismatch(a, recipe_name: str, dtype, device, prompts, hp_model) -> d
     from jetrl_precision.weight_sync import iter_sync_tensors
     from openrlhf.models.actor import Actor, load_causal_lm
     from openrlhf.trainer.engines.base import SamplingConfig
-    from openrlhf.trainer.engines.hf_engine import HFEngine
     from openrlhf.trainer.ppo_utils.experience_maker import samples_to_tensors
 
     recipe = get_recipe(recipe_name)
@@ -126,12 +155,15 @@ def _recipe_mismatch(a, recipe_name: str, dtype, device, prompts, hp_model) -> d
 
         recipe = dataclasses.replace(recipe, gemm_backend=a.gemm_backend)
     trainer = convert_to_fp8(load_causal_lm(a.model, dtype, a.attn_implementation).to(device), recipe, side="train").eval()
-    engine = HFEngine(a.model, recipe, dtype=dtype, device=device, attn_implementation=a.attn_implementation)
-    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.unified and recipe.train_fprop.is_fp8))
-    sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, n=a.n_samples, seed=a.seed + 1)
-    samples = [s for grp in engine.generate(prompts, sampling) for s in grp]
-    engine.shutdown()
-    exp = samples_to_tensors(samples, pad_token_id=engine.pad_token_id)
+    engine = _make_engine(a, engine_kind, recipe, dtype, device, max(map(len, prompts)) + a.max_new_tokens + 1)
+    try:
+        engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.unified and recipe.train_fprop.is_fp8))
+        sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, n=a.n_samples, seed=a.seed + 1)
+        samples = [s for grp in engine.generate(prompts, sampling) for s in grp]
+    finally:
+        engine.shutdown()  # one in-process vLLM engine at a time
+    pad = hp_model.config.pad_token_id if hp_model.config.pad_token_id is not None else (hp_model.config.eos_token_id or 0)
+    exp = samples_to_tensors(samples, pad_token_id=pad if isinstance(pad, int) else pad[0])
     seq, attn, mask = exp.sequences.to(device), exp.attention_mask.to(device), exp.action_mask.to(device)
     with torch.no_grad():
         train_lp = Actor(trainer)(seq, attn, exp.num_actions).float().cpu()
@@ -142,6 +174,7 @@ def _recipe_mismatch(a, recipe_name: str, dtype, device, prompts, hp_model) -> d
     del trainer, engine
     return {
         "recipe": recipe_name,
+        "engine": engine_kind,
         "tokens": int(mask.sum()),
         "rollout_train": {k: on_policy[k] for k in ("abs_logp_diff_mean", "abs_logp_diff_max", "kl_k3", "ratio_outside_0.8_1.25")},
         "train_vs_high_precision": {k: shift[k] for k in ("abs_logp_diff_mean", "abs_logp_diff_max", "kl_k3")},
@@ -158,6 +191,7 @@ def run_check(a: argparse.Namespace) -> dict:
     _validate(a)
     device = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else ("cpu" if a.device == "auto" else a.device))
     dtype = getattr(torch, DTYPES[a.dtype])
+    engine_kind = _engine_choice(a, device)
     torch.manual_seed(a.seed)
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(a.model)
@@ -179,11 +213,12 @@ def run_check(a: argparse.Namespace) -> dict:
     # 2 + 3. Mismatch per recipe.
     recipes = []
     for i, name in enumerate(a.recipes):
-        logger.info("check_fp8: recipe %s (%d/%d): sampling %d x %d x %d tokens", name, i + 1, len(a.recipes), len(prompts), a.n_samples, a.max_new_tokens)
-        recipes.append(_recipe_mismatch(a, name, dtype, device, prompts, hp))
+        logger.info("check_fp8: recipe %s (%d/%d): %s engine samples %d x %d x %d tokens", name, i + 1, len(a.recipes), engine_kind,
+                    len(prompts), a.n_samples, a.max_new_tokens)
+        recipes.append(_recipe_mismatch(a, name, dtype, device, prompts, hp, engine_kind))
 
     report = {
-        "model": str(a.model), "dtype": a.dtype, "device": str(device), "attn_implementation": a.attn_implementation,
+        "model": str(a.model), "dtype": a.dtype, "device": str(device), "attn_implementation": a.attn_implementation, "engine": engine_kind,
         "diagnose_recipe": a.diagnose_recipe, "min_sqnr_db": a.min_sqnr_db, "max_subnormal_frac": a.max_subnormal_frac,
         "layers": [d.to_dict() for d in diags], "flagged_layers": flagged, "recipes": recipes,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -194,13 +229,13 @@ def run_check(a: argparse.Namespace) -> dict:
 
 def _fmt_recipes(recipes: list[dict]) -> str:
     lines = [
-        "| recipe | tokens | rollout-train mean abs dlogp | max | k3 KL | ratio outside [0.8, 1.25] | train vs high-precision mean abs dlogp |",
-        "|---|---|---|---|---|---|---|",
+        "| recipe | engine | tokens | rollout-train mean abs dlogp | max | k3 KL | ratio outside [0.8, 1.25] | train vs high-precision mean abs dlogp |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in recipes:
         o, s = r["rollout_train"], r["train_vs_high_precision"]
         lines.append(
-            f"| {r['recipe']} | {r['tokens']} | {o['abs_logp_diff_mean']:.3g} | {o['abs_logp_diff_max']:.3g} | {o['kl_k3']:.3g} "
+            f"| {r['recipe']} | {r['engine']} | {r['tokens']} | {o['abs_logp_diff_mean']:.3g} | {o['abs_logp_diff_max']:.3g} | {o['kl_k3']:.3g} "
             f"| {o['ratio_outside_0.8_1.25']:.3g} | {s['abs_logp_diff_mean']:.3g} |"
         )
     return "\n".join(lines)
@@ -246,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         report = run_check(a)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, KeyError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     text = "\n\n".join(["## Per-layer FP8 error (worst first)", report["diagnostics_table"], "## Rollout-train mismatch per recipe", _fmt_recipes(report["recipes"]), "## Verdict", _verdict(report)])
