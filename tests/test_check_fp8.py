@@ -137,3 +137,19 @@ def test_cli_measures_the_vllm_engine(tiny, tmp_path):
     assert report["engine"] == "vllm" and all(r["engine"] == "vllm" for r in m.values())
     # Measured 2026-11-29: jet_fp8 9.9e-5, fp8_rollout 0.137 mean |dlogp| on this tiny model.
     assert m["fp8_rollout"]["rollout_train"]["abs_logp_diff_mean"] > 20 * m["jet_fp8"]["rollout_train"]["abs_logp_diff_mean"]
+
+
+def test_cli_reads_the_users_prompt_file(tiny, tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"{i} + {i} ="}) for i in range(5)) + "\n")
+    out = tmp_path / "out"
+    rc = check_main(["--model", str(tiny), "--prompt_data", str(data), "--input_key", "question", "--recipes", "jet_fp8",
+                     "--n_prompts", "3", "--n_samples", "1", "--max_new_tokens", "4", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "check_fp8.json").read_text())
+    assert report["recipes"][0]["tokens"] <= 3 * 4 and len(report["layers"]) == 14
+    # A wrong key names the key and the flag; a chat template the tokenizer lacks is refused.
+    assert check_main(["--model", str(tiny), "--prompt_data", str(data), "--input_key", "prompt"]) == 2
+    assert "prompt" in capsys.readouterr().err
+    assert check_main(["--model", str(tiny), "--prompt_data", str(data), "--input_key", "question", "--apply_chat_template"]) == 2
+    assert "chat template" in capsys.readouterr().err
