@@ -53,12 +53,14 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m openrlhf.cli.check_fp8", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", "--pretrain", dest="model", required=True, help="HF model folder")
+    # The training CLI's spellings work too, so a run's flags can be pasted as they are.
+    p.add_argument("--model", "--pretrain", "--actor.model_name_or_path", dest="model", required=True, help="HF model folder")
     p.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8", "fp8_rollout"], help="recipes whose mismatch to measure")
     p.add_argument("--diagnose_recipe", default="jet_fp8", help="recipe whose FP8 linears get the per-layer SQNR")
-    p.add_argument("--prompt_data", default=None, help="prompt file/folder as for training (default: 8 built-in prompts)")
-    p.add_argument("--input_key", default="input")
-    p.add_argument("--apply_chat_template", action="store_true")
+    p.add_argument("--prompt_data", "--data.prompt_dataset", dest="prompt_data", default=None,
+                   help="prompt file/folder as for training (default: 8 built-in prompts)")
+    p.add_argument("--input_key", "--data.input_key", dest="input_key", default="input")
+    p.add_argument("--apply_chat_template", "--data.apply_chat_template", dest="apply_chat_template", action="store_true")
     p.add_argument("--n_prompts", type=int, default=8)
     p.add_argument("--n_samples", type=int, default=2, help="samples per prompt")
     p.add_argument("--max_new_tokens", type=int, default=48)
@@ -282,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         report = run_check(a)
     except (ValueError, FileNotFoundError, KeyError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         return 2
     text = "\n\n".join(["## Per-layer FP8 error (worst first)", report["diagnostics_table"], "## Rollout-train mismatch per recipe", _fmt_recipes(report["recipes"]), "## Verdict", _verdict(report)])
     print(text)
