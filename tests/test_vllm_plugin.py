@@ -22,11 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-for _k, _v in dict(
-    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_HOST_IP="127.0.0.1",
-    VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-).items():
-    os.environ.setdefault(_k, _v)
+from _rl_helpers import VLLM_CPU_ENV, setdefault_env  # noqa: E402
+
+setdefault_env(VLLM_CPU_ENV)
 
 from jetrl_precision import (  # noqa: E402
     PrecisionGraph,
