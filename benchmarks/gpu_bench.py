@@ -290,6 +290,7 @@ def section_gemm(args):
 def section_host(args):
     """Host (CPU) time per call at decode size, where the GPU work is shorter than the Python around it."""
     from jetrl_precision.gemm import torch_backend as tb
+    from jetrl_precision.kernels.layout import mn_major, row_major_padded_t
 
     def host_us(fn, n=300):
         for _ in range(20):
@@ -320,6 +321,24 @@ def section_host(args):
         "gemm_nt torch": lambda: gemm_nt(xq, wq, torch.bfloat16, "torch"),
         "gemm_nt triton": lambda: gemm_nt(xq, wq, torch.bfloat16, "triton"),
     }
+    # Is the legacy torch._scaled_mm (7 us cheaper per call) the same computation for block scales?
+    # Both recipes, at a decode and a training shape; bitwise equality or it is not a drop-in.
+    for mm in (64, 4096):
+        xa = data(mm, 4096, seed=19)
+        xaq = quant.quantize_1x128(xa)
+        for recipe_b, bq in (("128x128", wq), ("1x128", quant.quantize_1x128(w))):
+            sa = mn_major(xaq.scale)
+            sbb = row_major_padded_t(bq.scale) if recipe_b == "128x128" else mn_major(bq.scale)
+            try:
+                ref = F.scaled_mm(xaq.data, bq.data.t(), sa, one, sbb, block if recipe_b == "128x128" else one,
+                                  output_dtype=torch.bfloat16)
+                leg = torch._scaled_mm(xaq.data, bq.data.t(), scale_a=sa, scale_b=sbb, out_dtype=torch.bfloat16)
+                same = bool(torch.equal(ref, leg))
+                msg = "bitwise equal" if same else f"DIFFERENT (rel err {rel_err(leg, ref):.2e})"
+            except Exception as e:  # noqa: BLE001
+                same, msg = False, f"failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            print(f"  legacy torch._scaled_mm vs F.scaled_mm, M={mm} B {recipe_b}: {msg}")
+            rec("legacy_scaled_mm_matches_scaled_mm", f"M={mm} K=N=4096 B {recipe_b}", "torch", int(same), "bool", note=msg)
     with torch.no_grad():
         items["nn.Linear fwd (no_grad)"] = lambda: lin(x)
         items["Fp8Linear fwd (no_grad)"] = lambda: f8(xs[next(cyc)])
@@ -449,6 +468,13 @@ def section_linear(args):
         }
         br = {kname: bench(fn) for kname, fn in parts.items()}
         res["parts"] = br
+        # What the GPU runs in one real step (kernel names and times), to account for the gap between
+        # the step and the sum of its parts.
+        auto_layer = Fp8Linear.from_linear(lin, fp, bw, gemm_backend="auto")
+        prof_rows = _profile_kernels(lambda: auto_layer(xs[0]).backward(dys[0]), xs + [lin.weight])
+        rec("linear_step_kernels_us", f"M={m} {lname} weight-cached", name, round(sum(us for _, us, _ in prof_rows), 1), "us",
+            kernels=[{"name": kn[:90], "us_per_step": round(us, 1), "calls_per_step": c} for kn, us, c in prof_rows])
+        print(f"  {lname}: GPU kernels of one step (us): " + "; ".join(f"{kn[:48]} x{c} {us:.0f}" for kn, us, c in prof_rows[:12]))
         gem = br["fprop"] + br["dgrad"] + br["wgrad"]
         res["kernels_sum"] = gem + br["qx"] + br["qdy"] + br["rqxT"]
         rec("linear_fp8_kernels_sum_ms", f"M={m} {lname} weight-cached", name, round(res["kernels_sum"], 4), "ms",
@@ -486,6 +512,27 @@ def section_linear(args):
         rec("linear_fwd_bwd_geomean_ratio", f"M={m} 4 layers {key}",
             name if key in ("graph", "kernels_sum") or key.startswith("variant_") else key.split("_")[0],
             round(g, 3), "x", round(g, 3))
+
+
+def _profile_kernels(step, params, steps=5):
+    """[(kernel name, us per step, calls per step)] of `step`, from torch.profiler's CUDA activity."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            for p in params:
+                p.grad = None
+            step()
+        torch.cuda.synchronize()
+    out = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t > 0 and ev.count:
+            out.append((ev.key, t / steps, ev.count // steps))
+    return sorted(out, key=lambda r: -r[1])
 
 
 def _graphed_step_ms(build, weight, xs, dys):
@@ -713,6 +760,8 @@ def main():
     ap.add_argument("--stack-batch", type=int, default=16)
     ap.add_argument("--stack-steps", type=int, default=4)
     args = ap.parse_args()
+    global COMMAND
+    COMMAND = "PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py " + " ".join(sys.argv[1:]).replace(os.environ.get("OUT", "\0"), "$OUT")
     t_start = time.time()
     copy_bw = 4.25
     env = {}

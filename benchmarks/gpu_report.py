@@ -2,8 +2,10 @@
 
     python benchmarks/gpu_report.py RUN.json [--json docs/benchmarks.json] [--plot docs/gpu_gemm_tflops.png]
 
-Records whose `name` starts with a GPU benchmark prefix are replaced in the JSON list; records from
-other benchmarks (CPU sections) are kept. The markdown tables go to stdout.
+New records are tagged with `--run` (a label such as "2026-11-29 session 3"); an existing record with
+the same (name, shape, backend, run) is replaced, everything else is kept, so a partial run (a few
+sections) never deletes the figures of another. The markdown tables go to stdout; the GEMM plot is
+drawn when the run has GEMM records.
 """
 
 from __future__ import annotations
@@ -24,18 +26,25 @@ def load(path):
         return json.load(f)
 
 
-def update_json(records, path):
+def _key(r):
+    return (r.get("name"), r.get("shape"), r.get("backend"), r.get("run"))
+
+
+def update_json(records, path, run_label=None):
     old = []
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-    keep = [r for r in old if not str(r.get("name", "")).startswith(GPU_PREFIXES)]
     new = []
     for r in records:
         out = {k: r.get(k) for k in REQUIRED}
         out["device"] = "NVIDIA H200 (nvidia-h200 lease)"
         out.update({k: v for k, v in r.items() if k not in REQUIRED})
+        if run_label is not None:
+            out["run"] = run_label
         new.append(out)
+    replaced = {_key(r) for r in new}
+    keep = [r for r in old if _key(r) not in replaced]
     with open(path, "w") as f:
         json.dump(keep + new, f, indent=1)
     return len(new)
@@ -47,8 +56,8 @@ def gemm_table(records):
         if r["name"] != "gemm_tflops":
             continue
         rows.setdefault(r["shape"], {})[r["backend"]] = r
-    lines = ["| M | layer (N x K) | BF16 | torch (cuBLASLt blockwise) | triton (ours) | rel. err vs fp32 (torch / triton) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| M | layer (N x K) | BF16 | torch (cuBLASLt blockwise) | deep_gemm | triton (ours) | rel. err vs fp32 (torch / deep_gemm / triton) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for shape, d in rows.items():
         m, layer, n, k = shape.split()
         bf = d["bf16"]["value"]
@@ -57,9 +66,9 @@ def gemm_table(records):
             return f"{d[b]['value']:.0f} ({d[b]['ratio_vs_bf16']:.2f}x)" if b in d else "-"
 
         err = " / ".join(
-            "-" if d.get(b, {}).get("rel_err_vs_fp32") is None else f"{d[b]['rel_err_vs_fp32']:.2e}" for b in ("torch", "triton")
+            "-" if d.get(b, {}).get("rel_err_vs_fp32") is None else f"{d[b]['rel_err_vs_fp32']:.2e}" for b in ("torch", "deep_gemm", "triton")
         )
-        lines.append(f"| {m[2:]} | {layer} ({n[2:]} x {k[2:]}) | {bf:.0f} | {cell('torch')} | {cell('triton')} | {err} |")
+        lines.append(f"| {m[2:]} | {layer} ({n[2:]} x {k[2:]}) | {bf:.0f} | {cell('torch')} | {cell('deep_gemm')} | {cell('triton')} | {err} |")
     return "\n".join(lines)
 
 
@@ -74,15 +83,15 @@ def plot(records, path):
         if r["name"] == "gemm_tflops":
             rows.setdefault(r["shape"], {})[r["backend"]] = r["value"]
     labels = [f"{s.split()[0][2:]}\n{s.split()[1]}" for s in rows]
-    backends = ["bf16", "torch", "triton"]
-    colors = {"bf16": "#888888", "torch": "#1f77b4", "triton": "#ff7f0e"}
+    backends = [b for b in ("bf16", "torch", "deep_gemm", "triton") if any(b in d for d in rows.values())]
+    colors = {"bf16": "#888888", "torch": "#1f77b4", "deep_gemm": "#2ca02c", "triton": "#ff7f0e"}
+    labels_b = {"bf16": "BF16 cuBLAS (F.linear)", "torch": "FP8 blockwise, torch backend (cuBLASLt)",
+                "deep_gemm": "FP8 blockwise, deep_gemm backend", "triton": "FP8 blockwise, triton backend (ours)"}
     fig, ax = plt.subplots(figsize=(16, 5.5))
-    width = 0.27
+    width = 0.8 / len(backends)
     for i, b in enumerate(backends):
-        xs = [j + (i - 1) * width for j in range(len(rows))]
-        ax.bar(xs, [d.get(b, math.nan) for d in rows.values()], width, label={"bf16": "BF16 cuBLAS (F.linear)",
-               "torch": "FP8 blockwise, torch backend (cuBLASLt)", "triton": "FP8 blockwise, triton backend (ours)"}[b],
-               color=colors[b])
+        xs = [j + (i - (len(backends) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, [d.get(b, math.nan) for d in rows.values()], width, label=labels_b[b], color=colors[b])
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_xlabel("M (tokens) / layer: qkv 6144x4096, o_proj 4096x4096, gate_up 28672x4096, down 4096x14336")
@@ -99,12 +108,14 @@ def main():
     ap.add_argument("run")
     ap.add_argument("--json", default="docs/benchmarks.json")
     ap.add_argument("--plot", default="docs/gpu_gemm_tflops.png")
+    ap.add_argument("--run-label", default=None, help='tag for the new records, e.g. "2026-11-29 session 3 call 1"')
     args = ap.parse_args()
     run = load(args.run)
-    n = update_json(run["records"], args.json)
+    n = update_json(run["records"], args.json, args.run_label)
     print(f"<!-- {n} GPU records written to {args.json} -->\n")
-    print(gemm_table(run["records"]))
-    plot(run["records"], args.plot)
+    if any(r["name"] == "gemm_tflops" for r in run["records"]):
+        print(gemm_table(run["records"]))
+        plot(run["records"], args.plot)
 
 
 if __name__ == "__main__":
