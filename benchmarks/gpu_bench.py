@@ -16,7 +16,6 @@ Timing: triton.testing.do_bench medians (L2 flushed before each repeat); ratios 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import math
@@ -45,12 +44,6 @@ LAYERS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
 MS = (64, 256, 4096, 8192, 16384)
 DATE = "2026-11-29"
 BW = get_recipe("jet_fp8").train_backward
-# TritonKernelOptions variants timed in the linear section (every one writes the same bytes).
-KERNEL_VARIANTS = {
-    "pack4": dict(pack4=True),
-    "fused_dual": dict(fused_dual=True),
-    "fused_dual_pack4": dict(fused_dual=True, pack4=True),
-}
 RECORDS: list[dict] = []
 COMMAND = "PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --out $OUT/gpu_bench.json"
 
@@ -136,33 +129,21 @@ def section_quant(args, copy_bw):
         one("128x1_transposed", shp, lambda: quant.quantize_128x1_t(x), io)
         # dY's two layouts from one read (what Fp8Linear's backward runs) against the two kernels apart.
         io_dual = m * k * 2 + 2 * m * k + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
-        one("dual_onepass_1x128_and_128x1_T", shp, lambda: quant.quantize_1x128_and_128x1_t(x), io_dual)
-        one("dual_onepass_pack4", shp, lambda: quant.quantize_1x128_and_128x1_t(x, pack4=True), io_dual)
-        one("128x1_transposed_pack4", shp, lambda: quant.quantize_128x1_t(x, pack4=True), io)
         one("ops_quantize_dual", shp, lambda: ops.quantize_dual(x, BW.dgrad_grad_output, BW.wgrad_grad_output), io_dual)
         one("separate_1x128_then_128x1_T", shp, lambda: (quant.quantize_1x128(x), quant.quantize_128x1_t(x)), io_dual)
         if (m, k) == (16384, 4096):
             for bc in (32, 64, 128):
                 for nw in (4, 8):
-                    for ex in (False, True):
-                        one(f"128x1_transposed_blockc{bc}_w{nw}{'_pack4' if ex else ''}", shp,
-                            lambda bc=bc, nw=nw, ex=ex: quant.quantize_128x1_t(x, block_c=bc, num_warps=nw, pack4=ex), io)
-            for nw in (4, 8):
-                for cw, rh in ((32, 32), (64, 32), (32, 16)):
-                    for ex in (False, True):
-                        one(f"dual_w{nw}_cw{cw}_rh{rh}{'_pack4' if ex else ''}", shp,
-                            lambda nw=nw, cw=cw, rh=rh, ex=ex: quant.quantize_1x128_and_128x1_t(
-                                x, num_warps=nw, pack4=ex, col_width=cw, row_height=rh), io_dual)
+                    one(f"128x1_transposed_blockc{bc}_w{nw}", shp,
+                        lambda bc=bc, nw=nw: quant.quantize_128x1_t(x, block_c=bc, num_warps=nw), io)
         q1 = quant.quantize_1x128(x)
         io_rq = m * k * 2 + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
         one("requant_1x128_to_128x1_T", shp, lambda: quant.requantize_1x128_to_128x1(q1, True), io_rq)
-        one("requant_1x128_to_128x1_T_pack4", shp, lambda: quant.requantize_1x128_to_128x1(q1, True, pack4=True), io_rq)
         if (m, k) == (16384, 4096):
             for bc in (32, 64, 128):
                 for nw in (4, 8):
-                    for ex in (False, True):
-                        one(f"requant_T_blockc{bc}_w{nw}{'_pack4' if ex else ''}", shp,
-                            lambda bc=bc, nw=nw, ex=ex: quant.requantize_1x128_to_128x1(q1, True, block_c=bc, num_warps=nw, pack4=ex), io_rq)
+                    one(f"requant_T_blockc{bc}_w{nw}", shp,
+                        lambda bc=bc, nw=nw: quant.requantize_1x128_to_128x1(q1, True, block_c=bc, num_warps=nw), io_rq)
         if (m, k) == (16384, 4096):
             one("torch_reference_1x128", shp, lambda: quantize_fp8(x, (1, 128), nonfinite="propagate"), io, backend="torch-ops")
         del x, q1
@@ -268,7 +249,7 @@ def section_gemm(args):
         print(line)
 
     # WGrad recipe (1x128 x 1x128, fp32 out) at M = 8192 tokens: out [N, K] contracts over tokens.
-    print("\nwgrad GEMM (1x128.1x128 -> fp32), tokens=8192")
+    print("\nwgrad GEMM (1x128.1x128 -> fp32 / bf16), tokens=8192")
     for lname, (n, k) in LAYERS.items():
         m = 8192
         dy_t = quant.quantize_128x1_t(data(m, n, seed=7, scale=1e-3))
@@ -279,10 +260,13 @@ def section_gemm(args):
         line = f"  {lname:8s} bf16 {flops / t_bf / 1e9:6.0f}"
         rec("wgrad_gemm_tflops", f"tokens={m} {lname} N={n} K={k}", "bf16", round(flops / t_bf / 1e9, 1), "TFLOP/s", 1.0)
         for b in backends:
-            t = bench(lambda b=b: gemm_nt(dy_t, x_t, torch.float32, b))
-            tf = flops / t / 1e9
-            line += f" | {b} {tf:6.0f} ({tf / (flops / t_bf / 1e9):.2f}x)"
-            rec("wgrad_gemm_tflops", f"tokens={m} {lname} N={n} K={k}", b, round(tf, 1), "TFLOP/s", round(t_bf / t, 3))
+            # fp32 output (a gradient-accumulation buffer) and bf16 (what Fp8Linear asks for: dW in the weight dtype).
+            for od in (torch.float32, torch.bfloat16):
+                t = bench(lambda b=b, od=od: gemm_nt(dy_t, x_t, od, b))
+                tf = flops / t / 1e9
+                tag = "" if od == torch.float32 else " bf16-out"
+                line += f" | {b}{tag} {tf:6.0f} ({tf / (flops / t_bf / 1e9):.2f}x)"
+                rec("wgrad_gemm_tflops", f"tokens={m} {lname} N={n} K={k}{tag}", b, round(tf, 1), "TFLOP/s", round(t_bf / t, 3))
         print(line)
         del dy_t, x_t, dyb, xb
 
@@ -402,7 +386,10 @@ def section_linear(args):
         res = {"layer": lname, "bf16_ms": t_bf, "bf16_graph": _graphed_step_ms(_linear_over, lin.weight, xs, dys)}
         rec("linear_fwd_bwd_ms", f"M={m} {lname}", "bf16", round(t_bf, 4), "ms", 1.0, saved_activation_bytes=saved_bf)
         rec("linear_fwd_bwd_ms", f"M={m} {lname} cuda-graph", "bf16", round(res["bf16_graph"], 4), "ms", 1.0)
-        for backend in ("auto", "triton"):
+        auto_name = resolve_backend("auto", "cuda")
+        # auto first, then the other hardware backends present (torch stays in the table when auto is deep_gemm).
+        backends = ["auto"] + [b for b in ("torch", "triton") if b != auto_name and available_backends("cuda")[b] is None]
+        for backend in backends:
             layer = Fp8Linear.from_linear(lin, fp, bw, gemm_backend=backend)
             name = resolve_backend(backend, "cuda")
             layer(x).backward(dy)  # warm-up (autotune, weight cache)
@@ -422,19 +409,6 @@ def section_linear(args):
             res[f"{name}_cached"] = t_c
             res[f"{name}_requant"] = t_r
             if backend == "auto":
-                # Kernel variants still being decided (same bytes): the same cached step with each.
-                impl = ops._impl_for(torch.device("cuda"))
-                base_opts = impl.options
-                for vname, kw in KERNEL_VARIANTS.items():
-                    impl.options = dataclasses.replace(base_opts, **kw)
-                    try:
-                        layer(x).backward(dy)  # compile the variant's kernels outside the timing
-                        t_v = bench(step_cached, grad_to_none=xs + [lin.weight], rep=150)
-                    finally:
-                        impl.options = base_opts
-                    res.setdefault("variants", {})[vname] = t_v
-                    rec("linear_fwd_bwd_ms", f"M={m} {lname} weight-cached kernels={vname}", name, round(t_v, 4), "ms",
-                        round(t_bf / t_v, 3))
                 # Host time out of the picture: the same step captured once and replayed as a CUDA graph.
                 t_g = _graphed_step_ms(lambda w: Fp8Linear.from_linear(_linear_over(w), fp, bw, gemm_backend=backend), lin.weight, xs, dys)
                 res["graph"] = t_g
@@ -460,7 +434,6 @@ def section_linear(args):
             "wT": lambda: quant.transpose_quantized(wq),
             "fprop": lambda: gemm_nt(xq, wq, torch.bfloat16, name),
             "qdy": lambda: ops.quantize_dual(dy, bw.dgrad_grad_output, bw.wgrad_grad_output),  # as the backward runs it
-            "qdy_fused_dual": lambda: quant.quantize_1x128_and_128x1_t(dy),
             "dgrad": lambda: gemm_nt(dyq, wqt, torch.bfloat16, name),
             "rqxT": lambda: quant.requantize_1x128_to_128x1(xq, True),
             "wgrad": lambda: gemm_nt(dyt, xt, torch.bfloat16, name),
@@ -485,23 +458,22 @@ def section_linear(args):
         rows.append(res)
         del lin, x, dy, xs, dys, xq, wq, wqt, dyq, dyt, xt
     name = resolve_backend("auto", "cuda")
-    print(f"\nFP8 linear fwd+bwd, M={m} (ms; ratio = bf16/fp8)")
-    print(f"{'layer':8s} {'bf16':>7s} {name + ' cached':>16s} {name + ' requant':>17s} {'triton cached':>15s}"
-          f" {'graph bf16':>10s} {'graph fp8':>16s} {'GEMMs only':>11s} {'saved B':>9s}")
+    others = [b for b in ("torch", "triton") if b != name and f"{b}_cached" in rows[0]]
+    print(f"\nFP8 linear fwd+bwd, M={m} (ms; ratio = bf16/fp8; auto = {name})")
+    print(f"{'layer':8s} {'bf16':>7s} {name + ' cached':>16s} {name + ' requant':>17s}"
+          + "".join(f" {b + ' cached':>16s}" for b in others)
+          + f" {'graph bf16':>10s} {'graph fp8':>16s} {'GEMMs only':>11s} {'saved B':>9s}")
     for r in rows:
         print(f"{r['layer']:8s} {r['bf16_ms']:7.3f} {r[name + '_cached']:8.3f} ({r['bf16_ms'] / r[name + '_cached']:4.2f}x)"
               f" {r[name + '_requant']:8.3f} ({r['bf16_ms'] / r[name + '_requant']:4.2f}x)"
-              f" {r['triton_cached']:8.3f} ({r['bf16_ms'] / r['triton_cached']:4.2f}x)"
-              f" {r['bf16_graph']:10.3f} {r['graph']:8.3f} ({r['bf16_graph'] / r['graph']:4.2f}x) {r['gemm_only_ratio']:10.2f}x"
+              + "".join(f" {r[b + '_cached']:8.3f} ({r['bf16_ms'] / r[b + '_cached']:4.2f}x)" for b in others)
+              + f" {r['bf16_graph']:10.3f} {r['graph']:8.3f} ({r['bf16_graph'] / r['graph']:4.2f}x) {r['gemm_only_ratio']:10.2f}x"
               f" {r[name + '_saved'] / 2**20:7.1f}MiB")
         print("          parts(us): " + " ".join(f"{kk}={v * 1e3:.0f}" for kk, v in r["parts"].items())
               + f"  sum={r['kernels_sum'] * 1e3:.0f} ({r['bf16_ms'] / r['kernels_sum']:.2f}x)")
-        print("          kernel variants, cached: " + " ".join(f"{kk}={v:.3f}ms ({r['bf16_ms'] / v:.2f}x)" for kk, v in r.get("variants", {}).items()))
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
-    ratios = {key: [r["bf16_ms"] / r[key] for r in rows] for key in (name + "_cached", name + "_requant", "triton_cached")}
+    ratios = {key: [r["bf16_ms"] / r[key] for r in rows] for key in [name + "_cached", name + "_requant"] + [f"{b}_cached" for b in others]}
     ratios["graph"] = [r["bf16_graph"] / r["graph"] for r in rows]
-    for vname in KERNEL_VARIANTS:
-        ratios[f"variant_{vname}"] = [r["bf16_ms"] / r["variants"][vname] for r in rows if vname in r.get("variants", {})]
     ratios["kernels_sum"] = [r["bf16_ms"] / r["kernels_sum"] for r in rows]
     for key, v in ratios.items():
         v = [r for r in v if math.isfinite(r)]
@@ -510,7 +482,7 @@ def section_linear(args):
         g = gm(v)
         print(f"geomean bf16/fp8 ({key}): {g:.3f}x")
         rec("linear_fwd_bwd_geomean_ratio", f"M={m} 4 layers {key}",
-            name if key in ("graph", "kernels_sum") or key.startswith("variant_") else key.split("_")[0],
+            name if key in ("graph", "kernels_sum") else key.split("_")[0],
             round(g, 3), "x", round(g, 3))
 
 

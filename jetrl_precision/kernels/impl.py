@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -11,7 +9,7 @@ from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
 from . import quant
 
-__all__ = ["TritonQuantizeImpl", "TritonKernelOptions"]
+__all__ = ["TritonQuantizeImpl"]
 
 
 def _fp8_capable(device: torch.device) -> bool:
@@ -56,28 +54,14 @@ class _LastResult:
         return value
 
 
-@dataclass(frozen=True)
-class TritonKernelOptions:
-    """Kernel variants still being measured on the H200. Every choice writes the same bytes.
-
-    fused_dual: one kernel for both dY layouts of the backward (a first, one-tile version measured
-                1.7-2.3x slower than two kernels; the current one is not measured yet).
-    pack4:      transposed 128x1 outputs (dY^T, X^T for WGrad) stored as 4-byte words.
-    """
-
-    fused_dual: bool = False
-    pack4: bool = False
-
-
 class TritonQuantizeImpl:
     """Byte-exact Triton kernels for 1x128, 128x128 and 128x1 blocks; other blocks use the reference."""
 
     name = "triton"
 
-    def __init__(self, share_results: bool = True, options: TritonKernelOptions = TritonKernelOptions()) -> None:
+    def __init__(self, share_results: bool = True) -> None:
         self._ok: dict[str, bool] = {}
         self.share_results = share_results
-        self.options = options
         self._last_q = _LastResult()
         self._last_rq_t = _LastResult()
 
@@ -109,7 +93,7 @@ class TritonQuantizeImpl:
         """quantize(x, block).t() with the transposed layout written directly."""
         if x.dim() == 2 and x.numel() > 0 and x.is_floating_point():
             if block == (128, 1):
-                return quant.quantize_128x1_t(x, pow2_scale, pack4=self.options.pack4)
+                return quant.quantize_128x1_t(x, pow2_scale)
             if block == (128, 128):
                 return quant.quantize_128x128(x, pow2_scale, write=False, write_t=True)[1]
         return self.quantize(x, block, pow2_scale).t()
@@ -117,23 +101,23 @@ class TritonQuantizeImpl:
     def quantize_dual(
         self, x: torch.Tensor, block: Block, pow2_scale: bool, t_block: Block, t_pow2_scale: bool
     ) -> tuple[QuantizedTensor, QuantizedTensor] | None:
-        """(Q(x, 1x128), Q(x, 128x1).t()) from one read of x; None for other block pairs."""
+        """(Q(x, 1x128), Q(x, 128x1).t()), outside the share cache (dY has no siblings); None for other pairs.
+
+        Two kernels: one-read versions (a 128x128 tile reduced both ways; column-then-row slices re-read
+        from L2) were byte-exact but 1.3-2.3x slower on the H200 (docs/benchmarks.md).
+        """
         if block == (1, 128) and t_block == (128, 1) and x.dim() == 2 and x.numel() > 0 and x.is_floating_point():
-            o = self.options
-            if o.fused_dual:
-                return quant.quantize_1x128_and_128x1_t(x, pow2_scale, t_pow2_scale, pack4=o.pack4)
-            return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pack4=o.pack4)
+            return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale)
         return None
 
     def requantize_transposed(self, qt: QuantizedTensor, block: Block, pow2_scale: bool) -> QuantizedTensor:
         if qt.block == (1, 128) and block == (128, 1):
-            pack4 = self.options.pack4
             if not self.share_results:
-                return quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale, pack4=pack4)
+                return quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale)
             # Keyed on the FP8 bytes' storage; the scale lives and dies with them in the saved activation.
             extra = (block, pow2_scale, qt.scale.data_ptr(), qt.scale.stride())
             hit = self._last_rq_t.get(qt.data, extra)
             if hit is not None:
                 return hit
-            return self._last_rq_t.put(qt.data, extra, quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale, pack4=pack4))
+            return self._last_rq_t.put(qt.data, extra, quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale))
         return self.requantize(qt, block, pow2_scale).t()

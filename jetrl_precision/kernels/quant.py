@@ -24,7 +24,6 @@ __all__ = [
     "quantize_128x1",
     "quantize_128x1_t",
     "requantize_1x128_to_128x1",
-    "quantize_1x128_and_128x1_t",
     "new_scale_1x128",
     "new_scale_128x128",
     "transpose_quantized",
@@ -97,7 +96,7 @@ def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False, block_r: int | Non
 def _quant_128x1_kernel(
     x_ptr, in_s_ptr, q_ptr, s_ptr, R, C,
     sxr, sxc, sir, sig, sqr, sqc, ssb, ssc,
-    BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr, PACK4: tl.constexpr,
+    BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr,
 ):
     rb = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -114,34 +113,12 @@ def _quant_128x1_kernel(
     has_nan = tl.max((x != x).to(tl.int32), axis=0)
     scale = group_scale(amax, has_nan, POW2)
     q = quantize_values(x, scale[None, :])
-    if PACK4:
-        # Transposed output as int32 words [C, R/4] (sqc = words per output row).
-        _store_t_pack4(q_ptr, q, rb, cc, R, C, sqc, BLOCK_C)
-    else:
-        tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=mask)
+    tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=mask)
     tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
-
-
-@triton.jit
-def _store_t_pack4(w_ptr, q, rb, cc, R, C, words_per_row, BLOCK_C: tl.constexpr):
-    """Store the fp8 tile q [128 rows, BLOCK_C cols] transposed, four rows' bytes per little-endian word.
-
-    The transposed output [C, R] is viewed as int32 [C, R/4] (R % 4 == 0): byte j of word i of row c is
-    element (4i + j, c). Moving 4-byte words lets the layout change before the store work on 32-bit
-    values instead of single bytes.
-    """
-    b = q.to(tl.uint8, bitcast=True).to(tl.uint32)
-    b = tl.reshape(b, [32, 4, BLOCK_C])
-    shift = (tl.arange(0, 4) * 8).to(tl.uint32)
-    words = tl.sum(b << shift[None, :, None], axis=1)  # the bytes do not overlap: sum == or
-    ii = rb * 32 + tl.arange(0, 32)
-    wmask = (ii[:, None] * 4 < R) & (cc[None, :] < C)
-    tl.store(w_ptr + cc[None, :].to(tl.int64) * words_per_row + ii[:, None], words.to(tl.int32, bitcast=True), mask=wmask)
 
 
 def _launch_128x1(
     x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, block_c: int | None, num_warps: int = 4,
-    pack4: bool = False,
 ) -> QuantizedTensor:
     nrb = _cdiv(rows, 128)
     sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=x.device)
@@ -153,18 +130,16 @@ def _launch_128x1(
         sqr, sqc = q.stride(0), q.stride(1)
     deq = in_scale is not None
     sir, sig = (in_scale.stride(0), in_scale.stride(1)) if deq else (0, 0)
-    bc = block_c or 64
+    # 128 rows x 32 columns, 4 warps: the fastest tile in three H200 sweeps (16384x4096: 94.6 us against
+    # 99.0 for 64 columns; requantization 88.9 against 94.9), see docs/benchmarks.md.
+    bc = block_c or 32
     if 128 % bc:
         raise ValueError(f"block_c must divide 128, got {bc}")
     grid = (nrb, _cdiv(cols, bc))
-    pack4 = pack4 and transposed and rows % 4 == 0  # word stores need whole words per output row
-    out = q.view(torch.int32) if pack4 else q
-    if pack4:
-        sqr, sqc = 1, out.stride(0)
     _quant_128x1_kernel[grid](
-        x, in_scale if deq else sbuf, out, sbuf, rows, cols,
+        x, in_scale if deq else sbuf, q, sbuf, rows, cols,
         x.stride(0), x.stride(1), sir, sig, sqr, sqc, sbuf.stride(0), sbuf.stride(1),
-        BLOCK_C=bc, POW2=pow2_scale, DEQ=deq, PACK4=pack4, num_warps=num_warps,
+        BLOCK_C=bc, POW2=pow2_scale, DEQ=deq, num_warps=num_warps,
     )
     if transposed:
         # quantize(x, 128x1).t(): data x^T [C, R], 1x128 groups, scale (C, ceil(R/128)) MN-major.
@@ -177,92 +152,21 @@ def quantize_128x1(x: torch.Tensor, pow2_scale: bool = False, block_c: int | Non
 
 
 def quantize_128x1_t(
-    x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None, num_warps: int = 4, pack4: bool = False
+    x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None, num_warps: int = 4
 ) -> QuantizedTensor:
-    """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy).
-
-    `pack4` stores the transposed bytes as 4-byte words (used when rows % 4 == 0); same bytes.
-    """
-    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, block_c, num_warps, pack4)
+    """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy)."""
+    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, block_c, num_warps)
 
 
 def requantize_1x128_to_128x1(
     qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, block_c: int | None = None,
-    num_warps: int = 4, pack4: bool = False,
+    num_warps: int = 4,
 ) -> QuantizedTensor:
     """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes."""
     if qt.block != (1, 128):
         raise ValueError(f"requantize_1x128_to_128x1 needs a 1x128 input, got block {qt.block}")
     rows, cols = qt.shape
-    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, block_c, num_warps, pack4)
-
-
-# ---------------------------------------------------------------------------------------------
-# Both dY layouts from one read: Q(x, 1x128) for DGrad and Q(x, 128x1).t() for WGrad.
-@triton.jit
-def _quant_dual_kernel(
-    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C,
-    sxr, sxc, sqr, sqc, ssr, ssg, stqr, stqc, stsr, stsb,
-    POW2_ROW: tl.constexpr, POW2_COL: tl.constexpr, PACK4: tl.constexpr, CW: tl.constexpr, RH: tl.constexpr,
-):
-    """Each CTA walks its 128x128 region twice in narrow slices: column slices of CW for the 128x1
-    groups (as the fastest 128x1ᵀ tile), then row slices of RH for the 1x128 groups. The second walk
-    re-reads the region, which the first has just pulled through L2, so HBM sees one read while no
-    thread holds the whole tile. (A first version held the 128x128 fp32 tile and reduced it along
-    both axes: byte-exact, but 1.7-2.3x slower on the H200 than two separate kernels.)"""
-    rb = tl.program_id(0)
-    cb = tl.program_id(1)
-    rr = rb * 128 + tl.arange(0, 128)
-    for j in tl.static_range(128 // CW):
-        cc = cb * 128 + j * CW + tl.arange(0, CW)
-        mask = (rr[:, None] < R) & (cc[None, :] < C)
-        x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
-        s_col = group_scale(tl.max(tl.abs(x), axis=0), tl.max((x != x).to(tl.int32), axis=0), POW2_COL)
-        q_col = quantize_values(x, s_col[None, :])
-        if PACK4:
-            _store_t_pack4(qt_ptr, q_col, rb, cc, R, C, stqr, CW)
-        else:
-            tl.store(qt_ptr + cc[None, :].to(tl.int64) * stqr + rr[:, None] * stqc, q_col, mask=mask)
-        tl.store(st_ptr + cc * stsr + rb * stsb, s_col, mask=cc < C)
-    cc = cb * 128 + tl.arange(0, 128)
-    for i in tl.static_range(128 // RH):
-        r2 = rb * 128 + i * RH + tl.arange(0, RH)
-        mask = (r2[:, None] < R) & (cc[None, :] < C)
-        x = tl.load(x_ptr + r2[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
-        s_row = group_scale(tl.max(tl.abs(x), axis=1), tl.max((x != x).to(tl.int32), axis=1), POW2_ROW)
-        tl.store(q_ptr + r2[:, None].to(tl.int64) * sqr + cc[None, :] * sqc, quantize_values(x, s_row[:, None]), mask=mask)
-        tl.store(s_ptr + r2 * ssr + cb * ssg, s_row, mask=r2 < R)
-
-
-def quantize_1x128_and_128x1_t(
-    x: torch.Tensor, pow2_row: bool = False, pow2_col: bool = False, num_warps: int = 4, pack4: bool = False,
-    col_width: int = 32, row_height: int = 32,
-) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """(quantize_fp8(x, (1, 128)), quantize_fp8(x, (128, 1)).t()) from one HBM read of x.
-
-    The backward pass needs dY twice (1x128 for DGrad, 128x1 transposed for WGrad). Not yet measured
-    against the two separate kernels, so `TritonQuantizeImpl` uses it only when
-    `TritonKernelOptions.fused_dual` is set. `pack4` writes the transposed bytes as 4-byte words
-    when rows % 4 == 0. Every setting gives the same bytes.
-    """
-    if 128 % col_width or 128 % row_height:
-        raise ValueError(f"col_width and row_height must divide 128, got {col_width} and {row_height}")
-    rows, cols = x.shape
-    dev = x.device
-    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=dev)
-    _, s = new_scale_1x128(rows, cols, dev)
-    qt = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev)
-    _, st = new_scale_1x128(cols, rows, dev)  # the transposed data's 1x128 scales, MN-major
-    grid = (_cdiv(rows, 128), _cdiv(cols, 128))
-    pack4 = pack4 and rows % 4 == 0
-    qt_out = qt.view(torch.int32) if pack4 else qt
-    _quant_dual_kernel[grid](
-        x, q, s, qt_out, st, rows, cols,
-        x.stride(0), x.stride(1), q.stride(0), q.stride(1), s.stride(0), s.stride(1),
-        qt_out.stride(0), qt_out.stride(1), st.stride(0), st.stride(1),
-        POW2_ROW=pow2_row, POW2_COL=pow2_col, PACK4=pack4, CW=col_width, RH=row_height, num_warps=num_warps,
-    )
-    return QuantizedTensor(q, s, (1, 128)), QuantizedTensor(qt, st, (1, 128))
+    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, block_c, num_warps)
 
 
 # ---------------------------------------------------------------------------------------------
