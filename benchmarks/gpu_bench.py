@@ -16,6 +16,7 @@ Timing: triton.testing.do_bench medians (L2 flushed before each repeat); ratios 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -182,7 +183,7 @@ def section_quant(args, copy_bw):
 
 
 def section_gemm(args):
-    backends = [b for b in ("torch", "triton", "deep_gemm") if available_backends("cuda")[b] is None]
+    backends = [b for b in args.gemm_backends.split(",") if available_backends("cuda")[b] is None]
     prev_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     rows = []
@@ -233,7 +234,7 @@ def section_gemm(args):
     # Triton decode diagnostic: split-K and tile choice at M=64.
     from jetrl_precision.kernels.gemm import fp8_gemm_nt
     print("\ntriton decode M=64 (us): split_k x tile")
-    for lname in ("o_proj", "down"):
+    for lname in ("o_proj", "down") if "triton" in backends else ():
         n, k = LAYERS[lname]
         xq = quant.quantize_1x128(data(64, k, seed=6))
         wq = quant.quantize_128x128(data(n, k, seed=5, scale=0.02))[0]
@@ -630,16 +631,26 @@ class Stack(nn.Module):
         return x
 
 
-def _build_stack(recipe_name, seed=0):
+def _build_stack(variant, seed=0):
+    """variant: "bf16" or "jet_fp8/<gemm backend>"."""
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = Stack().to(torch.bfloat16)
     for p in model.parameters():
         if p.dim() == 2:
             nn.init.normal_(p, std=0.02)
-    if recipe_name != "bf16":
-        convert_to_fp8(model, recipe_name)
+    if variant != "bf16":
+        recipe_name, backend = variant.split("/")
+        convert_to_fp8(model, dataclasses.replace(get_recipe(recipe_name), gemm_backend=backend))
     return model
+
+
+def _variant_label(variant):
+    return variant if variant == "bf16" else f"jet_fp8 {resolve_backend(variant.split('/')[1], 'cuda')}"
+
+
+def _stack_variants(args):
+    return ["bf16"] + [f"jet_fp8/{b}" for b in args.stack_backends.split(",")]
 
 
 def section_stack(args):
@@ -647,7 +658,7 @@ def section_stack(args):
     results = {}
     for batch in (args.stack_batch, args.stack_batch // 2, args.stack_batch // 4):
         try:
-            for name in ("bf16", "jet_fp8"):
+            for name in _stack_variants(args):
                 torch.cuda.empty_cache()
                 model = _build_stack(name)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -685,19 +696,20 @@ def section_stack(args):
             print(f"stack: batch {batch} ran out of memory; halving")
             results = {}
             torch.cuda.empty_cache()
-    bf, f8 = results["bf16"], results["jet_fp8"]
+    bf = results["bf16"]
     shape = f"4 layers, batch {batch} x seq {seq}"
     print(f"\n4-layer Llama-3.1-8B stack fwd+bwd+AdamW, {shape}")
     for name, (ms, tok, peak, loss) in results.items():
-        print(f"  {name:8s} {ms:8.1f} ms/step {tok:9.0f} tok/s  peak {peak:6.1f} GiB  loss {loss:.4g}")
-        rec("stack_train_tokens_per_s", shape, name, round(tok, 0), "tokens/s", round(tok / bf[1], 3),
-            ms_per_step=round(ms, 2), peak_mem_gib=round(peak, 2), gemm_backend=resolve_backend("auto", "cuda") if name != "bf16" else "cublas-bf16")
-    print(f"  speedup {f8[1] / bf[1]:.3f}x, peak memory {f8[2] / bf[2]:.3f} of bf16")
+        gb = "cublas-bf16" if name == "bf16" else _variant_label(name).split()[1]
+        print(f"  {name:16s} {ms:8.1f} ms/step {tok:9.0f} tok/s ({tok / bf[1]:.3f}x)  peak {peak:6.1f} GiB"
+              f" ({peak / bf[2]:.3f} of bf16)  loss {loss:.4g}  [{gb}]")
+        rec("stack_train_tokens_per_s", shape, name.split("/")[0] if name == "bf16" else f"jet_fp8 {gb}", round(tok, 0),
+            "tokens/s", round(tok / bf[1], 3), ms_per_step=round(ms, 2), peak_mem_gib=round(peak, 2), gemm_backend=gb)
 
 
 def section_decode(args):
     print("\nDecode-shaped forward (M sequences x 1 position, no KV cache), 4 layers")
-    models = {name: _build_stack(name).eval() for name in ("bf16", "jet_fp8")}
+    models = {name: _build_stack(name).eval() for name in _stack_variants(args)}
     for m in (64, 256):
         res = {}
         for name, model in models.items():
@@ -719,9 +731,10 @@ def section_decode(args):
             del g, out
         for name, (te, tg) in res.items():
             rb = res["bf16"]
-            print(f"  M={m:4d} {name:8s} eager {te * 1e3:8.1f} us ({rb[0] / te:4.2f}x)  graph {tg * 1e3:8.1f} us ({rb[1] / tg:4.2f}x)")
-            rec("decode_forward_us", f"M={m} 4 layers eager", name, round(te * 1e3, 1), "us", round(rb[0] / te, 3))
-            rec("decode_forward_us", f"M={m} 4 layers cuda-graph", name, round(tg * 1e3, 1), "us", round(rb[1] / tg, 3))
+            label = _variant_label(name)
+            print(f"  M={m:4d} {label:18s} eager {te * 1e3:8.1f} us ({rb[0] / te:4.2f}x)  graph {tg * 1e3:8.1f} us ({rb[1] / tg:4.2f}x)")
+            rec("decode_forward_us", f"M={m} 4 layers eager", label, round(te * 1e3, 1), "us", round(rb[0] / te, 3))
+            rec("decode_forward_us", f"M={m} 4 layers cuda-graph", label, round(tg * 1e3, 1), "us", round(rb[1] / tg, 3))
     del models
 
 
@@ -731,6 +744,8 @@ def main():
     ap.add_argument("--sections", default="env,copy,quant,host,gemm,linear,stack,decode")
     ap.add_argument("--stack-batch", type=int, default=16)
     ap.add_argument("--stack-steps", type=int, default=4)
+    ap.add_argument("--stack-backends", default="auto", help="GEMM backends of the jet_fp8 stack/decode variants, e.g. auto,torch")
+    ap.add_argument("--gemm-backends", default="torch,triton,deep_gemm", help="backends timed in the gemm section (if available)")
     args = ap.parse_args()
     global COMMAND
     COMMAND = "PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py " + " ".join(sys.argv[1:]).replace(os.environ.get("OUT", "\0"), "$OUT")

@@ -1,14 +1,18 @@
 """The `deep_gemm` backend: DeepGEMM's sm90 FP8 kernels, used when `deep_gemm` (or vLLM's vendored
 `vllm.third_party.deep_gemm`) imports. Optional: nothing requires it.
 
-- fprop / dgrad: `fp8_gemm_nt((A, sa), (B, sb), D)` with the default sm90 recipe (1, 128, 128):
-  A 1x128 with MN-major fp32 scales (M, K/128), B 128x128 with row-major (N/128, K/128) scales,
-  bf16 output only. An fp32 output request goes to the torch backend instead (logged once).
-- wgrad: recipe (1, 1, 128) (both operands 1x128 along K); fp32 output accumulates into C, so D
-  starts at zero and is passed as C too.
-Scale floats are used as they are (`disable_ue8m0_cast=True` where the API has it): the Jet-RL
-contract keeps plain fp32 amax/448 scales unless the recipe asks for pow2.
-K and N are padded to multiples of 128 when needed (logged once).
+Checked against DeepGEMM 2.6.1 (54e22612); `fp8_gemm_nt(a=(data, sf), b=(data, sf), d, c=None, recipe=None,
+recipe_a=None, recipe_b=None, compiled_dims="nk", disable_ue8m0_cast=False)` computes D = C + A @ B^T:
+- fprop / dgrad: recipe (1, 128, 128) (the sm90 default, passed explicitly): A 1x128, B 128x128, the
+  1D2D kernel, bf16 D only and no C. An fp32 output request goes to the torch backend instead (logged once).
+- wgrad: recipe (1, 1, 128) (both operands 1x128 along K): the 1D1D kernel, fp32 D only and C required
+  (it TMA-adds into D). D starts at zero and is passed as C too; a bf16 request is cast from that fp32.
+Scale layouts it reads without a copy, which are the ones built here: 1x128 scales fp32 (rows, K/128)
+MN-major with the row count padded to a multiple of 4 (16-byte TMA alignment; any other layout costs a
+JIT transpose kernel or a torch copy inside DeepGEMM); 128x128 scales fp32 (N/128, K/128) row-major (or
+its transpose). On sm90 fp32 scales are never rounded to UE8M0; `disable_ue8m0_cast=True` is passed
+anyway, since the Jet-RL contract is plain fp32 amax/448 scales.
+K and N are padded to multiples of 128 when needed (logged once); any M works.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from types import ModuleType
 import torch
 
 from ..formats import QuantizedTensor
-from ..kernels.layout import mn_major, pad_operands
+from ..kernels.layout import pad_operands
 from .dispatch import GemmBackend, register_backend
 
 __all__ = ["deep_gemm_gemm_nt", "import_deep_gemm"]
@@ -54,22 +58,51 @@ def import_deep_gemm() -> ModuleType | None:
     return mod
 
 
+_kw_support: dict[str, bool] = {}
+
+
 def _supports_kw(fn, name: str) -> bool:
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # pybind functions may hide their signature
-        return False
+    """Whether `fn` takes keyword `name`; cached (this runs per GEMM, and pybind functions hide their
+    signature from inspect, so their docstring, which pybind11 opens with it, is read instead)."""
+    key = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', fn)}:{name}"
+    if key not in _kw_support:
+        try:
+            _kw_support[key] = name in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            _kw_support[key] = f"{name}:" in (getattr(fn, "__doc__", None) or "")
+    return _kw_support[key]
 
 
 def _call(dg: ModuleType, a, b, d, **kw) -> None:
     fn = dg.fp8_gemm_nt
     if _supports_kw(fn, "disable_ue8m0_cast"):
         kw["disable_ue8m0_cast"] = True
-    try:
-        fn(a, b, d, **kw)
-    except TypeError:
-        kw.pop("disable_ue8m0_cast", None)
-        fn(a, b, d, **kw)
+    fn(a, b, d, **kw)
+
+
+def _tma_mn_major(scale: torch.Tensor) -> torch.Tensor:
+    """1x128 scales (R, G) as DeepGEMM reads them without a copy: strides (1, round_up(R, 4)).
+
+    The Triton quantizers' (G, R) buffers already are this when R % 4 == 0; otherwise the values move
+    into a (G, round_up(R, 4)) buffer (small: 4 bytes per 128 elements).
+    """
+    r, g = scale.shape
+    rp = -(-r // 4) * 4
+    if scale.dtype == torch.float32 and scale.stride(0) == 1 and scale.stride(1) == rp:
+        return scale
+    buf = torch.empty((g, rp), dtype=torch.float32, device=scale.device)
+    buf[:, :r] = scale.t()
+    return buf[:, :r].t()
+
+
+def _sm90_sfb(scale: torch.Tensor) -> torch.Tensor:
+    """128x128 scales (NB, KB) in a layout DeepGEMM's sm90 check accepts: row-major or its transpose."""
+    nb, kb = scale.shape
+    if scale.dtype == torch.float32 and (
+        (scale.stride(1) == 1 and scale.stride(0) == kb) or (scale.stride(0) == 1 and scale.stride(1) == nb)
+    ):
+        return scale
+    return torch.empty((nb, kb), dtype=torch.float32, device=scale.device).copy_(scale)
 
 
 def deep_gemm_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -86,21 +119,17 @@ def deep_gemm_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
     dg = import_deep_gemm()
     if dg is None:
         raise RuntimeError(f"deep_gemm is not importable: {_import_error[0]}")
+    # Contiguous data: the 1D1D kernel takes K as the row stride of A and B.
     a_data, a_scale, b_data, b_scale, m, n = pad_operands(a, b, who="deep_gemm backend")
-    sa = mn_major(a_scale)
+    sa = _tma_mn_major(a_scale)
     if b.block == (128, 128):
-        sb = b_scale.contiguous()
         out = torch.empty((m, b_data.shape[0]), dtype=torch.bfloat16, device=a_data.device)
-        _call(dg, (a_data, sa), (b_data, sb), out)
+        _call(dg, (a_data, sa), (b_data, _sm90_sfb(b_scale)), out, recipe=(1, 128, 128))
     else:
-        sb = mn_major(b_scale)
-        if out_dtype == torch.float32:
-            out = torch.zeros((m, b_data.shape[0]), dtype=torch.float32, device=a_data.device)
-            _call(dg, (a_data, sa), (b_data, sb), out, c=out, recipe=(1, 1, 128))
-        else:
-            out = torch.empty((m, b_data.shape[0]), dtype=torch.bfloat16, device=a_data.device)
-            _call(dg, (a_data, sa), (b_data, sb), out, recipe=(1, 1, 128))
-        out = out if out.dtype == out_dtype else out.to(out_dtype)
+        # The 1D1D kernel writes fp32 only and adds into D: zeros, passed as C as well.
+        out = torch.zeros((m, b_data.shape[0]), dtype=torch.float32, device=a_data.device)
+        _call(dg, (a_data, sa), (b_data, _tma_mn_major(b_scale)), out, c=out, recipe=(1, 1, 128))
+        out = out if out_dtype == torch.float32 else out.to(out_dtype)
     return out if out.shape[1] == n else out[:, :n]
 
 

@@ -107,6 +107,29 @@ def test_backends_agree(shape, b_block):
     assert rel_err(base, emu) <= TOL_FP32
 
 
+def test_deep_gemm_raw_api_contract():
+    """The DeepGEMM calls the backend makes (2.6.1, sm90), made directly: the 1D2D form with TMA-aligned
+    MN-major A scales for an M that is not a multiple of 4, and the 1D1D wgrad form, whose fp32 D is
+    added to (C == D), so two calls give twice the product."""
+    _backend_or_skip("deep_gemm")
+    from jetrl_precision.gemm.deep_gemm_backend import _sm90_sfb, _tma_mn_major, import_deep_gemm
+
+    dg = import_deep_gemm()
+    m, n, k = 130, 256, 384
+    a, b = _operands(m, n, k, (128, 128), seed=51)
+    sa = _tma_mn_major(a.scale)
+    assert sa.stride() == (1, 132)
+    d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dg.fp8_gemm_nt((a.data, sa), (b.data, _sm90_sfb(b.scale)), d, recipe=(1, 128, 128), disable_ue8m0_cast=True)
+    assert rel_err(d, _reference(a, b)) <= TOL_BF16
+    a, b = _operands(m, n, k, (1, 128), seed=52)
+    d32 = torch.zeros((m, n), dtype=torch.float32, device="cuda")
+    for _ in range(2):
+        dg.fp8_gemm_nt((a.data, _tma_mn_major(a.scale)), (b.data, _tma_mn_major(b.scale)), d32, c=d32,
+                       recipe=(1, 1, 128), disable_ue8m0_cast=True)
+    assert rel_err(d32, 2 * _reference(a, b)) <= TOL_FP32
+
+
 def test_triton_split_k_deterministic():
     from jetrl_precision.kernels.gemm import fp8_gemm_nt
 
