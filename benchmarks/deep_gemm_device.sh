@@ -10,7 +10,8 @@
 #   source benchmarks/deep_gemm_device.sh      # both at once (the work runs in a child bash, then the env is sourced)
 #
 # Knobs (environment): PYTHON (python3), DG_ARCHIVE (.dg/deepgemm-src.tar.gz), DG_SRC (/tmp/dg), DG_SITE (/tmp/dgsite),
-# DG_JIT_CACHE_DIR (/tmp/dgcache), DG_ENV_FILE (/tmp/dg_env.sh), DG_REBUILD=1 (ignore a matching earlier build),
+# DG_JIT_CACHE_DIR (/tmp/dgcache), DG_ENV_FILE (/tmp/dg_env.sh), DG_JIT_USE_RUNTIME_API=1 (load and launch the JIT
+# kernels through the CUDA runtime API instead of dlsym-ed driver symbols), DG_REBUILD=1 (ignore a matching earlier build),
 # DG_SKIP_SMOKE=1, DG_TRY_NVRTC=1 (also time NVRTC; it becomes the default only if it works and is faster).
 
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
@@ -31,7 +32,7 @@ SRC=${DG_SRC:-/tmp/dg}
 SITE=${DG_SITE:-/tmp/dgsite}
 CACHE=${DG_JIT_CACHE_DIR:-/tmp/dgcache}
 ENV_FILE=${DG_ENV_FILE:-/tmp/dg_env.sh}
-LOG=/tmp/dg_build.log
+LOG=$SITE.build.log  # one per build dir, so two builds can run side by side
 
 # ---- 0. inputs -------------------------------------------------------------------------------------
 [[ -f "$ARCHIVE" ]] || die "no $ARCHIVE: .dg/ is git-ignored, so the device call must carry it (carry: [\".dg\"])"
@@ -93,7 +94,7 @@ if ((${#EXTRA_INC[@]})); then
   step "headers from outside CUDA_HOME: $joined"
 fi
 
-LINKDIR=/tmp/dg_linklibs
+LINKDIR=$SITE.linklibs
 rm -rf "$LINKDIR"; mkdir -p "$LINKDIR"
 RPATHS=()
 for lib in cudart nvrtc; do
@@ -257,9 +258,9 @@ sys.exit(0 if ok else "smoke: DeepGEMM's result is wrong (see the errors above)"
 PYEOF
 )
 step "smoke test (NVCC JIT, cache $CACHE)"
-( source "$ENV_FILE" && timeout 600 "$PY" -c "$SMOKE" ) 2>&1 | tee /tmp/dg_smoke.log \
-  || die "smoke test failed (import, JIT compile or wrong result; output above, also in /tmp/dg_smoke.log)"
-nvcc_s=$(sed -n 's/^JIT_FIRST_CALL_S=//p' /tmp/dg_smoke.log)
+( source "$ENV_FILE" && timeout 600 "$PY" -c "$SMOKE" ) 2>&1 | tee $SITE.smoke.log \
+  || die "smoke test failed (import, JIT compile or wrong result; output above, also in $SITE.smoke.log)"
+nvcc_s=$(sed -n 's/^JIT_FIRST_CALL_S=//p' $SITE.smoke.log)
 
 if [[ "${DG_TRY_NVRTC:-0}" == 1 ]]; then
   step "NVRTC trial (separate cache ${CACHE}-nvrtc)"
