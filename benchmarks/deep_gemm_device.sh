@@ -12,7 +12,7 @@
 # Knobs (environment): PYTHON (python3), DG_ARCHIVE (.dg/deepgemm-src.tar.gz), DG_SRC (/tmp/dg), DG_SITE (/tmp/dgsite),
 # DG_JIT_CACHE_DIR (/tmp/dgcache), DG_ENV_FILE (/tmp/dg_env.sh), DG_JIT_USE_RUNTIME_API=1 (load and launch the JIT
 # kernels through the CUDA runtime API instead of dlsym-ed driver symbols), DG_REBUILD=1 (ignore a matching earlier build),
-# DG_SKIP_SMOKE=1, DG_TRY_NVRTC=1 (also time NVRTC; it becomes the default only if it works and is faster).
+# DG_CXX_STD=c++20 (the host extension's standard), DG_SKIP_SMOKE=1, DG_TRY_NVRTC=1 (also time NVRTC; it becomes the default only if it works and is faster).
 
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
   # Sourced: run the work in a child bash so `set -e` never reaches the caller's shell, then take the env.
@@ -127,6 +127,13 @@ else
   rm -rf "$SRC" "$SITE"; mkdir -p "$SRC" "$SITE"
   tar -xzf "$ARCHIVE" -C "$SRC" --strip-components=1 || die "cannot unpack $ARCHIVE"
   sed -n '2p;5,6p' "$SRC/DG_SOURCE.txt" | sed 's/^/   /'
+  # DG_CXX_STD: the host extension's C++ standard (DeepGEMM hard-codes c++17; torch >= 2.10 builds its
+  # own extensions as c++20).
+  if [[ -n "${DG_CXX_STD:-}" ]]; then
+    sed -i "s/'-std=c++17'/'-std=${DG_CXX_STD}'/" "$SRC/setup.py"
+    grep -q -- "-std=${DG_CXX_STD}" "$SRC/setup.py" || die "could not set -std=${DG_CXX_STD} in setup.py"
+    step "host extension built with -std=${DG_CXX_STD}"
+  fi
   # DG_FORCE_BUILD=1: never try the prebuilt wheel on GitHub (no network). DG_USE_LOCAL_VERSION=0: no
   # `git status`/`git rev-parse` (the unpacked tree is no git repo); the version stays plain 2.6.1.
   # DG_JIT_CACHE_DIR is baked into deep_gemm/envs.py as the default cache dir.
