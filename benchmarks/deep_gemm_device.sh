@@ -12,7 +12,7 @@
 # Knobs (environment): PYTHON (python3), DG_ARCHIVE (.dg/deepgemm-src.tar.gz), DG_SRC (/tmp/dg), DG_SITE (/tmp/dgsite),
 # DG_JIT_CACHE_DIR (/tmp/dgcache), DG_ENV_FILE (/tmp/dg_env.sh), DG_JIT_USE_RUNTIME_API=1 (load and launch the JIT
 # kernels through the CUDA runtime API instead of dlsym-ed driver symbols), DG_REBUILD=1 (ignore a matching earlier build),
-# DG_CXX_STD (c++20; the host extension's standard), DG_STATIC_LIBSTDCXX=1, DG_SKIP_SMOKE=1, DG_TRY_NVRTC=1 (also time NVRTC; it becomes the default only if it works and is faster).
+# DG_CXX_STD (c++20; the host extension's standard), DG_STATIC_LIBSTDCXX (1), DG_SKIP_SMOKE=1, DG_TRY_NVRTC=1 (also time NVRTC; it becomes the default only if it works and is faster).
 
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
   # Sourced: run the work in a child bash so `set -e` never reaches the caller's shell, then take the env.
@@ -116,9 +116,11 @@ export LIBRARY_PATH="$LINKDIR${LIBRARY_PATH:+:$LIBRARY_PATH}"
 # setuptools appends $LDFLAGS to the link line: the rpath lets deep_gemm._C find libnvrtc.so.13 at import
 # without LD_LIBRARY_PATH (torch itself loads nvrtc lazily, so it is not there yet when _C loads).
 for d in "${RPATHS[@]}"; do export LDFLAGS="${LDFLAGS:+$LDFLAGS }-Wl,-rpath,$d"; done
-# DG_STATIC_LIBSTDCXX=1: link a private, hidden libstdc++ into deep_gemm._C, so its locale machinery
-# (std::regex, streams) cannot bind to another copy of the facets in the torch process.
-if [[ "${DG_STATIC_LIBSTDCXX:-0}" == 1 ]]; then
+# DG_STATIC_LIBSTDCXX (default 1): link a private, hidden libstdc++ into deep_gemm._C, so its locale
+# machinery (std::regex, streams) cannot bind to another copy of the facets in the torch process. On the
+# H200 image the shared-libstdc++ build SIGSEGVs in its first JIT call (in std::regex, and, with the regexes
+# replaced, still in the first bf16/fp8 GEMM); the static one passes every test.
+if [[ "${DG_STATIC_LIBSTDCXX:-1}" == 1 ]]; then
   export LDFLAGS="$LDFLAGS -static-libstdc++ -Wl,--exclude-libs,ALL"
   step "linking libstdc++ statically into _C (hidden)"
 fi

@@ -37,6 +37,7 @@ from triton.testing import do_bench  # noqa: E402
 
 from jetrl_precision import Fp8Linear, convert_to_fp8, get_recipe, mark_weights_updated, ops  # noqa: E402
 from jetrl_precision.gemm import available_backends, gemm_nt, resolve_backend  # noqa: E402
+from jetrl_precision.gemm.deep_gemm_backend import deep_gemm_wgrad_1d1d  # noqa: E402
 from jetrl_precision.kernels import fused, quant  # noqa: E402
 from jetrl_precision.kernels.layout import padding_events  # noqa: E402
 from jetrl_precision.quantize import quantize_fp8  # noqa: E402
@@ -262,8 +263,10 @@ def section_gemm(args):
         rec("wgrad_gemm_tflops", f"tokens={m} {lname} N={n} K={k}", "bf16", round(flops / t_bf / 1e9, 1), "TFLOP/s", 1.0)
         for b in backends:
             # fp32 output (a gradient-accumulation buffer) and bf16 (what Fp8Linear asks for: dW in the weight dtype).
+            # The deep_gemm backend hands WGrad to cuBLASLt where that works; time its own 1D1D kernel here.
+            fn = deep_gemm_wgrad_1d1d if b == "deep_gemm" else (lambda p, q, od, b=b: gemm_nt(p, q, od, b))
             for od in (torch.float32, torch.bfloat16):
-                t = bench(lambda b=b, od=od: gemm_nt(dy_t, x_t, od, b))
+                t = bench(lambda fn=fn, od=od: fn(dy_t, x_t, od))
                 tf = flops / t / 1e9
                 tag = "" if od == torch.float32 else " bf16-out"
                 line += f" | {b}{tag} {tf:6.0f} ({tf / (flops / t_bf / 1e9):.2f}x)"

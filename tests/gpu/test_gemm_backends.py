@@ -130,6 +130,30 @@ def test_deep_gemm_raw_api_contract():
     assert rel_err(d32, 2 * _reference(a, b)) <= TOL_FP32
 
 
+@pytest.mark.parametrize("m,n,k", [(4096, 6144, 4096), (64, 4096, 14336), (130, 200, 300)])
+def test_deep_gemm_wgrad_routing_and_1d1d(m, n, k):
+    """The backend's WGrad goes to cuBLASLt where that works (same bits as the torch backend); DeepGEMM's
+    own 1D1D kernel, kept for GPUs without it, matches the fp32 reference in fp32 and in bf16."""
+    _backend_or_skip("deep_gemm")
+    from jetrl_precision.gemm.deep_gemm_backend import deep_gemm_gemm_nt, deep_gemm_wgrad_1d1d
+
+    a, b = _operands(m, n, k, (1, 128), seed=61)
+    ref = _reference(a, b)
+    if available_backends("cuda")["torch"] is None:
+        assert torch.equal(deep_gemm_gemm_nt(a, b, torch.bfloat16), gemm_nt(a, b, torch.bfloat16, "torch"))
+    assert rel_err(deep_gemm_wgrad_1d1d(a, b, torch.float32), ref) <= TOL_FP32
+    assert rel_err(deep_gemm_wgrad_1d1d(a, b, torch.bfloat16), ref) <= TOL_BF16
+
+
+def test_deep_gemm_1d1d_refuses_small_m():
+    _backend_or_skip("deep_gemm")
+    from jetrl_precision.gemm.deep_gemm_backend import deep_gemm_wgrad_1d1d
+
+    a, b = _operands(1, 256, 512, (1, 128), seed=62)
+    with pytest.raises(ValueError, match="M >= 64"):
+        deep_gemm_wgrad_1d1d(a, b, torch.float32)
+
+
 def test_triton_split_k_deterministic():
     from jetrl_precision.kernels.gemm import fp8_gemm_nt
 
