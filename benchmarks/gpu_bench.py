@@ -339,6 +339,16 @@ def section_host(args):
                 continue
             print(f"  {name:28s} {us:7.1f}")
             rec("host_us_per_call", f"M=64 K=N=4096 {name}", "host", round(us, 1), "us")
+    # A training step's host cost: fwd+bwd of one layer at decode size, where the GPU work is tiny. This is
+    # the Python + launch time an eager o_proj step at M=8192 (~1 ms of GPU work) cannot hide.
+    xg = [data(64, 4096, seed=20 + i).requires_grad_(True) for i in range(2)]
+    dyg = data(64, 4096, seed=22)
+    for name, fn in {"nn.Linear fwd+bwd": lambda: lin(xg[next(cyc)]).backward(dyg),
+                     "Fp8Linear fwd+bwd": lambda: f8(xg[next(cyc)]).backward(dyg)}.items():
+        us = host_us(fn, n=200)
+        print(f"  {name:28s} {us:7.1f}")
+        rec("host_us_per_call", f"M=64 K=N=4096 {name}", "host", round(us, 1), "us")
+    with torch.no_grad():
         # Where the Fp8Linear host time goes (cProfile inflates the totals; the ranking is what matters).
         import cProfile
         import io

@@ -274,6 +274,32 @@ def test_gpu_backends_on_cpu_raise_clearly(name):
         resolve_backend(name, "cpu")
 
 
+def test_deep_gemm_backend_hands_wgrad_and_fp32_to_cublaslt(monkeypatch):
+    """The deep_gemm backend's routing (DeepGEMM itself needs a GPU): WGrad (1x128.1x128) and fp32-output
+    fprop go to the torch backend where cuBLASLt works; without it, DeepGEMM's 1D1D kernel refuses M < 64."""
+    from jetrl_precision.gemm import deep_gemm_backend as dgb
+    from jetrl_precision.gemm import torch_backend
+
+    calls = []
+
+    def fake_torch_gemm(a, b, out_dtype):
+        calls.append((a.block, b.block, out_dtype))
+        return torch.zeros(a.shape[0], b.shape[0], dtype=out_dtype)
+
+    assert dgb._cublaslt_ok(torch.device("cpu")) is False  # cuBLASLt blockwise is a GPU path
+    monkeypatch.setattr(torch_backend, "torch_gemm_nt", fake_torch_gemm)
+    x = quantize_fp8(outlier_data((8, 256)), (1, 128))
+    w1 = quantize_fp8(outlier_data((128, 256)), (1, 128))
+    w128 = quantize_fp8(outlier_data((128, 256)), (128, 128))
+    monkeypatch.setattr(dgb, "_cublaslt_ok", lambda device: True)
+    dgb.deep_gemm_gemm_nt(x, w1, torch.bfloat16)
+    dgb.deep_gemm_gemm_nt(x, w128, torch.float32)
+    assert calls == [((1, 128), (1, 128), torch.bfloat16), ((1, 128), (128, 128), torch.float32)]
+    monkeypatch.setattr(dgb, "_cublaslt_ok", lambda device: False)
+    with pytest.raises(ValueError, match="needs M >= 64, got 8"):
+        dgb.deep_gemm_gemm_nt(x, w1, torch.bfloat16)
+
+
 def test_unknown_backend():
     with pytest.raises(BackendUnavailable, match="unknown GEMM backend 'cutlass'"):
         resolve_backend("cutlass", "cpu")

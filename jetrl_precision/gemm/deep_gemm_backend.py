@@ -113,6 +113,8 @@ _cublaslt: dict[int, bool] = {}
 
 def _cublaslt_ok(device: torch.device) -> bool:
     """Whether the torch (cuBLASLt blockwise) backend works on this GPU; cached per device."""
+    if device.type != "cuda":
+        return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _cublaslt:
         from .torch_backend import unavailable_reason
