@@ -457,8 +457,9 @@ def section_linear(args):
         res["parts"] = br
         # What the GPU runs in one real step (kernel names and times), to account for the gap between
         # the step and the sum of its parts.
+        # Alternating inputs, as in the timed steps: one reused input would hit the quantizers' share cache.
         auto_layer = Fp8Linear.from_linear(lin, fp, bw, gemm_backend="auto")
-        prof_rows = _profile_kernels(lambda: auto_layer(xs[0]).backward(dys[0]), xs + [lin.weight])
+        prof_rows = _profile_kernels(lambda: (lambda i: auto_layer(xs[i]).backward(dys[i]))(next(cyc)), xs + [lin.weight])
         rec("linear_step_kernels_us", f"M={m} {lname} weight-cached", name, round(sum(us for _, us, _ in prof_rows), 1), "us",
             kernels=[{"name": kn[:90], "us_per_step": round(us, 1), "calls_per_step": c} for kn, us, c in prof_rows])
         print(f"  {lname}: GPU kernels of one step (us): " + "; ".join(f"{kn[:48]} x{c} {us:.0f}" for kn, us, c in prof_rows[:12]))

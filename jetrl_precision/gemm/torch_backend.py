@@ -9,7 +9,8 @@ Layouts (measured on an H200 with torch 2.11, see docs/benchmarks.md):
 The recipe enum is looked up through `__members__` (its spelling differs across torch versions);
 torch builds without `F.scaled_mm` use the legacy `torch._scaled_mm`, which infers the recipe from
 the scale shapes; builds with both use the legacy call for 1x128.128x128 when the availability probe
-finds it bitwise equal (torch 2.11: equal, and 10 us/call less host time). K or N that are not multiples of 128 are zero-padded (logged once).
+finds it bitwise equal (torch 2.11: equal, and 10 us/call less host time). K or N that are not
+multiples of 128 are zero-padded (logged once).
 """
 
 from __future__ import annotations
