@@ -664,7 +664,14 @@ def _variant_label(variant):
 
 
 def _stack_variants(args):
-    return ["bf16"] + [f"jet_fp8/{b}" for b in args.stack_backends.split(",")]
+    """bf16 plus one jet_fp8 variant per distinct resolved backend (auto,torch is one variant without DeepGEMM)."""
+    out, seen = ["bf16"], set()
+    for b in args.stack_backends.split(","):
+        resolved = resolve_backend(b, "cuda")
+        if resolved not in seen:
+            seen.add(resolved)
+            out.append(f"jet_fp8/{b}")
+    return out
 
 
 def section_stack(args):
