@@ -23,11 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jetrl_precision import convert_to_fp8, get_recipe, mismatch_metrics  # noqa: E402
-from jetrl_precision.weight_sync import iter_sync_tensors  # noqa: E402
 from openrlhf.models.actor import Actor, load_causal_lm  # noqa: E402
 from openrlhf.trainer.engines.base import SamplingConfig  # noqa: E402
 from openrlhf.trainer.engines.hf_engine import HFEngine  # noqa: E402
-from openrlhf.trainer.ppo_utils.experience_maker import samples_to_tensors  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience_maker import sample_after_sync  # noqa: E402
 
 QUESTIONS = ["What is 3+4*2?", "Name three colors.", "Compute 12*13 step by step.", "Write a haiku about rain.",
              "Why is the sky blue?", "List the first five primes.", "What is 2 to the 10th power?", "Say hello in French."]
@@ -37,9 +36,8 @@ def measure(model: str, recipe_name: str, attn: str, prompts, a) -> dict:
     recipe = get_recipe(recipe_name)
     trainer = convert_to_fp8(load_causal_lm(model, torch.float32, attn), recipe, side="train").eval()
     engine = HFEngine(model, recipe, dtype=torch.float32, attn_implementation=attn)
-    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.unified and recipe.train_fprop.is_fp8))
-    samples = [s for g in engine.generate(prompts, SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=1.0, n=a.n, seed=0)) for s in g]
-    exp = samples_to_tensors(samples, engine.pad_token_id)
+    sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=1.0, n=a.n, seed=0)
+    exp = sample_after_sync(trainer, engine, recipe, prompts, sampling, engine.pad_token_id)
     with torch.no_grad():
         train_lp = Actor(trainer)(exp.sequences, exp.attention_mask, exp.num_actions)
     return mismatch_metrics(exp.rollout_logprobs, train_lp, exp.action_mask, bucket_size=a.bucket)

@@ -117,7 +117,8 @@ def requantize_transposed(qt: QuantizedTensor, spec: TensorSpec) -> QuantizedTen
 def quantize_dual(x: torch.Tensor, spec: TensorSpec, t_spec: TensorSpec) -> tuple[QuantizedTensor, QuantizedTensor]:
     """(quantize(x, spec), quantize_transposed(x, t_spec)): the two dY layouts of the backward pass.
 
-    An implementation may produce both from one read of x; the bytes are those of the two separate calls.
+    An implementation may produce both together (the Triton one keeps dY out of its sibling-share
+    cache); the bytes are those of the two separate calls.
     """
     impl = _impl_for(x.device)
     fn = getattr(impl, "quantize_dual", None)

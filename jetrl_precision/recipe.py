@@ -199,6 +199,11 @@ class PrecisionRecipe:
         return self.rollout == self.train_fprop
 
     @property
+    def syncs_fp8_weights(self) -> bool:
+        """The weight sync sends the trainer's FP8 bytes (unified and FP8 in training), not bf16 weights."""
+        return self.unified and self.train_fprop.is_fp8
+
+    @property
     def off_policy(self) -> bool:
         """The sampler's numerics differ from the trained policy's, so IS correction is needed."""
         return not self.unified

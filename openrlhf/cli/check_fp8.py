@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max_tokens", type=int, default=2048, help="tokens per layer for the SQNR measurement")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for check_fp8.json / check_fp8.md")
-    p.add_argument("--strict", action="store_true", help="exit 1 if any layer is below --min_sqnr_db")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any layer is flagged")
     return p
 
 
@@ -146,10 +146,9 @@ def _recipe_mismatch(a, recipe_name: str, dtype, device, prompts, hp_model, engi
     import torch
 
     from jetrl_precision import convert_to_fp8, get_recipe, mismatch_metrics
-    from jetrl_precision.weight_sync import iter_sync_tensors
     from openrlhf.models.actor import Actor, load_causal_lm
     from openrlhf.trainer.engines.base import SamplingConfig
-    from openrlhf.trainer.ppo_utils.experience_maker import samples_to_tensors
+    from openrlhf.trainer.ppo_utils.experience_maker import sample_after_sync
 
     recipe = get_recipe(recipe_name)
     if a.gemm_backend != "auto":
@@ -158,19 +157,16 @@ def _recipe_mismatch(a, recipe_name: str, dtype, device, prompts, hp_model, engi
         recipe = dataclasses.replace(recipe, gemm_backend=a.gemm_backend)
     trainer = convert_to_fp8(load_causal_lm(a.model, dtype, a.attn_implementation).to(device), recipe, side="train").eval()
     engine = _make_engine(a, engine_kind, recipe, dtype, device, max(map(len, prompts)) + a.max_new_tokens + 1)
+    pad = hp_model.config.pad_token_id if hp_model.config.pad_token_id is not None else (hp_model.config.eos_token_id or 0)
+    sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, n=a.n_samples, seed=a.seed + 1)
     try:
-        engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.unified and recipe.train_fprop.is_fp8))
-        sampling = SamplingConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature, n=a.n_samples, seed=a.seed + 1)
-        samples = [s for grp in engine.generate(prompts, sampling) for s in grp]
+        exp = sample_after_sync(trainer, engine, recipe, prompts, sampling, pad if isinstance(pad, int) else pad[0])
     finally:
         engine.shutdown()  # one in-process vLLM engine at a time
-    pad = hp_model.config.pad_token_id if hp_model.config.pad_token_id is not None else (hp_model.config.eos_token_id or 0)
-    exp = samples_to_tensors(samples, pad_token_id=pad if isinstance(pad, int) else pad[0])
-    seq, attn, mask = exp.sequences.to(device), exp.attention_mask.to(device), exp.action_mask.to(device)
+    seq, attn, mask = exp.sequences.to(device), exp.attention_mask.to(device), exp.action_mask
     with torch.no_grad():
         train_lp = Actor(trainer)(seq, attn, exp.num_actions).float().cpu()
         hp_lp = Actor(hp_model)(seq, attn, exp.num_actions).float().cpu()
-    mask = mask.cpu()
     on_policy = mismatch_metrics(exp.rollout_logprobs.float(), train_lp, mask)
     shift = mismatch_metrics(hp_lp, train_lp, mask)
     del trainer, engine

@@ -52,6 +52,8 @@ class Actor(nn.Module):
         logp = log_probs_from_logits(logits, sequences[:, -num_actions:], temperature=temperature)
         if not return_entropy:
             return logp
+        # logp stays the function the old/rollout log-probs were computed with (not a gather from logz),
+        # so the PPO ratio starts at exactly 1 whether or not the entropy term is on.
         logz = torch.log_softmax(logits.float() / temperature, dim=-1)
         return logp, -(logz.exp() * logz).sum(-1)
 

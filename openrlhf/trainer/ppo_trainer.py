@@ -19,8 +19,6 @@ from typing import Any, Callable
 
 import torch
 
-from openrlhf.cli.config import ConfigError
-
 from jetrl_precision import (
     PrecisionGraph,
     PrecisionRecipe,
@@ -32,6 +30,7 @@ from jetrl_precision import (
     mismatch_metrics,
 )
 from jetrl_precision.weight_sync import WeightSyncError, compare_digests, iter_sync_tensors, sync_tensor_digest
+from openrlhf.cli.config import ConfigError
 from openrlhf.datasets.prompts_dataset import PromptDataset, load_prompt_records
 from openrlhf.models.actor import Actor, Critic, load_causal_lm
 from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss
@@ -276,7 +275,7 @@ class PPOTrainer:
         """Send the actor's weights to the engine (FP8 bytes for FP8 layers), then compare digests
         of a sample of tensors on both sides."""
         t0 = time.perf_counter()
-        fp8 = self.recipe.unified and self.recipe.train_fprop.is_fp8
+        fp8 = self.recipe.syncs_fp8_weights
         digests: dict[str, str] = {}
         nbytes = 0
 

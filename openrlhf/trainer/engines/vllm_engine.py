@@ -330,7 +330,7 @@ class VLLMEngine(RolloutEngine):
         if names is None:
             trainer_names = [n for n, _ in trainer_model.named_parameters()]
             names = sample_names([n for n in self.param_names() if n in set(trainer_names)], k, seed)
-        fp8_trainer = self.recipe.unified and self.recipe.train_fprop.is_fp8
+        fp8_trainer = self.recipe.syncs_fp8_weights
         # After a high-precision sync the engine answers with the digest of what it received;
         # before any sync it holds its own quantization of the checkpoint.
         spec = self.recipe.rollout.weight if (self.quantization and not fp8_trainer and not self._synced) else None

@@ -13,12 +13,14 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from jetrl_precision import PrecisionRecipe
+from jetrl_precision.weight_sync import iter_sync_tensors
 from openrlhf.models.utils import compute_approx_kl
-from openrlhf.trainer.engines.base import RolloutSample
+from openrlhf.trainer.engines.base import RolloutEngine, RolloutSample, SamplingConfig
 
 from .advantages import compute_advantages
 
-__all__ = ["Experience", "ExperienceMaker", "RewardFn", "AdvantageSettings", "samples_to_tensors"]
+__all__ = ["Experience", "ExperienceMaker", "RewardFn", "AdvantageSettings", "samples_to_tensors", "sample_after_sync"]
 
 # (prompts, responses, labels) -> one scalar reward per response
 RewardFn = Callable[[list[str], list[str], list[str | None]], list[float]]
@@ -87,6 +89,17 @@ def samples_to_tensors(samples: Sequence[RolloutSample], pad_token_id: int) -> E
             amask[i, :r] = True
             rlp[i, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
     return Experience(seq, attn, amask, rlp)
+
+
+def sample_after_sync(
+    trainer: torch.nn.Module, engine: RolloutEngine, recipe: PrecisionRecipe, prompts: list[list[int]],
+    sampling: SamplingConfig, pad_token_id: int,
+) -> Experience:
+    """A run's first rollout in miniature: `trainer` (a model under the recipe's training flow)
+    sends its weights to `engine` as training does, and the engine samples `prompts`.
+    Returns the samples as tensors, with the engine's log-probs as `rollout_logprobs`."""
+    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.syncs_fp8_weights))
+    return samples_to_tensors([s for group in engine.generate(prompts, sampling) for s in group], pad_token_id)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from typing import Any, Iterable
 
 import numpy as np
 import torch
-
 import torch.distributed as dist
 from torch import nn
 
