@@ -26,7 +26,7 @@ def _mismatch(model_dir, recipe_name: str, dtype: torch.dtype, attn: str = "sdpa
     recipe = get_recipe(recipe_name)
     trainer = convert_to_fp8(load_causal_lm(str(model_dir), dtype, attn), recipe, side="train").eval()
     engine = HFEngine(str(model_dir), recipe, dtype=dtype, attn_implementation=attn)
-    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.unified and recipe.train_fprop.is_fp8))
+    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.syncs_fp8_weights))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 100, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (16,), generator=g)]
     samples = [s for grp in engine.generate(prompts, SamplingConfig(max_new_tokens=24, temperature=1.0, n=2, seed=1)) for s in grp]
