@@ -294,6 +294,7 @@ def section_host(args):
     x = data(64, 4096, seed=16)
     w = data(4096, 4096, seed=17, scale=0.02)
     xq, wq = quant.quantize_1x128(x), quant.quantize_128x128(w)[0]
+    xq_t = quant.quantize_128x1_t(data(4096, 64, seed=15))  # a WGrad-shaped 1x128 operand (64 x 4096)
     one, block = tb.scaling_types()
     sb = wq.scale.t() if wq.scale.is_contiguous() else torch.as_strided(wq.scale, (wq.scale.shape[1], wq.scale.shape[0]), (1, wq.scale.stride(0)))
     lin = nn.Linear(4096, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -308,7 +309,13 @@ def section_host(args):
         "torch._scaled_mm direct": lambda: torch._scaled_mm(xq.data, wq.data.t(), scale_a=xq.scale, scale_b=sb, out_dtype=torch.bfloat16),
         "gemm_nt torch": lambda: gemm_nt(xq, wq, torch.bfloat16, "torch"),
         "gemm_nt triton": lambda: gemm_nt(xq, wq, torch.bfloat16, "triton"),
+        # The backward's launches, one by one (the fwd+bwd host time below is their sum plus autograd).
+        "quantize_128x1_t launch": lambda: quant.quantize_128x1_t(x),
+        "requantize_1x128_to_128x1 launch": lambda: quant.requantize_1x128_to_128x1(xq, True),
+        "gemm_nt torch wgrad": lambda: gemm_nt(xq_t, xq_t, torch.bfloat16, "torch"),
     }
+    if available_backends("cuda")["deep_gemm"] is None:
+        items["gemm_nt deep_gemm"] = lambda: gemm_nt(xq, wq, torch.bfloat16, "deep_gemm")
     # Is the legacy torch._scaled_mm (7 us cheaper per call) the same computation for block scales?
     # Both recipes, at a decode and a training shape; bitwise equality or it is not a drop-in.
     for mm in (64, 4096):
@@ -363,6 +370,16 @@ def section_host(args):
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
         print(buf.getvalue())
+    # The same for a training step (fwd+bwd): what an eager o_proj step at M=8192 has to hide.
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        f8(xg[next(cyc)]).backward(dyg)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(26)
+    print("cProfile, 200 Fp8Linear fwd+bwd steps:\n" + buf.getvalue())
 
 
 def _saved_bytes(fn, params=()):
@@ -397,6 +414,8 @@ def section_linear(args):
         cyc = itertools.cycle(range(2))
         t_bf = bench(lambda: (lambda i: lin(xs[i]).backward(dys[i]))(next(cyc)), grad_to_none=xs + [lin.weight], rep=150)
         _, saved_bf = _saved_bytes(lambda: lin(x), [lin.weight])
+        h_bf = _host_ms(lambda: lin(xs[0]).backward(dys[0]), xs + [lin.weight])
+        rec("linear_fwd_bwd_host_ms", f"M={m} {lname}", "bf16", round(h_bf, 4), "ms")
         res = {"layer": lname, "bf16_ms": t_bf, "bf16_graph": _graphed_step_ms(_linear_over, lin.weight, xs, dys)}
         rec("linear_fwd_bwd_ms", f"M={m} {lname}", "bf16", round(t_bf, 4), "ms", 1.0, saved_activation_bytes=saved_bf)
         rec("linear_fwd_bwd_ms", f"M={m} {lname} cuda-graph", "bf16", round(res["bf16_graph"], 4), "ms", 1.0)
@@ -420,6 +439,9 @@ def section_linear(args):
             t_c = bench(step_cached, grad_to_none=xs + [lin.weight], rep=150)
             t_r = bench(step_requant, grad_to_none=xs + [lin.weight], rep=150)
             _, saved = _saved_bytes(lambda: layer(x), [lin.weight])
+            h_c = _host_ms(step_cached, xs + [lin.weight])
+            rec("linear_fwd_bwd_host_ms", f"M={m} {lname} weight-cached", name, round(h_c, 4), "ms")
+            print(f"  {lname} {name}: host time per step {h_c:.3f} ms (bf16 {h_bf:.3f}), GPU step {t_c:.3f} ms")
             res[f"{name}_cached"] = t_c
             res[f"{name}_requant"] = t_r
             if backend == "auto":
@@ -499,6 +521,22 @@ def section_linear(args):
         rec("linear_fwd_bwd_geomean_ratio", f"M={m} 4 layers {key}",
             name if key in ("graph", "kernels_sum") else key.split("_")[0],
             round(g, 3), "x", round(g, 3))
+
+
+def _host_ms(step, params, n=7):
+    """Host (enqueue) time of one step in ms, median of n: the GPU is held busy by a sleep kernel first,
+    so the host never waits on it and the wall time is pure Python + launch cost."""
+    ts = []
+    for _ in range(n):
+        for p in params:
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time, far longer than any step's host time
+        t0 = time.perf_counter()
+        step()
+        ts.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return sorted(ts)[n // 2]
 
 
 def _profile_kernels(step, params, steps=5):
