@@ -1,0 +1,108 @@
+"""Where an eager Fp8Linear training step spends host (CPU) time, on a GPU.
+
+An o_proj-sized step at M=8192 does about 0.9 ms of GPU work but takes 1.5 ms eager (docs/benchmarks.md), and a
+fwd+bwd at M=64 costs ~1.3 ms of host time against ~0.15 ms for nn.Linear, more than the sum of its launches.
+This script separates the candidates:
+- host time per step (GPU held busy by a sleep kernel, so the wall time is pure enqueue cost) for nn.Linear
+  and Fp8Linear, at M=64 and M=8192, with the autograd engine's device threads on and off;
+- fwd alone (graph built), and backward through torch.autograd.grad (no AccumulateGrad);
+- a torch.profiler CPU table of a few steps: which ops, CUDA runtime calls (cudaMalloc, synchronizations)
+  and Python functions take the time.
+
+  python3 benchmarks/host_profile.py [--backend auto] [--m 64,8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jetrl_precision import Fp8Linear, get_recipe  # noqa: E402
+
+
+def host_ms(step, n=9):
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time: the host never waits on the GPU below
+        t0 = time.perf_counter()
+        step()
+        ts.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return sorted(ts)[n // 2]
+
+
+def loop_us(step, n=100):
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--m", default="64,8192")
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=4096)
+    args = ap.parse_args()
+    r = get_recipe("jet_fp8")
+    lin = nn.Linear(args.k, args.n, bias=False, device="cuda", dtype=torch.bfloat16)
+    f8 = Fp8Linear.from_linear(lin, r.train_fprop, r.train_backward, gemm_backend=args.backend)
+    print(f"backend {f8.resolved_backend}, N={args.n} K={args.k}")
+    for m in map(int, args.m.split(",")):
+        xs = [torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for _ in range(2)]
+        dy = torch.randn(m, args.n, device="cuda", dtype=torch.bfloat16) * 1e-3
+        for mod_name, mod in (("nn.Linear", lin), ("Fp8Linear", f8)):
+            i = [0]
+
+            def nxt():
+                i[0] ^= 1
+                return xs[i[0]]
+
+            steps = {
+                "fwd+bwd": lambda: mod(nxt()).backward(dy),
+                "fwd (graph built)": lambda: mod(nxt()),
+                "fwd+autograd.grad": lambda: torch.autograd.grad(mod(nxt()), [xs[i[0]], lin.weight], dy),
+            }
+            for name, step in steps.items():
+                step()
+                h = host_ms(step)
+                lu = loop_us(step) if m <= 256 else float("nan")
+                print(f"M={m:5d} {mod_name:10s} {name:20s} host {h * 1e3:8.1f} us   loop {lu:8.1f} us/step")
+            torch.autograd.set_multithreading_enabled(False)
+            try:
+                step = steps["fwd+bwd"]
+                step()
+                print(f"M={m:5d} {mod_name:10s} {'fwd+bwd, no engine threads':20s} host {host_ms(step) * 1e3:8.1f} us")
+            finally:
+                torch.autograd.set_multithreading_enabled(True)
+        # torch.profiler: CPU-side table of 5 Fp8Linear steps.
+        from torch.profiler import ProfilerActivity, profile
+
+        step = lambda: f8(xs[0]).backward(dy)  # noqa: E731
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        print(f"\n--- torch.profiler, 5 Fp8Linear fwd+bwd steps at M={m}, by self CPU time ---")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=32, max_name_column_width=60))
+        del xs, dy
+
+
+if __name__ == "__main__":
+    main()
