@@ -26,9 +26,9 @@ else
 fi
 
 if [[ "${PYTEST_K:-}" != skip ]]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rf tests/gpu ${PYTEST_K:+-k "$PYTEST_K"} \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfs tests/gpu ${PYTEST_K:+-k "$PYTEST_K"} \
     > "$OUT/pytest.txt" 2>&1
-  echo "pytest rc=$?"; grep -E "passed|failed|FAILED" "$OUT/pytest.txt" | tail -n 12
+  echo "pytest rc=$?"; grep -E "passed|failed|FAILED|SKIPPED" "$OUT/pytest.txt" | tail -n 12
 fi
 
 SECTIONS=${SECTIONS:-env,copy,quant,host,gemm,linear,stack,decode}

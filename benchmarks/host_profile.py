@@ -88,6 +88,28 @@ def main():
                 print(f"M={m:5d} {mod_name:10s} {'fwd+bwd, no engine threads':20s} host {host_ms(step) * 1e3:8.1f} us")
             finally:
                 torch.autograd.set_multithreading_enabled(True)
+        # cProfile of 100 Fp8Linear steps with the backward on this thread (cProfile sees one thread only).
+        import cProfile
+        import io
+        import pstats
+
+        step = lambda: f8(xs[0]).backward(dy)  # noqa: E731
+        torch.autograd.set_multithreading_enabled(False)
+        try:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(100):
+                step()
+            prof.disable()
+            torch.cuda.synchronize()
+        finally:
+            torch.autograd.set_multithreading_enabled(True)
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+        print(f"\n--- cProfile, 100 Fp8Linear fwd+bwd steps at M={m}, backward on the calling thread ---\n{buf.getvalue()}")
         # torch.profiler: CPU-side table of 5 Fp8Linear steps.
         from torch.profiler import ProfilerActivity, profile
 
