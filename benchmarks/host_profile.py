@@ -81,13 +81,18 @@ def main():
                 h = host_ms(step)
                 lu = loop_us(step) if m <= 256 else float("nan")
                 print(f"M={m:5d} {mod_name:10s} {name:20s} host {h * 1e3:8.1f} us   loop {lu:8.1f} us/step")
+            # Warm back-to-back steps with the autograd engine's device threads on and off (off: the backward
+            # runs on this thread). At M=8192 a step is the larger of its host and GPU time.
+            step = steps["fwd+bwd"]
+            on = loop_us(step, n=60)
             torch.autograd.set_multithreading_enabled(False)
             try:
-                step = steps["fwd+bwd"]
                 step()
+                off = loop_us(step, n=60)
                 print(f"M={m:5d} {mod_name:10s} {'fwd+bwd, no engine threads':20s} host {host_ms(step) * 1e3:8.1f} us")
             finally:
                 torch.autograd.set_multithreading_enabled(True)
+            print(f"M={m:5d} {mod_name:10s} warm loop fwd+bwd: engine threads on {on:8.1f} us/step, off {off:8.1f} us/step")
         # cProfile of 100 Fp8Linear steps with the backward on this thread (cProfile sees one thread only).
         import cProfile
         import io

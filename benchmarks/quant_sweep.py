@@ -31,13 +31,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jetrl_precision.formats import FP8_DTYPE  # noqa: E402
 from jetrl_precision.kernels import quant  # noqa: E402
-from jetrl_precision.kernels._common import group_scale, quantize_values  # noqa: E402
+from jetrl_precision.kernels._common import abs_max, group_scale, quantize_values  # noqa: E402
 from jetrl_precision.quantize import quantize_fp8  # noqa: E402
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -61,8 +56,7 @@ def _q128x1_loop(
         if DEQ:
             s_in = tl.load(in_s_ptr + rr[:, None] * sir + (cc // 128)[None, :] * sig, mask=mask, other=0.0)
             x = x * s_in
-        amax = tl.reduce(tl.abs(x), 0, _max_nan)
-        scale = group_scale(amax, (amax != amax).to(tl.int32), POW2)
+        scale = group_scale(abs_max(x, 0), POW2)
         q = quantize_values(x, scale[None, :])
         tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=mask)
         tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
@@ -82,8 +76,7 @@ def _q1x128_loop(
         cc = g * 128 + tl.arange(0, 128)
         mask = (rr[:, None] < R) & (cc[None, :] < C)
         x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.reduce(tl.abs(x), 1, _max_nan)
-        scale = group_scale(amax, (amax != amax).to(tl.int32), POW2)
+        scale = group_scale(abs_max(x, 1), POW2)
         q = quantize_values(x, scale[:, None])
         tl.store(q_ptr + rr[:, None].to(tl.int64) * sqr + cc[None, :] * sqc, q, mask=mask)
         tl.store(s_ptr + rr * ssr + g * ssg, scale, mask=(rr < R) & (g * 128 < C))
@@ -141,7 +134,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="quant_sweep.json")
     ap.add_argument("--shapes", default="16384x4096,16384x14336,8192x4096")
-    ap.add_argument("--quick", action="store_true", help="a few configurations only")
+    ap.add_argument("--set", choices=("tiles", "pipelined"), default="tiles")
     args = ap.parse_args()
     torch.manual_seed(0)
     n = 2**29
@@ -152,16 +145,18 @@ def main():
     print(f"copy {copy_bw:.2f} TB/s", flush=True)
 
     # Configurations: (block_c, ncb, stages, warps, swap) for 128x1, (block_r, ng, stages, warps) for 1x128.
-    c128 = [(32, 1, 1, 4, False)]  # = production tile, with the one-reduction NaN flag
-    if args.quick:
-        c128 += [(32, 4, 3, 4, False), (32, 4, 3, 4, True), (64, 4, 3, 8, False)]
+    # "tiles": one tile per program (ncb = ng = 1, as in production), tile width, warps and grid order varied.
+    # "pipelined": several tiles per program with cp.async prefetch (measured slower: docs/benchmarks.md).
+    if args.set == "tiles":
+        c128 = [(bc, 1, 1, nw, sw) for bc in (16, 32, 64) for nw in (1, 2, 4) for sw in (False, True)]
+        c1 = [(br, 1, 1, nw) for br in (8, 16, 32, 64) for nw in (1, 2, 4)]
     else:
+        c128 = [(32, 1, 1, 4, False)]
         for bc, ncb, st, nw, sw in itertools.product((32, 64), (2, 4, 8), (2, 3), (4, 8), (False, True)):
             if bc == 32 and nw == 8:
                 continue
             c128.append((bc, ncb, st, nw, sw))
-    c1 = [(32, 1, 1, 4)] + ([(32, 4, 3, 4), (16, 4, 3, 4), (32, 8, 3, 4)] if args.quick else
-                             [(br, ng, st, 4) for br, ng, st in itertools.product((16, 32), (2, 4, 8), (2, 3))])
+        c1 = [(32, 1, 1, 4)] + [(br, ng, st, 4) for br, ng, st in itertools.product((16, 32), (2, 4, 8), (2, 3))]
 
     # Correctness gate: every candidate against the production kernel and, with NaN/inf inside, the reference.
     xs = data(1000, 1600, 7)

@@ -1,7 +1,9 @@
 """Shared Triton device functions: the reference quantizer's arithmetic, step by step.
 
 Each helper mirrors one line of `quantize.quantize_fp8` so the bytes match exactly:
-- amax is a max of |x| in fp32, floored at 1e-10, NaN kept visible (torch's amax propagates NaN);
+- amax is a max of |x| in fp32, floored at 1e-10, NaN kept visible (torch's amax propagates NaN): one
+  NaN-propagating max reduction carries both (a separate NaN-flag reduction cost the 128x1 kernels a second
+  cross-warp round, 3-10% of their time on the H200);
 - scale = amax / 448 with IEEE round-to-nearest division (`div_rn`, not Triton's approximate `/`);
 - pow2 rounding is frexp/ldexp on the bits (non-finite scales become 1.0, as torch.frexp makes them);
 - q = e4m3(clamp(x / scale, -448, 448)), division again `div_rn`, NaN propagated through the clamp.
@@ -12,14 +14,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["group_scale", "quantize_values"]
+__all__ = ["abs_max", "group_scale", "quantize_values"]
 
 
 @triton.jit
-def group_scale(amax, has_nan, POW2: tl.constexpr):
-    """fp32 scale from a group's max|x| (`has_nan` > 0 marks groups holding NaN)."""
-    amax = tl.maximum(amax, 1e-10)
-    amax = tl.where(has_nan > 0, float("nan"), amax)
+def _max_propagate_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def abs_max(x, axis: tl.constexpr):
+    """max |x| along `axis`; NaN if the group holds a NaN (tl.max would drop it)."""
+    return tl.reduce(tl.abs(x), axis, _max_propagate_nan)
+
+
+@triton.jit
+def group_scale(amax, POW2: tl.constexpr):
+    """fp32 scale from a group's `abs_max` (NaN stays NaN)."""
+    amax = tl.where(amax != amax, float("nan"), tl.maximum(amax, 1e-10))
     scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
     if POW2:
         bits = scale.to(tl.int32, bitcast=True)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_DTYPE, QuantizedTensor
-from ._common import group_scale, quantize_values
+from ._common import abs_max, group_scale, quantize_values
 from .quant import new_scale_1x128
 
 try:  # Triton >= 3.2 spells the CUDA libdevice module like this
@@ -58,9 +58,7 @@ def _silu_mul_quant_kernel(
     if WRITE_H:
         tl.store(h_ptr + r64 * shr + cc[None, :] * shc, h, mask=mask)
     h32 = tl.where(mask, h.to(tl.float32), 0.0)
-    amax = tl.max(tl.abs(h32), axis=1)
-    has_nan = tl.max((h32 != h32).to(tl.int32), axis=1)
-    scale = group_scale(amax, has_nan, POW2)
+    scale = group_scale(abs_max(h32, 1), POW2)
     q = quantize_values(h32, scale[:, None])
     tl.store(q_ptr + r64 * sqr + cc[None, :] * sqc, q, mask=mask)
     tl.store(s_ptr + rr * ssr + g_idx * ssg, scale, mask=rr < R)
@@ -110,9 +108,7 @@ def _rmsnorm_quant_kernel(
         tl.store(y_ptr + r64 * syr + cc, y, mask=cmask)
     y32 = tl.where(cmask, y.to(tl.float32), 0.0)
     yg = tl.reshape(y32, (BLOCK_C // 128, 128))
-    amax = tl.max(tl.abs(yg), axis=1)
-    has_nan = tl.max((yg != yg).to(tl.int32), axis=1)
-    scale = group_scale(amax, has_nan, POW2)
+    scale = group_scale(abs_max(yg, 1), POW2)
     q = tl.reshape(quantize_values(yg, scale[:, None]), (BLOCK_C,))
     tl.store(q_ptr + r64 * sqr + cc, q, mask=cmask)
     gi = tl.arange(0, BLOCK_C // 128)
