@@ -134,18 +134,18 @@ def section_quant(args, copy_bw):
         one("ops_quantize_dual", shp, lambda: ops.quantize_dual(x, BW.dgrad_grad_output, BW.wgrad_grad_output), io_dual)
         one("separate_1x128_then_128x1_T", shp, lambda: (quant.quantize_1x128(x), quant.quantize_128x1_t(x)), io_dual)
         if (m, k) == (16384, 4096):
-            for bc in (32, 64, 128):
-                for nw in (4, 8):
-                    one(f"128x1_transposed_blockc{bc}_w{nw}", shp,
-                        lambda bc=bc, nw=nw: quant.quantize_128x1_t(x, block_c=bc, num_warps=nw), io)
+            # The previous default (32 columns, 4 warps, row blocks fastest) next to today's; the full tile
+            # sweep is benchmarks/quant_sweep.py.
+            for t in (quant.Tile128x1(32, 4, False), quant.Tile128x1(16, 1, False), quant.Tile128x1(16, 2, True)):
+                one(f"128x1_transposed_blockc{t.block_c}_w{t.num_warps}{'_colfast' if t.col_fastest else ''}", shp,
+                    lambda t=t: quant.quantize_128x1_t(x, tile=t), io)
         q1 = quant.quantize_1x128(x)
         io_rq = m * k * 2 + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
         one("requant_1x128_to_128x1_T", shp, lambda: quant.requantize_1x128_to_128x1(q1, True), io_rq)
         if (m, k) == (16384, 4096):
-            for bc in (32, 64, 128):
-                for nw in (4, 8):
-                    one(f"requant_T_blockc{bc}_w{nw}", shp,
-                        lambda bc=bc, nw=nw: quant.requantize_1x128_to_128x1(q1, True, block_c=bc, num_warps=nw), io_rq)
+            for t in (quant.Tile128x1(32, 4, False), quant.Tile128x1(16, 1, True), quant.Tile128x1(16, 2, False)):
+                one(f"requant_T_blockc{t.block_c}_w{t.num_warps}{'_colfast' if t.col_fastest else ''}", shp,
+                    lambda t=t: quant.requantize_1x128_to_128x1(q1, True, tile=t), io_rq)
         if (m, k) == (16384, 4096):
             one("torch_reference_1x128", shp, lambda: quantize_fp8(x, (1, 128), nonfinite="propagate"), io, backend="torch-ops")
         del x, q1

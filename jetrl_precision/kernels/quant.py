@@ -11,6 +11,8 @@ Scale layouts (the QuantizedTensor's logical scale shape never changes; only str
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -27,6 +29,10 @@ __all__ = [
     "new_scale_1x128",
     "new_scale_128x128",
     "transpose_quantized",
+    "Tile128x1",
+    "TILE_128x1",
+    "TILE_128x1_T",
+    "TILE_REQUANT_T",
 ]
 
 
@@ -94,10 +100,15 @@ def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False, block_r: int | Non
 def _quant_128x1_kernel(
     x_ptr, in_s_ptr, q_ptr, s_ptr, R, C,
     sxr, sxc, sir, sig, sqr, sqc, ssb, ssc,
-    BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr,
+    BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr, COL_FASTEST: tl.constexpr,
 ):
-    rb = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    # COL_FASTEST: consecutive programs walk along the columns of one 128-row block (their reads share rows).
+    if COL_FASTEST:
+        pid_c = tl.program_id(0)
+        rb = tl.program_id(1)
+    else:
+        rb = tl.program_id(0)
+        pid_c = tl.program_id(1)
     rr = rb * 128 + tl.arange(0, 128)
     cc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rr[:, None] < R) & (cc[None, :] < C)
@@ -113,9 +124,26 @@ def _quant_128x1_kernel(
     tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
 
 
-def _launch_128x1(
-    x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, block_c: int | None, num_warps: int = 4,
-) -> QuantizedTensor:
+@dataclass(frozen=True)
+class Tile128x1:
+    """Launch shape of the 128x1 kernel: columns per program, warps, and the grid's fast axis."""
+
+    block_c: int = 32
+    num_warps: int = 4
+    col_fastest: bool = False
+
+
+# Fastest tiles of the session-4 H200 sweep (`benchmarks/quant_sweep.py`, 36 tiles, geometric mean over 16384x4096,
+# 16384x14336 and 8192x4096; docs/benchmarks.md). With one or two warps per 16 columns the 128-row reduction
+# needs at most one cross-warp round; why the requantizer prefers two warps was not established.
+TILE_128x1 = Tile128x1()  # row-major output (no sweep since session 1; 128 rows x 32 columns, 4 warps)
+TILE_128x1_T = Tile128x1(block_c=16, num_warps=1, col_fastest=True)  # 1.09x the 32-column, 4-warp tile
+TILE_REQUANT_T = Tile128x1(block_c=16, num_warps=2, col_fastest=True)  # 1.13x
+
+
+def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, tile: Tile128x1) -> QuantizedTensor:
+    if 128 % tile.block_c:
+        raise ValueError(f"block_c must divide 128, got {tile.block_c}")
     nrb = _cdiv(rows, 128)
     sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=x.device)
     if transposed:
@@ -126,16 +154,12 @@ def _launch_128x1(
         sqr, sqc = q.stride(0), q.stride(1)
     deq = in_scale is not None
     sir, sig = (in_scale.stride(0), in_scale.stride(1)) if deq else (0, 0)
-    # 128 rows x 32 columns, 4 warps: the fastest tile in three H200 sweeps (16384x4096: 94.6 us against
-    # 99.0 for 64 columns; requantization 88.9 against 94.9), see docs/benchmarks.md.
-    bc = block_c or 32
-    if 128 % bc:
-        raise ValueError(f"block_c must divide 128, got {bc}")
-    grid = (nrb, _cdiv(cols, bc))
+    ncb = _cdiv(cols, tile.block_c)
+    grid = (ncb, nrb) if tile.col_fastest else (nrb, ncb)
     _quant_128x1_kernel[grid](
         x, in_scale if deq else sbuf, q, sbuf, rows, cols,
         x.stride(0), x.stride(1), sir, sig, sqr, sqc, sbuf.stride(0), sbuf.stride(1),
-        BLOCK_C=bc, POW2=pow2_scale, DEQ=deq, num_warps=num_warps,
+        BLOCK_C=tile.block_c, POW2=pow2_scale, DEQ=deq, COL_FASTEST=tile.col_fastest, num_warps=tile.num_warps,
     )
     if transposed:
         # quantize(x, 128x1).t(): data x^T [C, R], 1x128 groups, scale (C, ceil(R/128)) MN-major.
@@ -143,26 +167,24 @@ def _launch_128x1(
     return QuantizedTensor(q, sbuf, (128, 1))
 
 
-def quantize_128x1(x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None) -> QuantizedTensor:
-    return _launch_128x1(x, None, x.shape[0], x.shape[1], False, pow2_scale, block_c)
+def quantize_128x1(x: torch.Tensor, pow2_scale: bool = False, tile: Tile128x1 | None = None) -> QuantizedTensor:
+    return _launch_128x1(x, None, x.shape[0], x.shape[1], False, pow2_scale, tile or TILE_128x1)
 
 
-def quantize_128x1_t(
-    x: torch.Tensor, pow2_scale: bool = False, block_c: int | None = None, num_warps: int = 4
-) -> QuantizedTensor:
+def quantize_128x1_t(x: torch.Tensor, pow2_scale: bool = False, tile: Tile128x1 | None = None) -> QuantizedTensor:
     """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy)."""
-    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, block_c, num_warps)
+    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, tile or TILE_128x1_T)
 
 
 def requantize_1x128_to_128x1(
-    qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, block_c: int | None = None,
-    num_warps: int = 4,
+    qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, tile: Tile128x1 | None = None
 ) -> QuantizedTensor:
     """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes."""
     if qt.block != (1, 128):
         raise ValueError(f"requantize_1x128_to_128x1 needs a 1x128 input, got block {qt.block}")
     rows, cols = qt.shape
-    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, block_c, num_warps)
+    tile = tile or (TILE_REQUANT_T if transposed else TILE_128x1)
+    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, tile)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ if torch.cuda.is_available():
     from jetrl_precision.kernels import fused, quant
 
 SHAPES = [(1, 128), (3, 100), (257, 1000), (1000, 4096), (4096, 14336)]
+if torch.cuda.is_available():
+    OTHER_TILES = [quant.Tile128x1(32, 4, False), quant.Tile128x1(64, 4, True), quant.Tile128x1(128, 8, False),
+                   quant.Tile128x1(16, 1, False), quant.Tile128x1(16, 2, True)]
 
 
 def assert_same(got, ref, what: str) -> None:
@@ -67,8 +70,9 @@ def test_128x1_and_transposed_bytes(shape, pow2):
     got_t = quant.quantize_128x1_t(x, pow2)
     assert_same(got_t, ref.t(), f"128x1 transposed {shape}")
     assert got_t.scale.stride() == (1, shape[1])
-    for bc, nw in ((64, 4), (128, 8)):  # the other tile shapes the benchmark sweeps
-        assert_same(quant.quantize_128x1_t(x, pow2, block_c=bc, num_warps=nw), ref.t(), f"128x1^T bc={bc} w={nw}")
+    for tile in OTHER_TILES:  # tile shape and grid order change the schedule, never the bytes
+        assert_same(quant.quantize_128x1_t(x, pow2, tile=tile), ref.t(), f"128x1^T {tile}")
+        assert_same(quant.quantize_128x1(x, pow2, tile=tile), ref, f"128x1 {tile}")
 
 
 @pytest.mark.parametrize("shape", SHAPES + [(8192, 1536)])
@@ -90,13 +94,40 @@ def test_requantize_bytes(shape, pow2):
     ref = requantize_fp8(q1, (128, 1), pow2_scale=pow2)
     assert_same(quant.requantize_1x128_to_128x1(q1, transposed=False, pow2_scale=pow2), ref, f"requant {shape}")
     assert_same(quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2), ref.t(), f"requant^T {shape}")
-    for bc in (64, 128):  # one input scale per row of the tile, whatever the tile width
-        got = quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2, block_c=bc)
-        assert_same(got, ref.t(), f"requant^T bc={bc} {shape}")
+    for tile in OTHER_TILES:  # one input scale per 128 columns, whatever the tile width
+        got = quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2, tile=tile)
+        assert_same(got, ref.t(), f"requant^T {tile} {shape}")
     # Also from a reference-made (row-major scale) input.
     q1r = quantize_fp8(x, (1, 128))
     ref_r = requantize_fp8(q1r, (128, 1), pow2_scale=pow2)
     assert_same(quant.requantize_1x128_to_128x1(q1r, transposed=True, pow2_scale=pow2), ref_r.t(), f"requant^T ref-in {shape}")
+
+
+def _bits_equal(got, ref, what: str) -> None:
+    """Byte equality of data, and of the scales' bit patterns (a NaN scale equals a NaN scale)."""
+    assert got.block == ref.block, what
+    assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8)), f"{what}: fp8 bytes differ"
+    assert torch.equal(got.scale.contiguous().view(torch.int32), ref.scale.contiguous().view(torch.int32)), f"{what}: scale bits differ"
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_nonfinite_inputs_match_reference_in_every_kernel(pow2):
+    """NaN and +-inf inside groups: every kernel (one NaN-propagating max carries amax and the NaN flag) gives
+    the reference's bytes and scale bits, with nonfinite='propagate' as ops.quantize calls it."""
+    x = outlier_data(1000, 1600, seed=9)
+    x[3, 5] = float("nan")
+    x[700, 300] = float("inf")
+    x[900, 1000] = -float("inf")
+    x[130:260, 1500] = float("nan")
+    ref = lambda t, block: quantize_fp8(t, block, pow2_scale=pow2, nonfinite="propagate")  # noqa: E731
+    _bits_equal(quant.quantize_1x128(x, pow2), ref(x, (1, 128)), "1x128")
+    _bits_equal(quant.quantize_128x1(x, pow2), ref(x, (128, 1)), "128x1")
+    _bits_equal(quant.quantize_128x1_t(x, pow2), ref(x, (128, 1)).t(), "128x1^T")
+    w, w_t = quant.quantize_128x128(x, pow2, write_t=True)
+    _bits_equal(w, ref(x, (128, 128)), "128x128")
+    _bits_equal(w_t, ref(x, (128, 128)).t(), "128x128^T")
+    q1 = quantize_fp8(x, (1, 128), nonfinite="propagate")
+    _bits_equal(quant.requantize_1x128_to_128x1(q1, True, pow2), requantize_fp8(q1, (128, 1), pow2_scale=pow2).t(), "requant^T")
 
 
 def test_zero_group_and_nan_propagation():
