@@ -523,20 +523,23 @@ def section_linear(args):
             round(g, 3), "x", round(g, 3))
 
 
-def _host_ms(step, params, n=7):
-    """Host (enqueue) time of one step in ms, median of n: the GPU is held busy by a sleep kernel first,
-    so the host never waits on it and the wall time is pure Python + launch cost."""
-    ts = []
+def _host_ms(step, params, n=20):
+    """Warm host (enqueue) time per step in ms: n steps back to back, timed before the closing sync.
+
+    The host never waits on the GPU as long as it is the faster of the two and n steps' launches fit in the
+    launch queue (~1024 entries; a step here has about 12). A single step timed after a sync and a sleep
+    kernel, as session 4 first did, read 0.5-1 ms too high even for nn.Linear: a cold start, not launch cost.
+    """
+    for p in params:
+        p.grad = None
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     for _ in range(n):
-        for p in params:
-            p.grad = None
-        torch.cuda.synchronize()
-        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time, far longer than any step's host time
-        t0 = time.perf_counter()
         step()
-        ts.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-    return sorted(ts)[n // 2]
+    ms = (time.perf_counter() - t0) * 1e3 / n
+    torch.cuda.synchronize()
+    return ms
 
 
 def _profile_kernels(step, params, steps=5):
