@@ -1,16 +1,18 @@
-"""Sweep candidate layouts of the transposed (128x1ᵀ) quantizers against the production kernels, on a GPU.
+"""Sweep launch layouts of the 128x1ᵀ / requant / 1x128 quantizers on a GPU, byte-checked before timing.
 
-Why: the production 128x1ᵀ writers run at about 50% of copy bandwidth and the requantizer at about 35%
-(docs/benchmarks.md), while they read half (requant) or the same bytes as the 1x128 quantizer that runs at
-80-87%. Their per-CTA work is small (one 128x32 tile) and their cross-warp reductions put two barrier
-rounds between load and store, so few bytes are in flight per SM. The candidates here loop over several
-column tiles per program with Triton's software pipelining (cp.async prefetch of the next tile), and fold
-the NaN flag into one NaN-propagating max reduction.
+Why: the 128x1ᵀ writers ran at about 50% of copy bandwidth and the requantizer at about 35%, while the 1x128
+quantizer reaches 80-89%. Two sets of candidates:
+- `--set tiles` (default): one tile per program as in production, with the tile width, warps and grid order
+  varied. Session 4 picked today's defaults from it (16 columns x 1 warp for 128x1ᵀ, x 2 warps for the
+  requantizer, column blocks fastest: 1.09x and 1.13x; `quant.TILE_128x1_T`, `quant.TILE_REQUANT_T`).
+- `--set pipelined`: several column tiles per program with Triton's software pipelining (cp.async prefetch of the
+  next tile). Every setting measured slower than one tile per program (session 4, run 3).
 
 Every candidate is first checked byte for byte against the production kernel (itself GPU-tested against the
-reference quantizer) and against the reference on a tensor holding NaN and inf; a mismatch drops it.
+reference quantizer) and against the reference on a tensor holding NaN and inf; a mismatch drops it. Results
+are in docs/benchmarks.md and the `quant_sweep_*` records of docs/benchmarks.json.
 
-  python3 benchmarks/quant_sweep.py --out sweep.json
+  python3 benchmarks/quant_sweep.py --out sweep.json [--set tiles|pipelined]
 """
 
 from __future__ import annotations
