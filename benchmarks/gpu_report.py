@@ -1,11 +1,12 @@
 """Turn a gpu_bench.py JSON into docs: records for docs/benchmarks.json, markdown tables, and a plot.
 
     python benchmarks/gpu_report.py RUN.json [--json docs/benchmarks.json] [--plot docs/gpu_gemm_tflops.png]
+        [--run-label LABEL] [--linear-plot docs/gpu_linear_fwd_bwd.png]
 
 New records are tagged with `--run` (a label such as "2026-11-29 session 3"); an existing record with
 the same (name, shape, backend, run) is replaced, everything else is kept, so a partial run (a few
 sections) never deletes the figures of another. The markdown tables go to stdout; the GEMM plot is
-drawn when the run has GEMM records.
+drawn when the run has GEMM records, the linear-layer plot when it has linear records and a run label.
 """
 
 from __future__ import annotations
@@ -103,12 +104,52 @@ def plot(records, path):
     fig.savefig(path, dpi=110)
 
 
+def plot_linear(records, path, run_label):
+    """FP8 linear fwd+bwd speed-up over BF16 per layer: eager per backend, and under a CUDA graph (host out)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = {}
+    for r in records:
+        if r["name"] != "linear_fwd_bwd_ms" or r.get("run") != run_label or r["backend"] == "bf16":
+            continue
+        layer, kind = r["shape"].split()[1], " ".join(r["shape"].split()[2:])
+        if kind == "weight-cached":
+            ratios.setdefault(f"{r['backend']}, eager", {})[layer] = r["ratio_vs_bf16"]
+        elif kind == "weight-cached cuda-graph":
+            ratios.setdefault(f"{r['backend']}, CUDA graph", {})[layer] = r["ratio_vs_bf16"]
+    if not ratios:
+        return False
+    layers = ["qkv", "o_proj", "gate_up", "down"]
+    series = sorted(ratios, key=lambda k: ("graph" in k, k))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(series)
+    for i, name in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(layers))]
+        ax.bar(xs, [ratios[name].get(lay, math.nan) for lay in layers], width, label=name)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(1.4, color="gray", ls="--", lw=0.8, label="target 1.4x")
+    ax.set_xticks(range(len(layers)))
+    ax.set_xticklabels([f"{lay}\n{dims}" for lay, dims in zip(layers, ("6144x4096", "4096x4096", "28672x4096", "4096x14336"))])
+    ax.set_ylabel("BF16 time / FP8 time (graph: against BF16 graph)")
+    ax.set_ylim(0, 1.85)
+    ax.set_title(f"H200, FP8 linear fwd+bwd vs nn.Linear BF16, M=8192, weights cached ({run_label})", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("run")
     ap.add_argument("--json", default="docs/benchmarks.json")
     ap.add_argument("--plot", default="docs/gpu_gemm_tflops.png")
     ap.add_argument("--run-label", default=None, help='tag for the new records, e.g. "2026-11-29 session 3 call 1"')
+    ap.add_argument("--linear-plot", default="docs/gpu_linear_fwd_bwd.png")
     args = ap.parse_args()
     run = load(args.run)
     n = update_json(run["records"], args.json, args.run_label)
@@ -116,6 +157,8 @@ def main():
     if any(r["name"] == "gemm_tflops" for r in run["records"]):
         print(gemm_table(run["records"]))
         plot(run["records"], args.plot)
+    if args.run_label and plot_linear([dict(r, run=args.run_label) for r in run["records"]], args.linear_plot, args.run_label):
+        print(f"<!-- linear plot written to {args.linear_plot} -->")
 
 
 if __name__ == "__main__":
