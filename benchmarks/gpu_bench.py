@@ -93,6 +93,22 @@ def section_env(args):
     info["backends"] = available_backends("cuda")
     info["auto"] = resolve_backend("auto", "cuda")
     info["quant_kernel"] = ops.kernel_name("cuda")
+    # The torch backend's legacy torch._scaled_mm shortcut: what its probe decided, and why (the probe's own
+    # problem replayed). Session 3 saw it on; session 4's machines turned it off.
+    from jetrl_precision.gemm import torch_backend as tb
+
+    info["torch_legacy_shortcut"] = dict(tb._legacy_same)
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        xp, wp = torch.randn(64, 256, generator=g).cuda(), torch.randn(256, 256, generator=g).cuda()
+        aq, bq = quantize_fp8(xp, (1, 128)), quantize_fp8(wp, (128, 128))
+        out = tb.torch_gemm_nt(aq, bq, torch.bfloat16)  # whichever entry point the probe chose
+        legacy = torch._scaled_mm(aq.data, bq.data.t(), scale_a=tb.mn_major(aq.scale),
+                                  scale_b=tb.row_major_padded_t(bq.scale), out_dtype=torch.bfloat16)
+        info["torch_legacy_probe_problem"] = "bitwise equal" if torch.equal(out, legacy) else (
+            f"different, rel err {rel_err(legacy, out):.2e}")
+    except Exception as e:  # noqa: BLE001
+        info["torch_legacy_probe_problem"] = f"legacy call raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     print("ENV", json.dumps(info, indent=1))
     return info
 
