@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_report.py RUN.json [--json docs/benchmarks.json] [--plot docs/gpu_gemm_tflops.png]
         [--run-label LABEL] [--linear-plot docs/gpu_linear_fwd_bwd.png]
+    python benchmarks/gpu_report.py docs/benchmarks.json --targets --run-label "newest run,older run"
 
 New records are tagged with `--run` (a label such as "2026-11-29 session 3"); an existing record with
 the same (name, shape, backend, run) is replaced, everything else is kept, so a partial run (a few
@@ -49,6 +50,84 @@ def update_json(records, path, run_label=None):
     with open(path, "w") as f:
         json.dump(keep + new, f, indent=1)
     return len(new)
+
+
+def _last(records, name, shape=None, backend=None):
+    """The last record with this name (and shape / backend, when given), or None."""
+    hits = [r for r in records if r.get("name") == name and (shape is None or r.get("shape") == shape)
+            and (backend is None or r.get("backend") == backend)]
+    return hits[-1] if hits else None
+
+
+# The issue's targets (#3). value(records) -> (number or None, where it came from); unit "%" or "x".
+def _quant_row(label, name, shape):
+    def value(records):
+        r = _last(records, name, shape)
+        return (None, "") if r is None or r.get("frac_of_copy") is None else (100 * r["frac_of_copy"], f"{name} {shape}")
+    return label, "%", 85.0, value
+
+
+def _gemm_row(backend):
+    def value(records):
+        r = _last(records, "gemm_geomean_ratio_M_ge_4096", backend=backend)
+        return (None, "") if r is None else (r["value"], f"gemm_geomean_ratio_M_ge_4096 ({r['shape']})")
+    return f"GEMM TFLOP/s vs BF16, M >= 4096, geomean, {backend}", "x", 1.6, value
+
+
+def _auto_backend(records):
+    r = _last(records, "linear_fwd_bwd_geomean_ratio", "M=8192 4 layers graph")
+    return None if r is None else r["backend"]
+
+
+def _linear_row(label, kind):
+    def value(records):
+        auto = _auto_backend(records)
+        shape = "M=8192 4 layers graph" if kind == "graph" else f"M=8192 4 layers {auto}_cached"
+        r = _last(records, "linear_fwd_bwd_geomean_ratio", shape)
+        return (None, "") if r is None else (r["value"], f"linear_fwd_bwd_geomean_ratio '{shape}'")
+    return label, "x", 1.4, value
+
+
+def _ratio_row(label, name, shape):
+    def value(records):
+        auto = _auto_backend(records) or _last_stack_backend(records)
+        r = _last(records, name, shape, f"jet_fp8 {auto}") if auto else None
+        return (None, "") if r is None else (r["ratio_vs_bf16"], f"{name} '{shape}' jet_fp8 {auto}")
+    return label, "x", None, value
+
+
+def _last_stack_backend(records):
+    r = [x for x in records if x.get("name") == "stack_train_tokens_per_s" and x.get("backend", "").startswith("jet_fp8 ")]
+    return r[0]["backend"].split(" ", 1)[1] if r else None  # the first jet_fp8 variant is the `auto` one
+
+
+TARGETS = (
+    _quant_row("quantizer 1x128 (x, dY), % of copy", "quant_1x128", "16384x14336"),
+    _quant_row("quantizer 128x1 written transposed (dY^T), % of copy", "quant_128x1_transposed", "16384x14336"),
+    _quant_row("requantize 1x128 -> 128x1^T (saved x8), % of copy", "quant_requant_1x128_to_128x1_T", "16384x14336"),
+    _quant_row("quantizer 128x128 (weights), % of copy", "quant_128x128", "28672x4096"),
+    _gemm_row("torch"),
+    _gemm_row("deep_gemm"),
+    _linear_row("FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, eager (auto)", "eager"),
+    _linear_row("FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, CUDA graph (auto)", "graph"),
+    _ratio_row("4-layer stack fwd+bwd+AdamW tokens/s vs BF16 (auto)", "stack_train_tokens_per_s", "4 layers, batch 16 x seq 4096"),
+    _ratio_row("decode forward, M=64, CUDA graph, vs BF16 (auto)", "decode_forward_us", "M=64 4 layers cuda-graph"),
+)
+
+
+def targets_table(records) -> str:
+    """One markdown table: each of the issue's targets, the measured value, and whether it is met."""
+    lines = ["| target | goal | measured | met | from |", "| --- | --- | --- | --- | --- |"]
+    for label, unit, goal, value in TARGETS:
+        v, src = value(records)
+        goal_s = "-" if goal is None else (f">= {goal:.0f}%" if unit == "%" else f">= {goal:.1f}x")
+        if v is None:
+            lines.append(f"| {label} | {goal_s} | not measured in this run | - | |")
+            continue
+        v_s = f"{v:.0f}%" if unit == "%" else f"{v:.3f}x"
+        met = "-" if goal is None else ("yes" if v >= goal else "no")
+        lines.append(f"| {label} | {goal_s} | {v_s} | {met} | {src} |")
+    return "\n".join(lines)
 
 
 def gemm_table(records):
@@ -150,7 +229,21 @@ def main():
     ap.add_argument("--plot", default="docs/gpu_gemm_tflops.png")
     ap.add_argument("--run-label", default=None, help='tag for the new records, e.g. "2026-11-29 session 3 call 1"')
     ap.add_argument("--linear-plot", default="docs/gpu_linear_fwd_bwd.png")
+    ap.add_argument("--targets", action="store_true",
+                    help="only print the targets table: RUN is docs/benchmarks.json and --run-label lists the runs to "
+                         "read, comma-separated, newest first (the first run holding a figure wins)")
     args = ap.parse_args()
+    if args.targets:
+        labels = [x.strip() for x in (args.run_label or "").split(",") if x.strip()]
+        if not labels:
+            ap.error("--targets needs --run-label 'newest run,older run,...'")
+        records = load(args.run)
+        # Oldest first, so `_last` returns the newest run's figure.
+        picked = [r for label in reversed(labels) for r in records if r.get("run") == label]
+        if not picked:
+            ap.error(f"no records of runs {labels} in {args.run}")
+        print(targets_table(picked))
+        return
     run = load(args.run)
     n = update_json(run["records"], args.json, args.run_label)
     print(f"<!-- {n} GPU records written to {args.json} -->\n")
