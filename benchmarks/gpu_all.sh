@@ -35,4 +35,4 @@ SECTIONS=${SECTIONS:-env,copy,quant,host,gemm,linear,stack,decode}
 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-400}" python3 benchmarks/gpu_bench.py --sections "$SECTIONS" \
   --stack-backends auto,torch --out "$OUT/gpu_bench.json" > "$OUT/gpu_bench.log" 2>&1
 echo "gpu_bench rc=$?"
-grep -E "geomean|tok/s|section|errors|rror" "$OUT/gpu_bench.log" | grep -v -i warn | tail -n 40
+grep -E "geomean|tok/s|section|errors|rror|^\| " "$OUT/gpu_bench.log" | grep -v -i warn | tail -n 52
