@@ -16,6 +16,8 @@ import argparse
 import json
 import math
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 GPU_PREFIXES = (
     "d2d_copy", "quant_", "gemm_", "wgrad_gemm", "triton_decode_diag", "host_us", "linear_", "stack_", "decode_",
@@ -59,19 +61,28 @@ def _last(records, name, shape=None, backend=None):
     return hits[-1] if hits else None
 
 
-# The issue's targets (#3). value(records) -> (number or None, where it came from); unit "%" or "x".
+@dataclass(frozen=True)
+class Target:
+    """One of the issue's (#3) targets: `value(records)` -> (measured number or None, the record it came from)."""
+
+    label: str
+    unit: str  # "%" or "x"
+    goal: float | None  # None: reported, no target
+    value: Callable[[list], tuple[float | None, str]]
+
+
 def _quant_row(label, name, shape):
     def value(records):
         r = _last(records, name, shape)
         return (None, "") if r is None or r.get("frac_of_copy") is None else (100 * r["frac_of_copy"], f"{name} {shape}")
-    return label, "%", 85.0, value
+    return Target(label, "%", 85.0, value)
 
 
 def _gemm_row(backend):
     def value(records):
         r = _last(records, "gemm_geomean_ratio_M_ge_4096", backend=backend)
         return (None, "") if r is None else (r["value"], f"gemm_geomean_ratio_M_ge_4096 ({r['shape']})")
-    return f"GEMM TFLOP/s vs BF16, M >= 4096, geomean, {backend}", "x", 1.6, value
+    return Target(f"GEMM TFLOP/s vs BF16, M >= 4096, geomean, {backend}", "x", 1.6, value)
 
 
 def _auto_backend(records):
@@ -85,7 +96,12 @@ def _linear_row(label, kind):
         shape = "M=8192 4 layers graph" if kind == "graph" else f"M=8192 4 layers {auto}_cached"
         r = _last(records, "linear_fwd_bwd_geomean_ratio", shape)
         return (None, "") if r is None else (r["value"], f"linear_fwd_bwd_geomean_ratio '{shape}'")
-    return label, "x", 1.4, value
+    return Target(label, "x", 1.4, value)
+
+
+def _last_stack_backend(records):
+    r = [x for x in records if x.get("name") == "stack_train_tokens_per_s" and x.get("backend", "").startswith("jet_fp8 ")]
+    return r[0]["backend"].split(" ", 1)[1] if r else None  # the first jet_fp8 variant is the `auto` one
 
 
 def _ratio_row(label, name, shape):
@@ -93,12 +109,7 @@ def _ratio_row(label, name, shape):
         auto = _auto_backend(records) or _last_stack_backend(records)
         r = _last(records, name, shape, f"jet_fp8 {auto}") if auto else None
         return (None, "") if r is None else (r["ratio_vs_bf16"], f"{name} '{shape}' jet_fp8 {auto}")
-    return label, "x", None, value
-
-
-def _last_stack_backend(records):
-    r = [x for x in records if x.get("name") == "stack_train_tokens_per_s" and x.get("backend", "").startswith("jet_fp8 ")]
-    return r[0]["backend"].split(" ", 1)[1] if r else None  # the first jet_fp8 variant is the `auto` one
+    return Target(label, "x", None, value)
 
 
 TARGETS = (
@@ -118,8 +129,9 @@ TARGETS = (
 def targets_table(records) -> str:
     """One markdown table: each of the issue's targets, the measured value, and whether it is met."""
     lines = ["| target | goal | measured | met | from |", "| --- | --- | --- | --- | --- |"]
-    for label, unit, goal, value in TARGETS:
-        v, src = value(records)
+    for t in TARGETS:
+        label, unit, goal = t.label, t.unit, t.goal
+        v, src = t.value(records)
         goal_s = "-" if goal is None else (f">= {goal:.0f}%" if unit == "%" else f">= {goal:.1f}x")
         if v is None:
             lines.append(f"| {label} | {goal_s} | not measured in this run | - | |")
