@@ -3,7 +3,7 @@
 Each helper mirrors one line of `quantize.quantize_fp8` so the bytes match exactly:
 - amax is a max of |x| in fp32, floored at 1e-10, NaN kept visible (torch's amax propagates NaN): one
   NaN-propagating max reduction carries both (a separate NaN-flag reduction cost the 128x1 kernels a second
-  cross-warp round, 3-10% of their time on the H200);
+  cross-warp round, 3-11% of their time on the H200);
 - scale = amax / 448 with IEEE round-to-nearest division (`div_rn`, not Triton's approximate `/`);
 - pow2 rounding is frexp/ldexp on the bits (non-finite scales become 1.0, as torch.frexp makes them);
 - q = e4m3(clamp(x / scale, -448, 448)), division again `div_rn`, NaN propagated through the clamp.
