@@ -41,6 +41,7 @@ from jetrl_precision.gemm.deep_gemm_backend import deep_gemm_wgrad_1d1d  # noqa:
 from jetrl_precision.kernels import fused, quant  # noqa: E402
 from jetrl_precision.kernels.layout import padding_events  # noqa: E402
 from jetrl_precision.quantize import quantize_fp8  # noqa: E402
+from host_profile import loop_us  # noqa: E402  (benchmarks/ is on sys.path: these files run as scripts)
 
 LAYERS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MS = (64, 256, 4096, 8192, 16384)
@@ -297,15 +298,7 @@ def section_host(args):
     from jetrl_precision.kernels.layout import mn_major, row_major_padded_t
 
     def host_us(fn, n=300):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        return (t1 - t0) / n * 1e6
+        return loop_us(fn, n, warmup=20)
 
     x = data(64, 4096, seed=16)
     w = data(4096, 4096, seed=17, scale=0.02)
@@ -540,22 +533,11 @@ def section_linear(args):
 
 
 def _host_ms(step, params, n=20):
-    """Warm host (enqueue) time per step in ms: n steps back to back, timed before the closing sync.
-
-    The host never waits on the GPU as long as it is the faster of the two and n steps' launches fit in the
-    launch queue (~1024 entries; a step here has about 12). A single step timed after a sync and a sleep
-    kernel, as session 4 first did, read 0.5-1 ms too high even for nn.Linear: a cold start, not launch cost.
-    """
+    """Warm host time per step in ms (see host_profile.loop_us). A single step timed after a sync and a sleep
+    kernel, as session 4 first did, read 0.5-1 ms too high even for nn.Linear: a cold start, not launch cost."""
     for p in params:
         p.grad = None
-    step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    ms = (time.perf_counter() - t0) * 1e3 / n
-    torch.cuda.synchronize()
-    return ms
+    return loop_us(step, n, warmup=1) / 1e3
 
 
 def _profile_kernels(step, params, steps=5):
