@@ -5,10 +5,11 @@ The Triton quantizers divide every element by its group's scale with IEEE round-
 division's fast path is about 9-10 of the 19-28 instructions each element costs (session 4,
 docs/benchmarks.md). A per-group reciprocal y = RN(1/s) plus two FMA corrections per element,
 
-    q = RN(x * y);  q = RN(q + RN(x - s*q) * y);  q = RN(q + RN(x - s*q) * y)
+    q = RN(x * y);  q = RN(q - RN(q*s - x) * y);  q = RN(q - RN(q*s - x) * y)
 
-(the same steps as the fast path, minus the per-element reciprocal and range check), with q = RN(x * y) where
-x == 0 or y == 0 (s = inf) so that signed zeros and x/inf come out as IEEE says, would cut 3-4 of them. This
+(the same steps as the fast path, minus the per-element reciprocal and range check; s is replaced by 0 in the
+residual where y == 0, i.e. s = inf, so that x/inf comes out as IEEE says, and the residual's sign convention
+keeps x = -0 negative) cuts 3-5 of them. This
 script checks, in exact rational arithmetic (no float64 double rounding), that the e4m3 bytes are then the
 reference's, on random groups, on quotients next to e4m3 rounding midpoints, on scales whose reciprocal sits at
 a binade edge, and on the special values. Inputs are bf16 (quantization) or any fp32 (requantization).
@@ -98,14 +99,18 @@ def div32(a: float, b: float) -> float:
 
 
 def reciprocal_divide(x: float, s: float, steps: int) -> float:
-    """The candidate kernel arithmetic: per-group y = RN(1/s), then `steps` FMA corrections per element."""
+    """The kernel arithmetic (`kernels/_common.quantize_values`), step for step.
+
+    Per group: y = RN(1/s), and s_c = s, or 0 where y == 0 (s = inf: the residual would be 0*inf = NaN).
+    Per element: q = RN(x*y), then `steps` times e = RN(q*s_c - x) (one FMA), q = RN(q + (-e)*y) (one FMA).
+    The residual is formed as q*s - x so that x = -0 keeps its sign with no special case.
+    """
     y = div32(1.0, s)
-    q0 = mul32(x, y)
-    if x == 0 or y == 0 or math.isnan(q0):
-        return q0
-    q = q0
+    s_c = 0.0 if y == 0 else s
+    q = mul32(x, y)
     for _ in range(steps):
-        q = fma32(fma32(-s, q, x), y, q)
+        e = fma32(q, s_c, -x)
+        q = fma32(-e, y, q)
     return q
 
 

@@ -10,7 +10,10 @@ This script separates the candidates:
 - a torch.profiler CPU table of a few steps: which ops, CUDA runtime calls (cudaMalloc, synchronizations)
   and Python functions take the time.
 
-  python3 benchmarks/host_profile.py [--backend auto] [--m 64,8192]
+- `--probe`: which kind of work in a Python backward gets slower on the autograd engine's device thread (pure
+  Python, aten calls, a Triton launch, a cuBLASLt scaled_mm), each timed with the engine threads on and off.
+
+  python3 benchmarks/host_profile.py [--backend auto] [--m 64,8192] [--probe]
 """
 
 from __future__ import annotations
@@ -58,13 +61,92 @@ def loop_us(step, n=100, warmup=5):
     return (t1 - t0) / n * 1e6
 
 
+def busy_us(step, n=20):
+    """Pure host time per call in us: n calls enqueued behind a long sleep kernel, so the host never waits on
+    the GPU (n x launches per call stays far below the launch queue's ~1024 entries)."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~200 ms of GPU time
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def engine_thread_probe() -> None:
+    """Backward bodies of one kind of work each, timed with the autograd engine's device threads on and off.
+
+    Session 4 measured an Fp8Linear fwd+bwd 0.4 ms cheaper with the threads off, against 0.06 ms for nn.Linear;
+    the row whose work slows down on the device thread names the cause.
+    """
+    from jetrl_precision.gemm import gemm_nt
+    from jetrl_precision.kernels import quant
+
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    wq = quant.quantize_128x128(torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16))[0]
+
+    def py_work(t):
+        acc = 0
+        for i in range(2000):
+            acc += i * i
+        return t
+
+    def aten_views(t):
+        for _ in range(20):
+            t = t.view(-1).view(64, 4096)
+        return t
+
+    def one_launch(t):
+        return t * 2
+
+    def triton_launch(t):
+        quant.quantize_1x128(t)
+        return t
+
+    def scaled_mm(t):
+        gemm_nt(quant.quantize_1x128(t), wq, torch.bfloat16, "torch")
+        return t
+
+    bodies = {"identity": lambda t: t, "pure Python (2000-step loop)": py_work, "20 aten view pairs": aten_views,
+              "1 aten kernel (t * 2)": one_launch, "1 Triton launch (quantize_1x128)": triton_launch,
+              "Triton + torch scaled_mm": scaled_mm}
+    print("\n--- engine-thread probe: host us per fwd+bwd of an autograd.Function, M=64 ---")
+    print(f"{'backward body':36s} {'threads on':>10s} {'off':>8s} {'on - off':>9s}")
+    for name, body in bodies.items():
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return t.view_as(t)
+
+            @staticmethod
+            def backward(ctx, gy):
+                return body(gy)
+
+        step = lambda: Fn.apply(x).backward(g)  # noqa: E731
+        on = busy_us(step)
+        torch.autograd.set_multithreading_enabled(False)
+        try:
+            off = busy_us(step)
+        finally:
+            torch.autograd.set_multithreading_enabled(True)
+        print(f"{name:36s} {on:10.1f} {off:8.1f} {on - off:9.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--probe", action="store_true", help="run only the engine-thread probe")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--m", default="64,8192")
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4096)
     args = ap.parse_args()
+    if args.probe:
+        engine_thread_probe()
+        return
     r = get_recipe("jet_fp8")
     lin = nn.Linear(args.k, args.n, bias=False, device="cuda", dtype=torch.bfloat16)
     f8 = Fp8Linear.from_linear(lin, r.train_fprop, r.train_backward, gemm_backend=args.backend)
@@ -89,18 +171,18 @@ def main():
                 h = host_ms(step)
                 lu = loop_us(step, n=20)
                 print(f"M={m:5d} {mod_name:10s} {name:20s} cold step {h * 1e3:8.1f} us   warm loop {lu:8.1f} us/step")
-            # Warm back-to-back steps with the autograd engine's device threads on and off (off: the backward
-            # runs on this thread). At M=8192 a step is the larger of its host and GPU time.
+            # Pure host time per step (enqueued behind a sleep kernel) with the autograd engine's device threads
+            # on and off (off: the backward runs on this thread).
             step = steps["fwd+bwd"]
-            on = loop_us(step, n=60)
+            on = busy_us(step)
             torch.autograd.set_multithreading_enabled(False)
             try:
                 step()
-                off = loop_us(step, n=60)
+                off = busy_us(step)
                 print(f"M={m:5d} {mod_name:10s} {'fwd+bwd, no engine threads':20s} cold step {host_ms(step) * 1e3:8.1f} us")
             finally:
                 torch.autograd.set_multithreading_enabled(True)
-            print(f"M={m:5d} {mod_name:10s} warm loop fwd+bwd: engine threads on {on:8.1f} us/step, off {off:8.1f} us/step")
+            print(f"M={m:5d} {mod_name:10s} host per fwd+bwd behind a sleep kernel: engine threads on {on:8.1f} us, off {off:8.1f} us")
         # cProfile of 100 Fp8Linear steps with the backward on this thread (cProfile sees one thread only).
         import cProfile
         import io

@@ -45,8 +45,25 @@ def group_scale(amax, POW2: tl.constexpr):
 
 @triton.jit
 def quantize_values(x, scale):
-    """e4m3(clamp(x / scale, -448, 448)) with correctly rounded division and RNE conversion."""
-    x, scale = tl.broadcast(x, scale)
-    v = tl.math.div_rn(x, scale)
-    v = tl.clamp(v, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    return v.to(tl.float8e4nv)
+    """e4m3(clamp(x / scale, -448, 448)) with x / scale the IEEE quotient RN(x / scale) and RNE conversion.
+
+    The quotient is computed the way `div.rn`'s fast path does it, minus the per-element reciprocal and range
+    check: one correctly rounded reciprocal per group, y = RN(1 / scale), then two FMA corrections per
+    element, q -= RN(q * scale - x) * y. That is RN(x / scale) exactly (the residual of a quotient within a
+    few ulps is exact); it is *not* x * (1 / scale), which differs in the last bit. Where y == 0
+    (scale = inf) the residual uses 0 for the scale, so x / inf stays a signed zero, and writing the residual
+    as q * scale - x keeps x = -0 negative. `benchmarks/division_exactness.py` checks this in exact rational
+    arithmetic; the GPU tests compare every kernel's bytes with `quantize_fp8`. About 5 fewer SASS
+    instructions per element than `div_rn` on sm_90a.
+    """
+    recip = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # per group, before the broadcast
+    s_res = tl.where(recip == 0.0, 0.0, scale)
+    x, s_res = tl.broadcast(x, s_res)
+    x, recip = tl.broadcast(x, recip)
+    # Negation as `* -1.0`: Triton's unary minus is 0 - v, which turns -0 into +0 (and costs an FADD).
+    neg_x = x * -1.0
+    q = x * recip
+    q = tl.math.fma(tl.math.fma(q, s_res, neg_x) * -1.0, recip, q)
+    q = tl.math.fma(tl.math.fma(q, s_res, neg_x) * -1.0, recip, q)
+    q = tl.clamp(q, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    return q.to(tl.float8e4nv)

@@ -130,6 +130,51 @@ def test_nonfinite_inputs_match_reference_in_every_kernel(pow2):
     _bits_equal(quant.requantize_1x128_to_128x1(q1, True, pow2), requantize_fp8(q1, (128, 1), pow2_scale=pow2).t(), "requant^T")
 
 
+def _division_edge_data(dtype: torch.dtype, amax: float, pow2: bool, seed: int) -> torch.Tensor:
+    """Quotients x / scale next to e4m3 rounding midpoints (+-2 ulps), signed zeros and tiny values, with every
+    group of every kernel (1x128, 128x1, 128x128) sharing one amax, so all of them divide by one known scale.
+
+    The kernels compute x / scale from a per-group reciprocal plus two FMA corrections (`_common.quantize_values`);
+    these are the quotients where any shortcut short of the IEEE quotient would show as a different byte.
+    """
+    rows, cols = 512, 640
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.tensor([amax], device="cuda").to(dtype).float()  # amax as the input dtype holds it
+    scale = quantize_fp8(torch.cat([a, torch.zeros(127, device="cuda")])[None], (1, 128), pow2_scale=pow2).scale[0, 0]
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn).float()
+    mids = (e4m3[1:] + e4m3[:-1]) / 2  # exact in fp32
+    # Keep |x| below the group amax (or below the 1e-10 floor, which then sets the scale), so the scale stays put.
+    mids = mids[mids * scale < 0.99 * torch.clamp(a, min=1e-10)]
+    pick = torch.randint(0, mids.numel(), (rows, cols), generator=g, device="cuda")
+    base = (mids[pick] * scale).view(torch.int32)
+    x = (base + torch.randint(-2, 3, (rows, cols), generator=g, device="cuda", dtype=torch.int32)).view(torch.float32)
+    x = x * (torch.randint(0, 2, (rows, cols), generator=g, device="cuda") * 2 - 1)
+    u = torch.rand(rows, cols, generator=g, device="cuda")
+    x = torch.where(u < 0.02, torch.where(u < 0.01, -0.0, 0.0) * torch.ones_like(x), x)  # signed zeros
+    x = torch.where((u >= 0.02) & (u < 0.03), x * 2.0**-14, x)  # quotients that round to e4m3 subnormals or 0
+    r = torch.arange(rows, device="cuda")[:, None] % 128
+    c = torch.arange(cols, device="cuda")[None, :] % 128
+    x = torch.where(r == c, a * torch.sign(x + 0.5), x)  # one +-amax in every group of every block shape
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("amax", [3.7, 1e-12, 3.0e38, 2.5e-30])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_division_edge_quotients_in_every_kernel(dtype, amax, pow2):
+    x = _division_edge_data(dtype, amax, pow2, seed=31)
+    assert (x.float().view(torch.int32) == torch.tensor(-0.0).view(torch.int32).item()).any(), "data must hold -0"
+    ref = lambda t, block: quantize_fp8(t, block, pow2_scale=pow2)  # noqa: E731
+    _bits_equal(quant.quantize_1x128(x, pow2), ref(x, (1, 128)), "1x128")
+    _bits_equal(quant.quantize_128x1(x, pow2), ref(x, (128, 1)), "128x1")
+    _bits_equal(quant.quantize_128x1_t(x, pow2), ref(x, (128, 1)).t(), "128x1^T")
+    w, w_t = quant.quantize_128x128(x, pow2, write_t=True)
+    _bits_equal(w, ref(x, (128, 128)), "128x128")
+    _bits_equal(w_t, ref(x, (128, 128)).t(), "128x128^T")
+    q1 = quantize_fp8(x, (1, 128))
+    _bits_equal(quant.requantize_1x128_to_128x1(q1, True, pow2), requantize_fp8(q1, (128, 1), pow2_scale=pow2).t(), "requant^T")
+
+
 def test_zero_group_and_nan_propagation():
     x = outlier_data(256, 512, seed=7)
     x[5, 128:256] = 0.0  # an all-zero group: finite tiny scale, zero bytes

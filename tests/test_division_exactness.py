@@ -1,0 +1,59 @@
+"""The Triton quantizers' division (per-group reciprocal + two FMA corrections) is the IEEE quotient.
+
+`benchmarks/division_exactness.py` models `kernels/_common.quantize_values` step for step in exact rational
+arithmetic. Here it must find no byte and no fp32 quotient that differs from RN(x / scale), and it must find
+differences when the corrections are left out (so the check can fail). The GPU tests compare the kernels' bytes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "division_exactness.py"
+
+
+@pytest.fixture(scope="module")
+def dx():
+    spec = importlib.util.spec_from_file_location("division_exactness", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["division_exactness"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cases(dx, n: int, seed: int):
+    rnd = random.Random(seed)
+    out = list(dx.cases_special())
+    for cast in (dx.bf16, dx.f32):
+        for gen in (dx.cases_random, dx.cases_midpoints, dx.cases_binade_edges):
+            out += gen(n, rnd, cast)
+    return out
+
+
+def _differences(dx, cases, steps: int) -> int:
+    ref = [dx.div32(x, s) for x, s in cases]
+    got = [dx.reciprocal_divide(x, s, steps) for x, s in cases]
+    return sum(a != b for a, b in zip(dx.e4m3_bytes(ref), dx.e4m3_bytes(got)))
+
+
+def test_two_corrections_reproduce_the_ieee_quotient_bytes(dx):
+    cases = _cases(dx, 1500, seed=5)
+    assert _differences(dx, cases, steps=2) == 0
+
+
+def test_signed_zero_and_infinite_scale_follow_ieee(dx):
+    s = dx._scale(3.0)
+    assert str(dx.reciprocal_divide(-0.0, s, 2)) == "-0.0"
+    assert str(dx.reciprocal_divide(0.0, s, 2)) == "0.0"
+    assert str(dx.reciprocal_divide(-5.0, float("inf"), 2)) == "-0.0"
+    assert dx.reciprocal_divide(float("inf"), float("inf"), 2) != dx.reciprocal_divide(float("inf"), float("inf"), 2)  # NaN
+
+
+def test_the_check_catches_a_plain_reciprocal_multiply(dx):
+    cases = _cases(dx, 1500, seed=6)
+    assert _differences(dx, cases, steps=0) > 0
