@@ -151,16 +151,16 @@ def section_quant(args, copy_bw):
         one("ops_quantize_dual", shp, lambda: ops.quantize_dual(x, BW.dgrad_grad_output, BW.wgrad_grad_output), io_dual)
         one("separate_1x128_then_128x1_T", shp, lambda: (quant.quantize_1x128(x), quant.quantize_128x1_t(x)), io_dual)
         if (m, k) == (16384, 4096):
-            # The previous default (32 columns, 4 warps, row blocks fastest) next to today's; the full tile
-            # sweep is benchmarks/quant_sweep.py.
-            for t in (quant.Tile128x1(32, 4, False), quant.Tile128x1(16, 1, False), quant.Tile128x1(16, 2, True)):
+            # Earlier defaults (session 1: 32 columns x 4 warps; session 4: 16 x 1, column blocks fastest) next to
+            # today's; the full tile sweep is benchmarks/quant_sweep.py.
+            for t in (quant.Tile128x1(32, 4, False), quant.Tile128x1(16, 1, True), quant.Tile128x1(16, 2, True)):
                 one(f"128x1_transposed_blockc{t.block_c}_w{t.num_warps}{'_colfast' if t.col_fastest else ''}", shp,
                     lambda t=t: quant.quantize_128x1_t(x, tile=t), io)
         q1 = quant.quantize_1x128(x)
         io_rq = m * k * 2 + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
         one("requant_1x128_to_128x1_T", shp, lambda: quant.requantize_1x128_to_128x1(q1, True), io_rq)
         if (m, k) == (16384, 4096):
-            for t in (quant.Tile128x1(32, 4, False), quant.Tile128x1(16, 1, True), quant.Tile128x1(16, 2, False)):
+            for t in (quant.Tile128x1(32, 4, False), quant.Tile128x1(16, 2, True), quant.Tile128x1(16, 2, False)):
                 one(f"requant_T_blockc{t.block_c}_w{t.num_warps}{'_colfast' if t.col_fastest else ''}", shp,
                     lambda t=t: quant.requantize_1x128_to_128x1(q1, True, tile=t), io_rq)
         if (m, k) == (16384, 4096):
@@ -171,8 +171,8 @@ def section_quant(args, copy_bw):
         shp = f"{n}x{k}"
         io = n * k * 2 + n * k
         one("128x128", shp, lambda: quant.quantize_128x128(w), io)
+        one("128x128_w8", shp, lambda: quant.quantize_128x128(w, num_warps=8), io)  # the default before session 5
         if (n, k) == (28672, 4096):
-            one("128x128_w4", shp, lambda: quant.quantize_128x128(w, num_warps=4), io)
             one("128x128_T_only", shp, lambda: quant.quantize_128x128(w, write=False, write_t=True), io)
         one("128x128_plus_T", shp, lambda: quant.quantize_128x128(w, write_t=True), io + n * k)
         wq = quant.quantize_128x128(w)[0]

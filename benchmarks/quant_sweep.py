@@ -1,8 +1,9 @@
 """Sweep the launch shapes of the shipped 128x1ᵀ / requant / 1x128 quantizers on a GPU, byte-checked first.
 
-Session 4 chose today's defaults from this sweep: 16 columns x 1 warp for the bf16 -> 128x1ᵀ writer and 16 x 2 for
-the requantizer, column blocks fastest (1.09x and 1.13x over 32 columns x 4 warps; `quant.TILE_128x1_T`,
-`quant.TILE_REQUANT_T`). It also measured a variant with several column tiles per program and Triton's software
+The shipped defaults come from this sweep (`quant.TILE_128x1_T`, `quant.TILE_REQUANT_T`): session 4 picked 16
+columns x 1 warp (bf16 -> 128x1ᵀ writer) and 16 x 2 (requantizer), column blocks fastest; session 5, after the
+division became a per-group reciprocal plus FMA corrections, re-swept and moved to 64 x 2 (row blocks fastest) and
+16 x 1 (1.05-1.11x). Session 4 also measured a variant with several column tiles per program and Triton's software
 pipelining (cp.async prefetch): slower at all 36 settings, so it was dropped; its code is at commit 01e810b and
 its figures are the `quant_sweep_*` records of run "session 4 run 3" in docs/benchmarks.json.
 

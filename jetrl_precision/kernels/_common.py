@@ -6,7 +6,8 @@ Each helper mirrors one line of `quantize.quantize_fp8` so the bytes match exact
   cross-warp round, 3-11% of their time on the H200);
 - scale = amax / 448 with IEEE round-to-nearest division (`div_rn`, not Triton's approximate `/`);
 - pow2 rounding is frexp/ldexp on the bits (non-finite scales become 1.0, as torch.frexp makes them);
-- q = e4m3(clamp(x / scale, -448, 448)), division again `div_rn`, NaN propagated through the clamp.
+- q = e4m3(clamp(x / scale, -448, 448)), x / scale the IEEE quotient from a per-group reciprocal and two FMA
+  corrections (`quantize_values`), NaN propagated through the clamp.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def group_scale(amax, POW2: tl.constexpr):
 
 
 @triton.jit
-def quantize_values(x, scale):
+def quantize_values(x, scale, POW2: tl.constexpr):
     """e4m3(clamp(x / scale, -448, 448)) with x / scale the IEEE quotient RN(x / scale) and RNE conversion.
 
     The quotient is computed the way `div.rn`'s fast path does it, minus the per-element reciprocal and range
@@ -62,8 +63,13 @@ def quantize_values(x, scale):
     x, recip = tl.broadcast(x, recip)
     # Negation as `* -1.0`: Triton's unary minus is 0 - v, which turns -0 into +0 (and costs an FADD).
     neg_x = x * -1.0
-    q = x * recip
+    q0 = x * recip
+    q = tl.math.fma(tl.math.fma(q0, s_res, neg_x) * -1.0, recip, q0)
     q = tl.math.fma(tl.math.fma(q, s_res, neg_x) * -1.0, recip, q)
-    q = tl.math.fma(tl.math.fma(q, s_res, neg_x) * -1.0, recip, q)
+    if POW2:
+        # pow2 rounding turns a non-finite scale into 1.0, so x = +-inf can meet a finite scale; the residual
+        # inf - inf would make it NaN where IEEE gives +-inf (clamped to +-448). Without pow2 an infinite x
+        # always comes with an infinite or NaN scale, and NaN is then the right answer.
+        q = tl.where(tl.abs(q0) == float("inf"), q0, q)
     q = tl.clamp(q, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     return q.to(tl.float8e4nv)

@@ -59,7 +59,7 @@ def _silu_mul_quant_kernel(
         tl.store(h_ptr + r64 * shr + cc[None, :] * shc, h, mask=mask)
     h32 = tl.where(mask, h.to(tl.float32), 0.0)
     scale = group_scale(abs_max(h32, 1), POW2)
-    q = quantize_values(h32, scale[:, None])
+    q = quantize_values(h32, scale[:, None], POW2)
     tl.store(q_ptr + r64 * sqr + cc[None, :] * sqc, q, mask=mask)
     tl.store(s_ptr + rr * ssr + g_idx * ssg, scale, mask=rr < R)
 
@@ -109,7 +109,7 @@ def _rmsnorm_quant_kernel(
     y32 = tl.where(cmask, y.to(tl.float32), 0.0)
     yg = tl.reshape(y32, (BLOCK_C // 128, 128))
     scale = group_scale(abs_max(yg, 1), POW2)
-    q = tl.reshape(quantize_values(yg, scale[:, None]), (BLOCK_C,))
+    q = tl.reshape(quantize_values(yg, scale[:, None], POW2), (BLOCK_C,))
     tl.store(q_ptr + r64 * sqr + cc, q, mask=cmask)
     gi = tl.arange(0, BLOCK_C // 128)
     tl.store(s_ptr + row * ssr + gi * ssg, scale, mask=gi * 128 < C)

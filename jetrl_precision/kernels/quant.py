@@ -69,7 +69,7 @@ def _quant_1x128_kernel(
     mask = (rr[:, None] < R) & (cc[None, :] < C)
     x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
     scale = group_scale(abs_max(x, 1), POW2)
-    q = quantize_values(x, scale[:, None])
+    q = quantize_values(x, scale[:, None], POW2)
     tl.store(q_ptr + rr[:, None].to(tl.int64) * sqr + cc[None, :] * sqc, q, mask=mask)
     tl.store(s_ptr + rr * ssr + g * ssg, scale, mask=rr < R)
 
@@ -119,7 +119,7 @@ def _quant_128x1_kernel(
         s_in = tl.load(in_s_ptr + rr[:, None] * sir + (cc // 128)[None, :] * sig, mask=mask, other=0.0)
         x = x * s_in
     scale = group_scale(abs_max(x, 0), POW2)
-    q = quantize_values(x, scale[None, :])
+    q = quantize_values(x, scale[None, :], POW2)
     tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=mask)
     tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
 
@@ -133,12 +133,14 @@ class Tile128x1:
     col_fastest: bool = False
 
 
-# Fastest tiles of the session-4 H200 sweep (`benchmarks/quant_sweep.py`, 36 tiles, geometric mean over 16384x4096,
-# 16384x14336 and 8192x4096; docs/benchmarks.md). With one or two warps per 16 columns the 128-row reduction
-# needs at most one cross-warp round; why the requantizer prefers two warps was not established.
+# Fastest tiles of the H200 sweeps (`benchmarks/quant_sweep.py`, 18 tiles x 3 shapes: 16384x4096, 16384x14336,
+# 8192x4096; docs/benchmarks.md). Session 5 re-swept after the division became a per-group reciprocal plus FMA
+# corrections (fewer instructions per element move the balance towards wider tiles for the bf16 writer):
+# 64 columns x 2 warps won at all three shapes for the 128x1^T writer (1.08-1.10x the session-4 tile, 16 x 1,
+# column blocks fastest) and 16 x 1 for the requantizer (1.05-1.11x its session-4 tile, 16 x 2).
 TILE_128x1 = Tile128x1()  # row-major output (no sweep since session 1; 128 rows x 32 columns, 4 warps)
-TILE_128x1_T = Tile128x1(block_c=16, num_warps=1, col_fastest=True)  # 1.09x the 32-column, 4-warp tile
-TILE_REQUANT_T = Tile128x1(block_c=16, num_warps=2, col_fastest=True)  # 1.13x
+TILE_128x1_T = Tile128x1(block_c=64, num_warps=2, col_fastest=False)
+TILE_REQUANT_T = Tile128x1(block_c=16, num_warps=1, col_fastest=True)
 
 
 def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, tile: Tile128x1) -> QuantizedTensor:
@@ -202,7 +204,7 @@ def _quant_128x128_kernel(
     mask = (rr[:, None] < R) & (cc[None, :] < C)
     x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
     scale = group_scale(abs_max(abs_max(x, 1), 0), POW2)
-    q = quantize_values(x, scale)
+    q = quantize_values(x, scale, POW2)
     if WRITE_Q:
         tl.store(q_ptr + rr[:, None].to(tl.int64) * sqr + cc[None, :] * sqc, q, mask=mask)
         tl.store(s_ptr + rb * ssr + cb * ssc, scale)
@@ -213,9 +215,19 @@ def _quant_128x128_kernel(
 
 
 def quantize_128x128(
-    x: torch.Tensor, pow2_scale: bool = False, *, write: bool = True, write_t: bool = False, num_warps: int = 8
+    x: torch.Tensor, pow2_scale: bool = False, *, write: bool = True, write_t: bool = False, num_warps: int = 4
 ) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
-    """Returns (Q(x), Q(x).t()) as requested; both come from one read of x and carry identical bytes."""
+    """Returns (Q(x), Q(x).t()) as requested; both come from one read of x and carry identical bytes.
+
+    4 warps per 128x128 tile: 96 us against 102 us for 8 warps at 28672x4096 on the H200 (session 5).
+
+    For inputs wider than 16 bits both outputs take one launch each: with fp32 input Triton 3.6 moves the FP8
+    tile to the transposed store's layout with a conversion that wrote wrong bytes on the H200 (session 5;
+    bf16/fp16 inputs recompute the tile in that layout instead and are exact, as the GPU tests check).
+    """
+    if write and write_t and x.element_size() > 2:
+        return (quantize_128x128(x, pow2_scale, write=True, write_t=False, num_warps=num_warps)[0],
+                quantize_128x128(x, pow2_scale, write=False, write_t=True, num_warps=num_warps)[1])
     rows, cols = x.shape
     dev = x.device
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=dev) if write else None
