@@ -1,15 +1,14 @@
-"""Exact-arithmetic check of a cheaper division for the FP8 quantizers (a lead, not shipped code).
+"""Exact-arithmetic check of the FP8 quantizers' division (`kernels/_common.quantize_values`, since session 5).
 
-The Triton quantizers divide every element by its group's scale with IEEE round-to-nearest division
-(`div_rn`), because the bytes must equal the reference quantizer's `e4m3(clamp(x / scale))`. In SASS the
-division's fast path is about 9-10 of the 19-28 instructions each element costs (session 4,
-docs/benchmarks.md). A per-group reciprocal y = RN(1/s) plus two FMA corrections per element,
+The bytes must equal the reference quantizer's `e4m3(clamp(x / scale))` with IEEE division. A per-element
+`div_rn` is about 9-10 of the 19-28 SASS instructions each element costs (session 4, docs/benchmarks.md), so the
+kernels use a per-group reciprocal y = RN(1/s) plus two FMA corrections per element,
 
     q = RN(x * y);  q = RN(q - RN(q*s - x) * y);  q = RN(q - RN(q*s - x) * y)
 
 (the same steps as the fast path, minus the per-element reciprocal and range check; s is replaced by 0 in the
 residual where y == 0, i.e. s = inf, so that x/inf comes out as IEEE says, and the residual's sign convention
-keeps x = -0 negative) cuts 3-5 of them. This
+keeps x = -0 negative; under pow2 scales an infinite x keeps q = x*y) cuts 3-5 of them. This
 script checks, in exact rational arithmetic (no float64 double rounding), that the e4m3 bytes are then the
 reference's, on random groups, on quotients next to e4m3 rounding midpoints, on scales whose reciprocal sits at
 a binade edge, and on the special values. Inputs are bf16 (quantization) or any fp32 (requantization).
