@@ -44,6 +44,16 @@ def host_ms(step, n=9):
     return sorted(ts)[n // 2]
 
 
+def _timed_calls_us(step, n):
+    """Host time per call in us of n calls back to back, timed before the closing sync."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
 def loop_us(step, n=100, warmup=5):
     """Warm host (enqueue) time per call in us: n calls back to back, timed before the closing sync.
 
@@ -53,12 +63,7 @@ def loop_us(step, n=100, warmup=5):
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    return _timed_calls_us(step, n)
 
 
 def busy_us(step, n=20):
@@ -67,12 +72,7 @@ def busy_us(step, n=20):
     step()
     torch.cuda.synchronize()
     torch.cuda._sleep(400_000_000)  # ~200 ms of GPU time
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / n * 1e6
+    return _timed_calls_us(step, n)
 
 
 def engine_thread_probe() -> None:

@@ -119,6 +119,11 @@ def test_nonfinite_inputs_match_reference_in_every_kernel(pow2):
     x[700, 300] = float("inf")
     x[900, 1000] = -float("inf")
     x[130:260, 1500] = float("nan")
+    _assert_every_kernel_bitwise(x, pow2)
+
+
+def _assert_every_kernel_bitwise(x: torch.Tensor, pow2: bool) -> None:
+    """Each quantizer kernel on x against the reference (nonfinite='propagate', as ops.quantize calls it)."""
     ref = lambda t, block: quantize_fp8(t, block, pow2_scale=pow2, nonfinite="propagate")  # noqa: E731
     _bits_equal(quant.quantize_1x128(x, pow2), ref(x, (1, 128)), "1x128")
     _bits_equal(quant.quantize_128x1(x, pow2), ref(x, (128, 1)), "128x1")
@@ -126,7 +131,7 @@ def test_nonfinite_inputs_match_reference_in_every_kernel(pow2):
     w, w_t = quant.quantize_128x128(x, pow2, write_t=True)
     _bits_equal(w, ref(x, (128, 128)), "128x128")
     _bits_equal(w_t, ref(x, (128, 128)).t(), "128x128^T")
-    q1 = quantize_fp8(x, (1, 128), nonfinite="propagate")
+    q1 = quantize_fp8(x, (1, 128), nonfinite="propagate")  # plain scales in: the requantizer's usual input
     _bits_equal(quant.requantize_1x128_to_128x1(q1, True, pow2), requantize_fp8(q1, (128, 1), pow2_scale=pow2).t(), "requant^T")
 
 
@@ -164,15 +169,7 @@ def _division_edge_data(dtype: torch.dtype, amax: float, pow2: bool, seed: int) 
 def test_division_edge_quotients_in_every_kernel(dtype, amax, pow2):
     x = _division_edge_data(dtype, amax, pow2, seed=31)
     assert (x.float().view(torch.int32) == torch.tensor(-0.0).view(torch.int32).item()).any(), "data must hold -0"
-    ref = lambda t, block: quantize_fp8(t, block, pow2_scale=pow2)  # noqa: E731
-    _bits_equal(quant.quantize_1x128(x, pow2), ref(x, (1, 128)), "1x128")
-    _bits_equal(quant.quantize_128x1(x, pow2), ref(x, (128, 1)), "128x1")
-    _bits_equal(quant.quantize_128x1_t(x, pow2), ref(x, (128, 1)).t(), "128x1^T")
-    w, w_t = quant.quantize_128x128(x, pow2, write_t=True)
-    _bits_equal(w, ref(x, (128, 128)), "128x128")
-    _bits_equal(w_t, ref(x, (128, 128)).t(), "128x128^T")
-    q1 = quantize_fp8(x, (1, 128))
-    _bits_equal(quant.requantize_1x128_to_128x1(q1, True, pow2), requantize_fp8(q1, (128, 1), pow2_scale=pow2).t(), "requant^T")
+    _assert_every_kernel_bitwise(x, pow2)
 
 
 def test_zero_group_and_nan_propagation():
