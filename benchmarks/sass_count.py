@@ -1,0 +1,99 @@
+"""Static SASS instruction counts of the shipped quantizer kernels, compiled for sm_90a on a machine without a GPU.
+
+Triton's wheel carries ptxas and nvdisasm, so a CPU machine can compile a kernel for Hopper and count what it
+became. The count is static (every instruction once, the division slow path and setup included), divided by the
+elements one thread handles: a way to compare kernel variants before spending device time, not a timing.
+Session 5 used it to size the division change (docs/benchmarks.md, "Session 5 (latest): the division ...").
+
+    python3 -m venv /tmp/trvenv && /tmp/trvenv/bin/pip install triton==3.6.0
+    PYTHONPATH=.venv/lib/python3.11/site-packages /tmp/trvenv/bin/python benchmarks/sass_count.py [--dump KIND]
+
+(torch comes from the project's venv only for the imports; nothing runs on a device.) Integer arguments get
+Triton's run-time specialization by hand: strides of 1 are constants and every other pointer and integer is marked
+divisible by 16, as on the H200 for 128-multiple shapes. Without those hints the layouts come out unvectorized and
+the counts mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jetrl_precision.kernels import quant  # noqa: E402
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_INSTR = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def compile_sass(kernel, signature: dict, constants: dict, num_warps: int) -> list[str]:
+    """The kernel's SASS opcodes for sm_90a, one per instruction."""
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]
+             for n, t in signature.items() if t != "constexpr" and n not in constants}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([os.path.join(_BIN, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return [m.group(1) for line in text.splitlines() if (m := _INSTR.match(line))]
+
+
+def _sig(pointers: dict, ints: list[str], constexprs: list[str]) -> dict:
+    return {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in constexprs}}
+
+
+def kernels() -> dict:
+    """name -> (kernel, signature, constants, num_warps, elements per thread) at the shipped launch shapes."""
+    ints_128x1 = ["R", "C", "sxr", "sxc", "sir", "sig", "sqr", "sqc", "ssb", "ssc"]
+    flags_128x1 = ["BLOCK_C", "POW2", "DEQ", "COL_FASTEST"]
+
+    def k128x1(in_dtype: str, tile: quant.Tile128x1, deq: bool):
+        sig = _sig({"x_ptr": in_dtype, "in_s_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ints_128x1, flags_128x1)
+        # Written transposed: the input's and the output's fastest strides (and the scales') are 1.
+        const = {"BLOCK_C": tile.block_c, "POW2": False, "DEQ": deq, "COL_FASTEST": tile.col_fastest,
+                 "sxc": 1, "sqr": 1, "ssc": 1, **({"sig": 1} if deq else {})}
+        return quant._quant_128x1_kernel, sig, const, tile.num_warps, 128 * tile.block_c // (32 * tile.num_warps)
+
+    sig_1x128 = _sig({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                     ["R", "C", "sxr", "sxc", "sqr", "sqc", "ssr", "ssg"], ["BLOCK_R", "POW2"])
+    sig_128x128 = _sig({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "s_ptr": "*fp32", "st_ptr": "*fp32"},
+                       ["R", "C", "sxr", "sxc", "sqr", "sqc", "stqr", "stqc", "ssr", "ssc", "stsr", "stsc"],
+                       ["POW2", "WRITE_Q", "WRITE_T"])
+    return {
+        "1x128": (quant._quant_1x128_kernel, sig_1x128, {"BLOCK_R": 32, "POW2": False, "sxc": 1, "sqc": 1, "ssr": 1}, 4, 32 * 128 // 128),
+        "128x1T": k128x1("*bf16", quant.TILE_128x1_T, False),
+        "requantT": k128x1("*fp8e4nv", quant.TILE_REQUANT_T, True),
+        "128x128": (quant._quant_128x128_kernel, sig_128x128,
+                    {"POW2": False, "WRITE_Q": True, "WRITE_T": False, "sxc": 1, "sqc": 1, "ssc": 1}, 4, 128 * 128 // 128),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dump", default=None, help="also print the opcode histogram of this kernel in full")
+    args = ap.parse_args()
+    print(f"{'kernel':10s} {'warps':>5s} {'elem/thread':>11s} {'SASS instr':>10s} {'per element':>11s}  top opcodes")
+    for name, (kernel, sig, const, warps, per_thread) in kernels().items():
+        ops = compile_sass(kernel, sig, const, warps)
+        hist = collections.Counter(op.split(".")[0] for op in ops if op != "NOP")
+        n = sum(hist.values())
+        top = ", ".join(f"{k} {v}" for k, v in hist.most_common(6))
+        print(f"{name:10s} {warps:5d} {per_thread:11d} {n:10d} {n / per_thread:11.1f}  {top}")
+        if args.dump == name:
+            print("   ", dict(hist.most_common()))
+
+
+if __name__ == "__main__":
+    main()
