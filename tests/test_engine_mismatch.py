@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from jetrl_precision import convert_to_fp8, get_recipe, mismatch_metrics
-from jetrl_precision.weight_sync import iter_sync_tensors
 from openrlhf.models.actor import Actor, load_causal_lm
 from openrlhf.trainer.engines.base import SamplingConfig
 from openrlhf.trainer.engines.hf_engine import HFEngine
-from openrlhf.trainer.ppo_utils.experience_maker import samples_to_tensors
+from openrlhf.trainer.ppo_utils.experience_maker import sample_after_sync
 from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model
 
 
@@ -26,11 +25,9 @@ def _mismatch(model_dir, recipe_name: str, dtype: torch.dtype, attn: str = "sdpa
     recipe = get_recipe(recipe_name)
     trainer = convert_to_fp8(load_causal_lm(str(model_dir), dtype, attn), recipe, side="train").eval()
     engine = HFEngine(str(model_dir), recipe, dtype=dtype, attn_implementation=attn)
-    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.syncs_fp8_weights))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 100, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (16,), generator=g)]
-    samples = [s for grp in engine.generate(prompts, SamplingConfig(max_new_tokens=24, temperature=1.0, n=2, seed=1)) for s in grp]
-    exp = samples_to_tensors(samples, pad_token_id=0)
+    exp = sample_after_sync(trainer, engine, recipe, prompts, SamplingConfig(max_new_tokens=24, temperature=1.0, n=2, seed=1), 0)
     with torch.no_grad():
         train_lp = Actor(trainer)(exp.sequences, exp.attention_mask, exp.num_actions).float()
     return mismatch_metrics(exp.rollout_logprobs, train_lp, exp.action_mask)
