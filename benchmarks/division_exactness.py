@@ -8,7 +8,8 @@ kernels use a per-group reciprocal y = RN(1/s) plus two FMA corrections per elem
 
 (the same steps as the fast path, minus the per-element reciprocal and range check; s is replaced by 0 in the
 residual where y == 0, i.e. s = inf, so that x/inf comes out as IEEE says, and the residual's sign convention
-keeps x = -0 negative; under pow2 scales an infinite x keeps q = x*y) cuts 3-5 of them. This
+keeps x = -0 negative) cuts 3-5 of them. Under pow2 scales the reciprocal is exact and q = RN(x * y) is the
+quotient itself, so the kernels skip the corrections there (session 6), which the pow2 sets check. This
 script checks, in exact rational arithmetic (no float64 double rounding), that the e4m3 bytes are then the
 reference's, on random groups, on quotients next to e4m3 rounding midpoints, on scales whose reciprocal sits at
 a binade edge, and on the special values. Inputs are bf16 (quantization) or any fp32 (requantization).
@@ -102,17 +103,17 @@ def reciprocal_divide(x: float, s: float, steps: int) -> float:
 
     Per group: y = RN(1/s), and s_c = s, or 0 where y == 0 (s = inf: the residual would be 0*inf = NaN).
     Per element: q = RN(x*y), then `steps` times e = RN(q*s_c - x) (one FMA), q = RN(q + (-e)*y) (one FMA).
-    The residual is formed as q*s - x so that x = -0 keeps its sign with no special case.
+    The residual is formed as q*s - x so that x = -0 keeps its sign with no special case. The kernels take
+    steps=2, or steps=0 under pow2 scales (an exact reciprocal; x = +-inf, whose scale is then 1.0, stays +-inf
+    where a correction's inf - inf would give NaN).
     """
     y = div32(1.0, s)
     s_c = 0.0 if y == 0 else s
-    q0 = q = mul32(x, y)
+    q = mul32(x, y)
     for _ in range(steps):
         e = fma32(q, s_c, -x)
         q = fma32(-e, y, q)
-    # x = +-inf with a finite scale (only pow2 scales, where a non-finite scale becomes 1.0): inf - inf in the
-    # residual would give NaN; the kernels keep q0 there (under POW2, the only case that can reach it).
-    return q0 if math.isinf(q0) else q
+    return q
 
 
 def e4m3_bytes(values: list[float]) -> list[int]:
@@ -125,7 +126,22 @@ def _scale(amax: float) -> float:
     return div32(max(amax, f32(1e-10)), 448.0) if not math.isnan(amax) else math.nan
 
 
-def cases_random(n: int, rnd: random.Random, cast) -> list[tuple[float, float]]:
+def _scale_pow2(amax: float) -> float:
+    """The pow2 scale rule: amax/448 rounded up to a power of two; a non-finite scale becomes 1.0 (as torch.frexp)."""
+    s = _scale(amax)
+    if math.isinf(s) or math.isnan(s):
+        return 1.0
+    m, e = math.frexp(s)  # s = m * 2^e, m in [0.5, 1)
+    return math.ldexp(1.0, e - 1) if m == 0.5 else math.ldexp(1.0, e)
+
+
+def cases_pow2(n: int, rnd: random.Random, cast) -> list[tuple[float, float]]:
+    """Random groups over the whole fp32 range with pow2 scales, plus infinite inputs (their scale is 1.0)."""
+    out = [(x, _scale_pow2(amax)) for x, amax in ((math.inf, math.inf), (-math.inf, math.inf), (5.0, math.inf))]
+    return (out + cases_random(n, rnd, cast, _scale_pow2))[:n]
+
+
+def cases_random(n: int, rnd: random.Random, cast, scale_rule=None) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     while len(out) < n:
         mag = 10.0 ** rnd.uniform(-38, 38)
@@ -136,7 +152,7 @@ def cases_random(n: int, rnd: random.Random, cast) -> list[tuple[float, float]]:
             if not math.isinf(v):
                 group.append(v)
         if group:
-            s = _scale(max(abs(v) for v in group))
+            s = (scale_rule or _scale)(max(abs(v) for v in group))
             out += [(v, s) for v in group]
     return out[:n]
 
@@ -179,7 +195,7 @@ def cases_special() -> list[tuple[float, float]]:
     return [(0.0, s), (-0.0, s), (0.0, math.inf), (-0.0, math.inf), (5.0, math.inf), (-5.0, math.inf),
             (math.inf, math.inf), (-math.inf, math.inf), (1.0, math.nan), (0.0, math.nan), (math.nan, s),
             (1e-45, s), (-1e-45, s), (3.0, s), (-3.0, s), (f32(1e-10), _scale(f32(1e-10))),
-            (math.inf, 1.0), (-math.inf, 1.0), (math.nan, 1.0), (-7.0, 1.0)]
+            (math.nan, 1.0), (-7.0, 1.0)]
 
 
 def main() -> int:
@@ -194,16 +210,19 @@ def main() -> int:
         for gen_name, gen in (("random groups", cases_random), ("e4m3 midpoints", cases_midpoints),
                               ("binade edges", cases_binade_edges)):
             sets[f"{cast_name} {gen_name}"] = gen(args.cases, rnd, cast)
+    # Under pow2 scales the kernels skip the corrections: the reciprocal of a power of two is exact.
+    sets.update({f"{c} pow2 scales, no corrections": cases_pow2(args.cases, rnd, f) for c, f in (("bf16", bf16), ("fp32", f32))})
     failed = 0
     for name, cases in sets.items():
+        steps = 0 if "pow2" in name else args.steps
         ref = [div32(x, s) for x, s in cases]
-        got = [reciprocal_divide(x, s, args.steps) for x, s in cases]
+        got = [reciprocal_divide(x, s, steps) for x, s in cases]
         byte_diff = sum(a != b for a, b in zip(e4m3_bytes(ref), e4m3_bytes(got)))
         # Where e4m3 can be nonzero, the fp32 quotients themselves must agree bit for bit.
         fp32_diff = sum(_bits(a) != _bits(b) for a, b in zip(ref, got)
                         if not math.isnan(a) and abs(a) >= 2.0 ** -10)
         failed += byte_diff + fp32_diff
-        print(f"{name:24s} {len(cases):6d} cases: {byte_diff} e4m3 bytes and {fp32_diff} fp32 quotients >= 2^-10 differ")
+        print(f"{name:34s} {len(cases):6d} cases: {byte_diff} e4m3 bytes and {fp32_diff} fp32 quotients >= 2^-10 differ")
     print("OK: the reciprocal form gives the reference bytes on every case" if failed == 0 else f"FAILED: {failed} differences")
     return 1 if failed else 0
 

@@ -63,7 +63,7 @@ def kernels() -> dict:
         sig = _sig({"x_ptr": in_dtype, "in_s_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, ints_128x1, flags_128x1)
         # Written transposed: the input's and the output's fastest strides (and the scales') are 1.
         const = {"BLOCK_C": tile.block_c, "POW2": False, "DEQ": deq, "COL_FASTEST": tile.col_fastest,
-                 "sxc": 1, "sqr": 1, "ssc": 1, **({"sig": 1} if deq else {})}
+                 "sxc": 1, "sqr": 1, "ssc": 1, **({"sir": 1} if deq else {})}
         return quant._quant_128x1_kernel, sig, const, tile.num_warps, 128 * tile.block_c // (32 * tile.num_warps)
 
     sig_1x128 = _sig({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},

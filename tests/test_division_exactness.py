@@ -8,6 +8,7 @@ differences when the corrections are left out (so the check can fail). The GPU t
 from __future__ import annotations
 
 import importlib.util
+import math
 import random
 import sys
 from pathlib import Path
@@ -52,8 +53,17 @@ def test_signed_zero_and_infinite_scale_follow_ieee(dx):
     assert str(dx.reciprocal_divide(0.0, s, 2)) == "0.0"
     assert str(dx.reciprocal_divide(-5.0, float("inf"), 2)) == "-0.0"
     assert dx.reciprocal_divide(float("inf"), float("inf"), 2) != dx.reciprocal_divide(float("inf"), float("inf"), 2)  # NaN
-    # pow2 turns a non-finite scale into 1.0: an infinite x then stays infinite (IEEE inf / 1), not inf - inf = NaN.
-    assert dx.reciprocal_divide(float("-inf"), 1.0, 2) == float("-inf")
+    # pow2 turns a non-finite scale into 1.0: an infinite x then stays infinite (IEEE inf / 1). The kernels run no
+    # correction under pow2; one would turn it into inf - inf = NaN.
+    assert dx.reciprocal_divide(float("-inf"), 1.0, 0) == float("-inf")
+    assert dx.reciprocal_divide(float("-inf"), 1.0, 2) != dx.reciprocal_divide(float("-inf"), 1.0, 2)
+
+
+def test_pow2_scales_need_no_correction(dx):
+    rnd = random.Random(7)
+    cases = dx.cases_pow2(3000, rnd, dx.bf16) + dx.cases_pow2(3000, rnd, dx.f32)
+    assert all(s == 2.0 ** round(math.log2(s)) for _, s in cases)
+    assert _differences(dx, cases, steps=0) == 0
 
 
 def test_the_check_catches_a_plain_reciprocal_multiply(dx):

@@ -7,7 +7,9 @@ Each helper mirrors one line of `quantize.quantize_fp8` so the bytes match exact
 - scale = amax / 448 with IEEE round-to-nearest division (`div_rn`, not Triton's approximate `/`);
 - pow2 rounding is frexp/ldexp on the bits (non-finite scales become 1.0, as torch.frexp makes them);
 - q = e4m3(clamp(x / scale, -448, 448)), x / scale the IEEE quotient from a per-group reciprocal and two FMA
-  corrections (`quantize_values`), NaN propagated through the clamp.
+  corrections (`quantize_values`). The clamp is the conversion's own: fp32 -> e4m3 compiles to
+  `cvt.rn.satfinite.e4m3x2.f32` on sm89+, which rounds to nearest-even and saturates +-inf and anything past 448
+  to +-448, and keeps NaN NaN - what clamp-then-convert gives, one instruction per element cheaper.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def abs_max(x, axis: tl.constexpr):
 @triton.jit
 def group_scale(amax, POW2: tl.constexpr):
     """fp32 scale from a group's `abs_max` (NaN stays NaN)."""
-    amax = tl.where(amax != amax, float("nan"), tl.maximum(amax, 1e-10))
+    amax = tl.maximum(amax, 1e-10, propagate_nan=tl.PropagateNan.ALL)
     scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
     if POW2:
         bits = scale.to(tl.int32, bitcast=True)
@@ -48,6 +50,9 @@ def group_scale(amax, POW2: tl.constexpr):
 def quantize_values(x, scale, POW2: tl.constexpr):
     """e4m3(clamp(x / scale, -448, 448)) with x / scale the IEEE quotient RN(x / scale) and RNE conversion.
 
+    The clamp is left to the saturating conversion (module docstring); dropping the explicit one took 1 of 17-19
+    SASS instructions per element and moved the 128x1^T writer from 82% to 86% of copy on the H200 (session 6).
+
     The quotient is computed the way `div.rn`'s fast path does it, minus the per-element reciprocal and range
     check: one correctly rounded reciprocal per group, y = RN(1 / scale), then two FMA corrections per
     element, q -= RN(q * scale - x) * y. That is RN(x / scale) exactly (the residual of a quotient within a
@@ -59,17 +64,14 @@ def quantize_values(x, scale, POW2: tl.constexpr):
     """
     recip = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # per group, before the broadcast
     s_res = tl.where(recip == 0.0, 0.0, scale)
-    x, s_res = tl.broadcast(x, s_res)
     x, recip = tl.broadcast(x, recip)
-    # Negation as `* -1.0`: Triton's unary minus is 0 - v, which turns -0 into +0 (and costs an FADD).
-    neg_x = x * -1.0
-    q0 = x * recip
-    q = tl.math.fma(tl.math.fma(q0, s_res, neg_x) * -1.0, recip, q0)
-    q = tl.math.fma(tl.math.fma(q, s_res, neg_x) * -1.0, recip, q)
-    if POW2:
-        # pow2 rounding turns a non-finite scale into 1.0, so x = +-inf can meet a finite scale; the residual
-        # inf - inf would make it NaN where IEEE gives +-inf (clamped to +-448). Without pow2 an infinite x
-        # always comes with an infinite or NaN scale, and NaN is then the right answer.
-        q = tl.where(tl.abs(q0) == float("inf"), q0, q)
-    q = tl.clamp(q, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    q = x * recip
+    if not POW2:
+        # A power-of-two scale (2^-42 .. 2^120, or 1.0 for a non-finite one) has an exact reciprocal, so x * y
+        # already is the IEEE quotient (+-inf included); any other scale needs the two corrections.
+        x, s_res = tl.broadcast(x, s_res)
+        # Negation as `* -1.0`: Triton's unary minus is 0 - v, which turns -0 into +0 (and costs an FADD).
+        neg_x = x * -1.0
+        q = tl.math.fma(tl.math.fma(q, s_res, neg_x) * -1.0, recip, q)
+        q = tl.math.fma(tl.math.fma(q, s_res, neg_x) * -1.0, recip, q)
     return q.to(tl.float8e4nv)
