@@ -41,6 +41,7 @@ from jetrl_precision.gemm.deep_gemm_backend import deep_gemm_wgrad_1d1d  # noqa:
 from jetrl_precision.kernels import fused, quant  # noqa: E402
 from jetrl_precision.kernels.layout import padding_events  # noqa: E402
 from jetrl_precision.quantize import quantize_fp8  # noqa: E402
+from jetrl_precision.swiglu import fuse_swiglu  # noqa: E402
 from host_profile import loop_us  # noqa: E402  (benchmarks/ is on sys.path: these files run as scripts)
 
 LAYERS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -641,9 +642,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.act_fn = nn.SiLU()
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
@@ -685,7 +687,7 @@ class Stack(nn.Module):
 
 
 def _build_stack(variant, seed=0):
-    """variant: "bf16" or "jet_fp8/<gemm backend>"."""
+    """variant: "bf16" or "jet_fp8/<gemm backend>", with ":unfused" to keep the plain MLP (no fused SwiGLU)."""
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = Stack().to(torch.bfloat16)
@@ -694,22 +696,31 @@ def _build_stack(variant, seed=0):
             nn.init.normal_(p, std=0.02)
     if variant != "bf16":
         recipe_name, backend = variant.split("/")
-        convert_to_fp8(model, dataclasses.replace(get_recipe(recipe_name), gemm_backend=backend))
+        backend, _, mode = backend.partition(":")
+        convert_to_fp8(model, dataclasses.replace(get_recipe(recipe_name), gemm_backend=backend), fuse_swiglu=False)
+        if mode != "unfused":
+            fuse_swiglu(model, classes=[MLP])  # what convert_to_fp8 does for HF Llama/Qwen MLPs
     return model
 
 
 def _variant_label(variant):
-    return variant if variant == "bf16" else f"jet_fp8 {resolve_backend(variant.split('/')[1], 'cuda')}"
+    if variant == "bf16":
+        return variant
+    backend, _, mode = variant.split("/")[1].partition(":")
+    return f"jet_fp8 {resolve_backend(backend, 'cuda')}" + (f" {mode}" if mode else "")
 
 
-def _stack_variants(args):
-    """bf16 plus one jet_fp8 variant per distinct resolved backend (auto,torch is one variant without DeepGEMM)."""
+def _stack_variants(args, unfused=False):
+    """bf16 plus one jet_fp8 variant per distinct resolved backend (auto,torch is one variant without DeepGEMM);
+    with `unfused`, the first backend once more without the fused SwiGLU MLP (its A/B)."""
     out, seen = ["bf16"], set()
     for b in args.stack_backends.split(","):
         resolved = resolve_backend(b, "cuda")
         if resolved not in seen:
             seen.add(resolved)
             out.append(f"jet_fp8/{b}")
+    if unfused and len(out) > 1:
+        out.insert(2, out[1] + ":unfused")
     return out
 
 
@@ -718,7 +729,7 @@ def section_stack(args):
     results = {}
     for batch in (args.stack_batch, args.stack_batch // 2, args.stack_batch // 4):
         try:
-            for name in _stack_variants(args):
+            for name in _stack_variants(args, unfused=True):
                 torch.cuda.empty_cache()
                 model = _build_stack(name)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -760,11 +771,13 @@ def section_stack(args):
     shape = f"4 layers, batch {batch} x seq {seq}"
     print(f"\n4-layer Llama-3.1-8B stack fwd+bwd+AdamW, {shape}")
     for name, (ms, tok, peak, loss) in results.items():
-        gb = "cublas-bf16" if name == "bf16" else _variant_label(name).split()[1]
-        print(f"  {name:16s} {ms:8.1f} ms/step {tok:9.0f} tok/s ({tok / bf[1]:.3f}x)  peak {peak:6.1f} GiB"
+        label = _variant_label(name)
+        gb = "cublas-bf16" if name == "bf16" else label.split()[1]
+        print(f"  {name:22s} {ms:8.1f} ms/step {tok:9.0f} tok/s ({tok / bf[1]:.3f}x)  peak {peak:6.1f} GiB"
               f" ({peak / bf[2]:.3f} of bf16)  loss {loss:.4g}  [{gb}]")
-        rec("stack_train_tokens_per_s", shape, name.split("/")[0] if name == "bf16" else f"jet_fp8 {gb}", round(tok, 0),
-            "tokens/s", round(tok / bf[1], 3), ms_per_step=round(ms, 2), peak_mem_gib=round(peak, 2), gemm_backend=gb)
+        rec("stack_train_tokens_per_s", shape, label, round(tok, 0), "tokens/s", round(tok / bf[1], 3),
+            ms_per_step=round(ms, 2), peak_mem_gib=round(peak, 2), gemm_backend=gb,
+            fused_swiglu=name != "bf16" and not name.endswith(":unfused"))
 
 
 def section_decode(args):

@@ -10,6 +10,7 @@ from torch import nn
 
 from .linear import Fp8Linear
 from .recipe import PrecisionRecipe, get_recipe
+from .swiglu import fuse_swiglu as _fuse_swiglu
 
 __all__ = ["convert_to_fp8", "default_module_filter", "ModuleFilter", "fp8_linears", "Side"]
 
@@ -35,6 +36,7 @@ def convert_to_fp8(
     module_filter: ModuleFilter | None = None,
     *,
     side: Side = "train",
+    fuse_swiglu: bool = True,
 ) -> nn.Module:
     """Swap the model's nn.Linear layers for Fp8Linear in place and return the model.
 
@@ -46,6 +48,10 @@ def convert_to_fp8(
 
     Call it after `from_pretrained` and before `deepspeed.initialize`: the Fp8Linear adopts
     the existing Parameter objects, so ZeRO-2/3 partitioning and the optimizer are unaffected.
+
+    With `fuse_swiglu` (the default) the Llama/Qwen/Mistral SwiGLU MLPs become `swiglu.SwiGLUMLP`: silu(gate) * up
+    and the down projection's 1x128 quantization of it run as one kernel on CUDA, and backward keeps gate and up
+    instead of also silu(gate). Same values bit for bit; pass False to keep the model's own MLP modules.
     """
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
@@ -63,6 +69,8 @@ def convert_to_fp8(
             if type(child) is nn.Linear and keep(child, child_fqn):
                 setattr(module, child_name, Fp8Linear.from_linear(child, fprop, backward, recipe.gemm_backend, child_fqn))
                 converted += 1
+    if fuse_swiglu:
+        _fuse_swiglu(model)
     if converted == 0:
         logger.warning("convert_to_fp8(%s, side=%s): no nn.Linear matched the module filter; nothing converted", recipe.name, side)
     else:

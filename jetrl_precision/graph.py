@@ -395,7 +395,25 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
             g.add_node(name, "norm")
             if phase != "train_bwd":
                 g.add_edge(name, "weight", EdgeAttrs(dtype=dt, quantizer_id=f"{dt}/none"))
+    _mark_fused_swiglu(g, model)
     return g
+
+
+def _mark_fused_swiglu(g: PrecisionGraph, model: nn.Module) -> None:
+    """Record which down projections get their FP8 input from the fused SwiGLU kernel (same bytes, other kernel)."""
+    from .ops import kernel_name
+    from .swiglu import SwiGLUMLP
+
+    for fqn, m in model.named_modules():
+        if not isinstance(m, SwiGLUMLP) or not m.fused_quantization:
+            continue
+        down = canonical_name(f"{fqn}.down_proj" if fqn else "down_proj")
+        if down not in g.nodes or kernel_name(m.down_proj.weight.device) != "triton":
+            continue  # the fused kernel runs only where the Triton implementation does
+        g.nodes[down].attrs["input_producer"] = "silu_mul_quantize"
+        for i, e in enumerate(g.edges):
+            if e.dst == down and e.role == "input":
+                g.edges[i] = Edge(e.dst, e.role, dataclasses.replace(e.attrs, kernel="triton:silu_mul_quantize"))
 
 
 # ---- checking ---------------------------------------------------------------------------------

@@ -130,4 +130,17 @@ def quantize_dual(x: torch.Tensor, spec: TensorSpec, t_spec: TensorSpec) -> tupl
     return quantize(x, spec), quantize_transposed(x, t_spec)
 
 
-__all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual"]
+def silu_mul_quantized(gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec) -> torch.Tensor | None:
+    """h = silu(gate) * up for 2-D operands, with quantize(h, spec) computed in the same kernel and kept for the
+    consumer's next `quantize(h, spec)` call. None when no implementation can (the caller computes h itself).
+
+    h is bit-for-bit `F.silu(gate) * up`; the consumer's quantization is the one it would have computed.
+    """
+    impl = _impl_for(gate.device)
+    fn = getattr(impl, "silu_mul_quantized", None)
+    if fn is None or not spec.is_fp8:
+        return None
+    return fn(gate, up, spec.granularity.block(tuple(gate.shape)), spec.pow2_scale)
+
+
+__all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual", "silu_mul_quantized"]

@@ -7,9 +7,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
-from . import quant
+from . import fused, quant
 
 __all__ = ["TritonQuantizeImpl"]
+
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _fp8_capable(device: torch.device) -> bool:
@@ -109,6 +111,19 @@ class TritonQuantizeImpl:
         if block == (1, 128) and t_block == (128, 1) and x.dim() == 2 and x.numel() > 0 and x.is_floating_point():
             return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale)
         return None
+
+    def silu_mul_quantized(self, gate: torch.Tensor, up: torch.Tensor, block: Block, pow2_scale: bool) -> torch.Tensor | None:
+        """silu(gate) * up from the fused kernel, its Q(h) put in the share cache for the consumer; None if unfit.
+
+        Only with the share cache on, so the quantization is never computed for nothing.
+        """
+        if not self.share_results or block != (1, 128) or gate.dim() != 2 or gate.numel() == 0:
+            return None
+        if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in _FUSED_DTYPES:
+            return None
+        qt, h = fused.silu_mul_quantize(gate, up, pow2_scale, return_hp=True)
+        self._last_q.put(h, (block, pow2_scale), qt)
+        return h
 
     def requantize_transposed(self, qt: QuantizedTensor, block: Block, pow2_scale: bool) -> QuantizedTensor:
         if qt.block == (1, 128) and block == (128, 1):

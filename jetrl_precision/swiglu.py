@@ -1,0 +1,138 @@
+"""SwiGLU MLPs whose product is quantized for the down projection in the same kernel (Llama/Qwen/Mistral).
+
+`down_proj(silu(gate_proj(x)) * up_proj(x))` costs three elementwise passes in eager PyTorch (silu, the product,
+then the down projection's 1x128 quantization of the product), and autograd keeps silu(gate) alive next to gate
+and up. `SwiGLUMLP` computes h = silu(gate) * up and Q(h, 1x128) in one Triton kernel
+(`kernels.fused.silu_mul_quantize`) and hands Q(h) to the down projection through the quantize implementation's
+share cache, so that layer does not quantize h again. Its backward recomputes silu(gate) from the saved gate.
+
+Nothing changes numerically: the kernel's h is bit-for-bit `F.silu(gate) * up` and its Q(h) is the reference
+quantizer's (GPU tests), and the backward runs the very aten ops autograd runs for the unfused expression. On a
+device without the kernel the forward is the plain expression; only the saved-tensor saving remains.
+
+    fuse_swiglu(model)            # after convert_to_fp8 (which calls it unless fuse_swiglu=False)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .formats import Granularity
+from .linear import Fp8Linear
+from .recipe import TensorSpec
+
+__all__ = ["SWIGLU_MLP_CLASSES", "SwiGLUMLP", "silu_mul", "fuse_swiglu"]
+
+logger = logging.getLogger(__name__)
+
+# MLP classes whose forward is exactly down_proj(act_fn(gate_proj(x)) * up_proj(x)); matched by class name so no
+# model package has to be imported. Other classes opt in through `fuse_swiglu(model, classes=...)`.
+SWIGLU_MLP_CLASSES: tuple[str, ...] = (
+    "LlamaMLP",
+    "MistralMLP",
+    "Qwen2MLP",
+    "Qwen3MLP",
+    "Qwen2MoeMLP",
+    "Qwen3MoeMLP",
+)
+
+
+class _SiluMulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec | None) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        if spec is not None:
+            h = ops.silu_mul_quantized(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]), spec)
+            if h is not None:
+                return h.view(gate.shape)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, dh: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        # The ops autograd records for F.silu(gate) * up, in its order: mul's backward, then silu's.
+        dgate = torch.ops.aten.silu_backward(dh * up, gate) if ctx.needs_input_grad[0] else None
+        dup = dh * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return dgate, dup, None
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec | None = None) -> torch.Tensor:
+    """silu(gate) * up, saving only gate and up for backward; with `spec` (the consumer's 1x128 FP8 input spec)
+    a fast implementation also quantizes the product in the same kernel and keeps Q(h) for the consumer."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"silu_mul needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
+                         f"and {tuple(up.shape)} {up.dtype}")
+    return _SiluMulFunction.apply(gate, up, spec)
+
+
+def _is_silu(act: Any) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is F.silu
+
+
+def _consumer_spec(down_proj: nn.Module) -> TensorSpec | None:
+    """The down projection's FP8 input spec when the fused kernel can produce it (1x128 e4m3), else None."""
+    if isinstance(down_proj, Fp8Linear) and down_proj.fprop.input.is_fp8:
+        spec = down_proj.fprop.input
+        return spec if spec.granularity == Granularity.BLOCK_1x128 else None
+    return None
+
+
+class SwiGLUMLP(nn.Module):
+    """`down_proj(silu(gate_proj(x)) * up_proj(x))` with the product fused and quantized for down_proj.
+
+    It adopts the original MLP's submodules, so parameter names, the state dict and ZeRO partitioning are
+    unchanged; `source_class` records what it replaced.
+    """
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.gate_proj = mlp.gate_proj
+        self.up_proj = mlp.up_proj
+        self.down_proj = mlp.down_proj
+        self.act_fn = mlp.act_fn if isinstance(mlp.act_fn, nn.Module) else nn.SiLU()
+        self.source_class = type(mlp).__name__
+
+    @property
+    def fused_quantization(self) -> bool:
+        """True when the product's 1x128 quantization is produced by the SwiGLU kernel (on a capable device)."""
+        return _consumer_spec(self.down_proj) is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), _consumer_spec(self.down_proj)))
+
+    def extra_repr(self) -> str:
+        return f"source={self.source_class}, fused_quantization={self.fused_quantization}"
+
+
+def fuse_swiglu(model: nn.Module, classes: Iterable[type | str] = ()) -> int:
+    """Replace every SwiGLU MLP in `model` (in place) by a `SwiGLUMLP`; returns how many were replaced.
+
+    An MLP qualifies when its class is in `SWIGLU_MLP_CLASSES` or `classes` (types or class names) and it has
+    gate_proj/up_proj/down_proj submodules and a SiLU `act_fn`. Call it after `convert_to_fp8`, which calls it by
+    default, so the fused module sees the FP8 down projection.
+    """
+    names = set(SWIGLU_MLP_CLASSES) | {c if isinstance(c, str) else c.__name__ for c in classes}
+    replaced = 0
+    for fqn, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child).__name__ not in names:
+                continue
+            if not all(isinstance(getattr(child, p, None), nn.Module) for p in ("gate_proj", "up_proj", "down_proj")):
+                logger.warning("fuse_swiglu: %s.%s (%s) has no gate_proj/up_proj/down_proj; left as is",
+                               fqn, child_name, type(child).__name__)
+                continue
+            if not _is_silu(getattr(child, "act_fn", None)):
+                logger.info("fuse_swiglu: %s.%s uses %s, not SiLU; left as is", fqn, child_name,
+                            type(getattr(child, "act_fn", None)).__name__)
+                continue
+            setattr(module, child_name, SwiGLUMLP(child))
+            replaced += 1
+    if replaced:
+        logger.info("fuse_swiglu: %d SwiGLU MLPs fused (silu*up and its FP8 quantization in one kernel on CUDA)", replaced)
+    return replaced

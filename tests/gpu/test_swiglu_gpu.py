@@ -1,0 +1,113 @@
+"""The fused SwiGLU MLP on the GPU: bit-for-bit the unfused jet_fp8 MLP, one quantization fewer, less saved."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gpu_testutil import outlier_data, requires_cuda_reason
+from jetrl_precision import build_precision_graph, convert_to_fp8, get_recipe
+from jetrl_precision.kernels import fused, quant
+from jetrl_precision.swiglu import SwiGLUMLP, fuse_swiglu
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_cuda_reason)
+
+
+class _MLP(nn.Module):
+    """transformers' LlamaMLP, without the dependency (the device has no transformers)."""
+
+    def __init__(self, h: int, i: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _pair(backend: str, h: int = 512, i: int = 1408):
+    torch.manual_seed(0)
+    base = nn.Sequential(_MLP(h, i)).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.copy_(outlier_data(*p.shape, dtype=torch.float32, seed=p.numel() % 97) * 0.03)
+    recipe = get_recipe("jet_fp8").replace(gemm_backend=backend)
+    plain = convert_to_fp8(copy.deepcopy(base), recipe, fuse_swiglu=False)
+    fused_model = convert_to_fp8(copy.deepcopy(base), recipe)
+    assert fuse_swiglu(fused_model, classes=[_MLP]) == 1
+    assert isinstance(fused_model[0], SwiGLUMLP) and fused_model[0].fused_quantization
+    return plain, fused_model
+
+
+def _step(model, x, dy):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = model(x)
+    y.backward(dy)
+    return y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_fused_mlp_is_bitwise_the_unfused_one(backend):
+    plain, fused_model = _pair(backend)
+    x = outlier_data(300, 512, seed=1).view(3, 100, 512)  # 300 tokens: a partial 128-row block
+    dy = outlier_data(300, 512, seed=2).view(3, 100, 512)
+    y0, dx0, g0 = _step(plain, x, dy)
+    y1, dx1, g1 = _step(fused_model, x, dy)
+    assert torch.equal(y0, y1)
+    assert torch.equal(dx0, dx1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), f"gradient of {name} differs"
+
+
+def test_down_proj_takes_the_fused_quantization(monkeypatch):
+    plain, fused_model = _pair("auto")
+    calls = {"1x128": 0, "silu_mul": 0}
+
+    def counting(fn, key):
+        def wrapped(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(quant, "quantize_1x128", counting(quant.quantize_1x128, "1x128"))
+    monkeypatch.setattr(fused, "silu_mul_quantize", counting(fused.silu_mul_quantize, "silu_mul"))
+    x = outlier_data(256, 512, seed=3)
+    with torch.no_grad():
+        plain(x)
+        assert calls == {"1x128": 2, "silu_mul": 0}  # x once (gate and up share it), then h
+        fused_model(x)
+        assert calls == {"1x128": 3, "silu_mul": 1}  # x once; h and Q(h) come from the SwiGLU kernel
+
+
+def test_fused_mlp_saves_less_for_backward():
+    plain, fused_model = _pair("auto")
+    x = outlier_data(512, 512, seed=4).requires_grad_()
+
+    def saved(model) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x)
+        return sum(seen.values())
+
+    # The unfused MLP also keeps silu(gate): one bf16 [tokens, intermediate] tensor more.
+    assert saved(plain) - saved(fused_model) == 512 * 1408 * 2
+
+
+def test_precision_graph_names_the_fused_producer():
+    _, fused_model = _pair("auto")
+    g = build_precision_graph(fused_model, "jet_fp8", "train_fwd")
+    node = g.nodes["0.down_proj"]
+    assert node.attrs["input_producer"] == "silu_mul_quantize"
+    assert g.edges_into("0.down_proj")["input"].attrs.kernel == "triton:silu_mul_quantize"
+    assert g.edges_into("0.gate_proj")["input"].attrs.kernel == "triton"
