@@ -36,8 +36,13 @@ _current_generation = [next(_generation)]
 
 
 def mark_weights_updated() -> int:
-    """Invalidate every cached FP8 weight quantization. Call after each optimizer step."""
+    """Invalidate every cached FP8 weight quantization. Call after each optimizer step.
+
+    It also drops the activation quantizations kept for sibling sharing (`ops.release_shared_results`): they
+    belong to the step that just ended, and would otherwise hold their bytes into the next one.
+    """
     _current_generation[0] = next(_generation)
+    ops.release_shared_results()
     return _current_generation[0]
 
 

@@ -67,6 +67,11 @@ class TritonQuantizeImpl:
         self._last_q = _LastResult()
         self._last_rq_t = _LastResult()
 
+    def release_shared(self) -> None:
+        """Drop the kept quantizations (they hold their FP8 bytes alive after their source is gone)."""
+        self._last_q = _LastResult()
+        self._last_rq_t = _LastResult()
+
     def supports(self, device: torch.device) -> bool:
         key = str(device)
         if key not in self._ok:

@@ -261,3 +261,22 @@ def test_sibling_layers_share_one_quantization():
     r1 = ops.requantize_transposed(c, wspec)
     assert ops.requantize_transposed(c, wspec) is r1
     assert_same(r1, requantize_fp8(c, (128, 1)).t(), "shared requant")
+
+
+def test_mark_weights_updated_releases_the_shared_results():
+    """The share caches keep their last result's FP8 bytes alive; the end of an optimizer step frees them."""
+    import weakref
+
+    from jetrl_precision import mark_weights_updated
+
+    spec = get_recipe("jet_fp8").train_fprop.input
+    x = outlier_data(512, 1024, seed=14)
+    a = ops.quantize(x, spec)
+    r = ops.requantize_transposed(a, get_recipe("jet_fp8").train_backward.wgrad_input)
+    kept = [weakref.ref(a.data), weakref.ref(r.data)]
+    assert ops.quantize(x, spec) is a
+    del a, r
+    assert all(w() is not None for w in kept)  # held by the caches alone
+    mark_weights_updated()
+    assert all(w() is None for w in kept)
+    assert_same(ops.quantize(x, spec), quantize_fp8(x, (1, 128)), "recomputed after the release")
