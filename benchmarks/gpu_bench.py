@@ -164,6 +164,13 @@ def section_quant(args, copy_bw):
             for t in (quant.Tile128x1(32, 4, False), quant.Tile128x1(16, 2, True), quant.Tile128x1(16, 2, False)):
                 one(f"requant_T_blockc{t.block_c}_w{t.num_warps}{'_colfast' if t.col_fastest else ''}", shp,
                     lambda t=t: quant.requantize_1x128_to_128x1(q1, True, tile=t), io_rq)
+        if (m, k) == (16384, 14336):
+            # pow2 (UE8M0) scales have an exact reciprocal: no FMA corrections in the kernels (session 6).
+            one("1x128_pow2", shp, lambda: quant.quantize_1x128(x, pow2_scale=True), io)
+            one("128x1_transposed_pow2", shp, lambda: quant.quantize_128x1_t(x, pow2_scale=True), io)
+            q1p = quant.quantize_1x128(x, pow2_scale=True)
+            one("requant_1x128_to_128x1_T_pow2", shp, lambda: quant.requantize_1x128_to_128x1(q1p, True, pow2_scale=True), io_rq)
+            del q1p
         if (m, k) == (16384, 4096):
             one("torch_reference_1x128", shp, lambda: quantize_fp8(x, (1, 128), nonfinite="propagate"), io, backend="torch-ops")
         del x, q1
@@ -173,6 +180,8 @@ def section_quant(args, copy_bw):
         io = n * k * 2 + n * k
         one("128x128", shp, lambda: quant.quantize_128x128(w), io)
         one("128x128_w8", shp, lambda: quant.quantize_128x128(w, num_warps=8), io)  # the default before session 5
+        if (n, k) == (28672, 4096):
+            one("128x128_pow2", shp, lambda: quant.quantize_128x128(w, pow2_scale=True), io)
         if (n, k) == (28672, 4096):
             one("128x128_T_only", shp, lambda: quant.quantize_128x128(w, write=False, write_t=True), io)
         one("128x128_plus_T", shp, lambda: quant.quantize_128x128(w, write_t=True), io + n * k)
