@@ -10,21 +10,21 @@ from torch import nn
 
 from gpu_testutil import outlier_data, requires_cuda_reason
 from jetrl_precision import build_precision_graph, convert_to_fp8, get_recipe
-from jetrl_precision.kernels import fused, quant
 from jetrl_precision.swiglu import SwiGLUMLP, fuse_swiglu
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_cuda_reason)
 
+if torch.cuda.is_available():  # the kernel modules import Triton, which CPU installs do not have
+    from jetrl_precision.kernels import fused, quant
+
 
 class _MLP(nn.Module):
-    """transformers' LlamaMLP, without the dependency (the device has no transformers)."""
+    """transformers' LlamaMLP with mlp_bias=True, without the dependency (the device has no transformers)."""
 
     def __init__(self, h: int, i: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-        self.act_fn = nn.SiLU()
+        self.gate_proj, self.up_proj = (nn.Linear(h, i) for _ in range(2))
+        self.down_proj, self.act_fn = nn.Linear(i, h), nn.SiLU()
 
     def forward(self, x):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
@@ -35,7 +35,7 @@ def _pair(backend: str, h: int = 512, i: int = 1408):
     base = nn.Sequential(_MLP(h, i)).to("cuda", torch.bfloat16)
     with torch.no_grad():
         for p in base.parameters():
-            p.copy_(outlier_data(*p.shape, dtype=torch.float32, seed=p.numel() % 97) * 0.03)
+            p.copy_(outlier_data(p.shape[0], p[0].numel(), dtype=torch.float32, seed=p.numel() % 97).view(p.shape) * 0.03)
     recipe = get_recipe("jet_fp8").replace(gemm_backend=backend)
     plain = convert_to_fp8(copy.deepcopy(base), recipe, fuse_swiglu=False)
     fused_model = convert_to_fp8(copy.deepcopy(base), recipe)
