@@ -55,7 +55,7 @@ def quantize_values(x, scale, POW2: tl.constexpr):
 
     The quotient is computed the way `div.rn`'s fast path does it, minus the per-element reciprocal and range
     check: one correctly rounded reciprocal per group, y = RN(1 / scale), then two FMA corrections per
-    element, q -= RN(q * scale - x) * y. That is RN(x / scale) exactly (the residual of a quotient within a
+    element (none under POW2), q -= RN(q * scale - x) * y. That is RN(x / scale) exactly (the residual of a quotient within a
     few ulps is exact); it is *not* x * (1 / scale), which differs in the last bit. Where y == 0
     (scale = inf) the residual uses 0 for the scale, so x / inf stays a signed zero, and writing the residual
     as q * scale - x keeps x = -0 negative. `benchmarks/division_exactness.py` checks this in exact rational
