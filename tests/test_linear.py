@@ -187,6 +187,7 @@ def test_weight_cache_reuse_and_invalidation():
     fp8(x).square().mean().backward()
     opt.step()
     fp8(x)
+    assert fp8._wq_t_cache is None, "the forward re-quantizing W must drop the stale W^T (not hold it to backward)"
     wq2 = fp8.quantized_weight()
     assert wq2 is not wq1
     ref2 = quantize_fp8(lin.weight.detach(), (128, 128))
