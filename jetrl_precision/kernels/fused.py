@@ -28,7 +28,7 @@ try:  # Triton >= 3.2 spells the CUDA libdevice module like this
 except ImportError:  # pragma: no cover
     from triton.language.extra.cuda import libdevice as _libdevice
 
-__all__ = ["silu_mul_quantize", "rmsnorm_quantize"]
+__all__ = ["silu_mul_quantize", "rmsnorm_quantize", "KERNEL_DTYPES"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -36,6 +36,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+KERNEL_DTYPES = tuple(_TL_DTYPE)  # input dtypes the fused kernels take
 
 
 @triton.jit

@@ -11,8 +11,6 @@ from . import fused, quant
 
 __all__ = ["TritonQuantizeImpl"]
 
-_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
 
 def _fp8_capable(device: torch.device) -> bool:
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -64,8 +62,7 @@ class TritonQuantizeImpl:
     def __init__(self, share_results: bool = True) -> None:
         self._ok: dict[str, bool] = {}
         self.share_results = share_results
-        self._last_q = _LastResult()
-        self._last_rq_t = _LastResult()
+        self.release_shared()
 
     def release_shared(self) -> None:
         """Drop the kept quantizations (they hold their FP8 bytes alive after their source is gone)."""
@@ -124,7 +121,7 @@ class TritonQuantizeImpl:
         """
         if not self.share_results or block != (1, 128) or gate.dim() != 2 or gate.numel() == 0:
             return None
-        if gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in _FUSED_DTYPES:
+        if gate.dtype not in fused.KERNEL_DTYPES:
             return None
         qt, h = fused.silu_mul_quantize(gate, up, pow2_scale, return_hp=True)
         self._last_q.put(h, (block, pow2_scale), qt)
