@@ -139,7 +139,8 @@ def _division_edge_data(dtype: torch.dtype, amax: float, pow2: bool, seed: int) 
     """Quotients x / scale next to e4m3 rounding midpoints (+-2 ulps), signed zeros and tiny values, with every
     group of every kernel (1x128, 128x1, 128x128) sharing one amax, so all of them divide by one known scale.
 
-    The kernels compute x / scale from a per-group reciprocal plus two FMA corrections (`_common.quantize_values`);
+    The kernels compute x / scale from a per-group reciprocal plus two FMA corrections, none under pow2 scales
+    (`_common.quantize_values`);
     these are the quotients where any shortcut short of the IEEE quotient would show as a different byte.
     """
     rows, cols = 512, 640
