@@ -140,8 +140,7 @@ def _division_edge_data(dtype: torch.dtype, amax: float, pow2: bool, seed: int) 
     group of every kernel (1x128, 128x1, 128x128) sharing one amax, so all of them divide by one known scale.
 
     The kernels compute x / scale from a per-group reciprocal plus two FMA corrections, none under pow2 scales
-    (`_common.quantize_values`);
-    these are the quotients where any shortcut short of the IEEE quotient would show as a different byte.
+    (`_common.quantize_values`); these are the quotients where any shortcut short of the IEEE quotient would show as a different byte.
     """
     rows, cols = 512, 640
     g = torch.Generator(device="cuda").manual_seed(seed)
