@@ -38,7 +38,7 @@ from triton.testing import do_bench  # noqa: E402
 from jetrl_precision import Fp8Linear, convert_to_fp8, get_recipe, mark_weights_updated, ops  # noqa: E402
 from jetrl_precision.gemm import available_backends, gemm_nt, resolve_backend  # noqa: E402
 from jetrl_precision.gemm.deep_gemm_backend import deep_gemm_wgrad_1d1d  # noqa: E402
-from jetrl_precision.kernels import fused, quant  # noqa: E402
+from jetrl_precision.kernels import cast_transpose, fused, quant  # noqa: E402
 from jetrl_precision.kernels.layout import padding_events  # noqa: E402
 from jetrl_precision.quantize import quantize_fp8  # noqa: E402
 from jetrl_precision.swiglu import fuse_swiglu  # noqa: E402
@@ -159,7 +159,14 @@ def section_quant(args, copy_bw):
                     lambda t=t: quant.quantize_128x1_t(x, tile=t), io)
         q1 = quant.quantize_1x128(x)
         io_rq = m * k * 2 + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
-        one("requant_1x128_to_128x1_T", shp, lambda: quant.requantize_1x128_to_128x1(q1, True), io_rq)
+        # The default is the CUDA cast-transpose kernel (session 7); the Triton one stays as the fallback.
+        one("requant_1x128_to_128x1_T", shp, lambda: quant.requantize_1x128_to_128x1(q1, True), io_rq,
+            backend="cuda" if cast_transpose.usable(x.device) else "triton")
+        one("requant_1x128_to_128x1_T_triton", shp, lambda: quant.requantize_1x128_to_128x1(q1, True, kernel="triton"), io_rq)
+        if (m, k) == (16384, 4096) and cast_transpose.usable(x.device):
+            for rows, keep in ((16, False), (32, True)):
+                one(f"requant_T_cuda_rows{rows}{'_keep' if keep else ''}", shp,
+                    lambda rows=rows, keep=keep: cast_transpose.requantize_1x128_to_128x1_t(q1, False, rows, keep), io_rq, backend="cuda")
         if (m, k) == (16384, 4096):
             for t in (quant.Tile128x1(32, 4, False), quant.Tile128x1(16, 2, True), quant.Tile128x1(16, 2, False)):
                 one(f"requant_T_blockc{t.block_c}_w{t.num_warps}{'_colfast' if t.col_fastest else ''}", shp,
@@ -169,7 +176,10 @@ def section_quant(args, copy_bw):
             one("1x128_pow2", shp, lambda: quant.quantize_1x128(x, pow2_scale=True), io)
             one("128x1_transposed_pow2", shp, lambda: quant.quantize_128x1_t(x, pow2_scale=True), io)
             q1p = quant.quantize_1x128(x, pow2_scale=True)
-            one("requant_1x128_to_128x1_T_pow2", shp, lambda: quant.requantize_1x128_to_128x1(q1p, True, pow2_scale=True), io_rq)
+            one("requant_1x128_to_128x1_T_pow2", shp, lambda: quant.requantize_1x128_to_128x1(q1p, True, pow2_scale=True), io_rq,
+                backend="cuda" if cast_transpose.usable(x.device) else "triton")
+            one("requant_1x128_to_128x1_T_pow2_triton", shp,
+                lambda: quant.requantize_1x128_to_128x1(q1p, True, pow2_scale=True, kernel="triton"), io_rq)
             del q1p
         if (m, k) == (16384, 4096):
             one("torch_reference_1x128", shp, lambda: quantize_fp8(x, (1, 128), nonfinite="propagate"), io, backend="torch-ops")
@@ -331,6 +341,7 @@ def section_host(args):
         # The backward's launches, one by one (the fwd+bwd host time below is their sum plus autograd).
         "quantize_128x1_t launch": lambda: quant.quantize_128x1_t(x),
         "requantize_1x128_to_128x1 launch": lambda: quant.requantize_1x128_to_128x1(xq, True),
+        "requantize_1x128_to_128x1 launch (triton)": lambda: quant.requantize_1x128_to_128x1(xq, True, kernel="triton"),
         "gemm_nt torch wgrad": lambda: gemm_nt(xq_t, xq_t, torch.bfloat16, "torch"),
     }
     if available_backends("cuda")["deep_gemm"] is None:

@@ -396,7 +396,34 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
             if phase != "train_bwd":
                 g.add_edge(name, "weight", EdgeAttrs(dtype=dt, quantizer_id=f"{dt}/none"))
     _mark_fused_swiglu(g, model)
+    if phase == "train_bwd":
+        _mark_wgrad_requantizer(g, model)
     return g
+
+
+def _mark_wgrad_requantizer(g: PrecisionGraph, model: nn.Module) -> None:
+    """Record which kernel re-quantizes the saved FP8 input for WGrad (CUDA cast-transpose, or Triton and why)."""
+    from .kernels import cast_transpose
+    from .ops import kernel_name
+
+    for fqn, m in model.named_modules():
+        if not isinstance(m, Fp8Linear):
+            continue
+        bw = m.backward_spec
+        dev = m.weight.device
+        requantizes = (
+            bw is not None and bw.saved_input.is_fp8 and bw.wgrad_input.is_fp8
+            and bw.saved_input.granularity is Granularity.BLOCK_1x128 and bw.wgrad_input.granularity is Granularity.BLOCK_128x1
+        )
+        if not requantizes or kernel_name(dev) != "triton":
+            continue  # WGrad quantizes the bf16 input itself, another block pair, or no GPU kernels run here
+        name = canonical_name(fqn)
+        if cast_transpose.usable(dev):
+            for i, e in enumerate(g.edges):
+                if e.dst == name and e.role == "wgrad.input":
+                    g.edges[i] = Edge(e.dst, e.role, dataclasses.replace(e.attrs, kernel=cast_transpose.GRAPH_KERNEL))
+        elif name in g.nodes:
+            g.nodes[name].attrs["requantizer_fallback"] = cast_transpose.status(dev)[1]
 
 
 def _mark_fused_swiglu(g: PrecisionGraph, model: nn.Module) -> None:

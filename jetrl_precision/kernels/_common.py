@@ -6,8 +6,8 @@ Each helper mirrors one line of `quantize.quantize_fp8` so the bytes match exact
   cross-warp round, 3-11% of their time on the H200);
 - scale = amax / 448 with IEEE round-to-nearest division (`div_rn`, not Triton's approximate `/`);
 - pow2 rounding is frexp/ldexp on the bits (non-finite scales become 1.0, as torch.frexp makes them);
-- q = e4m3(clamp(x / scale, -448, 448)), x / scale the IEEE quotient from a per-group reciprocal and two FMA
-  corrections (`quantize_values`). The clamp is the conversion's own: fp32 -> e4m3 compiles to
+- q = e4m3(clamp(x / scale, -448, 448)), x / scale the IEEE quotient from a per-group reciprocal and one FMA
+  correction (`quantize_values`). The clamp is the conversion's own: fp32 -> e4m3 compiles to
   `cvt.rn.satfinite.e4m3x2.f32` on sm89+, which rounds to nearest-even and saturates +-inf and anything past 448
   to +-448, and keeps NaN NaN - what clamp-then-convert gives, one instruction per element cheaper.
 """
@@ -53,10 +53,12 @@ def quantize_values(x, scale, POW2: tl.constexpr):
     The clamp is left to the saturating conversion (module docstring); dropping the explicit one took 1 of 17-19
     SASS instructions per element and moved the 128x1^T writer from 82% to 86% of copy on the H200 (session 6).
 
-    The quotient is computed the way `div.rn`'s fast path does it, minus the per-element reciprocal and range
-    check: one correctly rounded reciprocal per group, y = RN(1 / scale), then two FMA corrections per
-    element (none under POW2), q -= RN(q * scale - x) * y. That is RN(x / scale) exactly (the residual of a quotient within a
-    few ulps is exact); it is *not* x * (1 / scale), which differs in the last bit. Where y == 0
+    The quotient takes one correctly rounded reciprocal per group, y = RN(1 / scale), then one FMA correction
+    per element (none under POW2), q -= RN(q * scale - x) * y. That is RN(x / scale) exactly: x * y is within
+    one ulp of the quotient, its residual is exact, and with y correctly rounded one correction lands on the
+    correctly rounded quotient (Markstein's theorem; sessions 5-6 ran two corrections, the count of `div.rn`'s
+    fast path, which starts from an approximate reciprocal). It is *not* x * (1 / scale), which differs in the
+    last bit. Where y == 0
     (scale = inf) the residual uses 0 for the scale, so x / inf stays a signed zero, and writing the residual
     as q * scale - x keeps x = -0 negative. `benchmarks/division_exactness.py` checks this in exact rational
     arithmetic; the GPU tests compare every kernel's bytes with `quantize_fp8`. The kernels compile to 17-33%
@@ -68,10 +70,10 @@ def quantize_values(x, scale, POW2: tl.constexpr):
     q = x * recip
     if not POW2:
         # A power-of-two scale (2^-42 .. 2^120, or 1.0 for a non-finite one) has an exact reciprocal, so x * y
-        # already is the IEEE quotient (+-inf included); any other scale needs the two corrections.
+        # already is the IEEE quotient (+-inf included); any other scale needs the correction.
         x, s_res = tl.broadcast(x, s_res)
         # Negation as `* -1.0`: Triton's unary minus is 0 - v, which turns -0 into +0 (and costs an FADD).
-        neg_x = x * -1.0
-        q = tl.math.fma(tl.math.fma(q, s_res, neg_x) * -1.0, recip, q)
-        q = tl.math.fma(tl.math.fma(q, s_res, neg_x) * -1.0, recip, q)
+        # One correction suffices (Markstein): recip is the correctly rounded 1/scale and x * recip is within
+        # one ulp of the quotient, so q - RN(q*scale - x) * recip, rounded once, is RN(x / scale).
+        q = tl.math.fma(tl.math.fma(q, s_res, x * -1.0) * -1.0, recip, q)
     return q.to(tl.float8e4nv)

@@ -12,12 +12,14 @@ Scale layouts (the QuantizedTensor's logical scale shape never changes; only str
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
 import triton.language as tl
 
 from ..formats import FP8_DTYPE, QuantizedTensor
+from . import cast_transpose
 from ._common import abs_max, group_scale, quantize_values
 
 __all__ = [
@@ -179,11 +181,23 @@ def quantize_128x1_t(x: torch.Tensor, pow2_scale: bool = False, tile: Tile128x1 
 
 
 def requantize_1x128_to_128x1(
-    qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, tile: Tile128x1 | None = None
+    qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, tile: Tile128x1 | None = None,
+    kernel: Literal["auto", "cuda", "triton"] = "auto",
 ) -> QuantizedTensor:
-    """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes."""
+    """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes.
+
+    Transposed, `kernel="auto"` takes the CUDA cast-transpose kernel (`cast_transpose`; 82% of the copy
+    bandwidth against the Triton kernel's 50% at 16384x14336 on the H200, session 7) where it compiled and the
+    shape fits it (M % 16 == 0, K % 4 == 0), else this module's Triton kernel; both give the reference's bytes.
+    A `tile` asks for the Triton kernel.
+    """
     if qt.block != (1, 128):
         raise ValueError(f"requantize_1x128_to_128x1 needs a 1x128 input, got block {qt.block}")
+    if kernel not in ("auto", "cuda", "triton"):
+        raise ValueError(f"kernel must be 'auto', 'cuda' or 'triton', got {kernel!r}")
+    if transposed and tile is None and kernel != "triton":
+        if kernel == "cuda" or (cast_transpose.usable(qt.data.device) and cast_transpose.supported_shape(qt)):
+            return cast_transpose.requantize_1x128_to_128x1_t(qt, pow2_scale)
     rows, cols = qt.shape
     tile = tile or (TILE_REQUANT_T if transposed else TILE_128x1)
     return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, tile)

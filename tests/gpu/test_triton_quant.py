@@ -14,7 +14,7 @@ from jetrl_precision.recipe import get_recipe
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_cuda_reason)
 
 if torch.cuda.is_available():
-    from jetrl_precision.kernels import fused, quant
+    from jetrl_precision.kernels import cast_transpose, fused, quant
 
 SHAPES = [(1, 128), (3, 100), (257, 1000), (1000, 4096), (4096, 14336)]
 if torch.cuda.is_available():
@@ -94,6 +94,8 @@ def test_requantize_bytes(shape, pow2):
     ref = requantize_fp8(q1, (128, 1), pow2_scale=pow2)
     assert_same(quant.requantize_1x128_to_128x1(q1, transposed=False, pow2_scale=pow2), ref, f"requant {shape}")
     assert_same(quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2), ref.t(), f"requant^T {shape}")
+    got = quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2, kernel="triton")
+    assert_same(got, ref.t(), f"requant^T Triton {shape}")
     for tile in OTHER_TILES:  # one input scale per 128 columns, whatever the tile width
         got = quant.requantize_1x128_to_128x1(q1, transposed=True, pow2_scale=pow2, tile=tile)
         assert_same(got, ref.t(), f"requant^T {tile} {shape}")
@@ -133,6 +135,11 @@ def _assert_every_kernel_bitwise(x: torch.Tensor, pow2: bool) -> None:
     _bits_equal(w_t, ref(x, (128, 128)).t(), "128x128^T")
     q1 = quantize_fp8(x, (1, 128), nonfinite="propagate")  # plain scales in: the requantizer's usual input
     _bits_equal(quant.requantize_1x128_to_128x1(q1, True, pow2), requantize_fp8(q1, (128, 1), pow2_scale=pow2).t(), "requant^T")
+    # The CUDA requantizer takes M % 16 == 0: the largest such leading slice (it keeps every planted value).
+    q1c = quantize_fp8(x[: x.shape[0] // 16 * 16], (1, 128), nonfinite="propagate")
+    ref_c = requantize_fp8(q1c, (128, 1), pow2_scale=pow2).t()
+    for rows in (16, 32):
+        _bits_equal(cast_transpose.requantize_1x128_to_128x1_t(q1c, pow2, rows), ref_c, f"cuda requant^T rows={rows}")
 
 
 def _division_edge_data(dtype: torch.dtype, amax: float, pow2: bool, seed: int) -> torch.Tensor:

@@ -1,0 +1,315 @@
+"""CUDA requantizer 1x128 -> 128x1, written transposed (the WGrad input), compiled at first use with NVRTC.
+
+Why CUDA and not Triton: the requantizer reads 1 byte and writes 1 byte per element, transposed. Triton
+moves its FP8 tile between the load and the transposed-store layouts through shared memory, and over 120
+tile settings (sessions 4-6) it never passed 51% of the copy bandwidth on the H200. Here each thread owns
+`ROWS` consecutive tokens x 4 consecutive columns and loads one 32-bit word (4 columns) per token, so a warp
+reads whole 128-byte rows and the amax along tokens needs no shuffle, only one cross-warp step in shared
+memory. The e4m3x2 conversion packs the same column of two tokens into one 16-bit pair, so the transpose
+costs no byte shuffling; the finished 16-token chunks are staged in shared memory (XOR-swizzled, free of
+bank conflicts) so that each warp stores whole 128-byte output rows.
+
+Arithmetic is the reference's step for step (see `_common.py`): x = fp32(q) * s in one plain multiply,
+NaN-propagating amax floored at 1e-10, scale = amax / 448 (IEEE division), optional pow2 rounding, the
+quotient as RN(1/scale) plus one FMA correction (none under pow2), and the satfinite e4m3 conversion.
+
+Compilation goes through `torch.cuda._compile_kernel` (NVRTC, shipped with CUDA torch; it reads the CUDA
+headers' folder, so a toolkit must be findable). Where it is missing or fails, `status()` says why and the
+caller uses the Triton kernel (same bytes) after one warning.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import torch
+
+from ..formats import FP8_DTYPE, QuantizedTensor
+
+__all__ = ["requantize_1x128_to_128x1_t", "supported_shape", "status", "usable", "GRAPH_KERNEL", "DEFAULT_ROWS", "DEFAULT_KEEP"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROWS = 32  # tokens per thread: 16/32 -> 8/4 warps per 128x128 tile
+DEFAULT_KEEP = False
+
+_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ float max_nan(float a, float b) {
+    float d;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+
+// Four e4m3 bytes (lowest byte = lowest column) -> four floats, exact (e4m3 is a subset of f16).
+__device__ __forceinline__ void fp8x4_to_f32(u32 w, float v[4]) {
+    u32 lo, hi;
+    asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}"
+        : "=r"(lo), "=r"(hi) : "r"(w));
+    asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n}"
+        : "=f"(v[0]), "=f"(v[1]) : "r"(lo));
+    asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n}"
+        : "=f"(v[2]), "=f"(v[3]) : "r"(hi));
+}
+
+// e4m3 of two floats, saturating (+-inf and |v| > 448 -> +-448, NaN stays NaN); `lo` lands in the low byte.
+__device__ __forceinline__ u16 f32x2_to_fp8x2(float lo, float hi) {
+    u16 d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+template <bool POW2>
+__device__ __forceinline__ float group_scale(float amax) {
+    float scale = __fdiv_rn(max_nan(amax, 1e-10f), 448.0f);
+    if (POW2) {
+        int bits = __float_as_int(scale);
+        int expo = bits & 0x7F800000;
+        int up = (bits & 0x7FFFFF) ? expo + 0x800000 : expo;
+        scale = expo != 0x7F800000 ? __int_as_float(up) : 1.0f;
+    }
+    return scale;
+}
+
+template <bool POW2>
+__device__ __forceinline__ float quotient(float x, float recip, float s_res) {
+    float q = __fmul_rn(x, recip);
+    if (!POW2) q = __fmaf_rn(-__fmaf_rn(q, s_res, -x), recip, q);  // one correction: RN(x / scale) (Markstein)
+    return q;
+}
+
+// One CTA = 128 tokens x 128 columns (one input 1x128 group wide). Warp w owns tokens [w*ROWS, (w+1)*ROWS),
+// lane l owns columns [4l, 4l+4). Needs K % 4 == 0, a 4-byte-aligned input row stride and M % 16 == 0.
+// ROWS is 16 or 32.
+// KEEP: hold the ROWS x 4 dequantized floats in registers between the amax and the quantization passes
+// (fewer instructions, more registers) instead of converting the FP8 words a second time.
+template <int ROWS, bool POW2, bool KEEP>
+__global__ void __launch_bounds__(32 * (128 / ROWS))
+requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_in, u32* __restrict__ q,
+                          float* __restrict__ s_out, int M, int K, int ldx_words, int s_row, int s_grp) {
+    constexpr int WARPS = 128 / ROWS, THREADS = 32 * WARPS;
+    __shared__ float4 red[WARPS][32];
+    __shared__ uint4 tile[128][8];  // the output tile: 128 columns x 128 tokens of e4m3
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tk = blockIdx.x * 128, tm = blockIdx.y * 128;
+    const int k0 = tk + 4 * lane, m0 = tm + warp * ROWS;
+    const bool col_ok = k0 < K;
+    const u32* xp = x + (size_t)m0 * ldx_words + (k0 >> 2);
+    const float* sp = s_in + (size_t)(tk >> 7) * s_grp + (size_t)m0 * s_row;
+
+    u32 w[ROWS];
+    float s[ROWS];
+    if (m0 + ROWS <= M && col_ok) {  // interior: no predicates (all loads first, ROWS words in flight)
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) w[i] = __ldg(xp + (size_t)i * ldx_words);
+    } else {
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) w[i] = (m0 + i < M && col_ok) ? __ldg(xp + (size_t)i * ldx_words) : 0u;
+    }
+    if (s_row == 1 && m0 + ROWS <= M && ((size_t)sp & 15) == 0) {  // MN-major scales: ROWS/4 vector loads
+#pragma unroll
+        for (int i = 0; i < ROWS; i += 4) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(sp + i));
+            s[i] = v.x; s[i + 1] = v.y; s[i + 2] = v.z; s[i + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) s[i] = m0 + i < M ? __ldg(sp + (size_t)i * s_row) : 0.0f;
+    }
+
+    float xv[KEEP ? ROWS : 1][4];
+    float amax[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+        float v[4];
+        fp8x4_to_f32(w[i], v);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float xij = __fmul_rn(v[j], s[i]);  // the reference's dequantization: one plain fp32 multiply
+            if (KEEP) xv[i][j] = xij;
+            amax[j] = max_nan(amax[j], fabsf(xij));
+        }
+    }
+    red[warp][lane] = make_float4(amax[0], amax[1], amax[2], amax[3]);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < WARPS; ++r) {
+        const float4 a = red[r][lane];
+        amax[0] = max_nan(amax[0], a.x); amax[1] = max_nan(amax[1], a.y);
+        amax[2] = max_nan(amax[2], a.z); amax[3] = max_nan(amax[3], a.w);
+    }
+
+    float scale[4], recip[4], s_res[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        scale[j] = group_scale<POW2>(amax[j]);
+        recip[j] = __frcp_rn(scale[j]);
+        s_res[j] = recip[j] == 0.0f ? 0.0f : scale[j];  // scale = inf: x / inf stays a signed zero
+    }
+    if (warp == 0 && col_ok)
+        *reinterpret_cast<float4*>(s_out + (size_t)blockIdx.y * K + k0) = make_float4(scale[0], scale[1], scale[2], scale[3]);
+
+    // Output row k holds tokens tm.. contiguous: column j of 16 tokens -> one 16-byte chunk, 4 pairs of tokens
+    // per 32-bit word. Each chunk goes to shared memory as soon as it is complete (fewer live registers), so
+    // that each warp then stores whole 128-byte output rows: straight from registers, a warp's 16-byte stores
+    // would land in 32 different rows (8x the L2 write transactions; session 7 measured 0.7x the speed).
+    // Chunk c of row k sits at c ^ ((k >> 2) & 7): conflict-free both ways (k >> 2 == lane when writing).
+#pragma unroll
+    for (int c = 0; c < ROWS / 16; ++c) {
+        u32 out[4][4];
+#pragma unroll
+        for (int i = 16 * c; i < 16 * c + 16; i += 2) {
+            float a[4], b[4];
+            if (KEEP) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) { a[j] = xv[i][j]; b[j] = xv[i + 1][j]; }
+            } else {
+                fp8x4_to_f32(w[i], a);
+                fp8x4_to_f32(w[i + 1], b);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) { a[j] = __fmul_rn(a[j], s[i]); b[j] = __fmul_rn(b[j], s[i + 1]); }
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const u32 pair = f32x2_to_fp8x2(quotient<POW2>(a[j], recip[j], s_res[j]), quotient<POW2>(b[j], recip[j], s_res[j]));
+                const int wd = (i % 16) / 4;
+                if (i % 4 == 0) out[j][wd] = pair;
+                else out[j][wd] |= pair << 16;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            tile[4 * lane + j][(warp * (ROWS / 16) + c) ^ (lane & 7)] = make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int p = 0; p < 1024 / THREADS; ++p) {
+        const int idx = p * THREADS + threadIdx.x, row = idx >> 3, chunk = idx & 7;
+        const int m = tm + 16 * chunk;
+        if (tk + row < K && m < M)  // M % 16 == 0: a 16-token chunk is all in or all out
+            *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(q) + (size_t)(tk + row) * M + m) =
+                tile[row][chunk ^ ((row >> 2) & 7)];
+    }
+}
+"""
+
+GRAPH_KERNEL = "cuda:cast_transpose"  # how the precision graph names this kernel on the WGrad input edge
+
+_lock = threading.Lock()
+_usable: dict[str, bool] = {}
+_kernels: dict[tuple[int, int, bool, bool], "_Kernel"] = {}
+_failed: dict[int, str] = {}
+
+
+class _Kernel:
+    """A compiled kernel with a lean launcher: torch's `_CudaKernel.__call__` re-opens libcuda and converts
+    every argument on each call (~40 us of host time per launch on the H200 machine, session 7)."""
+
+    _launch = None
+
+    def __init__(self, compiled) -> None:
+        self.compiled = compiled  # keeps torch's handle (and its module) alive
+        self.func = compiled.func
+        if _Kernel._launch is None:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _Kernel._launch = fn
+
+    def __call__(self, grid: tuple[int, int], threads: int, ptrs: list[int], ints: list[int]) -> None:
+        args = [ctypes.c_void_p(p) for p in ptrs] + [ctypes.c_int(i) for i in ints]
+        argv = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        rc = _Kernel._launch(self.func, grid[0], grid[1], 1, threads, 1, 1, 0, torch.cuda.current_stream().cuda_stream, argv, None)
+        if rc != 0:
+            raise RuntimeError(f"jetrl_precision: cuLaunchKernel of the CUDA requantizer failed (CUresult {rc})")
+
+
+def _compile(device_index: int, rows: int, pow2: bool, keep: bool) -> _Kernel:
+    key = (device_index, rows, pow2, keep)
+    with _lock:
+        if key not in _kernels:
+            with torch.cuda.device(device_index):
+                b = lambda v: "true" if v else "false"  # noqa: E731
+                name = f"requant_1x128_to_128x1_t<{rows}, {b(pow2)}, {b(keep)}>"
+                _kernels[key] = _Kernel(torch.cuda._compile_kernel(_SOURCE, name))
+        return _kernels[key]
+
+
+def status(device: torch.device) -> tuple[bool, str]:
+    """(usable, reason): compiles the default kernel once per device; the reason names what is missing."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False, "not a CUDA device"
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(idx) < (8, 9):
+        return False, "needs sm89+ (e4m3 conversion instructions)"
+    if idx in _failed:
+        return False, _failed[idx]
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        _failed[idx] = f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC); needs torch >= 2.8"
+        return False, _failed[idx]
+    try:
+        for pow2 in (False, True):
+            _compile(idx, DEFAULT_ROWS, pow2, DEFAULT_KEEP)
+    except Exception as e:  # noqa: BLE001 - any compile/load failure means "use Triton", reported once
+        _failed[idx] = f"NVRTC compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        return False, _failed[idx]
+    return True, "ok"
+
+
+def usable(device: torch.device) -> bool:
+    """`status(device)[0]`, cached; the first "no" on a CUDA device is logged as a warning with its reason."""
+    key = str(device)
+    if key not in _usable:
+        device = torch.device(device)
+        ok, why = status(device)
+        _usable[key] = ok
+        if not ok and device.type == "cuda":
+            logger.warning(
+                "jetrl_precision: the CUDA requantizer (1x128 -> 128x1^T, the WGrad input) is unavailable on %s: %s. "
+                "Using the Triton requantizer instead: same bytes, slower.", device, why,
+            )
+    return _usable[key]
+
+
+def supported_shape(qt: QuantizedTensor) -> bool:
+    """The layouts the kernel handles: 1x128 groups, contiguous columns, 4-byte rows, M % 16 == 0 (16-byte stores)."""
+    d = qt.data
+    rows, cols = d.shape
+    return (
+        qt.block == (1, 128) and d.is_cuda and d.stride(1) == 1 and cols % 4 == 0 and d.stride(0) % 4 == 0
+        and d.data_ptr() % 4 == 0 and rows % 16 == 0 and rows > 0 and cols > 0 and qt.scale.dtype == torch.float32
+    )
+
+
+def requantize_1x128_to_128x1_t(
+    qt: QuantizedTensor, pow2_scale: bool = False, rows_per_thread: int = DEFAULT_ROWS, keep: bool | None = None
+) -> QuantizedTensor:
+    """requantize_fp8(qt, (128, 1)).t(): data [K, M] e4m3, scales (K, ceil(M/128)) with strides (1, K).
+
+    `rows_per_thread` (16 or 32 tokens per thread) and `keep` (dequantized values kept in registers) change
+    the schedule, never the bytes.
+    """
+    if rows_per_thread not in (16, 32):
+        raise ValueError(f"rows_per_thread must be 16 or 32, got {rows_per_thread}")
+    keep = DEFAULT_KEEP if keep is None else keep
+    if not supported_shape(qt):
+        raise ValueError(
+            f"the CUDA requantizer needs a 1x128 CUDA input with contiguous columns, K % 4 == 0 and M % 16 == 0; "
+            f"got block {qt.block}, shape {tuple(qt.shape)}, strides {qt.data.stride()} (use quant.requantize_1x128_to_128x1)"
+        )
+    rows, cols = qt.shape
+    dev = qt.data.device
+    kern = _compile(dev.index if dev.index is not None else torch.cuda.current_device(), rows_per_thread, pow2_scale, keep)
+    nrb = -(-rows // 128)
+    q = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev)
+    sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=dev)
+    kern(
+        (-(-cols // 128), nrb), 32 * (128 // rows_per_thread),
+        [qt.data.data_ptr(), qt.scale.data_ptr(), q.data_ptr(), sbuf.data_ptr()],
+        [rows, cols, qt.data.stride(0) // 4, qt.scale.stride(0), qt.scale.stride(1)],
+    )
+    return QuantizedTensor(q, sbuf.t(), (1, 128))
