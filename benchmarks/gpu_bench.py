@@ -163,10 +163,6 @@ def section_quant(args, copy_bw):
         one("requant_1x128_to_128x1_T", shp, lambda: quant.requantize_1x128_to_128x1(q1, True), io_rq,
             backend="cuda" if cast_transpose.usable(x.device) else "triton")
         one("requant_1x128_to_128x1_T_triton", shp, lambda: quant.requantize_1x128_to_128x1(q1, True, kernel="triton"), io_rq)
-        if (m, k) == (16384, 4096) and cast_transpose.usable(x.device):
-            for rows, keep in ((16, False), (32, True)):
-                one(f"requant_T_cuda_rows{rows}{'_keep' if keep else ''}", shp,
-                    lambda rows=rows, keep=keep: cast_transpose.requantize_1x128_to_128x1_t(q1, False, rows, keep), io_rq, backend="cuda")
         if (m, k) == (16384, 4096):
             for t in (quant.Tile128x1(32, 4, False), quant.Tile128x1(16, 2, True), quant.Tile128x1(16, 2, False)):
                 one(f"requant_T_blockc{t.block_c}_w{t.num_warps}{'_colfast' if t.col_fastest else ''}", shp,

@@ -3,7 +3,7 @@
 Why CUDA and not Triton: the requantizer reads 1 byte and writes 1 byte per element, transposed. Triton
 moves its FP8 tile between the load and the transposed-store layouts through shared memory, and over 120
 tile settings (sessions 4-6) it never passed 51% of the copy bandwidth on the H200. Here each thread owns
-`ROWS` consecutive tokens x 4 consecutive columns and loads one 32-bit word (4 columns) per token, so a warp
+32 consecutive tokens x 4 consecutive columns and loads one 32-bit word (4 columns) per token, so a warp
 reads whole 128-byte rows and the amax along tokens needs no shuffle, only one cross-warp step in shared
 memory. The e4m3x2 conversion packs the same column of two tokens into one 16-bit pair, so the transpose
 costs no byte shuffling; the finished 16-token chunks are staged in shared memory (XOR-swizzled, free of
@@ -28,12 +28,10 @@ import torch
 
 from ..formats import FP8_DTYPE, QuantizedTensor
 
-__all__ = ["requantize_1x128_to_128x1_t", "supported_shape", "status", "usable", "GRAPH_KERNEL", "DEFAULT_ROWS", "DEFAULT_KEEP"]
+__all__ = ["requantize_1x128_to_128x1_t", "supported_shape", "status", "usable", "GRAPH_KERNEL"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ROWS = 32  # tokens per thread: 16/32 -> 8/4 warps per 128x128 tile
-DEFAULT_KEEP = False
 
 _SOURCE = r"""
 typedef unsigned int u32;
@@ -82,18 +80,17 @@ __device__ __forceinline__ float quotient(float x, float recip, float s_res) {
     return q;
 }
 
-// One CTA = 128 tokens x 128 columns (one input 1x128 group wide). Warp w owns tokens [w*ROWS, (w+1)*ROWS),
-// lane l owns columns [4l, 4l+4). Needs K % 4 == 0, a 4-byte-aligned input row stride and M % 16 == 0.
-// ROWS is 16 or 32.
-// KEEP: hold the ROWS x 4 dequantized floats in registers between the amax and the quantization passes
-// (fewer instructions, more registers) instead of converting the FP8 words a second time.
-template <int ROWS, bool POW2, bool KEEP>
-__global__ void __launch_bounds__(32 * (128 / ROWS))
+// One CTA = 128 tokens x 128 columns (one input 1x128 group wide), 4 warps. Warp w owns tokens [32w, 32w+32),
+// lane l columns [4l, 4l+4): 32 words in flight per thread. Needs K % 4 == 0, a 4-byte-aligned input row stride
+// and M % 16 == 0. (Session 7 measured the alternatives slower on the H200: 16 tokens per thread, keeping the
+// dequantized floats in registers instead of converting twice, and a persistent cp.async-pipelined variant.)
+template <bool POW2>
+__global__ void __launch_bounds__(128)
 requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_in, u32* __restrict__ q,
                           float* __restrict__ s_out, int M, int K, int ldx_words, int s_row, int s_grp) {
-    constexpr int WARPS = 128 / ROWS, THREADS = 32 * WARPS;
+    constexpr int ROWS = 32, WARPS = 4, THREADS = 128;
     __shared__ float4 red[WARPS][32];
-    __shared__ uint4 tile[128][8];  // the output tile: 128 columns x 128 tokens of e4m3
+    __shared__ uint4 tile[128][8];  // the output tile: 128 columns x 128 tokens of e4m3, 16-byte chunks
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int tk = blockIdx.x * 128, tm = blockIdx.y * 128;
     const int k0 = tk + 4 * lane, m0 = tm + warp * ROWS;
@@ -103,14 +100,14 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
 
     u32 w[ROWS];
     float s[ROWS];
-    if (m0 + ROWS <= M && col_ok) {  // interior: no predicates (all loads first, ROWS words in flight)
+    if (m0 + ROWS <= M && col_ok) {  // interior: no predicates, all loads first
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) w[i] = __ldg(xp + (size_t)i * ldx_words);
     } else {
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) w[i] = (m0 + i < M && col_ok) ? __ldg(xp + (size_t)i * ldx_words) : 0u;
     }
-    if (s_row == 1 && m0 + ROWS <= M && ((size_t)sp & 15) == 0) {  // MN-major scales: ROWS/4 vector loads
+    if (s_row == 1 && m0 + ROWS <= M && ((size_t)sp & 15) == 0) {  // MN-major scales: 8 vector loads
 #pragma unroll
         for (int i = 0; i < ROWS; i += 4) {
             const float4 v = __ldg(reinterpret_cast<const float4*>(sp + i));
@@ -121,18 +118,14 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
         for (int i = 0; i < ROWS; ++i) s[i] = m0 + i < M ? __ldg(sp + (size_t)i * s_row) : 0.0f;
     }
 
-    float xv[KEEP ? ROWS : 1][4];
     float amax[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
         float v[4];
         fp8x4_to_f32(w[i], v);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float xij = __fmul_rn(v[j], s[i]);  // the reference's dequantization: one plain fp32 multiply
-            if (KEEP) xv[i][j] = xij;
-            amax[j] = max_nan(amax[j], fabsf(xij));
-        }
+        for (int j = 0; j < 4; ++j)  // the reference's dequantization: one plain fp32 multiply
+            amax[j] = max_nan(amax[j], fabsf(__fmul_rn(v[j], s[i])));
     }
     red[warp][lane] = make_float4(amax[0], amax[1], amax[2], amax[3]);
     __syncthreads();
@@ -153,32 +146,25 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
     if (warp == 0 && col_ok)
         *reinterpret_cast<float4*>(s_out + (size_t)blockIdx.y * K + k0) = make_float4(scale[0], scale[1], scale[2], scale[3]);
 
-    // Output row k holds tokens tm.. contiguous: column j of 16 tokens -> one 16-byte chunk, 4 pairs of tokens
-    // per 32-bit word. Each chunk goes to shared memory as soon as it is complete (fewer live registers), so
-    // that each warp then stores whole 128-byte output rows: straight from registers, a warp's 16-byte stores
-    // would land in 32 different rows (8x the L2 write transactions; session 7 measured 0.7x the speed).
-    // Chunk c of row k sits at c ^ ((k >> 2) & 7): conflict-free both ways (k >> 2 == lane when writing).
+    // Column j of 16 tokens -> one 16-byte chunk (the e4m3x2 conversion packs two tokens of one column, so the
+    // transpose costs no byte shuffling), staged in shared memory as soon as it is complete so that each warp
+    // then stores whole 128-byte output rows: straight from registers a warp's 16-byte stores land in 32
+    // different rows (session 7: 0.7x the speed). Chunk c of row k sits at c ^ ((k >> 2) & 7): conflict-free
+    // both ways (k >> 2 == lane when writing). The FP8 words are converted again rather than kept as floats.
 #pragma unroll
     for (int c = 0; c < ROWS / 16; ++c) {
         u32 out[4][4];
 #pragma unroll
         for (int i = 16 * c; i < 16 * c + 16; i += 2) {
             float a[4], b[4];
-            if (KEEP) {
-#pragma unroll
-                for (int j = 0; j < 4; ++j) { a[j] = xv[i][j]; b[j] = xv[i + 1][j]; }
-            } else {
-                fp8x4_to_f32(w[i], a);
-                fp8x4_to_f32(w[i + 1], b);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) { a[j] = __fmul_rn(a[j], s[i]); b[j] = __fmul_rn(b[j], s[i + 1]); }
-            }
+            fp8x4_to_f32(w[i], a);
+            fp8x4_to_f32(w[i + 1], b);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const u32 pair = f32x2_to_fp8x2(quotient<POW2>(a[j], recip[j], s_res[j]), quotient<POW2>(b[j], recip[j], s_res[j]));
-                const int wd = (i % 16) / 4;
-                if (i % 4 == 0) out[j][wd] = pair;
-                else out[j][wd] |= pair << 16;
+                const u32 pair = f32x2_to_fp8x2(quotient<POW2>(__fmul_rn(a[j], s[i]), recip[j], s_res[j]),
+                                                quotient<POW2>(__fmul_rn(b[j], s[i + 1]), recip[j], s_res[j]));
+                if (i % 4 == 0) out[j][(i % 16) / 4] = pair;
+                else out[j][(i % 16) / 4] |= pair << 16;
             }
         }
 #pragma unroll
@@ -201,7 +187,7 @@ GRAPH_KERNEL = "cuda:cast_transpose"  # how the precision graph names this kerne
 
 _lock = threading.Lock()
 _usable: dict[str, bool] = {}
-_kernels: dict[tuple[int, int, bool, bool], "_Kernel"] = {}
+_kernels: dict[tuple[int, bool], "_Kernel"] = {}
 _failed: dict[int, str] = {}
 
 
@@ -228,13 +214,12 @@ class _Kernel:
             raise RuntimeError(f"jetrl_precision: cuLaunchKernel of the CUDA requantizer failed (CUresult {rc})")
 
 
-def _compile(device_index: int, rows: int, pow2: bool, keep: bool) -> _Kernel:
-    key = (device_index, rows, pow2, keep)
+def _compile(device_index: int, pow2: bool) -> _Kernel:
+    key = (device_index, pow2)
     with _lock:
         if key not in _kernels:
             with torch.cuda.device(device_index):
-                b = lambda v: "true" if v else "false"  # noqa: E731
-                name = f"requant_1x128_to_128x1_t<{rows}, {b(pow2)}, {b(keep)}>"
+                name = f"requant_1x128_to_128x1_t<{'true' if pow2 else 'false'}>"
                 _kernels[key] = _Kernel(torch.cuda._compile_kernel(_SOURCE, name))
         return _kernels[key]
 
@@ -253,7 +238,7 @@ def status(device: torch.device) -> tuple[bool, str]:
         return False, _failed[idx]
     try:
         for pow2 in (False, True):
-            _compile(idx, DEFAULT_ROWS, pow2, DEFAULT_KEEP)
+            _compile(idx, pow2)
     except Exception as e:  # noqa: BLE001 - any compile/load failure means "use Triton", reported once
         _failed[idx] = f"NVRTC compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
         return False, _failed[idx]
@@ -285,30 +270,22 @@ def supported_shape(qt: QuantizedTensor) -> bool:
     )
 
 
-def requantize_1x128_to_128x1_t(
-    qt: QuantizedTensor, pow2_scale: bool = False, rows_per_thread: int = DEFAULT_ROWS, keep: bool | None = None
-) -> QuantizedTensor:
-    """requantize_fp8(qt, (128, 1)).t(): data [K, M] e4m3, scales (K, ceil(M/128)) with strides (1, K).
-
-    `rows_per_thread` (16 or 32 tokens per thread) and `keep` (dequantized values kept in registers) change
-    the schedule, never the bytes.
-    """
-    if rows_per_thread not in (16, 32):
-        raise ValueError(f"rows_per_thread must be 16 or 32, got {rows_per_thread}")
-    keep = DEFAULT_KEEP if keep is None else keep
+def requantize_1x128_to_128x1_t(qt: QuantizedTensor, pow2_scale: bool = False) -> QuantizedTensor:
+    """requantize_fp8(qt, (128, 1)).t(): data [K, M] e4m3, scales (K, ceil(M/128)) with strides (1, K)."""
     if not supported_shape(qt):
         raise ValueError(
             f"the CUDA requantizer needs a 1x128 CUDA input with contiguous columns, K % 4 == 0 and M % 16 == 0; "
-            f"got block {qt.block}, shape {tuple(qt.shape)}, strides {qt.data.stride()} (use quant.requantize_1x128_to_128x1)"
+            f"got block {qt.block}, shape {tuple(qt.shape)}, strides {qt.data.stride()} "
+            f"(quant.requantize_1x128_to_128x1 takes any shape and falls back to Triton)"
         )
     rows, cols = qt.shape
     dev = qt.data.device
-    kern = _compile(dev.index if dev.index is not None else torch.cuda.current_device(), rows_per_thread, pow2_scale, keep)
+    kern = _compile(dev.index if dev.index is not None else torch.cuda.current_device(), pow2_scale)
     nrb = -(-rows // 128)
     q = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev)
     sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=dev)
     kern(
-        (-(-cols // 128), nrb), 32 * (128 // rows_per_thread),
+        (-(-cols // 128), nrb), 128,
         [qt.data.data_ptr(), qt.scale.data_ptr(), q.data_ptr(), sbuf.data_ptr()],
         [rows, cols, qt.data.stride(0) // 4, qt.scale.stride(0), qt.scale.stride(1)],
     )

@@ -138,8 +138,7 @@ def _assert_every_kernel_bitwise(x: torch.Tensor, pow2: bool) -> None:
     # The CUDA requantizer takes M % 16 == 0: the largest such leading slice (it keeps every planted value).
     q1c = quantize_fp8(x[: x.shape[0] // 16 * 16], (1, 128), nonfinite="propagate")
     ref_c = requantize_fp8(q1c, (128, 1), pow2_scale=pow2).t()
-    for rows in (16, 32):
-        _bits_equal(cast_transpose.requantize_1x128_to_128x1_t(q1c, pow2, rows), ref_c, f"cuda requant^T rows={rows}")
+    _bits_equal(cast_transpose.requantize_1x128_to_128x1_t(q1c, pow2), ref_c, "cuda requant^T")
 
 
 def _division_edge_data(dtype: torch.dtype, amax: float, pow2: bool, seed: int) -> torch.Tensor:
