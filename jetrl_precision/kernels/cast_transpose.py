@@ -92,7 +92,9 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
     __shared__ float4 red[WARPS][32];
     __shared__ uint4 tile[128][8];  // the output tile: 128 columns x 128 tokens of e4m3, 16-byte chunks
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int tk = blockIdx.x * 128, tm = blockIdx.y * 128;
+    // Token blocks fastest: consecutive CTAs write neighbouring 128-byte pieces of the same output rows
+    // (1-2% faster than column blocks fastest on the H200, session 7 run 7).
+    const int tm = blockIdx.x * 128, tk = blockIdx.y * 128;
     const int k0 = tk + 4 * lane, m0 = tm + warp * ROWS;
     const bool col_ok = k0 < K;
     const u32* xp = x + (size_t)m0 * ldx_words + (k0 >> 2);
@@ -144,7 +146,7 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
         s_res[j] = recip[j] == 0.0f ? 0.0f : scale[j];  // scale = inf: x / inf stays a signed zero
     }
     if (warp == 0 && col_ok)
-        *reinterpret_cast<float4*>(s_out + (size_t)blockIdx.y * K + k0) = make_float4(scale[0], scale[1], scale[2], scale[3]);
+        *reinterpret_cast<float4*>(s_out + (size_t)blockIdx.x * K + k0) = make_float4(scale[0], scale[1], scale[2], scale[3]);
 
     // Column j of 16 tokens -> one 16-byte chunk (the e4m3x2 conversion packs two tokens of one column, so the
     // transpose costs no byte shuffling), staged in shared memory as soon as it is complete so that each warp
@@ -285,7 +287,7 @@ def requantize_1x128_to_128x1_t(qt: QuantizedTensor, pow2_scale: bool = False) -
     q = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev)
     sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=dev)
     kern(
-        (-(-cols // 128), nrb), 128,
+        (nrb, -(-cols // 128)), 128,
         [qt.data.data_ptr(), qt.scale.data_ptr(), q.data_ptr(), sbuf.data_ptr()],
         [rows, cols, qt.data.stride(0) // 4, qt.scale.stride(0), qt.scale.stride(1)],
     )
