@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import datetime
 import json
 import math
 import os
@@ -46,7 +47,7 @@ from host_profile import loop_us  # noqa: E402  (benchmarks/ is on sys.path: the
 
 LAYERS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MS = (64, 256, 4096, 8192, 16384)
-DATE = "2026-11-29"
+DATE = datetime.datetime.now(datetime.timezone.utc).date().isoformat()  # the run's own date (UTC)
 BW = get_recipe("jet_fp8").train_backward
 RECORDS: list[dict] = []
 COMMAND = "PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --out $OUT/gpu_bench.json"

@@ -211,9 +211,28 @@ class _Kernel:
     def __call__(self, grid: tuple[int, int], threads: int, ptrs: list[int], ints: list[int]) -> None:
         args = [ctypes.c_void_p(p) for p in ptrs] + [ctypes.c_int(i) for i in ints]
         argv = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        rc = _Kernel._launch(self.func, grid[0], grid[1], 1, threads, 1, 1, 0, torch.cuda.current_stream().cuda_stream, argv, None)
+        stream = torch.cuda.current_stream().cuda_stream
+        rc = _Kernel._launch(self.func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, None)
+        if rc == _CUDA_ERROR_INVALID_CONTEXT:
+            # A thread with no current context yet (autograd's backward threads start so; the driver API does not
+            # pick the primary context by itself the way the runtime does): make it current, launch again.
+            _make_primary_context_current()
+            rc = _Kernel._launch(self.func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, None)
         if rc != 0:
             raise RuntimeError(f"jetrl_precision: cuLaunchKernel of the CUDA requantizer failed (CUresult {rc})")
+
+
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+def _make_primary_context_current() -> None:
+    lib = ctypes.CDLL("libcuda.so.1")
+    dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
+    rc = lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(torch.cuda.current_device()))
+    rc = rc or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    rc = rc or lib.cuCtxSetCurrent(ctx)
+    if rc != 0:
+        raise RuntimeError(f"jetrl_precision: could not make the primary CUDA context current (CUresult {rc})")
 
 
 def _compile(device_index: int, pow2: bool) -> _Kernel:

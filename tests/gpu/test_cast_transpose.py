@@ -112,3 +112,26 @@ def test_unavailable_compiler_falls_back_to_triton_loudly(monkeypatch, caplog):
     g = build_precision_graph(model, "jet_fp8", "train_bwd")
     assert g.edges_into("0")["wgrad.input"].attrs.kernel == "triton"
     assert "cannot open shared object" in g.nodes["0"].attrs["requantizer_fallback"]
+
+
+def test_launch_from_a_fresh_thread():
+    """A new thread has no current CUDA context (as autograd's backward threads start); the launch must still work."""
+    import threading
+
+    x = outlier_data(512, 1024, seed=27)
+    q1 = quant.quantize_1x128(x)
+    cast_transpose.requantize_1x128_to_128x1_t(q1)  # compiled in this thread
+    out: dict = {}
+
+    def worker():
+        try:
+            out["q"] = cast_transpose.requantize_1x128_to_128x1_t(q1)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            out["error"] = e
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert "error" not in out, out.get("error")
+    _same(out["q"], requantize_fp8(q1, (128, 1)).t(), "fresh thread")
