@@ -185,7 +185,9 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
 }
 """
 
-GRAPH_KERNEL = "cuda:cast_transpose"  # how the precision graph names this kernel on the WGrad input edge
+# How the precision graph names this kernel on the WGrad input edge. A batch whose token count is not a multiple
+# of 16 takes the Triton kernel instead (same bytes), which the graph, built from the modules, cannot know.
+GRAPH_KERNEL = "cuda:cast_transpose"
 
 _lock = threading.Lock()
 _usable: dict[str, bool] = {}
@@ -195,7 +197,8 @@ _failed: dict[int, str] = {}
 
 class _Kernel:
     """A compiled kernel with a lean launcher: torch's `_CudaKernel.__call__` re-opens libcuda and converts
-    every argument on each call (~40 us of host time per launch on the H200 machine, session 7)."""
+    every argument on each call (60-88 us of host time per launch on the H200's host, against 27-31 us here;
+    session 7)."""
 
     _launch = None
 
@@ -246,7 +249,8 @@ def _compile(device_index: int, pow2: bool) -> _Kernel:
 
 
 def status(device: torch.device) -> tuple[bool, str]:
-    """(usable, reason): compiles the default kernel once per device; the reason names what is missing."""
+    """(usable, reason): compiles both kernels (plain and pow2 scales) once per device; the reason names what
+    is missing."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return False, "not a CUDA device"
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -282,12 +286,15 @@ def usable(device: torch.device) -> bool:
 
 
 def supported_shape(qt: QuantizedTensor) -> bool:
-    """The layouts the kernel handles: 1x128 groups, contiguous columns, 4-byte rows, M % 16 == 0 (16-byte stores)."""
+    """The layouts the kernel handles: 1x128 groups, contiguous columns, 4-byte rows, M % 16 == 0 (16-byte stores),
+    sizes and strides that fit the kernel's 32-bit int arguments."""
     d = qt.data
     rows, cols = d.shape
+    ints = (rows, cols, d.stride(0), *qt.scale.stride())
     return (
         qt.block == (1, 128) and d.is_cuda and d.stride(1) == 1 and cols % 4 == 0 and d.stride(0) % 4 == 0
         and d.data_ptr() % 4 == 0 and rows % 16 == 0 and rows > 0 and cols > 0 and qt.scale.dtype == torch.float32
+        and qt.scale.device == d.device and max(ints) < 2**31
     )
 
 

@@ -186,7 +186,7 @@ def requantize_1x128_to_128x1(
 ) -> QuantizedTensor:
     """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes.
 
-    Transposed, `kernel="auto"` takes the CUDA cast-transpose kernel (`cast_transpose`; 82% of the copy
+    Transposed, `kernel="auto"` takes the CUDA cast-transpose kernel (`cast_transpose`; 84% of the copy
     bandwidth against the Triton kernel's 50% at 16384x14336 on the H200, session 7) where it compiled and the
     shape fits it (M % 16 == 0, K % 4 == 0), else this module's Triton kernel; both give the reference's bytes.
     A `tile` asks for the Triton kernel.
@@ -195,8 +195,15 @@ def requantize_1x128_to_128x1(
         raise ValueError(f"requantize_1x128_to_128x1 needs a 1x128 input, got block {qt.block}")
     if kernel not in ("auto", "cuda", "triton"):
         raise ValueError(f"kernel must be 'auto', 'cuda' or 'triton', got {kernel!r}")
-    if transposed and tile is None and kernel != "triton":
-        if kernel == "cuda" or (cast_transpose.usable(qt.data.device) and cast_transpose.supported_shape(qt)):
+    if kernel == "cuda":
+        if not transposed or tile is not None:
+            raise ValueError("kernel='cuda' writes the transposed layout only, with its own tiling: pass transposed=True and no tile")
+        ok, why = cast_transpose.status(qt.data.device)
+        if not ok:
+            raise RuntimeError(f"kernel='cuda': the CUDA requantizer is unavailable on {qt.data.device}: {why}")
+        return cast_transpose.requantize_1x128_to_128x1_t(qt, pow2_scale)
+    if transposed and tile is None and kernel == "auto":
+        if cast_transpose.usable(qt.data.device) and cast_transpose.supported_shape(qt):
             return cast_transpose.requantize_1x128_to_128x1_t(qt, pow2_scale)
     rows, cols = qt.shape
     tile = tile or (TILE_REQUANT_T if transposed else TILE_128x1)

@@ -106,6 +106,8 @@ def test_unavailable_compiler_falls_back_to_triton_loudly(monkeypatch, caplog):
         got = quant.requantize_1x128_to_128x1(q1, transposed=True)
         quant.requantize_1x128_to_128x1(q1, transposed=True)
     _same(got, requantize_fp8(q1, (128, 1)).t(), "Triton fallback")
+    with pytest.raises(RuntimeError, match="cannot open shared object"):  # asked for by name: an error, no fallback
+        quant.requantize_1x128_to_128x1(q1, transposed=True, kernel="cuda")
     warnings = [r.getMessage() for r in caplog.records if "CUDA requantizer" in r.getMessage()]
     assert len(warnings) == 1 and "cannot open shared object" in warnings[0], warnings
     model = convert_to_fp8(nn.Sequential(nn.Linear(256, 256)).to("cuda", torch.bfloat16), "jet_fp8")
