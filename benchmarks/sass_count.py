@@ -8,6 +8,12 @@ Session 5 used it to size the division change (docs/benchmarks.md, "Session 5 (l
     python3 -m venv /tmp/trvenv && /tmp/trvenv/bin/pip install triton==3.6.0
     PYTHONPATH=.venv/lib/python3.11/site-packages /tmp/trvenv/bin/python benchmarks/sass_count.py [--dump KIND]
 
+The CUDA requantizer (`kernels/cast_transpose.py`, row `cudaT`) is compiled with NVRTC from the
+`nvidia-cuda-nvrtc-cu12` wheel and the same ptxas. Take NVRTC 12.8, as old as Triton 3.6's ptxas (12.9 writes PTX
+8.8, which that ptxas refuses): `/tmp/trvenv/bin/pip install nvidia-cuda-nvrtc-cu12==12.8.93`. Without the wheel
+that row says so and the others still print. Its count holds both the interior and the edge-tile load paths, of
+which a tile runs one (session 7: 19.3 static against about 10-11 executed per element, by the opcode histogram).
+
 (torch comes from the project's venv only for the imports; nothing runs on a device.) Integer arguments get
 Triton's run-time specialization by hand: strides of 1 are constants and every other pointer and integer is marked
 divisible by 16, as on the H200 for 128-multiple shapes. Without those hints the layouts come out unvectorized and
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
+import glob
 import os
 import re
 import subprocess
@@ -30,7 +38,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from jetrl_precision.kernels import quant  # noqa: E402
+from jetrl_precision.kernels import cast_transpose, quant  # noqa: E402
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _INSTR = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
@@ -43,11 +51,49 @@ def compile_sass(kernel, signature: dict, constants: dict, num_warps: int) -> li
              for n, t in signature.items() if t != "constexpr" and n not in constants}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return _disassemble(compiled.asm["cubin"])
+
+
+def _disassemble(cubin: bytes) -> list[str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
         f.flush()
         text = subprocess.run([os.path.join(_BIN, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
     return [m.group(1) for line in text.splitlines() if (m := _INSTR.match(line))]
+
+
+def _nvrtc() -> ctypes.CDLL:
+    import nvidia.cuda_nvrtc  # the nvidia-cuda-nvrtc-cu12 wheel (a namespace package)
+
+    libs = [p for d in nvidia.cuda_nvrtc.__path__ for p in glob.glob(os.path.join(d, "lib", "libnvrtc.so*")) if "alt" not in p]
+    if not libs:
+        raise ImportError("nvidia-cuda-nvrtc-cu12 has no libnvrtc.so")
+    return ctypes.CDLL(sorted(libs)[0])
+
+
+def compile_cuda_sass(source: str, name: str) -> list[str]:
+    """A CUDA C++ kernel's SASS opcodes for sm_90a: NVRTC to PTX, then Triton's ptxas and nvdisasm."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    lib.nvrtcAddNameExpression(prog, name.encode())
+    opts = [b"--gpu-architecture=compute_90a", b"-std=c++17"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    if rc:
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC failed:\n{log.value.decode()}")
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        Path(src).write_bytes(ptx.value)
+        subprocess.run([os.path.join(_BIN, "ptxas"), "-arch=sm_90a", src, "-o", out], check=True)
+        return _disassemble(Path(out).read_bytes())
 
 
 def _sig(pointers: dict, ints: list[str], constexprs: list[str]) -> dict:
@@ -85,8 +131,18 @@ def main() -> None:
     ap.add_argument("--dump", default=None, help="also print the opcode histogram of this kernel in full")
     args = ap.parse_args()
     print(f"{'kernel':10s} {'warps':>5s} {'elem/thread':>11s} {'SASS instr':>10s} {'per element':>11s}  top opcodes")
-    for name, (kernel, sig, const, warps, per_thread) in kernels().items():
-        ops = compile_sass(kernel, sig, const, warps)
+    rows = list(kernels().items()) + [("cudaT", None)]
+    for name, spec in rows:
+        if spec is None:  # the CUDA requantizer: 4 warps, 32 tokens x 4 columns per thread
+            warps, per_thread = 4, 128
+            try:
+                ops = compile_cuda_sass(cast_transpose._SOURCE, "requant_1x128_to_128x1_t<false>")
+            except ImportError as e:
+                print(f"{name:10s} skipped: no NVRTC here ({e}); pip install nvidia-cuda-nvrtc-cu12==12.8.93")
+                continue
+        else:
+            kernel, sig, const, warps, per_thread = spec
+            ops = compile_sass(kernel, sig, const, warps)
         hist = collections.Counter(op.split(".")[0] for op in ops if op != "NOP")
         n = sum(hist.values())
         top = ", ".join(f"{k} {v}" for k, v in hist.most_common(6))
