@@ -294,7 +294,7 @@ def supported_shape(qt: QuantizedTensor) -> bool:
     return (
         qt.block == (1, 128) and d.is_cuda and d.stride(1) == 1 and cols % 4 == 0 and d.stride(0) % 4 == 0
         and d.data_ptr() % 4 == 0 and rows % 16 == 0 and rows > 0 and cols > 0 and qt.scale.dtype == torch.float32
-        and qt.scale.device == d.device and max(ints) < 2**31
+        and qt.scale.device == d.device and max(ints) < 2**31 and cols <= 65535 * 128  # grid.y = column blocks
     )
 
 
