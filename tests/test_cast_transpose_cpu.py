@@ -29,3 +29,15 @@ def test_bad_inputs_name_the_requirement():
         cast_transpose.requantize_1x128_to_128x1_t(q)
     w = quantize_fp8(torch.randn(128, 256, generator=g), (128, 128))
     assert not cast_transpose.supported_shape(w)
+
+
+def test_cpu_precision_graph_claims_no_gpu_requantizer():
+    """Only layers whose WGrad input a GPU kernel re-quantizes get a requantizer record; a CPU model gets none."""
+    from torch import nn
+
+    from jetrl_precision import build_precision_graph, convert_to_fp8
+
+    model = convert_to_fp8(nn.Sequential(nn.Linear(256, 256)), "jet_fp8")
+    g = build_precision_graph(model, "jet_fp8", "train_bwd")
+    assert g.edges_into("0")["wgrad.input"].attrs.kernel == "reference"
+    assert "requantizer_fallback" not in g.nodes["0"].attrs
