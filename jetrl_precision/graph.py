@@ -419,11 +419,16 @@ def _mark_wgrad_requantizer(g: PrecisionGraph, model: nn.Module) -> None:
             continue  # WGrad quantizes the bf16 input itself, another block pair, or no GPU kernels run here
         name = canonical_name(fqn)
         if cast_transpose.usable(dev):
-            for i, e in enumerate(g.edges):
-                if e.dst == name and e.role == "wgrad.input":
-                    g.edges[i] = Edge(e.dst, e.role, dataclasses.replace(e.attrs, kernel=cast_transpose.GRAPH_KERNEL))
+            _set_edge_kernel(g, name, "wgrad.input", cast_transpose.GRAPH_KERNEL)
         elif name in g.nodes:
             g.nodes[name].attrs["requantizer_fallback"] = cast_transpose.status(dev)[1]
+
+
+def _set_edge_kernel(g: PrecisionGraph, dst: str, role: str, kernel: str) -> None:
+    """Name the quantization kernel on the edge (dst, role); edges are frozen, so the edge is replaced."""
+    for i, e in enumerate(g.edges):
+        if e.dst == dst and e.role == role:
+            g.edges[i] = Edge(e.dst, e.role, dataclasses.replace(e.attrs, kernel=kernel))
 
 
 def _mark_fused_swiglu(g: PrecisionGraph, model: nn.Module) -> None:
@@ -438,9 +443,7 @@ def _mark_fused_swiglu(g: PrecisionGraph, model: nn.Module) -> None:
         if down not in g.nodes or kernel_name(m.down_proj.weight.device) != "triton":
             continue  # the fused kernel runs only where the Triton implementation does
         g.nodes[down].attrs["input_producer"] = "silu_mul_quantize"
-        for i, e in enumerate(g.edges):
-            if e.dst == down and e.role == "input":
-                g.edges[i] = Edge(e.dst, e.role, dataclasses.replace(e.attrs, kernel="triton:silu_mul_quantize"))
+        _set_edge_kernel(g, down, "input", "triton:silu_mul_quantize")
 
 
 # ---- checking ---------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ caller uses the Triton kernel (same bytes) after one warning.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 
@@ -206,7 +207,7 @@ class _Kernel:
         self.compiled = compiled  # keeps torch's handle (and its module) alive
         self.func = compiled.func
         if _Kernel._launch is None:
-            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+            fn = _libcuda().cuLaunchKernel
             fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
             fn.restype = ctypes.c_int
             _Kernel._launch = fn
@@ -228,8 +229,13 @@ class _Kernel:
 _CUDA_ERROR_INVALID_CONTEXT = 201
 
 
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
 def _make_primary_context_current() -> None:
-    lib = ctypes.CDLL("libcuda.so.1")
+    lib = _libcuda()
     dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
     rc = lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(torch.cuda.current_device()))
     rc = rc or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
