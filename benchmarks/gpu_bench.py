@@ -10,7 +10,10 @@ Sections (each guarded, so one failure does not lose the rest):
   linear    FP8 linear fwd+bwd vs nn.Linear BF16 at M=8192, kernel breakdown, saved-activation bytes
   stack     4-layer Llama-3.1-8B-shaped decoder: fwd+bwd+AdamW step, tokens/s and peak memory
   decode    the same stack's forward at M=64 and 256 tokens (one position each), eager and CUDA graph
-Timing: triton.testing.do_bench medians (L2 flushed before each repeat); ratios are within this run.
+Timing: triton.testing.do_bench medians (L2 flushed before each repeat); ratios are within this run. The GEMM
+section times each GEMM at the power cap instead (`bench_sustained`: a CUDA graph of back-to-back calls after a
+warm-up, BF16 and FP8 alternating), with the SM clock and power beside each figure and do_bench's kept as
+`flush_tflops`.
 """
 
 from __future__ import annotations
@@ -63,6 +66,61 @@ def rec(name, shape, backend, value, unit, ratio=None, **extra):
 
 def bench(fn, rep=60, warmup=15, grad_to_none=None):
     return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")  # ms
+
+
+def _nvml():
+    """An NVML handle for GPU 0, or None (pynvml not installed)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - clocks are context for the figure, not the figure
+        return None
+
+
+def bench_sustained(fn, per=20, warm_s=0.25, run_s=0.4):
+    """(ms per call, {sm_mhz, watts}) at the steady state of a training step: `per` back-to-back calls in one
+    CUDA graph, replayed for `warm_s` and then timed for `run_s`, while the host samples the SM clock and board
+    power. Why not do_bench for the GEMMs: the H200 runs these GEMMs at its 700 W cap, so its clock depends on
+    what ran just before. do_bench's gaps let whichever GEMM comes first after a pause run at the boost clock
+    (session 8: 1980 MHz for a BF16 GEMM measured after idle vs ~1400 MHz at the cap), which biased the ratio at
+    M = 4096 (session 3: 1.47x there, 1.56x geomean)."""
+    fn()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm the graph pool's allocations outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    one_s = max(start.elapsed_time(end) * 1e-3, 1e-6)
+    for _ in range(max(1, int(warm_s / one_s))):
+        graph.replay()
+    n = max(3, int(run_s / one_s))
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    clocks, watts, nv = [], [], _nvml()
+    while nv is not None and not end.query():  # the host is idle while the GPU works through the replays
+        clocks.append(nv[0].nvmlDeviceGetClockInfo(nv[1], nv[0].NVML_CLOCK_SM))
+        watts.append(nv[0].nvmlDeviceGetPowerUsage(nv[1]) / 1000)
+        time.sleep(0.02)
+    end.synchronize()
+    del graph
+    info = {"sm_mhz": round(sum(clocks) / len(clocks)) if clocks else None,
+            "watts": round(sum(watts) / len(watts)) if watts else None}
+    return start.elapsed_time(end) / (n * per), info
 
 
 def data(m, k, dtype=torch.bfloat16, seed=0, scale=1.0):
@@ -230,9 +288,26 @@ def section_gemm(args):
             x = data(m, k, seed=6)
             xq = quant.quantize_1x128(x)
             flops = 2 * m * n * k
-            t_bf = bench(lambda: F.linear(x, w))
+            fns = {"bf16": lambda: F.linear(x, w)}
+            for b in backends:
+                fns[b] = lambda b=b: gemm_nt(xq, wq, torch.bfloat16, b)
+            # Two alternating rounds at the power cap, best of each; do_bench's figure kept beside it.
+            best: dict[str, tuple[float, dict]] = {}
+            for _ in range(2):
+                for b, fn in fns.items():
+                    try:
+                        t, info = bench_sustained(fn)
+                        info["timing"] = "sustained"
+                    except Exception as e:  # noqa: BLE001 - a backend that cannot be captured is timed eagerly, and says so
+                        print(f"  {b} M={m} {lname}: CUDA graph capture failed ({type(e).__name__}: {e}); do_bench instead")
+                        t, info = bench(fn), {"timing": f"do_bench (capture failed: {type(e).__name__})"}
+                    if b not in best or t < best[b][0]:
+                        best[b] = (t, info)
+            t_bf, info_bf = best["bf16"]
             tf_bf = flops / (t_bf * 1e-3) / 1e12
-            rec("gemm_tflops", f"M={m} {lname} N={n} K={k}", "bf16", round(tf_bf, 1), "TFLOP/s", 1.0, time_us=round(t_bf * 1e3, 1))
+            flush_bf = flops / (bench(fns["bf16"]) * 1e-3) / 1e12
+            rec("gemm_tflops", f"M={m} {lname} N={n} K={k}", "bf16", round(tf_bf, 1), "TFLOP/s", 1.0, time_us=round(t_bf * 1e3, 1),
+                flush_tflops=round(flush_bf, 1), **info_bf)
             row = {"layer": lname, "M": m, "bf16": tf_bf}
             ref = None
             if m <= 8192:
@@ -240,14 +315,17 @@ def section_gemm(args):
                     w_deq = wq.dequantize(torch.float32)
                 ref = xq.dequantize(torch.float32) @ w_deq.t()
             for b in backends:
-                out = gemm_nt(xq, wq, torch.bfloat16, b)
+                out = fns[b]()
                 err = rel_err(out, ref) if ref is not None else None
-                t = bench(lambda b=b: gemm_nt(xq, wq, torch.bfloat16, b))
+                t, info = best[b]
                 tf = flops / (t * 1e-3) / 1e12
+                flush = flops / (bench(fns[b]) * 1e-3) / 1e12
                 row[b] = tf
                 row[b + "_err"] = err
+                row[b + "_flush"] = flush / flush_bf
                 rec("gemm_tflops", f"M={m} {lname} N={n} K={k}", b, round(tf, 1), "TFLOP/s", round(tf / tf_bf, 3),
-                    time_us=round(t * 1e3, 1), rel_err_vs_fp32=None if err is None else float(f"{err:.3e}"))
+                    time_us=round(t * 1e3, 1), rel_err_vs_fp32=None if err is None else float(f"{err:.3e}"),
+                    flush_tflops=round(flush, 1), flush_ratio=round(flush / flush_bf, 3), **info)
             rows.append(row)
             del x, xq, ref
         del w, wq, w_deq
@@ -261,9 +339,11 @@ def section_gemm(args):
         big = [r[b] / r["bf16"] for r in rows if r["M"] >= 4096]
         small = [r[b] / r["bf16"] for r in rows if r["M"] < 4096]
         gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
-        print(f"geomean {b}: M>=4096 {gm(big):.2f}x (min {min(big):.2f}, max {max(big):.2f}); M<=256 {gm(small):.2f}x")
+        big_flush = [r[b + "_flush"] for r in rows if r["M"] >= 4096]
+        print(f"geomean {b}: M>=4096 {gm(big):.3f}x (min {min(big):.2f}, max {max(big):.2f}; do_bench's timing "
+              f"{gm(big_flush):.3f}x); M<=256 {gm(small):.2f}x")
         rec("gemm_geomean_ratio_M_ge_4096", "12 shapes", b, round(gm(big), 3), "x", round(gm(big), 3),
-            min=round(min(big), 3), max=round(max(big), 3))
+            min=round(min(big), 3), max=round(max(big), 3), flush_geomean=round(gm(big_flush), 3))
         rec("gemm_geomean_ratio_decode", "M=64,256 (8 shapes)", b, round(gm(small), 3), "x", round(gm(small), 3))
 
     # Triton decode diagnostic: split-K and tile choice at M=64.

@@ -91,6 +91,7 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
                           float* __restrict__ s_out, int M, int K, int ldx_words, int s_row, int s_grp) {
     constexpr int ROWS = 32, WARPS = 4, THREADS = 128;
     __shared__ float4 red[WARPS][32];
+    __shared__ __align__(16) float fin[2][THREADS];  // per column: 1/scale, and the scale for the correction
     __shared__ uint4 tile[128][8];  // the output tile: 128 columns x 128 tokens of e4m3, 16-byte chunks
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Token blocks fastest: consecutive CTAs write neighbouring 128-byte pieces of the same output rows
@@ -132,22 +133,27 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
     }
     red[warp][lane] = make_float4(amax[0], amax[1], amax[2], amax[3]);
     __syncthreads();
+    {   // Thread t finishes column t alone (amax over the 4 warps, the scale, its reciprocal): once per column
+        // instead of once per warp, since the IEEE division and reciprocal cost ~25 instructions each time
+        // (session 8: +1 to 2 points of the copy bandwidth at the large shapes).
+        const float* redf = reinterpret_cast<const float*>(red);  // column c of warp r at [r * 128 + c]
+        float a = redf[threadIdx.x];
 #pragma unroll
-    for (int r = 0; r < WARPS; ++r) {
-        const float4 a = red[r][lane];
-        amax[0] = max_nan(amax[0], a.x); amax[1] = max_nan(amax[1], a.y);
-        amax[2] = max_nan(amax[2], a.z); amax[3] = max_nan(amax[3], a.w);
+        for (int r = 1; r < WARPS; ++r) a = max_nan(a, redf[r * THREADS + threadIdx.x]);
+        const float sc = group_scale<POW2>(a);
+        const float rc = __frcp_rn(sc);
+        fin[0][threadIdx.x] = rc;
+        fin[1][threadIdx.x] = rc == 0.0f ? 0.0f : sc;  // scale = inf: x / inf stays a signed zero
+        if (tk + (int)threadIdx.x < K) s_out[(size_t)blockIdx.x * K + tk + threadIdx.x] = sc;
     }
-
-    float scale[4], recip[4], s_res[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        scale[j] = group_scale<POW2>(amax[j]);
-        recip[j] = __frcp_rn(scale[j]);
-        s_res[j] = recip[j] == 0.0f ? 0.0f : scale[j];  // scale = inf: x / inf stays a signed zero
+    __syncthreads();
+    float recip[4], s_res[4];
+    {
+        const float4 r4 = reinterpret_cast<const float4*>(fin[0])[lane];
+        const float4 s4 = reinterpret_cast<const float4*>(fin[1])[lane];
+        recip[0] = r4.x; recip[1] = r4.y; recip[2] = r4.z; recip[3] = r4.w;
+        s_res[0] = s4.x; s_res[1] = s4.y; s_res[2] = s4.z; s_res[3] = s4.w;
     }
-    if (warp == 0 && col_ok)
-        *reinterpret_cast<float4*>(s_out + (size_t)blockIdx.x * K + k0) = make_float4(scale[0], scale[1], scale[2], scale[3]);
 
     // Column j of 16 tokens -> one 16-byte chunk (the e4m3x2 conversion packs two tokens of one column, so the
     // transpose costs no byte shuffling), staged in shared memory as soon as it is complete so that each warp
