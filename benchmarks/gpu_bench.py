@@ -545,6 +545,16 @@ def section_linear(args):
 
             t_c = bench(step_cached, grad_to_none=xs + [lin.weight], rep=150)
             t_r = bench(step_requant, grad_to_none=xs + [lin.weight], rep=150)
+            if backend == "auto":
+                # The same eager steps with the autograd engine on the calling thread (docs/performance.md, step
+                # 6: a process-wide knob for host-bound runs), BF16 and FP8 alike.
+                with torch.autograd.set_multithreading_enabled(False):
+                    t_bf1 = bench(lambda: (lambda i: lin(xs[i]).backward(dys[i]))(next(cyc)), grad_to_none=xs + [lin.weight], rep=150)
+                    t_c1 = bench(step_cached, grad_to_none=xs + [lin.weight], rep=150)
+                res["bf16_1thread"], res["1thread"] = t_bf1, t_c1
+                rec("linear_fwd_bwd_ms", f"M={m} {lname} engine-on-calling-thread", "bf16", round(t_bf1, 4), "ms", 1.0)
+                rec("linear_fwd_bwd_ms", f"M={m} {lname} weight-cached engine-on-calling-thread", name, round(t_c1, 4), "ms",
+                    round(t_bf1 / t_c1, 3))
             _, saved = _saved_bytes(lambda: layer(x), [lin.weight])
             h_c = _host_ms(step_cached, xs + [lin.weight])
             rec("linear_fwd_bwd_host_ms", f"M={m} {lname} weight-cached", name, round(h_c, 4), "ms")
@@ -618,6 +628,7 @@ def section_linear(args):
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     ratios = {key: [r["bf16_ms"] / r[key] for r in rows] for key in [name + "_cached", name + "_requant"] + [f"{b}_cached" for b in others]}
     ratios["graph"] = [r["bf16_graph"] / r["graph"] for r in rows]
+    ratios["engine_on_calling_thread"] = [r["bf16_1thread"] / r["1thread"] for r in rows]
     ratios["kernels_sum"] = [r["bf16_ms"] / r["kernels_sum"] for r in rows]
     for key, v in ratios.items():
         v = [r for r in v if math.isfinite(r)]
@@ -626,7 +637,7 @@ def section_linear(args):
         g = gm(v)
         print(f"geomean bf16/fp8 ({key}): {g:.3f}x")
         rec("linear_fwd_bwd_geomean_ratio", f"M={m} 4 layers {key}",
-            name if key in ("graph", "kernels_sum") else key.rsplit("_", 1)[0],
+            name if key in ("graph", "kernels_sum", "engine_on_calling_thread") else key.rsplit("_", 1)[0],
             round(g, 3), "x", round(g, 3))
 
 
