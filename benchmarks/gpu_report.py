@@ -94,14 +94,14 @@ def _auto_backend(records):
     return None if r is None else r["backend"]
 
 
-def _linear_row(label, kind):
+def _linear_row(label, kind, goal=1.4):
     def value(records):
         auto = _auto_backend(records)
         shape = {"graph": "M=8192 4 layers graph", "1thread": "M=8192 4 layers engine_on_calling_thread"}.get(
             kind, f"M=8192 4 layers {auto}_cached")
         r = _last(records, "linear_fwd_bwd_geomean_ratio", shape)
         return (None, "") if r is None else (r["value"], f"linear_fwd_bwd_geomean_ratio '{shape}'")
-    return Target(label, "x", 1.4, value)
+    return Target(label, "x", goal, value)
 
 
 def _last_stack_backend(records):
@@ -125,7 +125,8 @@ TARGETS = (
     _gemm_row("torch"),
     _gemm_row("deep_gemm"),
     _linear_row("FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, eager (auto)", "eager"),
-    _linear_row("FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, eager, autograd engine on the calling thread (auto)", "1thread"),
+    # Not a target of the issue: the eager steps again with a process-wide knob (docs/performance.md, step 6).
+    _linear_row("FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, eager, autograd engine on the calling thread (auto)", "1thread", None),
     _linear_row("FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, CUDA graph (auto)", "graph"),
     _ratio_row("4-layer stack fwd+bwd+AdamW tokens/s vs BF16 (auto)", "stack_train_tokens_per_s", "4 layers, batch 16 x seq 4096"),
     _ratio_row("decode forward, M=64, CUDA graph, vs BF16 (auto)", "decode_forward_us", "M=64 4 layers cuda-graph"),
