@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import datetime
 import json
@@ -68,8 +69,9 @@ def bench(fn, rep=60, warmup=15, grad_to_none=None):
     return do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")  # ms
 
 
+@functools.cache
 def _nvml():
-    """An NVML handle for GPU 0, or None (pynvml not installed)."""
+    """(pynvml, a handle for the current GPU), or None (pynvml not installed)."""
     try:
         import pynvml
 
