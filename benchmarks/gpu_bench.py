@@ -81,6 +81,21 @@ def _nvml():
         return None
 
 
+def _capture(fn, calls=1):
+    """A CUDA graph of `calls` back-to-back calls of `fn`, warmed on a side stream first (as torch's docs do)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def bench_sustained(fn, per=20, warm_s=0.25, run_s=0.4):
     """(ms per call, {sm_mhz, watts}) at the steady state of a training step: `per` back-to-back calls in one
     CUDA graph, replayed for `warm_s` and then timed for `run_s`, while the host samples the SM clock and board
@@ -90,16 +105,7 @@ def bench_sustained(fn, per=20, warm_s=0.25, run_s=0.4):
     M = 4096 (session 3: 1.47x there, 1.56x geomean)."""
     fn()
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm the graph pool's allocations outside the capture
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(per):
-            fn()
+    graph = _capture(fn, per)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     graph.replay()
@@ -521,7 +527,12 @@ def section_linear(args):
         dys = [data(m, n, seed=13 + i, scale=1e-3) for i in range(2)]
         x, dy = xs[0], dys[0]
         cyc = itertools.cycle(range(2))
-        t_bf = bench(lambda: (lambda i: lin(xs[i]).backward(dys[i]))(next(cyc)), grad_to_none=xs + [lin.weight], rep=150)
+
+        def step_bf16():
+            i = next(cyc)
+            lin(xs[i]).backward(dys[i])
+
+        t_bf = bench(step_bf16, grad_to_none=xs + [lin.weight], rep=150)
         _, saved_bf = _saved_bytes(lambda: lin(x), [lin.weight])
         h_bf = _host_ms(lambda: lin(xs[0]).backward(dys[0]), xs + [lin.weight])
         rec("linear_fwd_bwd_host_ms", f"M={m} {lname}", "bf16", round(h_bf, 4), "ms")
@@ -551,7 +562,7 @@ def section_linear(args):
                 # The same eager steps with the autograd engine on the calling thread (docs/performance.md, step
                 # 6: a process-wide knob for host-bound runs), BF16 and FP8 alike.
                 with torch.autograd.set_multithreading_enabled(False):
-                    t_bf1 = bench(lambda: (lambda i: lin(xs[i]).backward(dys[i]))(next(cyc)), grad_to_none=xs + [lin.weight], rep=150)
+                    t_bf1 = bench(step_bf16, grad_to_none=xs + [lin.weight], rep=150)
                     t_c1 = bench(step_cached, grad_to_none=xs + [lin.weight], rep=150)
                 res["bf16_1thread"], res["1thread"] = t_bf1, t_c1
                 rec("linear_fwd_bwd_ms", f"M={m} {lname} engine-on-calling-thread", "bf16", round(t_bf1, 4), "ms", 1.0)
@@ -900,18 +911,10 @@ def section_decode(args):
             with torch.no_grad():
                 model(x)
                 t_eager = bench(lambda: model(x), rep=100)
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    for _ in range(3):
-                        model(x)
-                torch.cuda.current_stream().wait_stream(s)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    out = model(x)
+                g = _capture(lambda: model(x))
                 t_graph = bench(lambda: g.replay(), rep=100)
             res[name] = (t_eager, t_graph)
-            del g, out
+            del g
         for name, (te, tg) in res.items():
             rb = res["bf16"]
             label = _variant_label(name)

@@ -186,8 +186,8 @@ def requantize_1x128_to_128x1(
 ) -> QuantizedTensor:
     """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes.
 
-    Transposed, `kernel="auto"` takes the CUDA cast-transpose kernel (`cast_transpose`; 84% of the copy
-    bandwidth against the Triton kernel's 50% at 16384x14336 on the H200, session 7) where it compiled and the
+    Transposed, `kernel="auto"` takes the CUDA cast-transpose kernel (`cast_transpose`; 86% of the copy
+    bandwidth against the Triton kernel's 50% at 16384x14336 on the H200, session 8) where it compiled and the
     shape fits it (M % 16 == 0, K % 4 == 0), else this module's Triton kernel; both give the reference's bytes.
     A `tile` asks for the Triton kernel.
     """
