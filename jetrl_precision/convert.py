@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from typing import Callable, Literal
 
@@ -21,11 +20,10 @@ Side = Literal["train", "rollout"]
 
 
 def default_module_filter(recipe: PrecisionRecipe) -> ModuleFilter:
-    """Convert every nn.Linear except those whose FQN matches the recipe's keep_high_precision patterns."""
-    patterns = recipe.keep_high_precision
+    """Convert every nn.Linear except those the recipe keeps in high precision (`recipe.keeps_high_precision`)."""
 
     def keep(module: nn.Module, fqn: str) -> bool:
-        return not any(fnmatch.fnmatchcase(fqn, p) for p in patterns)
+        return not recipe.keeps_high_precision(fqn)
 
     return keep
 

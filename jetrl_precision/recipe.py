@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import fnmatch
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,6 +192,14 @@ class PrecisionRecipe:
             raise RecipeError("wgrad_grad_output must be grouped along tokens (128x1): WGrad contracts over tokens")
         if bw.dgrad_grad_output.is_fp8 and bw.dgrad_grad_output.granularity != Granularity.BLOCK_1x128:
             raise RecipeError("dgrad_grad_output must be 1x128 (grouped along the contraction dim N)")
+
+    # ---- which layers are FP8 --------------------------------------------------------------
+    def keeps_high_precision(self, module_fqn: str) -> bool:
+        """Whether the linear layer at `module_fqn` stays in high precision (matches a
+        `keep_high_precision` pattern, fnmatch, case-sensitive). The one definition used by the
+        trainer's conversion, the weight sync's expected digests and the vLLM plugin: both sides
+        must agree on it for the rollout graph to be a subgraph of the training forward."""
+        return any(fnmatch.fnmatchcase(module_fqn, p) for p in self.keep_high_precision)
 
     # ---- derived properties -------------------------------------------------------------
     @property

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fnmatch
 import hashlib
 import json
 import logging
@@ -32,7 +31,7 @@ from . import ops
 from .formats import Block
 from .graph import canonical_name
 from .linear import Fp8Linear
-from .recipe import TensorSpec
+from .recipe import PrecisionRecipe
 
 __all__ = [
     "SyncTensor",
@@ -127,16 +126,16 @@ def expected_engine_digests(
     names: Iterable[str] | None = None,
     *,
     fp8: bool = True,
-    engine_weight_spec: TensorSpec | None = None,
-    keep_high_precision: Sequence[str] = (),
+    engine_recipe: PrecisionRecipe | None = None,
 ) -> dict[str, str]:
     """Digests of the bytes a rollout engine should hold after a sync, computed on the trainer.
 
     Fp8Linear weights: the trainer's cached FP8 bytes (what `iter_sync_tensors` sends).
-    With `engine_weight_spec` (fp8_rollout: a BF16 trainer, an engine that quantizes), plain
-    linear weights not matched by `keep_high_precision` are quantized with that spec, as the
-    engine's loader does. Everything else: the tensor itself.
+    With `engine_recipe` (fp8_rollout: a BF16 trainer, an engine that quantizes), plain linear
+    weights the recipe does not keep in high precision are quantized with its rollout weight
+    spec, as the engine's loader does. Everything else: the tensor itself.
     """
+    engine_weight_spec = engine_recipe.rollout.weight if engine_recipe is not None else None
     wanted = set(names) if names is not None else None
     out: dict[str, str] = {}
     for fqn, module in model.named_modules():
@@ -153,7 +152,7 @@ def expected_engine_digests(
                 and engine_weight_spec.is_fp8
                 and type(module) is nn.Linear
                 and pname == "weight"
-                and not any(fnmatch.fnmatchcase(prefix, pat) for pat in keep_high_precision)
+                and not engine_recipe.keeps_high_precision(prefix)
             ):
                 with torch.no_grad():
                     wq = ops.quantize(p.detach(), engine_weight_spec)

@@ -139,3 +139,26 @@ def test_fp8_training_tracks_bf16_loss_curve(name):
     for layer in fp8_linears(fp8).values():
         wq = layer.quantized_weight()
         assert torch.equal(wq.data.view(torch.uint8), quantize_fp8(layer.weight.detach(), (128, 128)).data.view(torch.uint8))
+
+
+def test_one_definition_of_fp8_layers():
+    """convert_to_fp8 and the weight sync's expected engine digests both ask `recipe.keeps_high_precision`:
+    with a custom pattern list, the converted layers and the layers an fp8_rollout engine quantizes coincide."""
+    from jetrl_precision.weight_sync import digest, expected_engine_digests
+
+    recipe = JET.replace(keep_high_precision=("*lm_head*", "*embed*", "*norm*", "*layers.0.mlp.*"))
+    assert recipe.keeps_high_precision("model.layers.0.mlp.up_proj") and recipe.keeps_high_precision("lm_head")
+    assert not recipe.keeps_high_precision("model.layers.1.mlp.up_proj")
+    assert not recipe.keeps_high_precision("model.layers.0.self_attn.q_proj")
+
+    converted = set(fp8_linears(convert_to_fp8(tiny_causal_lm(arch="llama"), recipe)))
+    linears = {n for n, m in tiny_causal_lm(arch="llama").named_modules() if type(m) is nn.Linear}
+    assert converted == {n for n in linears if not recipe.keeps_high_precision(n)}
+    assert converted == expected_fp8_names() - {f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+
+    # A bf16 trainer beside a quantizing engine (fp8_rollout): the engine quantizes exactly the same layers.
+    plain = tiny_causal_lm(arch="llama")
+    quantized = expected_engine_digests(plain, fp8=False, engine_recipe=recipe)
+    as_is = {n: digest(p) for n, p in plain.named_parameters()}
+    engine_fp8 = {n.rsplit(".", 1)[0] for n in quantized if quantized[n] != as_is[n]}
+    assert engine_fp8 == converted

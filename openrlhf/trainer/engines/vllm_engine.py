@@ -333,9 +333,9 @@ class VLLMEngine(RolloutEngine):
         fp8_trainer = self.recipe.syncs_fp8_weights
         # After a high-precision sync the engine answers with the digest of what it received;
         # before any sync it holds its own quantization of the checkpoint.
-        spec = self.recipe.rollout.weight if (self.quantization and not fp8_trainer and not self._synced) else None
+        engine_quantizes = self.quantization and not fp8_trainer and not self._synced
         expected = expected_engine_digests(
-            trainer_model, names, fp8=fp8_trainer, engine_weight_spec=spec, keep_high_precision=self.recipe.keep_high_precision
+            trainer_model, names, fp8=fp8_trainer, engine_recipe=self.recipe if engine_quantizes else None
         )
         return compare_digests(expected, self.weight_digests(list(expected)))
 
