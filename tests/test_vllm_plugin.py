@@ -199,10 +199,10 @@ def test_register_is_idempotent_and_safe_without_vllm(monkeypatch):
     assert vllm_plugin.register() is False
 
 
-def test_entry_point_registers_in_a_fresh_process(model_dirs):
+def test_entry_point_registers_in_a_fresh_process_and_the_bare_name_means_jet_fp8(model_dirs):
     """vLLM itself loads the plugin (entry point group vllm.general_plugins): this process never imports
-    jetrl_precision before building an engine with quantization="jetrl_fp8"."""
-    overrides = vllm_plugin.engine_kwargs(get_recipe("jet_fp8"))["hf_overrides"]
+    jetrl_precision before building an engine. It passes only the method name, as `vllm serve
+    --quantization jetrl_fp8` does: that means the unified jet_fp8 recipe."""
     code = textwrap.dedent(
         f"""
         import json, sys
@@ -211,10 +211,14 @@ def test_entry_point_registers_in_a_fresh_process(model_dirs):
         assert "jetrl_precision" not in sys.modules
         from vllm import LLM, SamplingParams
         llm = LLM({str(model_dirs['tiny'])!r}, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
-                  max_model_len=128, quantization="jetrl_fp8", hf_overrides=json.loads({json.dumps(overrides)!r}))
-        methods = llm.apply_model(lambda m: sorted({{type(getattr(x, "quant_method", None)).__name__ for x in m.modules()}}))[0]
+                  max_model_len=128, quantization="jetrl_fp8")
+        def inspect(m):
+            methods = {{type(getattr(x, "quant_method", None)).__name__: x for x in m.modules()}}
+            fp8 = methods["JetFp8LinearMethod"].quant_method
+            return sorted(methods), fp8.settings.recipe.name, fp8.settings.side
+        methods, recipe, side = llm.apply_model(inspect)[0]
         out = llm.generate([{{"prompt_token_ids": [1, 5, 6]}}], SamplingParams(max_tokens=3), use_tqdm=False)
-        print("RESULT", json.dumps({{"methods": methods, "tokens": len(out[0].outputs[0].token_ids)}}))
+        print("RESULT", json.dumps({{"methods": methods, "recipe": recipe, "side": side, "tokens": len(out[0].outputs[0].token_ids)}}))
         """
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=dict(os.environ))
@@ -222,6 +226,7 @@ def test_entry_point_registers_in_a_fresh_process(model_dirs):
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     result = json.loads(lines[0][len("RESULT ") :])
     assert "JetFp8LinearMethod" in result["methods"] and result["tokens"] == 3
+    assert (result["recipe"], result["side"]) == ("jet_fp8", "rollout")
 
 
 # ---- load-time quantization -------------------------------------------------------------------

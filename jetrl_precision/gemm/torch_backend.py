@@ -21,7 +21,7 @@ from ..formats import QuantizedTensor
 from ..kernels.layout import mn_major, pad_operands, row_major_padded_t
 from .dispatch import GemmBackend, register_backend
 
-__all__ = ["torch_gemm_nt", "scaling_types"]
+__all__ = ["torch_gemm_nt", "scaling_types", "prepared_scaled_mm"]
 
 
 def _norm(name: str) -> str:
@@ -74,6 +74,28 @@ def torch_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
     if out.shape[0] != m:
         out = out[:m]
     return out if out.shape[1] == n else out[:, :n]
+
+
+def prepared_scaled_mm(device: torch.device | str):
+    """The scaled_mm call `torch_gemm_nt` makes for 1x128 x 128x128 on `device`, for callers that prepare the
+    operands themselves (an inference engine's static weights): fn(a_data, b_data_t, scale_a, scale_b, out_dtype)
+    with scale_a MN-major (M a multiple of 4) and scale_b from `row_major_padded_t`."""
+    reason = unavailable_reason(torch.device(device))
+    if reason is not None:
+        raise RuntimeError(f"the torch GEMM backend cannot run on {device}: {reason}")
+    types = scaling_types()
+    if types is None or _legacy_same.get(_device_key(device), False):
+
+        def legacy(a, b_t, sa, sb, out_dtype):
+            return torch._scaled_mm(a, b_t, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+        return legacy
+    one, block = types
+
+    def blockwise(a, b_t, sa, sb, out_dtype):
+        return torch.nn.functional.scaled_mm(a, b_t, sa, one, sb, block, output_dtype=out_dtype)
+
+    return blockwise
 
 
 _probe: dict[str, str | None] = {}

@@ -17,24 +17,26 @@ power-of-two scales), so their bytes differ from training. This method:
 - leaves modules matched by the recipe's keep_high_precision patterns unquantized.
 
 The recipe travels inside the HF config's `quantization_config` (see `engine_kwargs`), so a
-worker process rebuilds exactly the trainer's recipe. `register()` is the entry point
-(`vllm.general_plugins: jetrl_fp8`); it is idempotent and a no-op without vLLM.
+worker process rebuilds exactly the trainer's recipe; the bare method name
+(`LLM(model, quantization="jetrl_fp8")`, `vllm serve --quantization jetrl_fp8`) means jet_fp8.
+`register()` is the entry point (`vllm.general_plugins: jetrl_fp8`); it is idempotent and a
+no-op without vLLM. This module imports no vLLM: the vLLM classes live in `vllm_quant`, which
+`register()` imports. The forward itself is `engine_linear.EngineLinear`.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from .. import ops
-from ..formats import QuantizedTensor
-from ..gemm import gemm_nt, resolve_backend
 from ..graph import FUSED_PROJECTIONS
 from ..recipe import FpropSpec, PrecisionRecipe, RecipeError, TensorSpec, get_recipe
+from .engine_linear import EngineLinear, spec_code, spec_from_code
 
 __all__ = [
     "QUANT_NAME",
@@ -45,7 +47,6 @@ __all__ = [
     "register",
     "is_registered",
     "jetrl_method_of",
-    "fp8_linear_forward",
     "spec_code",
     "spec_from_code",
 ]
@@ -55,9 +56,6 @@ logger = logging.getLogger(__name__)
 QUANT_NAME = "jetrl_fp8"
 Side = Literal["rollout", "train"]
 Scope = Literal["per_part", "fused"]
-
-# shard ids vLLM's loaders pass for the parts of fused projections
-_QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 
 
 @dataclass(frozen=True)
@@ -74,9 +72,29 @@ class JetFp8Settings:
         if self.weight_quant_scope not in ("per_part", "fused"):
             raise RecipeError(f"jetrl_fp8: weight_quant_scope must be 'per_part' or 'fused', got {self.weight_quant_scope!r}")
 
+    @classmethod
+    def default(cls) -> "JetFp8Settings":
+        """What the bare method name means (`quantization="jetrl_fp8"` with no quantization_config): jet_fp8's rollout."""
+        return cls(get_recipe("jet_fp8"))
+
     @property
     def fprop(self) -> FpropSpec:
         return self.recipe.rollout if self.side == "rollout" else self.recipe.train_fprop
+
+    def keeps_high_precision(self, prefix: str) -> bool:
+        """Whether the recipe keeps this (possibly fused) vLLM module out of FP8; a fused projection counts
+        as its training parts, which must agree."""
+        leaf = prefix.rsplit(".", 1)[-1]
+        names = [prefix]
+        if leaf in FUSED_PROJECTIONS:
+            names += [prefix[: -len(leaf)] + p for p in FUSED_PROJECTIONS[leaf]]
+        hits = [any(fnmatch.fnmatchcase(n, p) for p in self.recipe.keep_high_precision) for n in names]
+        if len(names) > 1 and any(hits[1:]) != all(hits[1:]):
+            raise RecipeError(
+                f"jetrl_fp8: keep_high_precision keeps only some parts of the fused {prefix}; "
+                "a fused projection is quantized as a whole: keep all of its parts or none"
+            )
+        return any(hits)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -88,7 +106,7 @@ class JetFp8Settings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "JetFp8Settings":
-        raw = d.get("recipe", "jet_fp8")
+        raw = d.get("recipe") or "jet_fp8"  # the bare method name means the unified recipe
         recipe = get_recipe(raw) if isinstance(raw, str) else PrecisionRecipe.from_dict(raw)
         return cls(recipe, d.get("side", "rollout"), d.get("weight_quant_scope", "per_part"))
 
@@ -130,91 +148,7 @@ def plan_quant_groups(part_sizes: list[int], k: int, spec: TensorSpec, scope: Sc
     return groups, srow, cols
 
 
-def _part_index(layer: torch.nn.Module, shard_id: Any) -> int | None:
-    if shard_id is None:
-        return None
-    if isinstance(shard_id, str):
-        if shard_id not in _QKV_SHARDS:
-            raise ValueError(f"jetrl_fp8: unknown shard id {shard_id!r} for {layer.prefix}")
-        return _QKV_SHARDS[shard_id]
-    if isinstance(shard_id, tuple):
-        raise NotImplementedError(f"jetrl_fp8: {layer.prefix}: loading several fused parts at once is not supported")
-    return int(shard_id)
-
-
-def _shard_window(layer: torch.nn.Module, part: int, full_shape: tuple[int, int]) -> tuple[int, int, int, int]:
-    """(row_start, rows, col_start, cols) of this TP rank's slice of a full checkpoint part."""
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-
-    n_full, k_full = full_shape
-    tp_size, tp_rank = getattr(layer, "tp_size", 1), getattr(layer, "tp_rank", 0)
-    rows = layer.jetrl_part_sizes[part]
-    cols = layer.jetrl_in_features
-    if tp_size == 1:
-        return 0, n_full, 0, k_full
-    if isinstance(layer, ColumnParallelLinear):
-        shard_rank = tp_rank
-        if isinstance(layer, QKVParallelLinear) and part > 0:
-            shard_rank = tp_rank // layer.num_kv_head_replicas  # kv heads replicated when tp > kv heads
-        return shard_rank * rows, rows, 0, k_full
-    if isinstance(layer, RowParallelLinear):
-        return 0, n_full, tp_rank * cols, cols
-    return 0, n_full, 0, k_full
-
-
-def _check_aligned(layer: torch.nn.Module, what: str, start: int, length: int, full: int, block: int) -> None:
-    if start % block or (length % block and start + length != full):
-        raise ValueError(
-            f"jetrl_fp8: {layer.prefix}: the tensor-parallel slice {what}[{start}:{start + length}] of {full} does not "
-            f"start/end on a {block}-block boundary, so its FP8 blocks would differ from training. "
-            "Use a tensor_parallel_size that keeps shards multiples of 128."
-        )
-
-
 # ---- the forward, as one custom op ------------------------------------------------------------
-def spec_code(spec: TensorSpec) -> str:
-    """A TensorSpec as a string a custom op can take: "" for high precision, else "granularity|scale_rule"."""
-    return f"{spec.granularity.value}|{spec.scale_rule.value}" if spec.is_fp8 else ""
-
-
-def spec_from_code(code: str) -> TensorSpec:
-    if not code:
-        return TensorSpec()
-    gran, rule = code.split("|")
-    return TensorSpec("e4m3", gran, rule)
-
-
-def fp8_linear_forward(
-    x2: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    group_rows: list[int],
-    group_scale_rows: list[int],
-    group_block_rows: list[int],
-    block_cols: int,
-    input_code: str,
-    backend: str,
-) -> torch.Tensor:
-    """x2 [M, K] @ W^T for an e4m3 weight stored as row groups (fused parts) with their own block grids."""
-    views = []
-    r = sr = 0
-    for rows, srows, b0 in zip(group_rows, group_scale_rows, group_block_rows):
-        views.append(QuantizedTensor(weight[r : r + rows], weight_scale[sr : sr + srows], (b0, block_cols)))
-        r, sr = r + rows, sr + srows
-    input_spec = spec_from_code(input_code)
-    if not input_spec.is_fp8:
-        # W8A16 (not a named recipe): dequantize the weight, GEMM in fp32, round once.
-        w = torch.cat([v.dequantize(torch.float32) for v in views])
-        return (x2.float() @ w.t()).to(x2.dtype)
-    xq = ops.quantize(x2, input_spec)
-    b0 = group_block_rows[0]
-    if len(views) == 1 or (len(set(group_block_rows)) == 1 and all(rows % b0 == 0 for rows in group_rows[:-1])):
-        # the groups tile one block grid: a single GEMM over the fused weight
-        return gemm_nt(xq, QuantizedTensor(weight, weight_scale, (b0, block_cols)), x2.dtype, backend)
-    # a part with a partial block row (e.g. k/v of N=64): one GEMM per part, as training runs them
-    return torch.cat([gemm_nt(xq, v, x2.dtype, backend) for v in views], dim=-1)
-
-
 def _register_custom_op() -> None:
     if hasattr(torch.ops, "jetrl") and hasattr(torch.ops.jetrl, "fp8_linear"):
         return
@@ -226,217 +160,24 @@ def _register_custom_op() -> None:
         "int[] group_block_rows, int block_cols, str input_code, str backend) -> Tensor",
     )
     def _op(x, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend):
-        return fp8_linear_forward(
-            x, weight, weight_scale, list(group_rows), list(group_scale_rows), list(group_block_rows), block_cols, input_code, backend
-        )
+        return EngineLinear.from_op_args(weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend)(x)
 
     @_op.register_fake
     def _(x, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend):
+        # Contiguous [M, N]: compiled graphs read the real output with these strides (EngineLinear guarantees them).
         return x.new_empty(x.shape[0], weight.shape[0])
 
 
 _register_custom_op()
 
 
-# ---- the vLLM classes (defined only when vLLM is importable) ---------------------------------
-_CLASSES: dict[str, type] = {}
-
-
-def _build_classes() -> dict[str, type]:
-    if _CLASSES:
-        return _CLASSES
-    from torch.nn import Parameter
-    from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
-    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
-
-    class JetFp8Config(QuantizationConfig):
-        """vLLM quantization config for `jetrl_fp8`; built from the HF config's quantization_config."""
-
-        def __init__(self, settings: JetFp8Settings) -> None:
-            super().__init__()
-            self.settings = settings
-
-        def get_name(self) -> str:
-            return QUANT_NAME
-
-        def get_supported_act_dtypes(self) -> list[torch.dtype]:
-            return [torch.bfloat16, torch.float16, torch.float32]
-
-        @classmethod
-        def get_min_capability(cls) -> int:
-            return 0  # the emulated backend runs anywhere; faster backends are picked at run time
-
-        @staticmethod
-        def get_config_filenames() -> list[str]:
-            return []
-
-        @classmethod
-        def from_config(cls, config: dict[str, Any]) -> "JetFp8Config":
-            return cls(JetFp8Settings.from_dict(config))
-
-        def keeps_high_precision(self, prefix: str) -> bool:
-            leaf = prefix.rsplit(".", 1)[-1]
-            names = [prefix]
-            if leaf in FUSED_PROJECTIONS:
-                names += [prefix[: -len(leaf)] + p for p in FUSED_PROJECTIONS[leaf]]
-            hits = [any(fnmatch.fnmatchcase(n, p) for p in self.settings.recipe.keep_high_precision) for n in names]
-            if len(names) > 1 and any(hits[1:]) != all(hits[1:]):
-                raise RecipeError(
-                    f"jetrl_fp8: keep_high_precision keeps only some parts of the fused {prefix}; "
-                    "a fused projection is quantized as a whole: keep all of its parts or none"
-                )
-            return any(hits)
-
-        def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-            if not isinstance(layer, LinearBase):
-                return None  # embeddings, lm_head, attention: vLLM's unquantized defaults
-            if not self.settings.fprop.weight.is_fp8 or self.keeps_high_precision(prefix):
-                return UnquantizedLinearMethod()
-            return JetFp8LinearMethod(self.settings, prefix)
-
-    class JetFp8LinearMethod(LinearMethodBase):
-        """FP8 linear with our quantizer and GEMM dispatch. Weights stay in place after loading, so
-        the weight sync can overwrite bytes and scales directly."""
-
-        def __init__(self, settings: JetFp8Settings, prefix: str) -> None:
-            super().__init__()
-            self.settings = settings
-            self.fprop = settings.fprop
-            self.scope: Scope = settings.weight_quant_scope
-            self.prefix = prefix
-            self._backends: dict[str, str] = {}
-
-        # -- weights ----------------------------------------------------------------------
-        def create_weights(
-            self,
-            layer: torch.nn.Module,
-            input_size_per_partition: int,
-            output_partition_sizes: list[int],
-            input_size: int,
-            output_size: int,
-            params_dtype: torch.dtype,
-            **extra_weight_attrs: Any,
-        ) -> None:
-            spec = self.fprop.weight
-            n, k = sum(output_partition_sizes), input_size_per_partition
-            groups, srows, scols = plan_quant_groups(list(output_partition_sizes), k, spec, self.scope)
-            weight = Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
-            scale = Parameter(torch.empty(srows, scols, dtype=torch.float32), requires_grad=False)
-            layer.register_parameter("weight", weight)
-            layer.register_parameter("weight_scale", scale)
-            layer.jetrl_part_sizes = list(output_partition_sizes)
-            layer.jetrl_in_features = k
-            layer.jetrl_groups = groups
-            layer.jetrl_hp_dtype = params_dtype
-            # vLLM's loaders call param.weight_loader(param, tensor[, shard_id]); ours quantizes.
-            method = self
-
-            def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> None:
-                method.load_hp_weight(layer, param, loaded_weight, loaded_shard_id)
-
-            weight.weight_loader = weight_loader
-            weight.input_dim, weight.output_dim = 1, 0
-            if self.scope == "fused":
-                layer.jetrl_staging = torch.zeros(n, k, dtype=params_dtype)
-                layer.jetrl_staged = set()
-
-        def load_hp_weight(self, layer: torch.nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
-            """Quantize a checkpoint (or synced high-precision) weight part into the FP8 parameter."""
-            part = _part_index(layer, shard_id)
-            if part is None:
-                if len(layer.jetrl_part_sizes) > 1:
-                    # a checkpoint that stores the projection already fused (e.g. Phi-3): split into parts
-                    if getattr(layer, "tp_size", 1) != 1:
-                        raise NotImplementedError(f"jetrl_fp8: {layer.prefix}: a fused checkpoint tensor with tensor parallelism")
-                    for i, chunk in enumerate(torch.split(loaded, layer.jetrl_part_sizes)):
-                        self.load_hp_weight(layer, param, chunk, i)
-                    return
-                part = 0
-            r0, nr, c0, nc = _shard_window(layer, part, tuple(loaded.shape))
-            w = loaded.narrow(0, r0, nr).narrow(1, c0, nc).to(device=param.device, dtype=layer.jetrl_hp_dtype)
-            expected = (layer.jetrl_part_sizes[part], layer.jetrl_in_features)
-            if tuple(w.shape) != expected:
-                raise ValueError(f"jetrl_fp8: {layer.prefix} part {part}: got a weight of shape {tuple(w.shape)}, expected {expected}")
-            if self.scope == "fused":
-                off = sum(layer.jetrl_part_sizes[:part])
-                layer.jetrl_staging[off : off + w.shape[0]].copy_(w)
-                layer.jetrl_staged.add(part)
-                if len(layer.jetrl_staged) == len(layer.jetrl_part_sizes):
-                    self._quantize_staged(layer, param)
-                return
-            qt = ops.quantize(w, self.fprop.weight)
-            self.install_group(layer, part, qt, param=param)
-
-        def _quantize_staged(self, layer: torch.nn.Module, param: torch.Tensor | None = None) -> None:
-            qt = ops.quantize(layer.jetrl_staging.to(param.device if param is not None else layer.weight.device), self.fprop.weight)
-            self.install_group(layer, 0, qt, param=param)
-
-        def install_group(self, layer: torch.nn.Module, group: int, qt: QuantizedTensor, param: torch.Tensor | None = None) -> None:
-            """Copy FP8 bytes and scales of one quant group into the layer, in place (no re-quantization)."""
-            g = layer.jetrl_groups[group]
-            weight = layer.weight if param is None else param
-            if tuple(qt.data.shape) != (g.rows, layer.jetrl_in_features) or tuple(qt.block) != g.block:
-                raise ValueError(
-                    f"jetrl_fp8: {layer.prefix} group {group}: got FP8 data {tuple(qt.data.shape)} block {qt.block}, "
-                    f"expected {(g.rows, layer.jetrl_in_features)} block {g.block}"
-                )
-            weight.data[g.row_offset : g.row_offset + g.rows].copy_(qt.data)
-            layer.weight_scale.data[g.scale_row_offset : g.scale_row_offset + g.scale_rows].copy_(qt.scale)
-
-        def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-            # Nothing to repack: apply() reads the logical layout. Fused scope quantizes once all parts are in.
-            if self.scope == "fused" and len(layer.jetrl_staged) == len(layer.jetrl_part_sizes):
-                self._quantize_staged(layer)
-            # Resolve the backend now, not in apply(): torch.compile must not trace the dispatch registry.
-            layer.jetrl_op_args = self._op_args(layer, layer.weight.device)
-
-        def _op_args(self, layer: torch.nn.Module, device: torch.device) -> tuple:
-            groups = layer.jetrl_groups
-            return (
-                [g.rows for g in groups], [g.scale_rows for g in groups], [g.block[0] for g in groups], groups[0].block[1],
-                spec_code(self.fprop.input), self.backend_for(device),
-            )
-
-        # -- views used by apply, the weight sync and the digests ----------------------------
-        def group_tensor(self, layer: torch.nn.Module, group: int) -> QuantizedTensor:
-            g = layer.jetrl_groups[group]
-            return QuantizedTensor(
-                layer.weight.data[g.row_offset : g.row_offset + g.rows],
-                layer.weight_scale.data[g.scale_row_offset : g.scale_row_offset + g.scale_rows],
-                g.block,
-            )
-
-        def backend_for(self, device: torch.device) -> str:
-            key = str(device)
-            if key not in self._backends:
-                self._backends[key] = resolve_backend(self.settings.recipe.gemm_backend, device)
-            return self._backends[key]
-
-        # -- forward ------------------------------------------------------------------------
-        def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            k = x.shape[-1]
-            x2 = x.reshape(-1, k)
-            n = layer.weight.shape[0]
-            if x2.shape[0] == 0:
-                return x.new_zeros(*x.shape[:-1], n)
-            args = getattr(layer, "jetrl_op_args", None) or self._op_args(layer, x.device)
-            # One opaque custom op: torch.compile / CUDA graphs (vLLM's default on GPU) see a single
-            # node instead of tracing our quantizer and GEMM dispatch.
-            y = torch.ops.jetrl.fp8_linear(x2, layer.weight, layer.weight_scale, *args)
-            if bias is not None:
-                y = y + bias.to(y.dtype)
-            return y.reshape(*x.shape[:-1], n)
-
-    _CLASSES.update(JetFp8Config=JetFp8Config, JetFp8LinearMethod=JetFp8LinearMethod)
-    return _CLASSES
-
-
 def jetrl_method_of(layer: torch.nn.Module):
-    """The layer's JetFp8LinearMethod, or None (unquantized or another quantization)."""
-    if not _CLASSES:
+    """The layer's JetFp8LinearMethod, or None (unquantized, another quantization, or vLLM never loaded us)."""
+    quant = sys.modules.get(f"{__package__}.vllm_quant")
+    if quant is None:
         return None
     method = getattr(layer, "quant_method", None)
-    return method if isinstance(method, _CLASSES["JetFp8LinearMethod"]) else None
+    return method if isinstance(method, quant.JetFp8LinearMethod) else None
 
 
 class _QuietFp8LoadWarning(logging.Filter):
@@ -458,7 +199,7 @@ def is_registered() -> bool:
         from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     except ImportError:
         return False
-    return QUANT_NAME in QUANTIZATION_METHODS and bool(_CLASSES)
+    return QUANT_NAME in QUANTIZATION_METHODS and f"{__package__}.vllm_quant" in sys.modules
 
 
 def register() -> bool:
@@ -471,9 +212,10 @@ def register() -> bool:
     except ImportError:
         logger.debug("jetrl_fp8: vLLM is not installed; nothing to register")
         return False
-    classes = _build_classes()
+    from .vllm_quant import JetFp8Config  # imports vLLM: only now that it is known to be installed
+
     _install_log_filter()
-    if _CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(QUANT_NAME) is not classes["JetFp8Config"]:
-        register_quantization_config(QUANT_NAME)(classes["JetFp8Config"])
+    if _CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(QUANT_NAME) is not JetFp8Config:
+        register_quantization_config(QUANT_NAME)(JetFp8Config)
         logger.debug("jetrl_fp8: registered the vLLM quantization method")
     return True

@@ -27,7 +27,7 @@ from ..graph import FUSED_PROJECTIONS, EdgeAttrs, PrecisionGraph, add_linear, ca
 from ..ops import kernel_name
 from ..recipe import FpropSpec
 from ..weight_sync import SyncTensor, WeightSyncError, broadcast_json, digest, init_sync_group, receive_sync_tensors
-from .vllm_plugin import _check_aligned, _shard_window, jetrl_method_of
+from .vllm_plugin import jetrl_method_of
 
 __all__ = [
     "install_sync_tensors",
@@ -68,12 +68,14 @@ def _resolve(model: nn.Module, name: str) -> tuple[nn.Module, str, int | None] |
 
 def _shard_of(layer: nn.Module, part: int, qt: QuantizedTensor) -> QuantizedTensor:
     """This tensor-parallel rank's slice of a full FP8 part (exact when shards align to blocks)."""
-    r0, nr, c0, nc = _shard_window(layer, part, tuple(qt.data.shape))
+    from .vllm_quant import check_aligned, shard_window
+
+    r0, nr, c0, nc = shard_window(layer, part, tuple(qt.data.shape))
     if (r0, nr, c0, nc) == (0, qt.data.shape[0], 0, qt.data.shape[1]):
         return qt
     b0, b1 = qt.block
-    _check_aligned(layer, "rows", r0, nr, qt.data.shape[0], b0)
-    _check_aligned(layer, "cols", c0, nc, qt.data.shape[1], b1)
+    check_aligned(layer, "rows", r0, nr, qt.data.shape[0], b0)
+    check_aligned(layer, "cols", c0, nc, qt.data.shape[1], b1)
     data = qt.data[r0 : r0 + nr, c0 : c0 + nc]
     scale = qt.scale[r0 // b0 : -(-(r0 + nr) // b0), c0 // b1 : -(-(c0 + nc) // b1)]
     return QuantizedTensor(data, scale, qt.block)

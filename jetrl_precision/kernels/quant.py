@@ -81,10 +81,14 @@ def _block_r_1x128(rows: int) -> int:
     return 16 if rows <= 2048 else 32
 
 
-def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False, block_r: int | None = None) -> QuantizedTensor:
+def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False, block_r: int | None = None, rows_alloc: int | None = None) -> QuantizedTensor:
+    """1x128 quantization of x [R, C]. `rows_alloc` > R allocates that many rows and leaves rows R.. unset:
+    a GEMM that needs M padded (cuBLASLt: a multiple of 4) then reads the result without a copy, and its
+    output rows R.. are discarded (each output row depends on its own A row only)."""
     rows, cols = x.shape
-    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
-    _, scale = new_scale_1x128(rows, cols, x.device)
+    alloc = rows if rows_alloc is None else max(rows, rows_alloc)
+    q = torch.empty((alloc, cols), dtype=FP8_DTYPE, device=x.device)
+    _, scale = new_scale_1x128(alloc, cols, x.device)
     br = block_r or _block_r_1x128(rows)
     grid = (_cdiv(rows, br), _cdiv(cols, 128))
     _quant_1x128_kernel[grid](

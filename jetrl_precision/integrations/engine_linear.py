@@ -1,0 +1,166 @@
+"""The FP8 linear forward of an inference engine: a static weight whose GEMM operands are derived once.
+
+An engine's weights change only when the trainer syncs them, so what a forward derives from the
+weight (the GEMM's scale layout, the backend, the fused parts' block grids) is computed at load
+time and refreshed in place after each sync (`refresh`), keeping buffers that a captured CUDA graph
+reads at the same addresses. Per call only the activation is quantized (1x128, the training
+quantizer) and the GEMM runs: two launches on the cuBLASLt path.
+
+`EngineLinear.from_op_args` rebuilds the same object from the custom op's arguments, so the
+compiled path (`torch.ops.jetrl.fp8_linear`) and the eager path run one implementation.
+
+Layouts handled:
+- one block grid (a plain projection, or fused parts whose rows tile one grid): one GEMM;
+- fused parts with partial block rows (k/v of a GQA model with N % 128 != 0): one GEMM per part,
+  as training runs them, concatenated;
+- the output is always contiguous [M, N]: compiled graphs read it with the strides the op declares.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .. import ops
+from ..formats import Granularity, QuantizedTensor
+from ..gemm import gemm_nt
+from ..recipe import TensorSpec
+
+__all__ = ["EngineLinear", "spec_code", "spec_from_code"]
+
+
+def spec_code(spec: TensorSpec) -> str:
+    """A TensorSpec as a string a custom op can take: "" for high precision, else "granularity|scale_rule"."""
+    return f"{spec.granularity.value}|{spec.scale_rule.value}" if spec.is_fp8 else ""
+
+
+def spec_from_code(code: str) -> TensorSpec:
+    if not code:
+        return TensorSpec()
+    gran, rule = code.split("|")
+    return TensorSpec("e4m3", gran, rule)
+
+
+class EngineLinear:
+    """y = x @ W^T for an e4m3 weight [N, K] stored as row groups with their own block grids.
+
+    `groups` is a sequence of (rows, scale_rows, block_rows) per group; all groups share `block_cols`.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        groups: Sequence[tuple[int, int, int]],
+        block_cols: int,
+        input_spec: TensorSpec,
+        backend: str,
+    ) -> None:
+        self.weight, self.weight_scale = weight, weight_scale
+        self.groups = tuple((int(r), int(sr), int(b0)) for r, sr, b0 in groups)
+        self.block_cols = int(block_cols)
+        self.input_spec = input_spec
+        self.backend = backend
+        self.n, self.k = weight.shape
+        b0s = {b0 for _, _, b0 in self.groups}
+        # The groups tile one block grid when every part but the last fills whole block rows.
+        self.one_grid = len(self.groups) == 1 or (len(b0s) == 1 and all(r % self.groups[0][2] == 0 for r, _, _ in self.groups[:-1]))
+        self._fast = None
+        self.refresh()
+
+    @classmethod
+    def from_op_args(cls, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend):
+        return cls(weight, weight_scale, list(zip(group_rows, group_scale_rows, group_block_rows)), block_cols, spec_from_code(input_code), backend)
+
+    @property
+    def op_args(self) -> tuple:
+        """The custom op's arguments after (x, weight, weight_scale)."""
+        rows, srows, b0s = (list(col) for col in zip(*self.groups))
+        return (rows, srows, b0s, self.block_cols, spec_code(self.input_spec), self.backend)
+
+    def views(self) -> list[QuantizedTensor]:
+        out, r, sr = [], 0, 0
+        for rows, srows, b0 in self.groups:
+            out.append(QuantizedTensor(self.weight[r : r + rows], self.weight_scale[sr : sr + srows], (b0, self.block_cols)))
+            r, sr = r + rows, sr + srows
+        return out
+
+    # -- derived operands ---------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-derive what the GEMM reads from the weight after its bytes or scales changed (in place)."""
+        if self._fast is None:
+            self._fast = _CublasPlan.build(self)
+        elif self._fast:
+            self._fast.refresh(self)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        if x2.shape[0] == 0:
+            return x2.new_empty((0, self.n))
+        if not self.input_spec.is_fp8:
+            # W8A16 (not a named recipe): dequantize the weight, GEMM in fp32, round once.
+            w = torch.cat([v.dequantize(torch.float32) for v in self.views()])
+            return (x2.float() @ w.t()).to(x2.dtype)
+        if self._fast:
+            return self._fast(x2)
+        xq = ops.quantize(x2, self.input_spec)
+        if self.one_grid:
+            b0 = self.groups[0][2]
+            y = gemm_nt(xq, QuantizedTensor(self.weight, self.weight_scale, (b0, self.block_cols)), x2.dtype, self.backend)
+        else:
+            y = torch.cat([gemm_nt(xq, v, x2.dtype, self.backend) for v in self.views()], dim=-1)
+        # Backends may return a slice of a padded result; the op promises a contiguous output.
+        return y if y.is_contiguous() else y.contiguous()
+
+
+class _CublasPlan:
+    """The cuBLASLt blockwise call with its weight operands prepared: activation quantized into an
+    M-padded buffer by the Triton kernel, then one scaled_mm. The same call `torch_gemm_nt` makes
+    (same operands, same padded M), so the bytes equal the general path's."""
+
+    def __init__(self, lin: EngineLinear, quantize, mm) -> None:
+        self.quantize, self.mm = quantize, mm
+        self.pow2 = lin.input_spec.pow2_scale
+        self.w_t = lin.weight.t()
+        self.sb_buf: torch.Tensor | None = None
+        self.refresh(lin)
+
+    @classmethod
+    def build(cls, lin: EngineLinear) -> "_CublasPlan | bool":
+        """The plan, or False when this layer takes the general path."""
+        if (
+            lin.backend != "torch"
+            or not lin.one_grid
+            or lin.input_spec.granularity is not Granularity.BLOCK_1x128
+            or lin.groups[0][2] != 128
+            or lin.block_cols != 128
+            or lin.k % 128
+            or lin.n % 128
+            or ops.kernel_name(lin.weight.device) != "triton"
+        ):
+            return False
+        from ..gemm import torch_backend
+        from ..kernels import quant
+
+        return cls(lin, quant.quantize_1x128, torch_backend.prepared_scaled_mm(lin.weight.device))
+
+    def refresh(self, lin: EngineLinear) -> None:
+        from ..kernels.layout import row_major_padded_t
+
+        sb = row_major_padded_t(lin.weight_scale)
+        if sb.data_ptr() == lin.weight_scale.data_ptr():
+            self.sb = sb  # a view of the scale parameter: in-place installs update it already
+            return
+        if self.sb_buf is None:
+            self.sb_buf = sb
+        else:
+            self.sb_buf.copy_(sb)  # same buffer, so a captured graph keeps reading valid scales
+        self.sb = self.sb_buf
+
+    def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        m = x2.shape[0]
+        mp = -(-m // 4) * 4  # cuBLASLt refuses an MN-major scale_a whose M is not a multiple of 4
+        xq = self.quantize(x2, self.pow2, rows_alloc=mp)
+        y = self.mm(xq.data, self.w_t, xq.scale, self.sb, x2.dtype)
+        return y if mp == m else y[:m]

@@ -1,0 +1,254 @@
+"""The vLLM classes of the `jetrl_fp8` method: its quantization config and linear method.
+
+Imported only by `vllm_plugin.register()` (and by code running inside a vLLM worker), because it
+imports vLLM at module level. What the method does is described in `vllm_plugin`'s docstring.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    LinearMethodBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from .. import ops
+from ..formats import QuantizedTensor
+from ..gemm import resolve_backend
+from .engine_linear import EngineLinear
+from .vllm_plugin import QUANT_NAME, JetFp8Settings, Scope, plan_quant_groups
+
+__all__ = ["JetFp8Config", "JetFp8LinearMethod", "shard_window", "check_aligned"]
+
+# shard ids vLLM's loaders pass for the parts of fused projections
+_QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
+
+
+class JetFp8Config(QuantizationConfig):
+    """vLLM quantization config for `jetrl_fp8`.
+
+    Built from the HF config's quantization_config when it carries one (`engine_kwargs`); the bare
+    method name (`LLM(model, quantization="jetrl_fp8")`, `vllm serve --quantization jetrl_fp8`)
+    means the unified `jet_fp8` recipe on the rollout side.
+    """
+
+    def __init__(self, settings: JetFp8Settings | None = None) -> None:
+        super().__init__()
+        self.settings = settings if settings is not None else JetFp8Settings.default()
+
+    def get_name(self) -> str:
+        return QUANT_NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # the emulated backend runs anywhere; faster backends are picked at run time
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "JetFp8Config":
+        return cls(JetFp8Settings.from_dict(config))
+
+    def keeps_high_precision(self, prefix: str) -> bool:
+        return self.settings.keeps_high_precision(prefix)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if not isinstance(layer, LinearBase):
+            return None  # embeddings, lm_head, attention: vLLM's unquantized defaults
+        if not self.settings.fprop.weight.is_fp8 or self.keeps_high_precision(prefix):
+            return UnquantizedLinearMethod()
+        return JetFp8LinearMethod(self.settings, prefix)
+
+
+class JetFp8LinearMethod(LinearMethodBase):
+    """FP8 linear with our quantizer and GEMM dispatch.
+
+    Weights stay in place after loading, so the weight sync overwrites bytes and scales directly;
+    `EngineLinear` holds what the forward derives from them (the GEMM's scale layout) and is
+    refreshed in place after every install, so captured CUDA graphs keep reading valid buffers.
+    """
+
+    def __init__(self, settings: JetFp8Settings, prefix: str) -> None:
+        super().__init__()
+        self.settings = settings
+        self.fprop = settings.fprop
+        self.scope: Scope = settings.weight_quant_scope
+        self.prefix = prefix
+        self._backends: dict[str, str] = {}
+
+    # -- weights ----------------------------------------------------------------------------------
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        spec = self.fprop.weight
+        n, k = sum(output_partition_sizes), input_size_per_partition
+        groups, srows, scols = plan_quant_groups(list(output_partition_sizes), k, spec, self.scope)
+        weight = Parameter(torch.empty(n, k, dtype=torch.float8_e4m3fn), requires_grad=False)
+        scale = Parameter(torch.empty(srows, scols, dtype=torch.float32), requires_grad=False)
+        layer.register_parameter("weight", weight)
+        layer.register_parameter("weight_scale", scale)
+        layer.jetrl_part_sizes = list(output_partition_sizes)
+        layer.jetrl_in_features = k
+        layer.jetrl_groups = groups
+        layer.jetrl_hp_dtype = params_dtype
+        layer.jetrl_gemm = None
+        # vLLM's loaders call param.weight_loader(param, tensor[, shard_id]); ours quantizes.
+        method = self
+
+        def weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, loaded_shard_id: Any = None) -> None:
+            method.load_hp_weight(layer, param, loaded_weight, loaded_shard_id)
+
+        weight.weight_loader = weight_loader
+        weight.input_dim, weight.output_dim = 1, 0
+        if self.scope == "fused":
+            layer.jetrl_staging = torch.zeros(n, k, dtype=params_dtype)
+            layer.jetrl_staged = set()
+
+    def load_hp_weight(self, layer: torch.nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        """Quantize a checkpoint (or synced high-precision) weight part into the FP8 parameter."""
+        part = _part_index(layer, shard_id)
+        if part is None:
+            if len(layer.jetrl_part_sizes) > 1:
+                # a checkpoint that stores the projection already fused (e.g. Phi-3): split into parts
+                if getattr(layer, "tp_size", 1) != 1:
+                    raise NotImplementedError(f"jetrl_fp8: {layer.prefix}: a fused checkpoint tensor with tensor parallelism")
+                for i, chunk in enumerate(torch.split(loaded, layer.jetrl_part_sizes)):
+                    self.load_hp_weight(layer, param, chunk, i)
+                return
+            part = 0
+        r0, nr, c0, nc = shard_window(layer, part, tuple(loaded.shape))
+        w = loaded.narrow(0, r0, nr).narrow(1, c0, nc).to(device=param.device, dtype=layer.jetrl_hp_dtype)
+        expected = (layer.jetrl_part_sizes[part], layer.jetrl_in_features)
+        if tuple(w.shape) != expected:
+            raise ValueError(f"jetrl_fp8: {layer.prefix} part {part}: got a weight of shape {tuple(w.shape)}, expected {expected}")
+        if self.scope == "fused":
+            off = sum(layer.jetrl_part_sizes[:part])
+            layer.jetrl_staging[off : off + w.shape[0]].copy_(w)
+            layer.jetrl_staged.add(part)
+            if len(layer.jetrl_staged) == len(layer.jetrl_part_sizes):
+                self._quantize_staged(layer, param)
+            return
+        qt = ops.quantize(w, self.fprop.weight)
+        self.install_group(layer, part, qt, param=param)
+
+    def _quantize_staged(self, layer: torch.nn.Module, param: torch.Tensor | None = None) -> None:
+        qt = ops.quantize(layer.jetrl_staging.to(param.device if param is not None else layer.weight.device), self.fprop.weight)
+        self.install_group(layer, 0, qt, param=param)
+
+    def install_group(self, layer: torch.nn.Module, group: int, qt: QuantizedTensor, param: torch.Tensor | None = None) -> None:
+        """Copy FP8 bytes and scales of one quant group into the layer, in place (no re-quantization)."""
+        g = layer.jetrl_groups[group]
+        weight = layer.weight if param is None else param
+        if tuple(qt.data.shape) != (g.rows, layer.jetrl_in_features) or tuple(qt.block) != g.block:
+            raise ValueError(
+                f"jetrl_fp8: {layer.prefix} group {group}: got FP8 data {tuple(qt.data.shape)} block {qt.block}, "
+                f"expected {(g.rows, layer.jetrl_in_features)} block {g.block}"
+            )
+        weight.data[g.row_offset : g.row_offset + g.rows].copy_(qt.data)
+        layer.weight_scale.data[g.scale_row_offset : g.scale_row_offset + g.scale_rows].copy_(qt.scale)
+        if layer.jetrl_gemm is not None:
+            layer.jetrl_gemm.refresh()
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        # Nothing to repack: the forward reads the logical layout. Fused scope quantizes once all parts are in.
+        if self.scope == "fused" and len(layer.jetrl_staged) == len(layer.jetrl_part_sizes):
+            self._quantize_staged(layer)
+        # Resolve the backend and derive the GEMM's operands now, not in apply(): torch.compile must not
+        # trace the dispatch registry, and eager calls should not pay for it.
+        groups = [(g.rows, g.scale_rows, g.block[0]) for g in layer.jetrl_groups]
+        layer.jetrl_gemm = EngineLinear(
+            layer.weight, layer.weight_scale, groups, layer.jetrl_groups[0].block[1], self.fprop.input,
+            self.backend_for(layer.weight.device),
+        )
+
+    # -- views used by the weight sync and the digests ---------------------------------------------
+    def group_tensor(self, layer: torch.nn.Module, group: int) -> QuantizedTensor:
+        g = layer.jetrl_groups[group]
+        return QuantizedTensor(
+            layer.weight.data[g.row_offset : g.row_offset + g.rows],
+            layer.weight_scale.data[g.scale_row_offset : g.scale_row_offset + g.scale_rows],
+            g.block,
+        )
+
+    def backend_for(self, device: torch.device) -> str:
+        key = str(device)
+        if key not in self._backends:
+            self._backends[key] = resolve_backend(self.settings.recipe.gemm_backend, device)
+        return self._backends[key]
+
+    # -- forward ------------------------------------------------------------------------------------
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        gemm: EngineLinear | None = layer.jetrl_gemm
+        if gemm is None:  # a forward before process_weights_after_loading (vLLM never does this)
+            raise RuntimeError(f"jetrl_fp8: {self.prefix}: forward before the weights were processed")
+        x2 = x.reshape(-1, x.shape[-1])
+        if torch.compiler.is_compiling():
+            # One opaque custom op: torch.compile and CUDA graphs (vLLM's default on GPU) see a single node
+            # whose output layout is declared, instead of tracing our quantizer and GEMM dispatch.
+            y = torch.ops.jetrl.fp8_linear(x2, layer.weight, layer.weight_scale, *gemm.op_args)
+        else:
+            y = gemm(x2)  # eager: the same computation without the dispatcher's hop
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# ---- tensor-parallel shards ---------------------------------------------------------------------
+def _part_index(layer: torch.nn.Module, shard_id: Any) -> int | None:
+    if shard_id is None:
+        return None
+    if isinstance(shard_id, str):
+        if shard_id not in _QKV_SHARDS:
+            raise ValueError(f"jetrl_fp8: unknown shard id {shard_id!r} for {layer.prefix}")
+        return _QKV_SHARDS[shard_id]
+    if isinstance(shard_id, tuple):
+        raise NotImplementedError(f"jetrl_fp8: {layer.prefix}: loading several fused parts at once is not supported")
+    return int(shard_id)
+
+
+def shard_window(layer: torch.nn.Module, part: int, full_shape: tuple[int, int]) -> tuple[int, int, int, int]:
+    """(row_start, rows, col_start, cols) of this TP rank's slice of a full checkpoint part."""
+    n_full, k_full = full_shape
+    tp_size, tp_rank = getattr(layer, "tp_size", 1), getattr(layer, "tp_rank", 0)
+    rows = layer.jetrl_part_sizes[part]
+    cols = layer.jetrl_in_features
+    if tp_size == 1:
+        return 0, n_full, 0, k_full
+    if isinstance(layer, ColumnParallelLinear):
+        shard_rank = tp_rank
+        if isinstance(layer, QKVParallelLinear) and part > 0:
+            shard_rank = tp_rank // layer.num_kv_head_replicas  # kv heads replicated when tp > kv heads
+        return shard_rank * rows, rows, 0, k_full
+    if isinstance(layer, RowParallelLinear):
+        return 0, n_full, tp_rank * cols, cols
+    return 0, n_full, 0, k_full
+
+
+def check_aligned(layer: torch.nn.Module, what: str, start: int, length: int, full: int, block: int) -> None:
+    if start % block or (length % block and start + length != full):
+        raise ValueError(
+            f"jetrl_fp8: {layer.prefix}: the tensor-parallel slice {what}[{start}:{start + length}] of {full} does not "
+            f"start/end on a {block}-block boundary, so its FP8 blocks would differ from training. "
+            "Use a tensor_parallel_size that keeps shards multiples of 128."
+        )
+

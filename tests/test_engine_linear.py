@@ -1,0 +1,99 @@
+"""EngineLinear and the `jetrl::fp8_linear` custom op: one implementation for eager and compiled engines.
+
+The op declares a contiguous [M, N] output to torch.compile. A backend that returns a column slice of
+a wider result (cuBLASLt with N padded to 128) broke that promise, and vLLM's compiled graphs (which run
+without Inductor's stride asserts on torch < 2.12) then read the slice with the wrong row stride: the
+FP8 engine produced nonsense in vLLM's default mode only. These tests plant such a backend on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from precision_testutil import outlier_data
+from jetrl_precision import get_recipe, quantize_fp8
+from jetrl_precision.gemm import dispatch
+from jetrl_precision.gemm.emulated import emulated_gemm_nt
+from jetrl_precision.integrations import vllm_plugin  # registers torch.ops.jetrl.fp8_linear
+from jetrl_precision.integrations.engine_linear import EngineLinear, spec_code
+
+INPUT = get_recipe("jet_fp8").rollout.input
+
+
+def _sliced_backend(a, b, out_dtype):
+    """Like a vendor GEMM that pads N to 128: the result is a column slice of a NaN-padded buffer."""
+    n = b.shape[0]
+    wide = torch.full((a.shape[0], -(-n // 128) * 128 + 128), float("nan"), dtype=out_dtype)
+    wide[:, :n] = emulated_gemm_nt(a, b, out_dtype)
+    return wide[:, :n]
+
+
+@pytest.fixture
+def sliced_backend(monkeypatch):
+    dispatch._ensure_registered()
+    monkeypatch.setitem(dispatch._REGISTRY, "test_sliced", dispatch.GemmBackend("test_sliced", _sliced_backend, lambda d: None))
+    return "test_sliced"
+
+
+def _weight(parts: list[int], k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    qs = [quantize_fp8(outlier_data((n, k), generator=g), (128, 128)) for n in parts]
+    groups = [(n, q.scale.shape[0], 128) for n, q in zip(parts, qs)]
+    return torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs]), groups, qs
+
+
+@pytest.mark.parametrize("parts,k", [([576], 576), ([576, 192, 192], 576), ([256, 256], 384)], ids=["o_proj", "gqa_qkv", "gate_up"])
+def test_output_is_contiguous_and_equals_per_part_gemms(sliced_backend, parts, k):
+    weight, scale, groups, qs = _weight(parts, k)
+    lin = EngineLinear(weight, scale, groups, 128, INPUT, sliced_backend)
+    x = outlier_data((7, k), generator=torch.Generator().manual_seed(1))
+    y = lin(x)
+    assert y.is_contiguous() and y.shape == (7, sum(parts))
+    xq = quantize_fp8(x, (1, 128))
+    assert torch.equal(y, torch.cat([emulated_gemm_nt(xq, q, torch.float32) for q in qs], dim=-1))
+    op = torch.ops.jetrl.fp8_linear(x, weight, scale, *lin.op_args)
+    assert op.is_contiguous() and torch.equal(op, y), "the custom op and the eager path must be one implementation"
+    assert lin(x[:0]).shape == (0, sum(parts))
+
+
+def test_compiled_graph_reads_the_op_output_correctly_without_stride_asserts(sliced_backend):
+    """vLLM compiles with Inductor's size/stride asserts off (torch < 2.12): the op must keep its declared layout."""
+    import torch._inductor.config as inductor_config
+
+    weight, scale, groups, _ = _weight([576], 576)
+    args = EngineLinear(weight, scale, groups, 128, INPUT, sliced_backend).op_args
+
+    def block(x):
+        y = torch.ops.jetrl.fp8_linear(x, weight, scale, *args)
+        return (y * 0.5 + 1.0).flatten()  # a fused pointwise consumer that indexes with the declared strides
+
+    x = outlier_data((5, 576), generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    with inductor_config.patch(size_asserts=False, alignment_asserts=False, scalar_asserts=False):
+        got = torch.compile(block, fullgraph=True, dynamic=False)(x)
+    assert not got.isnan().any()
+    assert torch.equal(got, block(x))
+
+
+def test_refresh_follows_in_place_weight_installs():
+    weight, scale, groups, _ = _weight([256], 256)
+    lin = EngineLinear(weight, scale, groups, 128, INPUT, "emulated")
+    x = outlier_data((4, 256), generator=torch.Generator().manual_seed(3))
+    before = lin(x)
+    new = quantize_fp8(outlier_data((256, 256), generator=torch.Generator().manual_seed(4)), (128, 128))
+    weight.copy_(new.data)
+    scale.copy_(new.scale)
+    lin.refresh()
+    after = lin(x)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, emulated_gemm_nt(quantize_fp8(x, (1, 128)), new, torch.float32))
+
+
+def test_op_args_round_trip():
+    weight, scale, groups, _ = _weight([128, 64, 64], 256)
+    lin = EngineLinear(weight, scale, groups, 128, INPUT, "emulated")
+    again = EngineLinear.from_op_args(weight, scale, *lin.op_args)
+    assert again.groups == lin.groups and again.input_spec == INPUT and again.one_grid is False
+    assert lin.op_args[4] == spec_code(INPUT)
+    assert vllm_plugin.spec_from_code(spec_code(INPUT)) == INPUT
