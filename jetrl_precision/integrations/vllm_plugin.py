@@ -26,7 +26,6 @@ no-op without vLLM. This module imports no vLLM: the vLLM classes live in `vllm_
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import sys
 from dataclasses import dataclass
@@ -88,7 +87,7 @@ class JetFp8Settings:
         names = [prefix]
         if leaf in FUSED_PROJECTIONS:
             names += [prefix[: -len(leaf)] + p for p in FUSED_PROJECTIONS[leaf]]
-        hits = [any(fnmatch.fnmatchcase(n, p) for p in self.recipe.keep_high_precision) for n in names]
+        hits = [self.recipe.keeps_high_precision(n) for n in names]
         if len(names) > 1 and any(hits[1:]) != all(hits[1:]):
             raise RecipeError(
                 f"jetrl_fp8: keep_high_precision keeps only some parts of the fused {prefix}; "
