@@ -51,8 +51,12 @@ def convert_to_fp8(
     and the down projection's 1x128 quantization of it run as one kernel on CUDA, and backward keeps gate and up
     instead of also silu(gate). Same values bit for bit; pass False to keep the model's own MLP modules.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_to_fp8 converts an nn.Module, got {type(model).__name__}")
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
+    if not isinstance(recipe, PrecisionRecipe):
+        raise TypeError(f"convert_to_fp8 needs a PrecisionRecipe or a recipe name (get_recipe), got {recipe!r}")
     if side not in ("train", "rollout"):
         raise ValueError(f"side must be 'train' or 'rollout', got {side!r}")
     fprop = recipe.train_fprop if side == "train" else recipe.rollout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -54,11 +55,23 @@ class Granularity(str, enum.Enum):
 
 
 def resolve_block(block: Block | Granularity | str, shape: tuple[int, int]) -> Block:
+    """(b0, b1) for a block given as a pair of positive ints, a Granularity, or its string value."""
+    valid = f"(1, 128), (128, 128), (128, 1), any pair of positive ints, or one of {[g.value for g in Granularity]}"
     if isinstance(block, (Granularity, str)):
-        return Granularity(block).block(shape)
-    b0, b1 = (int(b) for b in block)
+        try:
+            return Granularity(block).block(shape)
+        except ValueError:
+            raise ValueError(f"block {block!r} is not a granularity: use {valid}") from None
+    if not isinstance(block, (tuple, list)) or len(block) != 2:
+        raise TypeError(f"block must be {valid}; got {block!r}")
+    try:
+        if any(isinstance(b, bool) for b in block):
+            raise TypeError
+        b0, b1 = (operator.index(b) for b in block)
+    except TypeError:
+        raise TypeError(f"block sizes must be ints, got {block!r}") from None
     if b0 < 1 or b1 < 1:
-        raise ValueError(f"block sizes must be positive, got {block}")
+        raise ValueError(f"block sizes must be positive, got {tuple(block)}")
     return b0, b1
 
 
@@ -82,6 +95,10 @@ class QuantizedTensor:
     block: Block
 
     def __post_init__(self) -> None:
+        if self.data.dtype != FP8_DTYPE:
+            raise TypeError(f"QuantizedTensor data must be {FP8_DTYPE}, got {self.data.dtype}; quantize with quantize_fp8")
+        if self.scale.dtype != torch.float32:
+            raise TypeError(f"QuantizedTensor scales must be float32, got {self.scale.dtype}")
         if self.data.dim() != 2:
             raise ValueError(f"QuantizedTensor holds 2-D data, got shape {tuple(self.data.shape)}")
         expected = (_ceil_div(self.data.shape[0], self.block[0]), _ceil_div(self.data.shape[1], self.block[1]))
@@ -107,6 +124,8 @@ class QuantizedTensor:
         return s.repeat_interleave(self.block[1], dim=1)[:, : self.data.shape[1]]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if not dtype.is_floating_point:
+            raise TypeError(f"dequantize returns a floating-point tensor; got dtype {dtype}")
         return (self.data.float() * self.expanded_scale()).to(dtype)
 
     def t(self) -> "QuantizedTensor":

@@ -137,7 +137,7 @@ class Violation:
     field: str
     expected: str
     found: str
-    kind: str = "mismatch"  # mismatch | missing_node | missing_edge | shape | backend
+    kind: str = "mismatch"  # mismatch | missing_node | missing_edge | extra_edge | dangling_edge | empty_graph | shape | backend
     severity: str = "error"
 
     def __str__(self) -> str:
@@ -369,6 +369,10 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
+    if not isinstance(recipe, PrecisionRecipe):
+        raise TypeError(f"build_precision_graph needs a PrecisionRecipe or a recipe name (get_recipe), got {recipe!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"build_precision_graph reads a live nn.Module, got {type(model).__name__}")
     from .ops import kernel_name
 
     g = PrecisionGraph(phase, recipe.name, meta={"recipe_unified": recipe.unified, "source": type(model).__name__})
@@ -447,10 +451,43 @@ def _mark_fused_swiglu(g: PrecisionGraph, model: nn.Module) -> None:
 
 
 # ---- checking ---------------------------------------------------------------------------------
+# Edge roles an op of each kind must carry in a forward graph (train_fwd or rollout).
+_FORWARD_ROLES: dict[str, tuple[str, ...]] = {
+    "linear": ("input", "weight"),
+    "linear_fp8": ("input", "weight"),
+    "linear_foreign": ("input", "weight"),
+    "embedding": ("weight",),
+    "norm": ("weight",),
+}
+
+
+def _is_fp8_op(g: PrecisionGraph, name: str) -> bool:
+    return any(e.attrs.dtype == "e4m3" for e in g.edges_into(name).values())
+
+
 def compare_graphs(sub: PrecisionGraph, sup: PrecisionGraph) -> list[Violation]:
-    """Every difference that breaks `sub` being a subgraph of `sup`; backend differences have severity 'warning'."""
+    """Every difference that breaks `sub` being a subgraph of `sup`; backend differences have severity 'warning'.
+
+    Beyond comparing what `sub` holds, `sub` must hold enough to prove something: it is not
+    empty, every FP8 op of `sup` is in it (an op the recipe keeps in high precision is a plain
+    linear in `sup`, so it is not required), every op carries the edges its kind needs, and no
+    edge points at an op the graph does not have.
+    """
+    for what, g in (("sub", sub), ("sup", sup)):
+        if not isinstance(g, PrecisionGraph):
+            raise TypeError(f"check_subgraph: {what} must be a PrecisionGraph (PrecisionGraph.from_dict for a dict), got {type(g).__name__}")
+    if "train_bwd" in (sub.phase, sup.phase):
+        raise ValueError(
+            f"check_subgraph compares forward graphs (rollout against train_fwd); got {sub.phase} against {sup.phase}: "
+            "build the training side with phase='train_fwd'"
+        )
     out: list[Violation] = []
+    if not sub.nodes:
+        out.append(Violation("<graph>", "", "nodes", f"the ops the {sub.phase} engine runs", "an empty graph", "empty_graph"))
     sup_edges: dict[tuple[str, str], Edge] = {(e.dst, e.role): e for e in sup.edges}
+    for name, node in sup.nodes.items():
+        if name not in sub.nodes and _is_fp8_op(sup, name):
+            out.append(Violation(name, "", "node", f"the FP8 op {name} of {sup.phase}", f"absent from {sub.phase}", "missing_node"))
     for name, node in sub.nodes.items():
         other = sup.nodes.get(name)
         if other is None:
@@ -461,12 +498,19 @@ def compare_graphs(sub: PrecisionGraph, sup: PrecisionGraph) -> list[Violation]:
         for dim in ("in_features", "out_features"):
             if node.attrs.get(dim) is not None and other.attrs.get(dim) is not None and node.attrs[dim] != other.attrs[dim]:
                 out.append(Violation(name, "", dim, other.attrs[dim], node.attrs[dim], "shape"))
+        have = sub.edges_into(name)
+        needed = set(_FORWARD_ROLES.get(node.op, ())) | {role for (dst, role) in sup_edges if dst == name}
+        for role in sorted(needed - set(have)):
+            out.append(Violation(name, role, "edge", f"a {role} edge", "absent", "missing_edge"))
     for e in sub.edges:
+        if e.dst not in sub.nodes:
+            out.append(Violation(e.dst, e.role, "edge", f"an edge into an op of {sub.phase}", "an edge into no op", "dangling_edge"))
+            continue
         if e.dst not in sup.nodes:
             continue
         ref = sup_edges.get((e.dst, e.role))
         if ref is None:
-            out.append(Violation(e.dst, e.role, "edge", f"a {e.role} edge", "absent", "missing_edge"))
+            out.append(Violation(e.dst, e.role, "edge", f"no {e.role} edge (as in {sup.phase})", f"a {e.role} edge", "extra_edge"))
             continue
         for f in NUMERIC_FIELDS:
             a, b = getattr(ref.attrs, f), getattr(e.attrs, f)
@@ -481,8 +525,10 @@ def compare_graphs(sub: PrecisionGraph, sup: PrecisionGraph) -> list[Violation]:
 def check_subgraph(sub: PrecisionGraph, sup: PrecisionGraph, *, strict: bool = False) -> list[Violation]:
     """Violations of "`sub` (rollout) is a subgraph of `sup` (train_fwd) with identical quantization".
 
-    Empty means OK. A GEMM backend that differs between the two is logged, and is a violation
-    only under `strict` (different backends may round the fp32 accumulation differently).
+    Empty means OK. `sub` must contain every FP8 op of `sup` with its input and weight edges
+    (an empty or partial rollout graph proves nothing and is reported). A GEMM backend that
+    differs between the two is logged, and is a violation only under `strict` (different
+    backends may round the fp32 accumulation differently).
     """
     found = compare_graphs(sub, sup)
     errors = [v for v in found if v.severity == "error" or strict]

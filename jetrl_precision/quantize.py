@@ -37,6 +37,11 @@ class NonFiniteInputError(ValueError):
     """Raised when a tensor handed to the quantizer holds NaN or inf."""
 
 
+_FLOAT8_DTYPES = tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)
+)
+
+
 def round_scale_pow2(scale: torch.Tensor) -> torch.Tensor:
     """Round fp32 scales up to the next power of two (UE8M0-representable). Exact: via frexp, no log2."""
     mantissa, exponent = torch.frexp(scale)
@@ -78,10 +83,19 @@ def quantize_fp8(
     `block` is (1, 128), (128, 128), (128, 1), a `Granularity`, or any (b0, b1). Shapes that are
     not multiples of the block are handled as if zero-padded; `QuantizedTensor.padded` records it.
     """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_fp8 expects a torch.Tensor, got {type(x).__name__}; wrap the data with torch.as_tensor first")
     if x.dim() != 2:
         raise ValueError(f"quantize_fp8 expects a 2-D [M, K] tensor, got shape {tuple(x.shape)}; reshape to 2-D first")
+    if x.dtype in _FLOAT8_DTYPES:
+        raise TypeError(
+            f"quantize_fp8 got a {x.dtype} tensor, which is already FP8 (bytes without their scales); quantize the "
+            "high-precision tensor, or re-group a QuantizedTensor with requantize_fp8"
+        )
     if not x.is_floating_point():
-        raise TypeError(f"quantize_fp8 expects a floating-point tensor, got {x.dtype}")
+        raise TypeError(f"quantize_fp8 expects a floating-point tensor (bf16/fp16/fp32), got {x.dtype}")
+    if x.device.type == "meta":
+        raise ValueError("quantize_fp8 got a meta tensor (no data): materialize the weights first (e.g. load the checkpoint, or gather ZeRO-3 params)")
     if nonfinite == "raise":
         _check_finite(x, "quantize_fp8 input")
     elif nonfinite != "propagate":

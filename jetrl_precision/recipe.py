@@ -11,6 +11,7 @@ operands use, in training and in rollout. The three named recipes:
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import enum
 import fnmatch
@@ -239,7 +240,7 @@ class PrecisionRecipe:
         if not isinstance(data, dict):
             raise RecipeError(f"a recipe must be a mapping, got {type(data).__name__}")
         base = data.get("base")
-        merged: dict[str, Any] = get_recipe(base).to_dict() if base else {}
+        merged: dict[str, Any] = _resolve_base(base).to_dict() if base is not None else {}
         _deep_update(merged, {k: v for k, v in data.items() if k != "base"})
         try:
             return _build(cls, merged, "recipe")
@@ -253,14 +254,27 @@ class PrecisionRecipe:
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "PrecisionRecipe":
-        return cls.from_dict(json.loads(_read_text(text_or_path)))
+        text = _read_text(text_or_path)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise RecipeError(f"{_where(text_or_path)}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+        return cls.from_dict(data)
 
     def to_yaml(self) -> str:
         return _yaml().safe_dump(self.to_dict(), sort_keys=False)
 
     @classmethod
     def from_yaml(cls, text_or_path: str | Path) -> "PrecisionRecipe":
-        return cls.from_dict(_yaml().safe_load(_read_text(text_or_path)))
+        yaml = _yaml()
+        text = _read_text(text_or_path)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise RecipeError(f"{_where(text_or_path)}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+        return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> "PrecisionRecipe":
         return dataclasses.replace(self, **changes)
@@ -284,13 +298,40 @@ def _yaml():
     return yaml
 
 
+def _where(text_or_path: str | Path) -> str:
+    text = str(text_or_path)
+    return "recipe text" if "\n" in text or not text.endswith((".yaml", ".yml", ".json")) else f"recipe file {text}"
+
+
 def _read_text(text_or_path: str | Path) -> str:
     p = Path(text_or_path) if isinstance(text_or_path, Path) or "\n" not in str(text_or_path) else None
     if p is not None and (isinstance(text_or_path, Path) or str(p).endswith((".yaml", ".yml", ".json"))):
         if not p.exists():
             raise FileNotFoundError(f"recipe file {p} does not exist; pass a named recipe {RECIPE_NAMES} or a valid path")
-        return p.read_text()
+        try:
+            return p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise RecipeError(f"recipe file {p} cannot be read ({type(e).__name__}: {e}); pass a UTF-8 .yaml/.json file") from None
     return str(text_or_path)
+
+
+# The `base:` references being resolved right now (outermost first): a name seen twice is a cycle.
+_BASE_CHAIN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("jetrl_recipe_base_chain", default=())
+
+
+def _resolve_base(base: Any) -> "PrecisionRecipe":
+    if not isinstance(base, (str, Path)) or not str(base):
+        raise RecipeError(f"recipe base must be a recipe name {RECIPE_NAMES} or a .yaml/.json path, got {base!r}")
+    key = str(Path(base).resolve()) if Path(base).suffix in (".yaml", ".yml", ".json") else str(base)
+    chain = _BASE_CHAIN.get()
+    if key in chain:
+        cycle = " -> ".join([*chain[chain.index(key):], key])
+        raise RecipeError(f"recipe base cycle: {cycle}; a recipe's base must end at a named recipe {RECIPE_NAMES}")
+    token = _BASE_CHAIN.set((*chain, key))
+    try:
+        return get_recipe(str(base))
+    finally:
+        _BASE_CHAIN.reset(token)
 
 
 def _deep_update(dst: dict, src: dict) -> None:
@@ -363,8 +404,12 @@ def _named_recipes() -> dict[str, PrecisionRecipe]:
 RECIPE_NAMES = ("bf16", "fp8_rollout", "jet_fp8")
 
 
-def get_recipe(name: str) -> PrecisionRecipe:
+def get_recipe(name: str | Path) -> PrecisionRecipe:
     """A named recipe ("bf16", "fp8_rollout", "jet_fp8") or a path to a YAML/JSON recipe file."""
+    if isinstance(name, Path):
+        name = str(name)
+    if not isinstance(name, str):
+        raise RecipeError(f"get_recipe takes a recipe name {RECIPE_NAMES} or a .yaml/.json path, got {name!r} ({type(name).__name__})")
     recipes = _named_recipes()
     if name in recipes:
         return recipes[name]

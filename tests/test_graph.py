@@ -233,13 +233,62 @@ def test_backend_mismatch_is_a_violation_only_when_strict():
 def test_missing_node_and_shape_mismatch():
     train = fp8_model("llama")
     g_train = build_precision_graph(train, JET, "train_fwd")
-    g = PrecisionGraph("rollout", "jet_fp8")
-    add_linear(g, "model.layers.0.mlp.down_proj", 512, 256, JET.rollout, None, hp_dtype="fp32", backend="emulated")
-    add_linear(g, "model.layers.0.mlp.up_proj", 256, 640, JET.rollout, None, hp_dtype="fp32", backend="emulated")
+    g = engine_rollout_graph(train, JET, "per_part")
+    g.nodes["model.layers.0.mlp.up_proj"].attrs["out_features"] = 640
     add_linear(g, "model.layers.9.mlp.up_proj", 256, 512, JET.rollout, None, hp_dtype="fp32", backend="emulated")
     v = check_subgraph(g, g_train)
     assert keys(v) == {("model.layers.0.mlp.up_proj", "", "out_features"), ("model.layers.9.mlp.up_proj", "", "node")}
     assert {x.kind for x in v} == {"shape", "missing_node"}
+
+
+def _without(g: PrecisionGraph, *, nodes=(), roles=()) -> PrecisionGraph:
+    d = g.to_dict()
+    d["nodes"] = [n for n in d["nodes"] if n["name"] not in nodes]
+    d["edges"] = [e for e in d["edges"] if e["dst"] not in nodes and e["role"] not in roles]
+    return PrecisionGraph.from_dict(d)
+
+
+def test_a_rollout_graph_that_proves_nothing_is_refused():
+    train = fp8_model("llama")
+    g_train = build_precision_graph(train, JET, "train_fwd")
+    g_roll = build_precision_graph(fp8_model("llama", side="rollout"), JET, "rollout")
+    assert check_subgraph(g_roll, g_train) == []
+    fp8_ops = set(fp8_linears(train))
+    assert len(fp8_ops) == 14
+    # An empty graph: every FP8 op of training is missing, and the emptiness itself is named.
+    empty = check_subgraph(PrecisionGraph("rollout", "jet_fp8"), g_train)
+    assert {v.node for v in empty if v.kind == "missing_node"} == fp8_ops
+    assert any(v.kind == "empty_graph" for v in empty)
+    # Weight edges dropped: every op that had one reports it (linears, embeddings, norms).
+    no_weights = check_subgraph(_without(g_roll, roles=("weight",)), g_train)
+    assert keys(no_weights) == {(n, "weight", "edge") for n in g_roll.nodes}
+    assert {v.kind for v in no_weights} == {"missing_edge"}
+    no_inputs = check_subgraph(_without(g_roll, roles=("input",)), g_train)
+    assert {v.node for v in no_inputs} == {n for n, node in g_roll.nodes.items() if node.op.startswith("linear")}
+    # A layer missing: its seven FP8 linears are named.
+    layer1 = {n for n in g_roll.nodes if n.startswith("model.layers.1.")}
+    missing = check_subgraph(_without(g_roll, nodes=layer1), g_train)
+    assert {v.node for v in missing} == layer1 & fp8_ops and len(layer1 & fp8_ops) == 7
+    assert all(v.kind == "missing_node" and "absent from rollout" in v.found for v in missing)
+    # An edge into an op the graph does not have is malformed, not ignored.
+    d = g_roll.to_dict()
+    d["nodes"] = [n for n in d["nodes"] if n["name"] != "model.layers.0.mlp.down_proj"]
+    dangling = check_subgraph(PrecisionGraph.from_dict(d), g_train)
+    assert {(v.node, v.kind) for v in dangling} == {("model.layers.0.mlp.down_proj", "missing_node"), ("model.layers.0.mlp.down_proj", "dangling_edge")}
+    # A backward graph in place of train_fwd, or a dict in place of a graph: refused with the fix.
+    with pytest.raises(ValueError, match="phase='train_fwd'"):
+        check_subgraph(g_roll, build_precision_graph(train, JET, "train_bwd"))
+    with pytest.raises(TypeError, match="PrecisionGraph.from_dict"):
+        check_subgraph(g_roll.to_dict(), g_train)
+
+
+def test_bf16_layers_are_not_required_in_the_rollout_graph():
+    """The recipe keeps lm_head (and a filtered layer) in high precision: a rollout graph without them is not missing an FP8 op."""
+    skip = "model.layers.0.mlp.down_proj"
+    train = convert_to_fp8(tiny_causal_lm("llama"), JET, module_filter=lambda m, fqn: fqn != skip and "lm_head" not in fqn)
+    g_train = build_precision_graph(train, JET, "train_fwd")
+    g_roll = _without(build_precision_graph(train, JET, "rollout"), nodes=("lm_head", skip))
+    assert check_subgraph(g_roll, g_train) == []
 
 
 # ---- views and serialization ----------------------------------------------------------------------------------
