@@ -20,6 +20,7 @@ __all__ = [
     "ValueLoss",
     "kl_loss",
     "aggregate_loss",
+    "sequence_mean_weights",
 ]
 
 _RATIO_LOG_CLAMP = 20.0  # exp(20) ~ 5e8: large enough to never bind in a sane run, finite in fp32
@@ -34,17 +35,19 @@ class ISCorrection:
     exp(old_logp - rollout_logp) re-weights each token's loss.
     - ``tis``: truncated IS, w clamped to [low, high].
     - ``icepop``: w kept where low <= w <= high, tokens outside get weight 0 (masked out).
+    - ``seq-mask-tis``: truncated token weights as tis, and every token of a sequence whose
+      geometric-mean weight exp(mean log w) falls outside [low, high] gets weight 0.
     The weight is a constant (detached): it corrects the sampling distribution, it is not optimised.
     """
 
-    kind: Literal["tis", "icepop"]
+    kind: Literal["tis", "icepop", "seq-mask-tis"]
     low: float = 0.5
     high: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("tis", "icepop"):
+        if self.kind not in ("tis", "icepop", "seq-mask-tis"):
             raise ValueError(
-                f"unknown IS correction {self.kind!r}; choose 'tis' or 'icepop' (--algo.advantage.is_correction_type)"
+                f"unknown IS correction {self.kind!r}; choose tis, icepop or seq-mask-tis (--algo.advantage.is_correction_type)"
             )
         if not (0.0 <= self.low < self.high):
             raise ValueError(
@@ -52,9 +55,12 @@ class ISCorrection:
                 "(--algo.advantage.is_correction_threshold)"
             )
 
-    def weights(self, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w, outside): the detached fp32 token weights, and a bool map of tokens whose raw
-        weight fell outside [low, high] (truncated for tis, dropped for icepop)."""
+    def weights(
+        self, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w, outside): the detached fp32 token weights, and a bool map of tokens whose weight
+        fell outside [low, high] (truncated for tis, dropped for icepop, the whole sequence for
+        seq-mask-tis, which needs `mask`)."""
         log_w = (old_log_probs.detach().float() - rollout_log_probs.detach().float()).clamp(
             -_RATIO_LOG_CLAMP, _RATIO_LOG_CLAMP
         )
@@ -62,8 +68,15 @@ class ISCorrection:
         outside = (raw < self.low) | (raw > self.high)
         if self.kind == "tis":
             w = raw.clamp(self.low, self.high)
-        else:
+        elif self.kind == "icepop":
             w = torch.where(outside, torch.zeros_like(raw), raw)
+        else:
+            if mask is None:
+                raise ValueError("seq-mask-tis needs the action mask to average log-weights per sequence")
+            seq_w = masked_mean(log_w, mask, dim=-1).exp()
+            seq_out = ((seq_w < self.low) | (seq_w > self.high))[:, None].expand_as(raw)
+            w = torch.where(seq_out, torch.zeros_like(raw), raw.clamp(self.low, self.high))
+            outside = seq_out
         return w, outside
 
 
@@ -92,8 +105,12 @@ class PolicyLoss(nn.Module):
         clip_eps_high: float = 0.2,
         dual_clip: float | None = None,
         is_correction: ISCorrection | None = None,
+        loss_type: Literal["ppo", "gspo"] = "ppo",
     ) -> None:
         super().__init__()
+        if loss_type not in ("ppo", "gspo"):
+            raise ValueError(f"unknown policy loss {loss_type!r}; choose ppo or gspo (--actor.policy_loss_type)")
+        self.loss_type = loss_type
         if not (0.0 <= clip_eps_low < 1.0) or clip_eps_high < 0.0:
             raise ValueError(
                 f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got ({clip_eps_low}, {clip_eps_high}) "
@@ -128,6 +145,8 @@ class PolicyLoss(nn.Module):
         m = mask.bool()
         adv = advantages.detach().float()
         log_ratio = (log_probs.float() - old_log_probs.detach().float()).clamp(-_RATIO_LOG_CLAMP, _RATIO_LOG_CLAMP)
+        if self.loss_type == "gspo":  # one length-normalized ratio per sequence, broadcast to its tokens
+            log_ratio = masked_mean(log_ratio, m, dim=-1)[:, None].expand_as(log_ratio)
         ratio = log_ratio.exp()
         surr1 = ratio * adv
         surr2 = ratio.clamp(1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high) * adv
@@ -145,7 +164,7 @@ class PolicyLoss(nn.Module):
         if self.is_correction is not None:
             if rollout_log_probs.shape != log_probs.shape:
                 raise ValueError(f"rollout_log_probs {tuple(rollout_log_probs.shape)} vs log_probs {tuple(log_probs.shape)}")
-            w, outside = self.is_correction.weights(old_log_probs, rollout_log_probs)
+            w, outside = self.is_correction.weights(old_log_probs, rollout_log_probs, m)
             loss = loss * w
             is_mean = masked_mean(w, m)
             is_out = masked_mean(outside.float(), m)
@@ -196,6 +215,13 @@ def kl_loss(
     """KL(pi || ref) as a per-token loss term (--algo.kl.use_loss); gradients flow into log_probs only.
     k3 is the usual choice (GRPO): unbiased, non-negative, and its gradient pulls pi towards ref."""
     return compute_approx_kl(log_probs, ref_log_probs.detach(), estimator, mask=mask)
+
+
+def sequence_mean_weights(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] token weights 1/len(sequence): with `aggregate_loss(token_loss * w, mask, n_sequences)`
+    each sequence's tokens are averaged first, then sequences (GSPO's sequence-level loss)."""
+    m = mask.bool()
+    return m.float() / m.sum(-1, keepdim=True).clamp_min(1).float()
 
 
 def aggregate_loss(

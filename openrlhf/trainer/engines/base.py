@@ -36,6 +36,9 @@ class RolloutSample:
     logprobs: list[float]
     finish_reason: str = "length"  # "stop" when an EOS/stop token ended it
     extra: dict[str, Any] = field(default_factory=dict)
+    # Which response tokens the policy chose (None: all). Multi-turn agent episodes interleave
+    # the model's turns with environment feedback, which is context, not action.
+    action_mask: list[bool] | None = None
 
 
 class RolloutEngine(abc.ABC):

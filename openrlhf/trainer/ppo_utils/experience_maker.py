@@ -86,7 +86,7 @@ def samples_to_tensors(samples: Sequence[RolloutSample], pad_token_id: int) -> E
         attn[i, P - p : P + r] = 1
         if r:
             seq[i, P : P + r] = torch.tensor(s.response_ids)
-            amask[i, :r] = True
+            amask[i, :r] = True if s.action_mask is None else torch.tensor(s.action_mask, dtype=torch.bool)
             rlp[i, :r] = torch.tensor(s.logprobs, dtype=torch.float32)
     return Experience(seq, attn, amask, rlp)
 
