@@ -74,7 +74,9 @@ def _as_float(x: Any) -> float:
 
 class MultiTurnAgentExecutor(AgentExecutorBase):
     """Alternate model turns and environment steps until the agent says done or the token budget
-    (`max_length` tokens of prompt + turns + feedback) runs out."""
+    (`max_length` tokens of prompt + turns + feedback) runs out. Each model turn generates at most
+    the `max_tokens` the executor was called with (--rollout.max_new_tokens) and at most what is
+    left of `max_length`."""
 
     def __init__(self, agent_instance_cls: type) -> None:
         if not (isinstance(agent_instance_cls, type) and issubclass(agent_instance_cls, AgentInstanceBase)):
@@ -88,15 +90,15 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         first = await agent.reset({"observation": prompt, "label": label})
         text = first["observation"]
         tokens = hf_tokenizer(text, add_special_tokens=False)["input_ids"]
-        budget_first_turn = max(getattr(sampling_params, "max_tokens", 1) or 1, 1)
-        if len(tokens) > max_length - budget_first_turn:  # keep the tail: the question is usually last
-            tokens = tokens[-(max_length - budget_first_turn):]
+        turn_budget = max(getattr(sampling_params, "max_tokens", 1) or 1, 1)  # per model turn
+        if len(tokens) > max_length - turn_budget:  # keep the tail: the question is usually last
+            tokens = tokens[-(max_length - turn_budget):]
             text = hf_tokenizer.decode(tokens)
         logps: list[float] = [0.0] * len(tokens)
         ranges: list[tuple[int, int]] = []
         total_reward, scores, extra_logs = 0.0, None, {}
         while True:
-            sampling_params.max_tokens = max_length - len(tokens)
+            sampling_params.max_tokens = min(turn_budget, max_length - len(tokens))
             if sampling_params.max_tokens <= 0:
                 break
             out = (await llm_engine.generate(tokens, copy.deepcopy(sampling_params))).outputs[0]

@@ -50,7 +50,8 @@ def token_budget_partition(lengths: Sequence[int], max_tokens: int, min_parts: i
             "raise --train.max_tokens_per_gpu / --rollout.max_tokens_per_gpu to at least --data.max_len",
             len(over), max(lengths[i] for i in over), max_tokens,
         )
-    k = max(min_parts, math.ceil(sum(lengths) / max_tokens), len(over), 1)
+    fitting = sum(length for length in lengths if length <= max_tokens)
+    k = max(min_parts, len(over) + math.ceil(fitting / max_tokens), 1)
     while k < n:
         parts = _greedy(lengths, k)
         if all(sum(lengths[i] for i in p) <= max_tokens or len(p) == 1 for p in parts):
