@@ -1,4 +1,4 @@
-"""The train_ppo_ray configuration layer: flags -> typed frozen dataclasses -> validation."""
+"""The configuration layer (openrlhf.config): flags -> typed frozen dataclasses -> validation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from openrlhf.cli.config import (
+from openrlhf.config import (
     GROUP_ESTIMATORS,
     ConfigError,
     PPOConfig,
@@ -19,10 +19,9 @@ from openrlhf.cli.config import (
     flag_specs,
     parse_config,
     parse_unvalidated,
-    render_alias_table,
-    render_flag_table,
     validate,
 )
+from openrlhf.config.docs import render_alias_table, render_flag_table
 
 BASE = ["--pretrain", "some/model", "--prompt_data", "tasks.jsonl"]
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
@@ -328,7 +327,7 @@ def test_validate_checks_types_of_configs_built_in_code():
 
 # ---- warnings -----------------------------------------------------------------------------------
 def test_fp8_rollout_without_is_correction_warns(caplog):
-    with caplog.at_level(logging.WARNING, logger="openrlhf.cli.config"):
+    with caplog.at_level(logging.WARNING, logger="openrlhf.config.validation"):
         cfg = parse_config([*BASE, "--precision.recipe", "fp8_rollout"])
     assert len(cfg.cfg_warnings) == 1
     w = cfg.cfg_warnings[0]
@@ -343,7 +342,7 @@ def test_fp8_rollout_without_is_correction_warns(caplog):
 
 
 def test_vllm_sleep_needs_colocate_all(caplog):
-    with caplog.at_level(logging.WARNING, logger="openrlhf.cli.config"):
+    with caplog.at_level(logging.WARNING, logger="openrlhf.config.validation"):
         cfg = parse_config([*BASE, "--vllm_enable_sleep"])
     assert cfg.vllm.enable_sleep is False
     assert len(cfg.cfg_warnings) == 1
@@ -405,6 +404,6 @@ def test_docs_tables_are_current():
     for name, render in (("flags", render_flag_table), ("aliases", render_alias_table)):
         block = re.search(rf"<!-- BEGIN GENERATED: {name} -->\n(.*?)<!-- END GENERATED: {name} -->", text, re.S)
         assert block, name
-        assert block.group(1) == render(), f"docs/cli.md is stale: run python -m openrlhf.cli.config docs/cli.md"
+        assert block.group(1) == render(), "docs/cli.md is stale: run python -m openrlhf.config.docs docs/cli.md"
     flags = render_flag_table()
     assert all(f"`{s.flag}`" in flags for s in flag_specs())

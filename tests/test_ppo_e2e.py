@@ -46,7 +46,7 @@ def test_grpo_deepspeed_zero3_two_ranks_reward_rises(task, tmp_path, recipe):
 def test_precision_check_refuses_a_mismatched_engine(task, tmp_path):
     """An on-policy recipe whose engine runs different numerics must not start."""
     from jetrl_precision import FpropSpec, TensorSpec, get_recipe
-    from openrlhf.cli.config import parse_config
+    from openrlhf.config import parse_config
     from openrlhf.trainer.engines.hf_engine import HFEngine
     from openrlhf.trainer.ppo_trainer import PPOTrainer, PrecisionCheckError
     from openrlhf.utils.deepspeed import DeepspeedStrategy, StrategyConfig

@@ -29,7 +29,7 @@ for _k, _v in dict(
 
 from _rl_helpers import ENV, PY, REPO, grpo_args, make_task, metrics, run  # noqa: E402
 
-from openrlhf.cli.config import ConfigError, parse_config  # noqa: E402
+from openrlhf.config import ConfigError, parse_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")

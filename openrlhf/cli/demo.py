@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.recipe == "fp8_rollout":
         cli += ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tis"]
-    from openrlhf.cli.config import parse_config
-    from openrlhf.cli.train_ppo_ray import train
+    from openrlhf.config import parse_config
+    from openrlhf.trainer.run import train
 
     summary = train(parse_config(cli + extra))
     first, last = summary["first_step"], summary["last_step"]

@@ -30,7 +30,7 @@ from jetrl_precision import (
     mismatch_metrics,
 )
 from jetrl_precision.weight_sync import WeightSyncError, compare_digests, iter_sync_tensors, sync_tensor_digest
-from openrlhf.cli.config import ConfigError
+from openrlhf.config import ActorConfig, ConfigError
 from openrlhf.datasets.prompts_dataset import PromptDataset, load_prompt_records
 from openrlhf.models.actor import Actor, Critic, load_causal_lm
 from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss
@@ -40,7 +40,7 @@ from openrlhf.utils.deepspeed import DeepspeedStrategy
 from .engines.base import RolloutEngine, SamplingConfig
 from .ppo_utils.experience_maker import AdvantageSettings, Experience, ExperienceMaker, RewardFn
 
-__all__ = ["PPOTrainer", "PrecisionCheckError", "WeightSyncError", "StepResult"]
+__all__ = ["PPOTrainer", "PrecisionCheckError", "WeightSyncError", "StepResult", "make_lr_scheduler", "critic_micro_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,30 @@ class _OffloadedModule:
             return self.module(*args, **kwargs)
         finally:
             self.module.cpu()
+
+
+def make_lr_scheduler(optimizer, actor_cfg: ActorConfig, total_updates: int):
+    """Linear warmup, then cosine down to `min_lr_ratio` (or constant), over `total_updates` optimizer steps.
+    The critic uses the actor's schedule settings, as in OpenRLHF."""
+    from transformers import get_scheduler
+
+    warmup = math.ceil(total_updates * actor_cfg.lr_warmup_ratio)
+    if actor_cfg.lr_scheduler == "constant":
+        return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
+    return get_scheduler(
+        "cosine_with_min_lr", optimizer, num_warmup_steps=warmup, num_training_steps=total_updates,
+        scheduler_specific_kwargs={"min_lr_rate": actor_cfg.min_lr_ratio},
+    )
+
+
+def critic_micro_step(critic_engine, value_loss: ValueLoss, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:
+    """One critic forward/backward/step on a micro-batch: run by the SPMD trainer and by Ray's critic actors."""
+    critic_engine.train()
+    values = critic_engine(mb.sequences, mb.attention_mask, mb.num_actions)
+    token_loss = value_loss(values, mb.values, mb.returns, mb.action_mask)
+    critic_engine.backward(aggregate_loss(token_loss, mb.action_mask, global_tokens, scale))
+    critic_engine.step()
+    return {"train/value_loss": masked_mean(token_loss.detach(), mb.action_mask).item()}
 
 
 class PPOTrainer:
@@ -166,7 +190,7 @@ class PPOTrainer:
         if cfg.actor.gradient_checkpointing_enable:
             self.actor.gradient_checkpointing_enable()
         opt = st.make_optimizer(self.actor, cfg.actor.adam.lr, cfg.actor.adam.betas, cfg.actor.adam.eps, cfg.actor.adam.weight_decay)
-        self.actor_engine = st.prepare(self.actor, opt, self._scheduler(opt, cfg.actor))
+        self.actor_engine = st.prepare(self.actor, opt, make_lr_scheduler(opt, cfg.actor, self.total_updates))
         self.ref_engine = None
         if cfg.needs_ref and self._remote_ref is not None:
             self.ref_engine = self._remote_ref
@@ -188,7 +212,7 @@ class PPOTrainer:
                 critic = Critic.from_pretrained(cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation)
             convert_to_fp8(critic, self.recipe, side="train")
             copt = st.make_optimizer(critic, cfg.critic.adam.lr, cfg.critic.adam.betas, cfg.critic.adam.eps, cfg.critic.adam.weight_decay)
-            self.critic_engine = st.prepare(critic, copt, self._scheduler(copt, cfg.actor))
+            self.critic_engine = st.prepare(critic, copt, make_lr_scheduler(copt, cfg.actor, self.total_updates))
 
         # ---- losses, experience maker, reward ------------------------------------------------
         adv = cfg.algo.advantage
@@ -224,17 +248,6 @@ class PPOTrainer:
         )
         if cfg.ckpt.load_enable:
             self.load_checkpoint()
-
-    def _scheduler(self, optimizer, actor_cfg):
-        from transformers import get_scheduler
-
-        warmup = math.ceil(self.total_updates * actor_cfg.lr_warmup_ratio)
-        if actor_cfg.lr_scheduler == "constant":
-            return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
-        return get_scheduler(
-            "cosine_with_min_lr", optimizer, num_warmup_steps=warmup, num_training_steps=self.total_updates,
-            scheduler_specific_kwargs={"min_lr_rate": actor_cfg.min_lr_ratio},
-        )
 
     # =========================================================================================
     # precision check and weight sync
@@ -444,12 +457,7 @@ class PPOTrainer:
     def _critic_micro_step(self, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:
         if self._remote_critic is not None:  # the same step, run where the critic lives
             return self._remote_critic.train_micro_step(mb, global_tokens, scale)
-        self.critic_engine.train()
-        values = self.critic_engine(mb.sequences, mb.attention_mask, mb.num_actions)
-        token_loss = self.value_loss(values, mb.values, mb.returns, mb.action_mask)
-        self.critic_engine.backward(aggregate_loss(token_loss, mb.action_mask, global_tokens, scale))
-        self.critic_engine.step()
-        return {"train/value_loss": masked_mean(token_loss.detach(), mb.action_mask).item()}
+        return critic_micro_step(self.critic_engine, self.value_loss, mb, global_tokens, scale)
 
     # =========================================================================================
     # loop, checkpoints, evaluation

