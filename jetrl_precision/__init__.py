@@ -5,7 +5,7 @@ Public API (stable; see docs/precision.md):
     build_precision_graph, check_subgraph, mismatch_metrics
 """
 
-from .convert import convert_to_fp8, default_module_filter, fp8_linears
+from .convert import Fp8Converter, convert_to_fp8, default_module_filter, fp8_linears
 from .formats import E4M3_MAX, FP8_DTYPE, Granularity, QuantizedTensor
 from .gemm import BackendUnavailable, available_backends, resolve_backend
 from .graph import PrecisionGraph, Violation, build_precision_graph, check_subgraph, format_violations
@@ -15,7 +15,7 @@ from .quantize import NonFiniteInputError, dequantize_fp8, quantize_fp8, requant
 from .recipe import RECIPE_NAMES, BackwardSpec, FpropSpec, PrecisionRecipe, RecipeError, TensorSpec, get_recipe
 
 __all__ = [
-    # the stable API (DESIGN.md §3)
+    # the stable API: these names keep their meaning (docs/precision.md, Public API)
     "quantize_fp8",
     "QuantizedTensor",
     "get_recipe",
@@ -29,6 +29,7 @@ __all__ = [
     "BackwardSpec",
     "E4M3_MAX",
     "FP8_DTYPE",
+    "Fp8Converter",
     "Fp8Linear",
     "FpropSpec",
     "Granularity",

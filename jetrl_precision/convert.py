@@ -1,17 +1,22 @@
-"""One-call module swap: nn.Linear -> Fp8Linear, as a recipe says, keeping the same Parameters."""
+"""One-call module swap: nn.Linear -> Fp8Linear, as a recipe says, keeping the same Parameters.
+
+`convert_to_fp8` is the one call; `Fp8Converter` wraps it with the hook a training loop runs
+after every optimizer step, in the shape of torchtitan's model converters.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Literal
+from dataclasses import dataclass
+from typing import Callable, Iterable, Literal
 
 from torch import nn
 
-from .linear import Fp8Linear
+from .linear import Fp8Linear, mark_weights_updated
 from .recipe import PrecisionRecipe, get_recipe
 from .swiglu import fuse_swiglu as _fuse_swiglu
 
-__all__ = ["convert_to_fp8", "default_module_filter", "ModuleFilter", "fp8_linears", "Side"]
+__all__ = ["convert_to_fp8", "Fp8Converter", "default_module_filter", "ModuleFilter", "fp8_linears", "Side"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,3 +87,36 @@ def convert_to_fp8(
 
 def fp8_linears(model: nn.Module) -> dict[str, Fp8Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+@dataclass(frozen=True)
+class Fp8Converter:
+    """A model converter: `convert(model)` once after `from_pretrained` (before `deepspeed.initialize`),
+    `post_optimizer_hook(model)` after every optimizer step that changed the weights.
+
+        converter = Fp8Converter(get_recipe("jet_fp8"))
+        converter.convert(model)
+        ...
+        engine.step()
+        if engine.was_step_applied():
+            converter.post_optimizer_hook(model)
+    """
+
+    recipe: PrecisionRecipe
+    side: Side = "train"
+    module_filter: ModuleFilter | None = None
+    fuse_swiglu: bool = True
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        """`convert_to_fp8(model, recipe, ...)` with this converter's settings; in place, returns the model."""
+        return convert_to_fp8(model, self.recipe, self.module_filter, side=self.side, fuse_swiglu=self.fuse_swiglu)
+
+    def post_optimizer_hook(self, model: nn.Module | Iterable[nn.Module]) -> None:
+        """The weights changed: drop the cached FP8 weights (and the step's shared activation quantizations).
+
+        DeepSpeed's ZeRO-1/2 optimizers copy their results into the parameters through `.data`, which
+        torch's version counter does not see, so without this the next forward would run on the
+        previous step's FP8 bytes. The cache generation is process-wide: one call covers every
+        converted model of the process (actor, critic, reference).
+        """
+        mark_weights_updated()

@@ -64,6 +64,50 @@ def test_precision_check_refuses_a_mismatched_engine(task, tmp_path):
         trainer.setup()
 
 
+@pytest.mark.parametrize("hook", ["on", "off"])
+def test_every_optimizer_step_runs_on_fresh_fp8_weights(task, tmp_path, monkeypatch, hook):
+    """ZeRO-2 copies optimizer results into the parameters through .data, which torch's version counter
+    does not see. The FP8 converter's post_optimizer_hook, run after every applied optimizer step, makes
+    the next forward quantize the new weights: actor and critic, 4 optimizer steps per rollout here.
+    With the hook disabled the same run must see stale FP8 weights (the check can fail)."""
+    from jetrl_precision import Fp8Converter, fp8_linears, ops
+    from openrlhf.config import parse_config
+    from openrlhf.trainer.ppo_trainer import PPOTrainer
+    from openrlhf.trainer.run import make_engine_factory, make_strategy
+
+    if hook == "off":
+        monkeypatch.setattr(Fp8Converter, "post_optimizer_hook", lambda self, model: None)
+    model, data = task
+    extra = ["--ds.zero_stage", "2", "--algo.advantage.estimator", "gae", "--ckpt.save_steps", "0"]
+    cfg = parse_config(grpo_args(model, data, tmp_path / "o", "jet_fp8", 1, extra))
+    st = make_strategy(cfg)
+    st.setup_distributed()
+    trainer = PPOTrainer(cfg, st, make_engine_factory(cfg, st))
+    trainer.setup()
+    layers = {**fp8_linears(trainer.actor.model), **{f"critic.{n}": m for n, m in fp8_linears(trainer.critic_engine.module).items()}}
+    assert len(layers) == 2 * 14
+    before = {n: m.weight.detach().clone() for n, m in layers.items()}
+    seen: dict[str, list[bool]] = {}
+
+    def check(module, args):
+        fresh = ops.quantize(module.weight.detach(), module.fprop.weight)
+        seen.setdefault(module.fqn, []).append(torch.equal(module.quantized_weight().data.view(torch.uint8), fresh.data.view(torch.uint8)))
+
+    handles = [m.register_forward_pre_hook(check) for m in layers.values()]
+    trainer.step()
+    for h in handles:
+        h.remove()
+    trainer.close()
+    assert trainer.updates_per_rollout == 4
+    assert all(not torch.equal(before[n], m.weight.detach()) for n, m in layers.items())  # every layer trained
+    forwards = [ok for oks in seen.values() for ok in oks]
+    assert len(forwards) >= 4 * len(layers)
+    if hook == "on":
+        assert all(forwards), f"{forwards.count(False)} of {len(forwards)} FP8 forwards ran on stale weights"
+    else:
+        assert forwards.count(False) >= 3 * len(layers)
+
+
 @pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted_run(task, tmp_path):
     model, data = task

@@ -4,8 +4,9 @@ The SPMD launcher (`deepspeed`/`torchrun`/plain python) and the Ray launcher bot
 class; it needs a `DeepspeedStrategy` (process group + ZeRO) and a `RolloutEngine`.
 
 One step: rollout -> experience (rewards, old/ref logprobs, values, advantages) -> PPO
-updates -> `mark_weights_updated` -> FP8 weight sync into the engine -> digest check ->
-metrics (incl. rollout_train_mismatch/*) -> checkpoint.
+updates (each applied optimizer step runs the FP8 converter's `post_optimizer_hook`) -> FP8
+weight sync into the engine -> digest check -> metrics (incl. rollout_train_mismatch/*) ->
+checkpoint.
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ from typing import Any, Callable
 import torch
 
 from jetrl_precision import (
+    Fp8Converter,
     PrecisionGraph,
     PrecisionRecipe,
     build_precision_graph,
     check_subgraph,
-    convert_to_fp8,
     format_violations,
-    mark_weights_updated,
     mismatch_metrics,
 )
 from jetrl_precision.weight_sync import WeightSyncError, compare_digests, iter_sync_tensors, sync_tensor_digest
@@ -116,13 +116,17 @@ def make_lr_scheduler(optimizer, actor_cfg: ActorConfig, total_updates: int):
     )
 
 
-def critic_micro_step(critic_engine, value_loss: ValueLoss, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:
+def critic_micro_step(
+    critic_engine, value_loss: ValueLoss, converter: Fp8Converter, mb: Experience, global_tokens: float, scale: float
+) -> dict[str, float]:
     """One critic forward/backward/step on a micro-batch: run by the SPMD trainer and by Ray's critic actors."""
     critic_engine.train()
     values = critic_engine(mb.sequences, mb.attention_mask, mb.num_actions)
     token_loss = value_loss(values, mb.values, mb.returns, mb.action_mask)
     critic_engine.backward(aggregate_loss(token_loss, mb.action_mask, global_tokens, scale))
     critic_engine.step()
+    if critic_engine.was_step_applied():
+        converter.post_optimizer_hook(critic_engine.module)
     return {"train/value_loss": masked_mean(token_loss.detach(), mb.action_mask).item()}
 
 
@@ -145,6 +149,7 @@ class PPOTrainer:
         self.cfg = cfg
         self.strategy = strategy
         self.recipe: PrecisionRecipe = cfg.precision.load_recipe()
+        self.converter = Fp8Converter(self.recipe, side="train")  # actor, reference and critic alike
         self.engine_factory = engine_factory
         self._remote_ref, self._remote_critic, self._remote_reward_fn = ref, critic, reward_fn
         self.global_step = 0  # completed rollout->train iterations
@@ -185,7 +190,7 @@ class PPOTrainer:
         # ---- models (converted after from_pretrained, before deepspeed.initialize) ----------
         with st.model_init_context(train=True):
             policy = load_causal_lm(cfg.actor.model_name_or_path, st.dtype, cfg.ds.attn_implementation)
-        convert_to_fp8(policy, self.recipe, side="train")
+        self.converter.convert(policy)
         self.actor = Actor(policy)
         if cfg.actor.gradient_checkpointing_enable:
             self.actor.gradient_checkpointing_enable()
@@ -197,7 +202,7 @@ class PPOTrainer:
         elif cfg.needs_ref:
             with st.model_init_context(train=False):
                 ref = load_causal_lm(cfg.ref_model_path, st.dtype, cfg.ds.attn_implementation)
-            convert_to_fp8(ref, self.recipe, side="train")  # the reference runs the training forward's precision
+            self.converter.convert(ref)  # the reference runs the training forward's precision
             ref_actor = Actor(ref).requires_grad_(False).eval()
             if cfg.ds.zero_stage == 3:  # sharded like the actor; --ref.offload keeps the shards on CPU
                 self.ref_engine = st.prepare(ref_actor, train=False)
@@ -210,7 +215,7 @@ class PPOTrainer:
         elif cfg.needs_critic:
             with st.model_init_context(train=True):
                 critic = Critic.from_pretrained(cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation)
-            convert_to_fp8(critic, self.recipe, side="train")
+            self.converter.convert(critic)
             copt = st.make_optimizer(critic, cfg.critic.adam.lr, cfg.critic.adam.betas, cfg.critic.adam.eps, cfg.critic.adam.weight_decay)
             self.critic_engine = st.prepare(critic, copt, make_lr_scheduler(copt, cfg.actor, self.total_updates))
 
@@ -359,7 +364,6 @@ class PPOTrainer:
         metrics.update(self._train(exp))
         t3 = time.perf_counter()
 
-        mark_weights_updated()  # DeepSpeed writes weights through .data: invalidate cached FP8 weights
         self.global_step += 1
         metrics.update(self.sync_weights())
         t4 = time.perf_counter()
@@ -441,6 +445,8 @@ class PPOTrainer:
             )
         self.actor_engine.backward(loss)
         self.actor_engine.step()
+        if self.actor_engine.was_step_applied():
+            self.converter.post_optimizer_hook(self.actor.model)
         stats = {
             "train/policy_loss": masked_mean(out.token_loss.detach(), mb.action_mask).item(),
             "train/clip_frac": float(out.clip_frac),
@@ -457,7 +463,7 @@ class PPOTrainer:
     def _critic_micro_step(self, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:
         if self._remote_critic is not None:  # the same step, run where the critic lives
             return self._remote_critic.train_micro_step(mb, global_tokens, scale)
-        return critic_micro_step(self.critic_engine, self.value_loss, mb, global_tokens, scale)
+        return critic_micro_step(self.critic_engine, self.value_loss, self.converter, mb, global_tokens, scale)
 
     # =========================================================================================
     # loop, checkpoints, evaluation
@@ -514,7 +520,7 @@ class PPOTrainer:
         self.kl_ctl.value = state["kl_coef"]
         if self.reward_norm is not None and state.get("reward_norm"):
             self.reward_norm.count, self.reward_norm.mean, self.reward_norm.m2 = state["reward_norm"]
-        mark_weights_updated()
+        self.converter.post_optimizer_hook(self.actor.model)  # the loaded weights were written through .data too
         self.sync_weights()
         logger.info("resumed from step %d (episode %d, rollout %d)", self.global_step, self.episode, self.rollout_index)
         return True

@@ -114,7 +114,7 @@ class CriticActor:
         return ip, free_port(ip)
 
     def setup(self, master_addr: str, master_port: int, total_updates: int) -> None:
-        from jetrl_precision import convert_to_fp8
+        from jetrl_precision import Fp8Converter
         from openrlhf.trainer.run import make_strategy
         from openrlhf.models.actor import Critic
         from openrlhf.models.loss import ValueLoss
@@ -129,7 +129,8 @@ class CriticActor:
         st.setup_distributed()
         with st.model_init_context(train=True):
             critic = Critic.from_pretrained(cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation)
-        convert_to_fp8(critic, cfg.precision.load_recipe(), side="train")
+        self.converter = Fp8Converter(cfg.precision.load_recipe(), side="train")
+        self.converter.convert(critic)
         opt = st.make_optimizer(critic, cfg.critic.adam.lr, cfg.critic.adam.betas, cfg.critic.adam.eps, cfg.critic.adam.weight_decay)
         # The SPMD trainer's scheduler, for the same number of updates.
         sched = make_lr_scheduler(opt, cfg.actor, total_updates)
@@ -145,7 +146,7 @@ class CriticActor:
         from openrlhf.trainer.ppo_trainer import critic_micro_step
 
         # The SPMD code path itself, run where the critic lives.
-        return critic_micro_step(self.critic_engine, self.value_loss, mb.to(self.strategy.device), global_tokens, scale)
+        return critic_micro_step(self.critic_engine, self.value_loss, self.converter, mb.to(self.strategy.device), global_tokens, scale)
 
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict) -> Any:
         return self.critic_engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)
