@@ -1,4 +1,5 @@
-"""Shared helpers for the CPU jetrl_precision tests: seeding, data with outliers, SQNR, tiny models.
+"""Shared helpers for the CPU jetrl_precision tests: seeding, data with outliers, SQNR, tiny models,
+and worst-case rounding-error bounds for comparisons against float64 references.
 
 Import them as `from precision_testutil import ...` (a unique module name: `conftest` is
 ambiguous once tests/gpu/ has its own). tests/conftest.py exposes them as fixtures too.
@@ -6,6 +7,7 @@ ambiguous once tests/gpu/ has its own). tests/conftest.py exposes them as fixtur
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -91,3 +93,92 @@ def tiny_causal_lm(
     )
     torch.manual_seed(seed)
     return model_cls(cfg).to(dtype)
+
+
+# ---- rounding-error bounds (docs/testing.md says which test uses which) ----------------------------------
+# Every bound holds for ANY summation order (SIMD width, blocking, threads, FMA or not), so a test
+# that uses one passes on any x86 CPU/BLAS; it is derived from K, the dtype and the operations,
+# never tuned on a machine. References are float64; u is the unit roundoff of the compared dtype.
+
+# Elementwise exp/log in torch CPU builds (SLEEF u10 vector code, glibc/MKL scalar tails) are within
+# 1 ulp; 4 leaves room for any libm a build links. One ulp of y is at most 2u|y|.
+LIBM_ULPS = 4
+_UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
+    return _UNIT_ROUNDOFF[dtype]
+
+
+def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """gamma_n = n u / (1 - n u): the relative error bound of n chained roundings (Higham, Lemma 3.1)."""
+    nu = max(n, 0) * unit_roundoff(dtype)
+    if nu >= 0.5:
+        raise ValueError(f"gamma({n}) in {dtype} is not a useful bound (n u = {nu})")
+    return nu / (1 - nu)
+
+
+def libm_error(y: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Bound on the error of one elementwise transcendental call returning y (LIBM_ULPS ulps)."""
+    return 2 * LIBM_ULPS * unit_roundoff(dtype) * y.double().abs()
+
+
+def matmul_bound(a: torch.Tensor, b: torch.Tensor, extra: torch.Tensor | float = 0.0, *, roundings: int = 0,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """|fl(a @ b + extra) - (a @ b + extra)| <= gamma_{K + roundings} (|a| @ |b| + |extra|), elementwise.
+
+    Higham, Accuracy and Stability, eq. (3.13): any order of the K-term sum; `roundings` adds
+    the other roundings on the path (the fp32 dequantization of each operand, the bias add).
+    """
+    a64, b64 = a.double(), b.double()
+    extra64 = extra.double().abs() if isinstance(extra, torch.Tensor) else abs(extra)
+    return gamma(a.shape[-1] + roundings, dtype) * (a64.abs() @ b64.abs() + extra64) + 1e-300
+
+
+def sum_bound(terms: torch.Tensor, dim: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """|fl(sum) - sum| <= gamma_{n-1} sum |x_i| for any order of the n-term sum."""
+    t = terms.double().abs()
+    n = t.numel() if dim is None else t.shape[dim]
+    return gamma(n - 1, dtype) * (t.sum() if dim is None else t.sum(dim))
+
+
+def log_softmax_bound(z: torch.Tensor, *, divided: bool = False, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Bound on |fl(z_j - logsumexp(z)) - (z_j - logsumexp(z))| over the last dim, for every j.
+
+    `z` holds the exact (float64) arguments; `divided` when fp32 formed them as x / T (one
+    rounding each). With M = max|z|, n = len, r the exact result, e = 2 LIBM_ULPS u (one libm call):
+      input rounding         |dz_i| <= uM  ->  |d result| <= 2uM (log-softmax is 2-Lipschitz in max-norm)
+      z_i - m                rounding <= 2uM (1 + u), an argument error of exp: relative 2uM
+      exp, sum of n >= 1     relative e, then gamma_{n-1}: log S is off by delta / (1 - delta)
+      log S (0 <= log S <= log n) e log n;  m + log S: u (M + log n);  z_j - lse: u |r|
+    """
+    u = unit_roundoff(dtype)
+    z = z.double()
+    n = z.shape[-1]
+    big_m = z.abs().amax(-1, keepdim=True)
+    r = torch.log_softmax(z, -1)
+    e = 2 * LIBM_ULPS * u
+    delta = 2 * u * big_m * (1 + u) + e + gamma(n - 1, dtype)
+    bound = (
+        (2 * u * big_m if divided else 0.0)
+        + delta / (1 - delta)
+        + e * math.log(n)
+        + u * (big_m + math.log(n))
+        + u * r.abs()
+    )
+    return bound * (1 + 1e-6) + 1e-300
+
+
+def assert_within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | float, what: str = "") -> None:
+    """Every |got - ref| <= bound (elementwise), or an error naming the count, the worst excess and where."""
+    err = (got.double() - ref.double()).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(err)
+    bad = ~(err <= bound)
+    if bad.any():
+        excess = torch.where(bad, err - bound, torch.full_like(err, -math.inf))
+        i = int(excess.reshape(-1).argmax())
+        idx = tuple(int(v) for v in np.unravel_index(i, tuple(err.shape))) if err.dim() else ()
+        raise AssertionError(
+            f"{what or 'values'}: {int(bad.sum())} of {err.numel()} outside the bound; worst at {idx}: "
+            f"|{got.reshape(-1)[i].item()!r} - {ref.reshape(-1)[i].item()!r}| = {err.reshape(-1)[i].item():.3e} > bound {bound.reshape(-1)[i].item():.3e}"
+        )

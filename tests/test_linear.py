@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from precision_testutil import outlier_data, sqnr_db
+from precision_testutil import gamma, matmul_bound, outlier_data, sqnr_db
 from jetrl_precision import (
     BackendUnavailable,
     Fp8Linear,
@@ -24,7 +24,6 @@ from jetrl_precision import (
 from jetrl_precision.gemm import gemm_nt
 
 JET = get_recipe("jet_fp8")
-U32 = 2.0**-24  # unit roundoff of fp32
 
 
 def make_fp8(lin: nn.Linear) -> Fp8Linear:
@@ -81,9 +80,9 @@ def emulated_f64(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gy: 
 
 
 def fp32_bound(a: torch.Tensor, b: torch.Tensor, extra: torch.Tensor | float = 0.0) -> torch.Tensor:
-    """Rigorous elementwise bound on fp32 error of a @ b (any summation order), plus the fp32 dequant roundings."""
-    k = a.shape[1]
-    return (k + 4) * U32 * (a.abs() @ b.abs() + extra) + 1e-30
+    """Worst-case fp32 error of a @ b (+ bias) in any summation order: K products and sums, plus
+    the fp32 dequantization of each operand, the bias add and the output rounding (4 roundings)."""
+    return matmul_bound(a, b, extra, roundings=4)
 
 
 @pytest.mark.parametrize("k,n,bias", [(256, 384, True), (512, 256, False), (192, 320, True)], ids=["aligned", "nobias", "unaligned"])
@@ -110,7 +109,7 @@ def test_matches_float64_emulation_within_fp32_rounding(k, n, bias):
         # The bound is tight enough to catch a different quantization (it is not a loose tolerance).
         assert bound.max() < 1e-3 * ref.abs().max()
     if bias:
-        db_bound = (m + 2) * U32 * gy2.double().abs().sum(0)
+        db_bound = gamma(m + 2) * gy2.double().abs().sum(0)
         assert ((fp8.bias.grad.double() - db_ref).abs() <= db_bound).all()
     else:
         assert fp8.bias is None

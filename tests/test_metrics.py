@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from precision_testutil import LIBM_ULPS, gamma, unit_roundoff
 from jetrl_precision import mismatch_metrics
 
 LN2 = math.log(2.0)
@@ -28,24 +29,60 @@ def expected_stats(log_r: list[float]) -> dict[str, float]:
     }
 
 
+def stat_bounds(log_r: list[float], train: list[float]) -> dict[str, float]:
+    """Worst-case fp32 error of each statistic against `expected_stats(log_r)`, in any summation order.
+
+    Each log r_i reaches the metric as fl(train_i - rollout_i) where train_i = fl(rollout_i + log r_i)
+    was rounded when the test built it: |d log r_i| <= u |train_i| + u |log r_i| (1 + u). A term t(log r)
+    then carries |t'| |d log r_i| plus its own roundings (exp: LIBM_ULPS ulps), and the mean adds
+    gamma_n sum |t_i| / n and one rounding of the division.
+    """
+    u = unit_roundoff(torch.float32)
+    e = 2 * LIBM_ULPS * u
+    n = len(log_r)
+    d = [u * abs(t) + u * abs(x) * (1 + u) for t, x in zip(train, log_r)]
+    r = [math.exp(x) for x in log_r]
+
+    def mean_bound(terms: list[float], errs: list[float]) -> float:
+        mean = abs(sum(terms) / n)
+        return ((sum(errs) + gamma(n) * sum(abs(t) for t in terms)) / n + u * mean) * (1 + 1e-6)
+
+    return {
+        "abs_logp_diff_mean": mean_bound([abs(x) for x in log_r], d),
+        "abs_logp_diff_max": max(d),
+        "kl_k1": mean_bound([-x for x in log_r], d),
+        "kl_k2": mean_bound([0.5 * x * x for x in log_r], [abs(x) * di * 1.01 + 2 * u * 0.5 * x * x for x, di in zip(log_r, d)]),
+        # k3 = exp(x) - 1 - x: exp's error and its argument's, then two roundings.
+        "kl_k3": mean_bound(
+            [ri - 1 - x for ri, x in zip(r, log_r)],
+            [ri * (e + di * 1.01) + di + 2 * u * (abs(ri - 1) + abs(ri - 1 - x)) for ri, x, di in zip(r, log_r, d)],
+        ),
+    }
+
+
 def test_hand_computed_single_row():
     rollout = torch.tensor([[-1.0, -2.0, -0.5, -3.0]])
     log_r = [0.0, 0.5, -0.2, LN2]
     train = rollout + torch.tensor([log_r])
     out = mismatch_metrics(rollout, train)
     exp = expected_stats(log_r)
-    for k, v in exp.items():
-        assert out[k] == pytest.approx(v, rel=1e-6, abs=1e-7), k
+    bounds = stat_bounds(log_r, train[0].tolist())
+    assert out["num_tokens"] == 4 and out["ratio_outside_0.8_1.25"] == exp["ratio_outside_0.8_1.25"] == 0.5
+    for k, b in bounds.items():
+        assert abs(out[k] - exp[k]) <= b, (k, out[k], exp[k], b)
     # Values computed by hand: mean |d| = (0 + .5 + .2 + ln2) / 4; 2 of 4 ratios (e^.5, 2) are outside the band.
-    assert out["abs_logp_diff_mean"] == pytest.approx((0.7 + LN2) / 4)
-    assert out["ratio_outside_0.8_1.25"] == 0.5
-    assert out["kl_k1"] == pytest.approx(-(0.3 + LN2) / 4)
-    assert out["kl_k3"] == pytest.approx((0 + (math.exp(0.5) - 1.5) + (math.exp(-0.2) - 0.8) + (1 - LN2)) / 4)
-    # Quantiles of r, linear interpolation (numpy's default), as an independent check.
+    # (Double-precision formulas in two orders: <= 20 roundings of values <= 2, far inside rel 1e-12.)
+    assert exp["abs_logp_diff_mean"] == pytest.approx((0.7 + LN2) / 4, rel=1e-12)
+    assert exp["kl_k1"] == pytest.approx(-(0.3 + LN2) / 4, rel=1e-12)
+    assert exp["kl_k3"] == pytest.approx((0 + (math.exp(0.5) - 1.5) + (math.exp(-0.2) - 0.8) + (1 - LN2)) / 4, rel=1e-12)
+    # Quantiles of r, linear interpolation (numpy's default), as an independent check: each r is
+    # within e + |d log r| (relative) of exp(log r), and the interpolation adds 3 roundings.
+    u = unit_roundoff(torch.float32)
     r = np.exp(np.array(log_r))
+    r_err = max(ri * (2 * LIBM_ULPS * u + 2.01 * u * (abs(t) + abs(x))) for ri, t, x in zip(r, train[0].tolist(), log_r))
     for q in (0.01, 0.05, 0.5, 0.95, 0.99):
-        assert out[f"ratio_q{int(q * 100):02d}"] == pytest.approx(float(np.quantile(r, q)), rel=1e-6)
-    assert out["ratio_q50"] == pytest.approx((1.0 + math.exp(0.5)) / 2)  # median of {e^-.2, 1, e^.5, 2}
+        assert abs(out[f"ratio_q{int(q * 100):02d}"] - float(np.quantile(r, q))) <= r_err + gamma(3) * r.max(), q
+    assert float(np.quantile(r, 0.5)) == pytest.approx((1.0 + math.exp(0.5)) / 2, rel=1e-12)  # median of {e^-.2, 1, e^.5, 2}
 
 
 def test_k_estimators_are_consistent():
@@ -55,7 +92,12 @@ def test_k_estimators_are_consistent():
     train = rollout + 0.01 * torch.randn(4, 300)
     out = mismatch_metrics(rollout, train)
     assert out["kl_k3"] >= 0 and out["kl_k2"] >= 0
-    assert out["kl_k2"] == pytest.approx(out["kl_k3"], rel=0.05)
+    # k3 - k2 = sum (x^3/6 + ...) / n in real arithmetic; the fp32 values sit within their worst-case bounds of it.
+    log_r = (train.double() - rollout.double()).reshape(-1).tolist()  # the exact differences of the fp32 inputs
+    exp, bounds = expected_stats(log_r), stat_bounds(log_r, [0.0] * len(log_r))
+    for k in ("kl_k2", "kl_k3", "kl_k1", "abs_logp_diff_mean"):
+        assert abs(out[k] - exp[k]) <= bounds[k], (k, out[k], exp[k], bounds[k])
+    assert exp["kl_k2"] == pytest.approx(exp["kl_k3"], rel=0.05)
     assert out["ratio_outside_0.8_1.25"] == 0.0
     assert 0.97 < out["ratio_q01"] < out["ratio_q50"] < out["ratio_q99"] < 1.03
 
@@ -78,8 +120,12 @@ def test_mask_excludes_tokens():
     rollout[1, 3] = float("-inf")
     out = mismatch_metrics(rollout, train, mask)
     exp = expected_stats([0.1, -0.1, 0.3])
-    for k, v in exp.items():
-        assert out[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    bounds = stat_bounds([0.1, -0.1, 0.3], [-0.9, -1.1, -1.7])
+    # The count and the division by n are exact and one correctly rounded fp32 division: no tolerance.
+    assert out["num_tokens"] == 3 and out["ratio_outside_0.8_1.25"] == (torch.tensor(1.0) / 3).item()
+    for k, b in bounds.items():
+        # + one rounding of each 0.1 / 0.3 literal into fp32 delta (u |delta| each)
+        assert abs(out[k] - exp[k]) <= b + (0.3 + 0.1 + 0.1) * unit_roundoff(torch.float32) * 1.01, (k, out[k], exp[k], b)
     assert mismatch_metrics(rollout, train, torch.zeros_like(mask)) == {"num_tokens": 0.0}
 
 
@@ -93,11 +139,17 @@ def test_position_buckets():
     out = mismatch_metrics(rollout, train, mask, bucket_size=2)
     buckets = sorted({k.split("/")[0] for k in out if k.startswith("pos_")})
     assert buckets == ["pos_0-1", "pos_2-3", "pos_4-5"]
-    assert out["pos_0-1/abs_logp_diff_mean"] == pytest.approx(0.05)  # positions 0,1 in both rows
-    assert out["pos_2-3/abs_logp_diff_mean"] == pytest.approx(0.25)
-    assert out["pos_4-5/abs_logp_diff_mean"] == pytest.approx(0.45)  # only row 0 reaches here
-    assert out["pos_4-5/abs_logp_diff_max"] == pytest.approx(0.5)
-    assert out["pos_0-1/kl_k3"] == pytest.approx((0 + 2 * (math.exp(0.1) - 1.1)) / 4, rel=1e-5)
+    # Each bucket against its hand value within stat_bounds (plus one rounding of 0.1 * pos per token).
+    u = unit_roundoff(torch.float32)
+    for bucket, gaps, hand in (("0-1", [0.0, 0.1, 0.0, 0.1], 0.05), ("2-3", [0.2, 0.3, 0.2, 0.3], 0.25), ("4-5", [0.4, 0.5], 0.45)):
+        b = stat_bounds(gaps, [-1.0 + x for x in gaps])
+        slack = 1.01 * u * max(gaps)
+        assert expected_stats(gaps)["abs_logp_diff_mean"] == pytest.approx(hand, rel=1e-12)
+        assert abs(out[f"pos_{bucket}/abs_logp_diff_mean"] - hand) <= b["abs_logp_diff_mean"] + slack, bucket
+        assert abs(out[f"pos_{bucket}/abs_logp_diff_max"] - max(gaps)) <= b["abs_logp_diff_max"] + slack, bucket
+    k3 = expected_stats([0.0, 0.1, 0.0, 0.1])["kl_k3"]
+    assert k3 == pytest.approx((0 + 2 * (math.exp(0.1) - 1.1)) / 4, rel=1e-12)
+    assert abs(out["pos_0-1/kl_k3"] - k3) <= stat_bounds([0.0, 0.1, 0.0, 0.1], [-1.0, -0.9, -1.0, -0.9])["kl_k3"] + 1.01 * u * 0.1 * (math.exp(0.1) - 1)
     # e^0.2 = 1.22 is inside the band, e^0.3 = 1.35 is not: half of bucket 2-3, all of bucket 4-5.
     assert out["pos_2-3/ratio_outside_0.8_1.25"] == pytest.approx(0.5)
     assert out["pos_4-5/ratio_outside_0.8_1.25"] == 1.0
@@ -109,9 +161,10 @@ def test_position_buckets():
 
 def test_one_dimensional_input_and_single_token():
     out = mismatch_metrics(torch.tensor([-1.0, -2.0]), torch.tensor([-1.0, -2.0 + LN2]))
-    assert out["num_tokens"] == 2 and out["abs_logp_diff_max"] == pytest.approx(LN2)
+    assert out["num_tokens"] == 2 and abs(out["abs_logp_diff_max"] - LN2) <= stat_bounds([0.0, LN2], [-1.0, -2.0 + LN2])["abs_logp_diff_max"] + unit_roundoff() * LN2
     one = mismatch_metrics(torch.tensor([-1.0]), torch.tensor([-0.5]))
-    assert one["ratio_q50"] == pytest.approx(math.exp(0.5)) and one["ratio_q01"] == one["ratio_q99"]
+    # -0.5 - -1.0 is exact; exp(0.5) is one libm call.
+    assert abs(one["ratio_q50"] - math.exp(0.5)) <= 2 * LIBM_ULPS * unit_roundoff() * math.exp(0.5) and one["ratio_q01"] == one["ratio_q99"]
 
 
 def test_errors():

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from precision_testutil import LIBM_ULPS, assert_within, gamma, log_softmax_bound, sum_bound, unit_roundoff
 from openrlhf.models import loss as loss_mod
 from openrlhf.models import utils as mutils
 from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss
@@ -30,6 +31,9 @@ def _lengths_mask(lengths, t):
 # ---------------------------------------------------------------- log-probs
 
 
+# log_softmax in fp32 against float64: log_softmax_bound covers the x / T rounding, the
+# exp/sum/log of logsumexp in any order and with any libm (the row shifted by -1e3 makes the
+# absolute error scale with |x / T|, which the bound carries).
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_log_probs_from_logits_matches_float64_log_softmax(temperature):
     g = torch.Generator().manual_seed(1)
@@ -37,27 +41,53 @@ def test_log_probs_from_logits_matches_float64_log_softmax(temperature):
     logits[0, 1, 3] = 80.0  # an outlier logit
     logits[2, 4, :] -= 1e3  # a row shifted far from zero
     labels = torch.randint(0, 37, (3, 5), generator=g)
-    ref = torch.log_softmax(logits.double() / temperature, -1).gather(-1, labels[..., None]).squeeze(-1)
+    z = logits.double() / temperature
+    ref = torch.log_softmax(z, -1).gather(-1, labels[..., None]).squeeze(-1)
     got = log_probs_from_logits(logits, labels, temperature)
     assert got.dtype == torch.float32 and got.shape == (3, 5)
-    torch.testing.assert_close(got.double(), ref, atol=2e-5, rtol=1e-6)
+    bound = log_softmax_bound(z, divided=temperature != 1.0).gather(-1, labels[..., None]).squeeze(-1)
+    assert_within(got, ref, bound, "log-probs")
+    assert bound.max() < 1e-3  # still tight enough to catch a wrong label or temperature
+
+
+def _log_softmax_grad_bound(z: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Bound on the fp32 gradient of sum_t w_t (z_t,label - lse(z_t)) with respect to the logits x = z * T.
+
+    Per logit: w / T (onehot - p) with p = exp(z - lse). The argument of that exp is off by the
+    forward bound of lse plus the rounding of z and of z - lse; exp adds its libm error; the
+    product with w, the onehot subtraction and the division by T are one rounding each.
+    """
+    u = unit_roundoff(torch.float32)
+    p = torch.softmax(z, -1)
+    big_m = z.abs().amax(-1, keepdim=True)
+    lse_err = log_softmax_bound(z, divided=temperature != 1.0).amax(-1, keepdim=True)
+    arg_err = lse_err + u * big_m + u * (z - torch.logsumexp(z, -1, keepdim=True)).abs()
+    p_err = p * (torch.expm1(arg_err) + 2 * LIBM_ULPS * u * (1 + arg_err))
+    w = w.double().abs()[..., None]
+    return (w * (p_err + gamma(3) * (1 + p))) / temperature + 1e-300
 
 
 def test_log_probs_chunked_path_and_gradient(monkeypatch):
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(2, 7, 11, generator=g) * 3).requires_grad_(True)
     labels = torch.randint(0, 11, (2, 7), generator=g)
+    weights = torch.arange(14.0).reshape(2, 7)
     full = log_probs_from_logits(logits, labels, 0.9)
-    (gfull,) = torch.autograd.grad((full * torch.arange(14.0).reshape(2, 7)).sum(), logits)
+    (gfull,) = torch.autograd.grad((full * weights).sum(), logits)
     monkeypatch.setattr(mutils, "_FP32_CHUNK_ELEMS", 3 * 11)  # 3 tokens per chunk, ragged last chunk
     chunked = log_probs_from_logits(logits, labels, 0.9)
-    (gchunk,) = torch.autograd.grad((chunked * torch.arange(14.0).reshape(2, 7)).sum(), logits)
-    torch.testing.assert_close(chunked, full, atol=0, rtol=0)
-    torch.testing.assert_close(gchunk, gfull)
-    ref = torch.log_softmax(logits.double() / 0.9, -1).gather(-1, labels[..., None]).squeeze(-1)
-    (gref,) = torch.autograd.grad((ref * torch.arange(14.0).reshape(2, 7).double()).sum(), logits)
-    torch.testing.assert_close(chunked.double(), ref.detach(), atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(gchunk, gref, atol=1e-5, rtol=1e-5)
+    (gchunk,) = torch.autograd.grad((chunked * weights).sum(), logits)
+    z = logits.detach().double() / 0.9
+    ref = torch.log_softmax(z, -1).gather(-1, labels[..., None]).squeeze(-1)
+    (gref,) = torch.autograd.grad((torch.log_softmax(logits.double() / 0.9, -1).gather(-1, labels[..., None]).squeeze(-1) * weights.double()).sum(), logits)
+    fwd, bwd = log_softmax_bound(z, divided=True).gather(-1, labels[..., None]).squeeze(-1), _log_softmax_grad_bound(z, weights, 0.9)
+    # Chunks change which elements take the vectorized or the scalar exp path: each side is within
+    # the bound of float64, so they are within twice the bound of each other (not bitwise).
+    assert_within(chunked, ref, fwd, "chunked log-probs")
+    assert_within(full, ref, fwd, "full log-probs")
+    assert_within(chunked, full, 2 * fwd, "chunked vs full")
+    assert_within(gchunk, gref, bwd, "chunked gradient")
+    assert_within(gfull, gref, bwd, "full gradient")
 
 
 def test_log_probs_bf16_input_upcast():
@@ -65,9 +95,10 @@ def test_log_probs_bf16_input_upcast():
     logits = (torch.randn(2, 4, 50, generator=g) * 5).bfloat16()
     labels = torch.randint(0, 50, (2, 4), generator=g)
     got = log_probs_from_logits(logits, labels)
-    ref = torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).squeeze(-1)
+    z = logits.double()  # bf16 values are exact in fp32: the upcast adds no rounding
+    ref = torch.log_softmax(z, -1).gather(-1, labels[..., None]).squeeze(-1)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-6)
+    assert_within(got, ref, log_softmax_bound(z).gather(-1, labels[..., None]).squeeze(-1), "bf16 log-probs")
 
 
 def test_log_probs_shape_and_temperature_errors():
@@ -276,7 +307,12 @@ def test_aggregate_loss_equals_global_token_mean_over_microbatches_and_ranks():
         rank_grads.append(acc)
         naive_rank_grads.append(naive)
     step_grad = torch.stack(rank_grads).mean(0)  # all-reduce average over ranks
-    torch.testing.assert_close(step_grad, ref_grad, rtol=1e-12, atol=1e-12)
+    # Equal in real arithmetic; in float64 both sum the same N per-token terms 2 (x.p - y) x / N in
+    # different orders (d-term dot products, scalings by gas/world): gamma_{N + d + 8} of sum |term| each.
+    magnitude = sum(
+        (2 * x[mk].abs() * ((x[mk].abs() @ theta.abs()) + y[mk].abs())[:, None]).sum(0) for row in micro for (x, y, mk) in row
+    ) / n_global
+    assert_within(step_grad, ref_grad, 2 * gamma(n_global + d + 8, torch.float64) * magnitude, "step gradient")
     # The per-micro-batch mean is NOT the global token mean with uneven counts (the test has teeth).
     assert not torch.allclose(torch.stack(naive_rank_grads).mean(0), ref_grad, rtol=1e-3, atol=1e-6)
 
@@ -349,7 +385,15 @@ def test_rloo_is_rescaled_dr_grpo_on_random_groups():
     m = _lengths_mask(torch.randint(1, 7, (4 * n,), generator=g).tolist(), 6)
     a_rloo, _ = compute_advantages("rloo", r, m, n_samples_per_prompt=n)
     a_dr, _ = compute_advantages("dr_grpo", r, m, n_samples_per_prompt=n)
-    torch.testing.assert_close(a_rloo, a_dr * n / (n - 1))
+    # Exactly n / (n - 1) (r_i - mean) in real arithmetic. fp32: each side sums its group (gamma_{n-1}
+    # sum|r|) and adds <= 3 roundings of values <= |r_i| + |sum|; the rescale adds 2 more.
+    grp = r.double().reshape(-1, n)
+    exact = (n / (n - 1)) * (grp - grp.mean(1, keepdim=True))
+    s_abs = grp.abs().sum(1, keepdim=True)
+    per_row = (2 * sum_bound(grp, dim=1)[:, None] + gamma(5) * (grp.abs() + s_abs)) / (n - 1) + gamma(5) * exact.abs()
+    bound = (per_row.reshape(-1)[:, None] * m).double()
+    assert_within(a_rloo, a_dr * n / (n - 1), 2 * bound, "rloo vs rescaled dr_grpo")
+    assert_within(a_rloo, exact.reshape(-1)[:, None] * m, bound, "rloo vs float64")
 
 
 def test_reinforce_baseline_hand():
@@ -432,8 +476,24 @@ def test_gae_lambda_one_is_monte_carlo_minus_value():
     tr = compute_token_rewards(r, m, kl, 0.05)
     adv, ret = gae_advantages(tr, values, m, gamma=1.0, lambd=1.0)
     mc = discounted_returns(tr, m, 1.0)
-    torch.testing.assert_close(adv, torch.where(m, mc - values, torch.zeros_like(mc)))
-    torch.testing.assert_close(ret, mc)
+    # With gamma = lambda = 1 the values telescope away in real arithmetic, not in fp32: each
+    # delta_t = r_t + V_{t+1} - V_t takes 2 roundings and each carry A_t = delta_t + A_{t+1} one,
+    # so A_t is off by at most the suffix sum of gamma_2 (|r| + |V_{t+1}| + |V_t|) + u |A_s|.
+    # (Multiplying by gamma = lambda = 1 is exact.) mc_t sums r with one rounding per step.
+    u = unit_roundoff(torch.float32)
+    r64 = torch.where(m, tr.double(), torch.zeros_like(tr, dtype=torch.float64))
+    v64 = torch.where(m, values.double(), torch.zeros_like(r64))
+    v_next = torch.cat([v64[:, 1:], torch.zeros_like(v64[:, :1])], 1)
+    mc64 = r64.flip(1).cumsum(1).flip(1)
+    a64 = mc64 - v64
+    suffix = lambda x: x.flip(1).cumsum(1).flip(1)  # noqa: E731
+    adv_bound = suffix(gamma(2) * (r64.abs() + v_next.abs() + v64.abs()) + u * a64.abs()) * (1 + 1e-6)
+    mc_bound = suffix(u * mc64.abs()) * (1 + 1e-6)
+    assert_within(adv, torch.where(m, a64, torch.zeros_like(a64)), adv_bound * m, "GAE(1, 1) advantages")
+    assert_within(mc, torch.where(m, mc64, torch.zeros_like(mc64)), mc_bound * m, "Monte-Carlo returns")
+    # returns = A + V: one more rounding.
+    assert_within(ret, torch.where(m, mc64, torch.zeros_like(mc64)), (adv_bound + u * mc64.abs()) * (1 + 1e-6) * m, "GAE returns")
+    assert_within(adv, torch.where(m, mc - values, torch.zeros_like(mc)), (adv_bound + mc_bound + u * a64.abs()) * (1 + 1e-6) * m, "GAE vs MC - V")
 
 
 def test_advantage_validation_errors():
