@@ -55,7 +55,9 @@ def random_value(spec, rng: random.Random) -> tuple[list[str], object]:
         if spec.choices is not None:
             value = rng.choice([c for c in spec.choices if c != spec.default])
             return [str(value)], value
-        if spec.nargs:
+        if spec.nargs == "*":
+            value = tuple(f"m{rng.randrange(10**6)}" for _ in range(rng.randint(1, 3)))
+        elif spec.nargs:
             value = tuple(sorted(round(rng.uniform(-50, 50), 4) for _ in range(spec.nargs)))
         elif spec.type is int:
             value = rng.randint(2, 100_000)
@@ -64,7 +66,7 @@ def random_value(spec, rng: random.Random) -> tuple[list[str], object]:
         else:
             value = f"v{rng.randrange(10**9)}/x"
         if value != spec.default:
-            tokens = [repr(v) for v in value] if spec.nargs else [str(value)]
+            tokens = [str(v) if spec.nargs == "*" else repr(v) for v in value] if spec.nargs else [str(value)]
             return tokens, value
 
 
@@ -90,7 +92,8 @@ def test_defaults():
     assert cfg.reward.clip_range == (-10.0, 10.0) and cfg.data.max_len == 2048 and cfg.data.input_key == "input"
     assert cfg.precision.recipe == "bf16" and cfg.precision.gemm_backend == "auto" and not cfg.precision.strict
     assert cfg.local_rank == -1 and cfg.cfg_warnings == ()
-    assert all(get(cfg, s.dest) is False for s in flag_specs() if s.type is bool)
+    # Switches are off by default; Muon's Nesterov momentum is on (as in OpenRLHF) and --*.muon.no_nesterov turns it off.
+    assert all(get(cfg, s.dest) is (s.dest.endswith(".muon.nesterov")) for s in flag_specs() if s.type is bool)
 
 
 def test_every_alias_maps_to_its_dotted_field():
@@ -217,8 +220,8 @@ def test_help_lists_sections_in_order(capsys):
     titles = re.findall(r"^(--[a-z.]+\.\*|launcher):", out, re.M)
     assert titles[:2] == ["--actor.*", "--actor.adam.*"]
     top = [t for t in titles if t.count(".") == 1]
-    assert top == [f"--{s}.*" for s in ("actor", "ref", "critic", "reward", "data", "rollout", "train", "ds",
-                                         "vllm", "ckpt", "logger", "precision")]
+    assert top == [f"--{s}.*" for s in ("actor", "ref", "critic", "reward", "data", "rollout", "train", "algo", "ds",
+                                         "vllm", "ckpt", "logger", "precision", "eval")]
     assert "--fp8_unified" in out and "short for --precision.recipe jet_fp8" in out
     assert "(alias: --pretrain)" in out and "[default: 1024]" in out
 

@@ -28,7 +28,7 @@ class FlagSpec:
     default: Any
     help: str
     optional: bool = False  # None is a valid value
-    nargs: int | None = None  # tuple fields: the number of values
+    nargs: int | str | None = None  # tuple fields: the number of values, "*" for tuple[T, ...]
     choices: tuple[Any, ...] | None = None
     aliases: tuple[str, ...] = ()
     const_aliases: tuple[tuple[str, Any], ...] = ()
@@ -44,10 +44,12 @@ class FlagSpec:
         if self.type is bool:
             return "flag"
         name = self.type.__name__
+        if self.nargs == "*":
+            return f"{name} ..."
         return " ".join([name] * self.nargs) if self.nargs else name
 
 
-def _resolve_hint(hint: Any) -> tuple[type, bool, int | None, tuple | None]:
+def _resolve_hint(hint: Any) -> tuple[type, bool, int | str | None, tuple | None]:
     """(element type, optional, nargs, choices) of a field's type hint."""
     optional = False
     origin = typing.get_origin(hint)
@@ -62,6 +64,8 @@ def _resolve_hint(hint: Any) -> tuple[type, bool, int | None, tuple | None]:
         return type(choices[0]), optional, None, choices
     if origin is tuple:
         args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return args[0], optional, "*", None
         if Ellipsis in args or len(set(args)) != 1:
             raise TypeError(f"tuple fields must be fixed-length and homogeneous, got {hint}")
         return args[0], optional, len(args), None

@@ -18,6 +18,9 @@ from .fields import from_nested, opt, section, to_plain
 
 __all__ = [
     "AdamConfig",
+    "MuonConfig",
+    "LoraConfig",
+    "EvalConfig",
     "ActorConfig",
     "RefConfig",
     "CriticConfig",
@@ -48,6 +51,34 @@ class AdamConfig:
     betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas: BETA1 BETA2")
     eps: float = opt(1e-8, "AdamW epsilon", gt=0.0)
     weight_decay: float = opt(0.0, "decoupled weight decay", ge=0.0)
+
+
+@dataclass(frozen=True)
+class MuonConfig:
+    lr: float = opt(0.02, "Muon learning rate of the 2D weights (with --<model>.optim muon)", ge=0.0)
+    momentum: float = opt(0.95, "Muon momentum", ge=0.0, le=1.0)
+    ns_steps: int = opt(5, "Muon Newton-Schulz iterations", ge=1)
+    nesterov: bool = opt(True, "Nesterov momentum in Muon (on by default)")
+    no_nesterov: bool = opt(False, "turn Nesterov momentum off in Muon")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int = opt(0, "LoRA rank (0: off); refused: see docs/cli.md", ge=0)
+    alpha: int = opt(16, "LoRA alpha")
+    target_modules: tuple[str, ...] = opt(("all-linear",), "modules that get LoRA adapters")
+    dropout: float = opt(0.0, "LoRA dropout", ge=0.0, le=1.0)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    steps: int = opt(-1, "evaluate on --eval.dataset every N steps (-1: never)", aliases=["--eval_steps"])
+    dataset: str | None = opt(
+        None, "evaluation prompts (same formats and --data.* keys as the prompt dataset)", aliases=["--eval_dataset"]
+    )
+    split: str = opt("train", "split to read from the evaluation dataset", aliases=["--eval_split"])
+    temperature: float = opt(0.6, "sampling temperature of the evaluation", aliases=["--eval_temperature"], ge=0.0)
+    n_samples_per_prompt: int = opt(4, "samples per evaluation prompt (pass@n and pass@1 from them)", ge=1)
 
 
 @dataclass(frozen=True)
@@ -85,6 +116,16 @@ class ActorConfig:
         "cosine_with_min_lr", "learning-rate schedule after warmup", aliases=["--lr_scheduler"]
     )
     adam: AdamConfig = section(AdamConfig, "actor optimizer (AdamW)", aliases={"lr": ["--actor_learning_rate"]})
+    gradient_checkpointing_reentrant: bool = opt(
+        False, "reentrant activation checkpointing (torch's use_reentrant=True)", aliases=["--gradient_checkpointing_use_reentrant"]
+    )
+    policy_loss_type: Literal["ppo", "gspo"] = opt(
+        "ppo", "ppo: token-level ratio; gspo: one length-normalized ratio per sequence, sequence-mean loss"
+    )
+    aux_loss_coef: float = opt(0.0, "MoE load-balancing loss coefficient; refused when > 0: see docs/cli.md", ge=0.0)
+    optim: Literal["adam", "muon"] = opt("adam", "optimizer; muon is refused: see docs/cli.md")
+    muon: MuonConfig = section(MuonConfig, "Muon optimizer settings (accepted; muon is refused)")
+    freeze_visual_encoder: bool = opt(False, "vision-language models only; refused: see docs/cli.md")
 
 
 @dataclass(frozen=True)
@@ -112,6 +153,14 @@ class CriticConfig:
     adam: AdamConfig = section(
         AdamConfig, "critic optimizer (AdamW)", aliases={"lr": ["--critic_learning_rate"]}, lr=9e-6
     )
+    lr_scheduler: Literal["cosine_with_min_lr", "constant"] = opt("cosine_with_min_lr", "critic learning-rate schedule")
+    lr_warmup_ratio: float = opt(0.03, "fraction of critic optimizer steps in linear warmup", ge=0.0, le=1.0)
+    min_lr_ratio: float = opt(0.1, "critic's final lr as a fraction of its peak lr", ge=0.0, le=1.0)
+    max_norm: float = opt(1.0, "critic gradient clipping norm", gt=0.0)
+    freezing_steps: int = opt(-1, "train only the critic for the first N steps (the actor is frozen)", aliases=["--freezing_actor_steps"])
+    save_value_network: bool = opt(False, "export the critic (HF format) at the end", aliases=["--save_value_network"])
+    optim: Literal["adam", "muon"] = opt("adam", "optimizer; muon is refused: see docs/cli.md")
+    muon: MuonConfig = section(MuonConfig, "Muon optimizer settings (accepted; muon is refused)")
 
 
 @dataclass(frozen=True)
@@ -132,6 +181,14 @@ class RewardConfig:
     clip_range: tuple[float, float] = opt(
         (-10.0, 10.0), "clip rewards to LOW HIGH", aliases=["--reward_clip_range"]
     )
+    overlong_buffer_len: float | None = opt(
+        None, "DAPO overlong penalty: ramp over the last N tokens of the generation budget", aliases=["--overlong_buffer_len"], gt=0.0
+    )
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong penalty at the full budget", aliases=["--overlong_penalty_factor"], ge=0.0)
+    stop_properly_penalty_coef: float | None = opt(
+        None, "truncated responses: reward scaled by C (C >= 0) or set to C (C < 0)", aliases=["--stop_properly_penalty_coef"]
+    )
+    offload: bool = opt(False, "keep the reward model on CPU between uses")
 
 
 @dataclass(frozen=True)
@@ -154,6 +211,13 @@ class DataConfig:
     )
     max_len: int = opt(2048, "max tokens of prompt + response", aliases=["--max_len"])
     max_samples: int | None = opt(None, "use at most this many prompts", aliases=["--max_samples"], ge=1)
+    prompt_probs: str | None = opt(
+        None, "sampling weights of comma-separated --data.prompt_dataset sources, e.g. 0.7,0.3", aliases=["--prompt_data_probs"]
+    )
+    disable_fast_tokenizer: bool = opt(False, "load the slow (Python) tokenizer", aliases=["--disable_fast_tokenizer"])
+    dataloader_num_workers: int = opt(0, "accepted; prompts are read into memory, no loader workers run", ge=0)
+    image_key: str = opt("images", "vision-language datasets only (unused while max_images_per_prompt is 0)")
+    max_images_per_prompt: int = opt(0, "vision-language training; refused when > 0: see docs/cli.md", ge=0)
 
 
 @dataclass(frozen=True)
@@ -173,6 +237,12 @@ class RolloutConfig:
     temperature: float = opt(1.0, "sampling temperature", aliases=["--temperature"], ge=0.0)
     top_p: float = opt(1.0, "nucleus sampling threshold", aliases=["--top_p"], gt=0.0, le=1.0)
     top_k: int = opt(-1, "top-k sampling (-1 = off)", ge=-1)
+    max_tokens_per_gpu: int | None = opt(
+        None, "dynamic batching: tokens per logprob/value forward (default: --train.max_tokens_per_gpu)", ge=1
+    )
+    vllm_generate_batch_size: int | None = opt(
+        None, "prompts per engine generate call (default and maximum: --rollout.batch_size)", ge=1
+    )
     engine: Literal["auto", "vllm", "hf"] = opt(
         "auto", "rollout engine: vllm, hf (transformers), or auto (vllm if importable, else hf)"
     )
@@ -199,6 +269,19 @@ class TrainConfig:
     colocate_critic_reward: bool = opt(
         False, "put critic and reward model on the same GPUs", aliases=["--colocate_critic_reward"]
     )
+    dynamic_batch_enable: bool = opt(
+        False, "micro-batches bounded by tokens (--train.max_tokens_per_gpu), packed", aliases=["--use_dynamic_batch"]
+    )
+    max_tokens_per_gpu: int = opt(16192, "dynamic batching: tokens per training micro-batch", ge=1)
+    agent_func_path: str | None = opt(
+        None, "a .py file defining AgentExecutor: multi-turn rollouts through your agent", aliases=["--agent_func_path"]
+    )
+    full_determinism_enable: bool = opt(False, "deterministic torch algorithms (slower)", aliases=["--full_determinism"])
+    enable_ema: bool = opt(False, "keep an exponential moving average of the actor; exported with the final model")
+    ema_beta: float = opt(0.992, "EMA decay", gt=0.0, le=1.0)
+    async_enable: bool = opt(False, "asynchronous training; refused: see docs/cli.md", aliases=["--async_train"])
+    async_queue_size: int = opt(1, "async training queue size (accepted; async is refused)", ge=1)
+    partial_rollout_enable: bool = opt(False, "async partial rollouts; refused: see docs/cli.md")
 
 
 @dataclass(frozen=True)
@@ -214,8 +297,10 @@ class AdvantageConfig:
         "importance-sampling correction for the rollout/train mismatch (needed by off-policy recipes)",
         aliases=["--enable_vllm_is_correction"],
     )
-    is_correction_type: Literal["tis", "icepop"] = opt(
-        "tis", "tis: truncate the IS weight; icepop: mask tokens whose weight leaves the range",
+    is_correction_type: Literal["tis", "icepop", "seq-mask-tis"] = opt(
+        "tis",
+        "tis: truncate the IS weight; icepop: mask tokens whose weight leaves the range; seq-mask-tis: tis, and mask "
+        "sequences whose geometric-mean weight leaves it",
         aliases=["--vllm_is_correction_type"],
     )
     is_correction_threshold: tuple[float, float] = opt(
@@ -242,6 +327,13 @@ class KLConfig:
 class AlgoConfig:
     advantage: AdvantageConfig = section(AdvantageConfig, "advantages and importance-sampling correction")
     kl: KLConfig = section(KLConfig, "KL regularization against the reference model")
+    dynamic_filtering_enable: bool = opt(
+        False, "DAPO dynamic sampling: drop prompts whose samples' mean score is outside the range, refill the batch",
+        aliases=["--dynamic_filtering"],
+    )
+    dynamic_filtering_range: tuple[float, float] = opt(
+        (0.0, 1.0), "keep a prompt when LOW < mean score < HIGH", aliases=["--dynamic_filtering_reward_range"]
+    )
 
 
 @dataclass(frozen=True)
@@ -257,6 +349,24 @@ class DeepSpeedConfig:
     attn_implementation: str = opt("sdpa", "HF attention implementation (eager, sdpa, flash_attention_2, or jetrl_invariant: float64, batch-invariant, for bit-exact rollout/train verification on CPU)",
                                    aliases=["--attn_implementation"])
     overlap_comm: bool = opt(False, "overlap ZeRO communication with compute", aliases=["--overlap_comm"])
+    packing_samples: bool = opt(False, "pack samples into one row without padding", aliases=["--packing_samples"])
+    enable_sleep: bool = opt(
+        False, "park actor/critic weights and optimizer states in host memory while the engine generates",
+        aliases=["--deepspeed_enable_sleep"],
+    )
+    tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP size; refused when > 1: see docs/cli.md", aliases=["--ds_tensor_parallel_size"], ge=1)
+    ring_attn_size: int = opt(1, "ring attention group size (CUDA + ring-flash-attn only)", aliases=["--ring_attn_size"], ge=1)
+    ring_attn_head_stride: int = opt(1, "heads per ring-attention step", aliases=["--ring_head_stride"], ge=1)
+    zpg: int = opt(1, "ZeRO++ hierarchical partition size (zero_hpz_partition_size)", aliases=["--zpg"], ge=1)
+    use_universal_ckpt: bool = opt(False, "load DeepSpeed universal checkpoints", aliases=["--use_ds_universal_ckpt"])
+    value_head_prefix: str = opt("score", "attribute name of the critic's value head", aliases=["--value_head_prefix"])
+    experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "deepgemm"] | None = opt(
+        None, "MoE expert kernels, passed to transformers' from_pretrained"
+    )
+    deepcompile: bool = opt(False, "DeepSpeed DeepCompile; refused: see docs/cli.md")
+    use_liger_kernel: bool = opt(False, "Liger kernels; refused: see docs/cli.md", aliases=["--use_liger_kernel"])
+    load_in_4bit: bool = opt(False, "4-bit base weights (QLoRA); refused: see docs/cli.md", aliases=["--load_in_4bit"])
+    lora: LoraConfig = section(LoraConfig, "LoRA adapters (refused when rank > 0)")
     grad_accum_dtype: Literal["fp16", "bf16", "fp32"] | None = opt(
         None, "gradient-accumulation dtype (None = DeepSpeed's default)", aliases=["--grad_accum_dtype"]
     )
@@ -279,6 +389,8 @@ class VLLMConfig:
         "auto", "weight-sync backend (auto: nccl on GPU, gloo on CPU)", aliases=["--vllm_sync_backend"]
     )
     dtype: str = opt("auto", "vLLM model dtype")
+    enable_prefix_caching: bool = opt(False, "vLLM prefix caching", aliases=["--enable_prefix_caching"])
+    sync_with_ray: bool = opt(False, "accepted: Ray-mode weights always travel through Ray's object store here", aliases=["--vllm_sync_with_ray"])
 
 
 @dataclass(frozen=True)
@@ -289,6 +401,11 @@ class CkptConfig:
     load_enable: bool = opt(False, "resume from the latest checkpoint in --ckpt.path", aliases=["--load_checkpoint"])
     save_hf: bool = opt(False, "also export HF-format weights with each checkpoint", aliases=["--save_hf_ckpt"])
     max_num: int = opt(3, "keep at most this many checkpoints", aliases=["--max_ckpt_num"], ge=1)
+    max_mem: float | None = opt(None, "keep the checkpoints under this many GB (oldest removed first; default: no limit)", aliases=["--max_ckpt_mem"], gt=0.0)
+    disable_ds: bool = opt(False, "skip the DeepSpeed (resumable) checkpoint; HF exports only", aliases=["--disable_ds_ckpt"])
+    best_metric_key: str = opt(
+        "", "eval metric whose best value keeps a copy of the HF model ('' = the first pass1 metric, 'none' = off)"
+    )
 
 
 @dataclass(frozen=True)
@@ -352,6 +469,8 @@ class PPOConfig:
     ckpt: CkptConfig = section(CkptConfig, "checkpoints and model export")
     logger: LoggerConfig = section(LoggerConfig, "logging")
     precision: PrecisionConfig = section(PrecisionConfig, "precision flow shared by rollout and training (Jet-RL)")
+    eval: EvalConfig = section(EvalConfig, "periodic evaluation on a held-out dataset")
+    use_ms: bool = opt(False, "ModelScope hub; refused: see docs/cli.md")
     local_rank: int = opt(-1, "set by the deepspeed launcher; leave it alone", aliases=["--local-rank"])
     # Not a flag: what `validate` warned about, kept for the run's log/summary.
     cfg_warnings: tuple[str, ...] = field(default=(), metadata={"cli": False})
@@ -382,6 +501,15 @@ class PPOConfig:
         if self.reward.remote_url:
             return "remote"
         return "model" if self.reward.model_name_or_path else "math"
+
+    @property
+    def packing(self) -> bool:
+        """Packed forwards: asked for, or implied by dynamic batching."""
+        return self.ds.packing_samples or self.train.dynamic_batch_enable
+
+    @property
+    def rollout_max_tokens_per_gpu(self) -> int:
+        return self.rollout.max_tokens_per_gpu or self.train.max_tokens_per_gpu
 
     @property
     def ckpt_path(self) -> str:

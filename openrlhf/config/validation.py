@@ -30,7 +30,11 @@ def _check_field(spec: FlagSpec, value: Any) -> str | None:
     """Type, choices and bounds of one field; these matter for configs built by from_dict."""
     if value is None:
         return None if spec.optional else f"{spec.flag} must be set"
-    if spec.nargs:
+    if spec.nargs == "*":
+        if not isinstance(value, tuple):
+            return f"{spec.flag} takes a list of values, got {value!r}"
+        items = value
+    elif spec.nargs:
         if not isinstance(value, tuple) or len(value) != spec.nargs:
             return f"{spec.flag} takes {spec.nargs} values, got {value!r}"
         items = value
