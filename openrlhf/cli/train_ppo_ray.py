@@ -43,6 +43,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from openrlhf.trainer.preflight import preflight_errors
+
+    refused = preflight_errors(cfg)
+    if refused:
+        print("\n".join(f"error: {e}" for e in refused), file=sys.stderr)
+        return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from jetrl_precision import BackendUnavailable, RecipeError
     from openrlhf.trainer.ppo_trainer import PrecisionCheckError, WeightSyncError

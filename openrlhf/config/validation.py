@@ -125,6 +125,17 @@ def _rule_errors(cfg: PPOConfig) -> list[str]:
     if roll.top_k == 0:
         errors.append("--rollout.top_k 0 would sample nothing: use -1 (off) or a positive k")
 
+    lo, hi = cfg.algo.dynamic_filtering_range
+    if cfg.algo.dynamic_filtering_enable and (lo >= hi or roll.n_samples_per_prompt < 2):
+        errors.append(
+            f"--algo.dynamic_filtering_enable keeps prompts whose {roll.n_samples_per_prompt} samples' mean score lies in "
+            f"({lo:g}, {hi:g}): it needs LOW < HIGH and --rollout.n_samples_per_prompt >= 2"
+        )
+    agent = cfg.train.agent_func_path
+    if agent and not Path(agent).is_file():
+        errors.append(f"--train.agent_func_path {agent}: no such file; pass a .py file that defines AgentExecutor")
+    if cfg.eval.steps > 0 and not cfg.eval.dataset:
+        errors.append(f"--eval.steps {cfg.eval.steps} evaluates on --eval.dataset, which is not set; pass one or drop --eval.steps")
     errors += _precision_errors(cfg.precision)
     return errors
 

@@ -33,12 +33,13 @@ from jetrl_precision.weight_sync import WeightSyncError, compare_digests, iter_s
 from openrlhf.config import ActorConfig, ConfigError
 from openrlhf.datasets.prompts_dataset import PromptDataset, load_prompt_records
 from openrlhf.models.actor import Actor, Critic, load_causal_lm
-from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss
+from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss, sequence_mean_weights
 from openrlhf.models.utils import masked_mean
 from openrlhf.utils.deepspeed import DeepspeedStrategy
 
 from .engines.base import RolloutEngine, SamplingConfig
 from .ppo_utils.experience_maker import AdvantageSettings, Experience, ExperienceMaker, RewardFn
+from .ppo_utils.reward_shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty
 
 __all__ = ["PPOTrainer", "PrecisionCheckError", "WeightSyncError", "StepResult", "make_lr_scheduler", "critic_micro_step"]
 
@@ -164,7 +165,9 @@ class PPOTrainer:
         cfg, st = self.cfg, self.strategy
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path)
+        if cfg.train.full_determinism_enable:
+            torch.use_deterministic_algorithms(True, warn_only=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         records = load_prompt_records(cfg.data.prompt_dataset, cfg.data.prompt_split, cfg.data.max_samples)
@@ -191,9 +194,9 @@ class PPOTrainer:
         with st.model_init_context(train=True):
             policy = load_causal_lm(cfg.actor.model_name_or_path, st.dtype, cfg.ds.attn_implementation)
         self.converter.convert(policy)
-        self.actor = Actor(policy)
+        self.actor = Actor(policy, packing=cfg.packing)
         if cfg.actor.gradient_checkpointing_enable:
-            self.actor.gradient_checkpointing_enable()
+            self.actor.gradient_checkpointing_enable(reentrant=cfg.actor.gradient_checkpointing_reentrant)
         opt = st.make_optimizer(self.actor, cfg.actor.adam.lr, cfg.actor.adam.betas, cfg.actor.adam.eps, cfg.actor.adam.weight_decay)
         self.actor_engine = st.prepare(self.actor, opt, make_lr_scheduler(opt, cfg.actor, self.total_updates))
         self.ref_engine = None
@@ -203,7 +206,7 @@ class PPOTrainer:
             with st.model_init_context(train=False):
                 ref = load_causal_lm(cfg.ref_model_path, st.dtype, cfg.ds.attn_implementation)
             self.converter.convert(ref)  # the reference runs the training forward's precision
-            ref_actor = Actor(ref).requires_grad_(False).eval()
+            ref_actor = Actor(ref, packing=cfg.packing).requires_grad_(False).eval()
             if cfg.ds.zero_stage == 3:  # sharded like the actor; --ref.offload keeps the shards on CPU
                 self.ref_engine = st.prepare(ref_actor, train=False)
             else:
@@ -214,15 +217,15 @@ class PPOTrainer:
             self.critic_engine = self._remote_critic
         elif cfg.needs_critic:
             with st.model_init_context(train=True):
-                critic = Critic.from_pretrained(cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation)
+                critic = Critic.from_pretrained(cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation, packing=cfg.packing)
             self.converter.convert(critic)
             copt = st.make_optimizer(critic, cfg.critic.adam.lr, cfg.critic.adam.betas, cfg.critic.adam.eps, cfg.critic.adam.weight_decay)
-            self.critic_engine = st.prepare(critic, copt, make_lr_scheduler(copt, cfg.actor, self.total_updates))
+            self.critic_engine = st.prepare(critic, copt, make_lr_scheduler(copt, cfg.critic, self.total_updates))
 
         # ---- losses, experience maker, reward ------------------------------------------------
         adv = cfg.algo.advantage
         is_corr = ISCorrection(adv.is_correction_type, *adv.is_correction_threshold) if adv.is_correction_enable else None
-        self.policy_loss = PolicyLoss(cfg.eps_clip_low, cfg.eps_clip_high, cfg.actor.dual_clip, is_corr)
+        self.policy_loss = PolicyLoss(cfg.eps_clip_low, cfg.eps_clip_high, cfg.actor.dual_clip, is_corr, loss_type=cfg.actor.policy_loss_type)
         self.value_loss = ValueLoss(cfg.critic.value_clip)
         self.kl_ctl = _AdaptiveKL(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
         self.estimator = adv.estimator
@@ -243,6 +246,25 @@ class PPOTrainer:
 
         # ---- rollout engine + the precision check ------------------------------------------
         self.engine = self.engine_factory(self.recipe)
+        self.agent = None
+        if cfg.train.agent_func_path:
+            from openrlhf.utils.agent import AgentRollout, load_agent_executor
+
+            self.agent = AgentRollout(load_agent_executor(cfg.train.agent_func_path), self.engine, self.tokenizer, cfg.data.max_len)
+        self.sleepers = []
+        if cfg.ds.enable_sleep:
+            from openrlhf.utils.deepspeed.sleep import EngineSleeper
+
+            self.sleepers = [EngineSleeper(self.actor_engine, "actor")]
+            if cfg.needs_critic and self._remote_critic is None:
+                self.sleepers.append(EngineSleeper(self.critic_engine, "critic"))
+        self.eval_dataset = None
+        if cfg.eval.dataset:
+            self.eval_dataset = PromptDataset(
+                load_prompt_records(cfg.eval.dataset, cfg.eval.split, None), self.tokenizer, input_key=cfg.data.input_key,
+                label_key=cfg.data.label_key, apply_chat_template=cfg.data.apply_chat_template, input_template=cfg.data.input_template,
+            )
+        self.best_eval: float | None = None
         self.sync_weights()  # identical bytes before the first rollout, digest-checked
         self.precision_report = self.check_precision()
 
@@ -314,6 +336,96 @@ class PPOTrainer:
     # =========================================================================================
     # one step
     # =========================================================================================
+    def _next_prompts(self) -> tuple[list[str], list[str | None]] | None:
+        """This rank's share of the next rollout slot, advancing the data position; None when every
+        episode's prompts are used."""
+        if self.rollout_index >= self.rollouts_per_episode:
+            self.episode, self.rollout_index = self.episode + 1, 0
+        if self.episode >= self.cfg.train.num_episodes:
+            return None
+        batch = self._rollout_prompts()
+        self.rollout_index += 1
+        return batch
+
+    def _generate(self, prompts: list[str], labels: list) -> list[list]:
+        """Sample n responses per prompt: through the user's agent, or the engine directly, in
+        chunks of --rollout.vllm_generate_batch_size prompts."""
+        prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        sampling = self.sampling(max(map(len, prompt_ids)))
+        if self.agent is not None:
+            return self.agent.generate(prompts, labels, sampling, sampling.max_new_tokens)
+        chunk = self.cfg.rollout.vllm_generate_batch_size or len(prompt_ids)
+        return [g for i in range(0, len(prompt_ids), chunk) for g in self.engine.generate(prompt_ids[i : i + chunk], sampling)]
+
+    def _score(self, groups: list[list], prompts: list[str], labels: list) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(scores, rewards, stats): the task score (logged, and what dynamic filtering reads) and
+        the reward the advantages see (length penalties applied)."""
+        cfg, n = self.cfg, self.cfg.rollout.n_samples_per_prompt
+        samples = [s for g in groups for s in g]
+        if self.agent is not None:
+            scores = torch.tensor([s.extra["score"] for s in samples], dtype=torch.float32)
+            rewards = torch.tensor([s.extra["reward"] for s in samples], dtype=torch.float32)
+        else:
+            responses = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+            raw = self.reward_fn([p for p in prompts for _ in range(n)], responses, [lab for lab in labels for _ in range(n)])
+            scores = torch.as_tensor(raw, dtype=torch.float32).reshape(len(samples))
+            rewards = scores.clone()
+        stats = {}
+        rc = cfg.reward
+        if rc.overlong_buffer_len is not None:
+            max_new = self.sampling(0).max_new_tokens if cfg.rollout.max_new_tokens else cfg.data.max_len
+            pen = overlong_penalty(torch.tensor([len(s.response_ids) for s in samples]), max_new, rc.overlong_buffer_len, rc.overlong_penalty_factor)
+            rewards = rewards + pen
+            stats["rollout/overlong_penalized"] = float((pen < 0).sum())
+        if rc.stop_properly_penalty_coef is not None:
+            truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+            rewards = stop_properly_penalty(rewards, truncated, rc.stop_properly_penalty_coef)
+            stats["rollout/truncated"] = float(truncated.sum())
+        return scores, rewards, stats
+
+    def collect_rollout(self):
+        """Generate, score and (DAPO) filter until every rank holds its share of prompt groups.
+        Returns (prompts, labels, samples, scores, rewards, stats), or None when the data ran out."""
+        cfg, st = self.cfg, self.strategy
+        n, per_rank = cfg.rollout.n_samples_per_prompt, cfg.rollout.batch_size // st.world_size
+        filtering = cfg.algo.dynamic_filtering_enable
+        kept: list[tuple] = []
+        drawn = rounds = 0
+        stats: dict[str, float] = {}
+        for sleeper in self.sleepers:
+            sleeper.sleep()
+        self.engine.wake_up()
+        try:
+            while True:
+                batch = self._next_prompts()
+                if batch is None:
+                    break
+                prompts, labels = batch
+                groups = self._generate(prompts, labels)
+                scores, rewards, stats = self._score(groups, prompts, labels)
+                keep = dynamic_filter_keep(scores, n, *cfg.algo.dynamic_filtering_range) if filtering else torch.ones(len(prompts), dtype=torch.bool)
+                for i in keep.nonzero().flatten().tolist():
+                    kept.append((prompts[i], labels[i], groups[i], scores[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n]))
+                drawn += len(prompts)
+                rounds += 1
+                if not filtering or st.all_reduce(float(len(kept)), "min").item() >= per_rank:
+                    break
+        finally:
+            self.engine.sleep()
+            for sleeper in self.sleepers:
+                sleeper.wake()
+        have = int(st.all_reduce(float(min(len(kept), per_rank)), "min").item())
+        if have == 0:
+            return None
+        if have < per_rank:
+            logger.warning("the prompt data ran out while refilling filtered groups: this step trains on %d of %d prompts per rank", have, per_rank)
+        kept = kept[:have]
+        if filtering:
+            stats["rollout/filter_pass_rate"] = st.all_reduce(float(len(kept))).item() / max(st.all_reduce(float(drawn)).item(), 1.0)
+            stats["rollout/filter_rounds"] = float(rounds)
+        return ([k[0] for k in kept], [k[1] for k in kept], [s for k in kept for s in k[2]],
+                torch.cat([k[3] for k in kept]), torch.cat([k[4] for k in kept]), stats)
+
     def _rollout_prompts(self) -> tuple[list[str], list[str | None]]:
         cfg, st = self.cfg, self.strategy
         g = torch.Generator().manual_seed(cfg.train.seed + self.episode)
@@ -334,16 +446,16 @@ class PPOTrainer:
             seed=self.cfg.train.seed * 1_000_003 + self.global_step * 1009 + self.strategy.rank,
         )
 
-    def step(self) -> StepResult:
+    def step(self) -> StepResult | None:
+        """One rollout -> train iteration; None when the prompt data is used up."""
         cfg, st = self.cfg, self.strategy
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        prompts, labels = self._rollout_prompts()
-        prompt_ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        self.engine.wake_up()
-        samples = [s for group in self.engine.generate(prompt_ids, self.sampling(max(map(len, prompt_ids)))) for s in group]
-        self.engine.sleep()
+        rollout = self.collect_rollout()
+        if rollout is None:
+            return None
+        prompts, labels, samples, scores, rewards, roll_stats = rollout
         t1 = time.perf_counter()
 
         maker = ExperienceMaker(
@@ -355,12 +467,19 @@ class PPOTrainer:
             ),
             ref=self.ref_engine, critic=self.critic_engine, micro_batch_size=cfg.rollout.micro_batch_size, device=st.device,
             reward_transform=self.reward_norm,
+            max_tokens=cfg.rollout_max_tokens_per_gpu if cfg.train.dynamic_batch_enable else None,
+            all_reduce_max=lambda k: int(st.all_reduce(float(k), "max").item()),
         )
         self.actor_engine.eval()
-        exp = maker.make(samples, prompts, labels)
+        exp = maker.make(samples, prompts, labels, scores=scores, rewards=rewards)
         t2 = time.perf_counter()
 
         metrics = self._experience_metrics(exp)
+        metrics.update(roll_stats)
+        agent_logs = [s.extra.get("extra_logs") or {} for s in samples]
+        for key in sorted({k for d in agent_logs for k in d}):
+            vals = [d[key] for d in agent_logs if key in d]
+            metrics[f"agent/{key}"] = st.all_reduce(float(sum(vals))).item() / max(st.all_reduce(float(len(vals))).item(), 1.0)
         metrics.update(self._train(exp))
         t3 = time.perf_counter()
 
@@ -376,9 +495,6 @@ class PPOTrainer:
         })
         if torch.cuda.is_available():
             metrics["perf/peak_mem_gb"] = st.all_reduce(torch.cuda.max_memory_allocated() / 2**30, "max").item()
-        self.rollout_index += 1
-        if self.rollout_index >= self.rollouts_per_episode:
-            self.episode, self.rollout_index = self.episode + 1, 0
         return StepResult(self.global_step, metrics)
 
     def _experience_metrics(self, exp: Experience) -> dict[str, float]:
@@ -411,12 +527,15 @@ class PPOTrainer:
             order = torch.randperm(len(exp), generator=g)
             for start in range(0, len(exp), per_update):
                 chunk = exp.select(order[start : start + per_update])
-                # Token-level mean over the whole optimizer step, across micro-batches and ranks.
+                # Token-level mean over the whole optimizer step, across micro-batches and ranks
+                # (GSPO: sequence-level mean, over the step's sequences).
                 global_tokens = st.all_reduce(chunk.action_mask.sum()).item()
-                for mb in chunk.micro_batches(cfg.train.micro_batch_size):
-                    stats = self._actor_micro_step(mb.to(st.device), global_tokens, scale)
+                global_seqs = st.all_reduce((chunk.action_mask.sum(-1) > 0).sum()).item()
+                for mb, weight, boundary in self._micro_batches(chunk):
+                    train_actor = self.global_step >= cfg.critic.freezing_steps
+                    stats = self._actor_micro_step(mb.to(st.device), global_tokens, scale * weight, global_seqs, boundary) if train_actor else {}
                     if self.critic_engine is not None:
-                        stats.update(self._critic_micro_step(mb.to(st.device), global_tokens, scale))
+                        stats.update(self._critic_micro_step(mb.to(st.device), global_tokens, scale * weight, boundary))
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
                     count += 1
@@ -424,14 +543,40 @@ class PPOTrainer:
         out["train/lr"] = self.actor_engine.get_lr()[0]
         return out
 
-    def _actor_micro_step(self, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:
+    def _micro_batches(self, chunk: Experience):
+        """(micro-batch, loss weight, is the step's last) for one optimizer step. Fixed-size by
+        default; with --train.dynamic_batch_enable bounded by --train.max_tokens_per_gpu, with the
+        same count on every rank (ZeRO-3 gathers parameters collectively in every forward): a rank
+        short of samples runs a zero-weight pass."""
+        cfg, st = self.cfg, self.strategy
+        if not cfg.train.dynamic_batch_enable:
+            mbs = list(chunk.micro_batches(cfg.train.micro_batch_size))
+            for j, mb in enumerate(mbs):
+                yield mb, 1.0, None
+            return
+        from openrlhf.utils.seqlen_balancing import synced_partition
+
+        lengths = chunk.attention_mask.sum(-1).tolist()
+        parts = synced_partition(lengths, cfg.train.max_tokens_per_gpu, lambda k: int(st.all_reduce(float(k), "max").item()))
+        for j, idx in enumerate(parts):
+            mb = chunk.select(torch.tensor(idx or [0]))
+            yield mb, 1.0 if idx else 0.0, j == len(parts) - 1
+
+    def _actor_micro_step(
+        self, mb: Experience, global_tokens: float, scale: float, global_seqs: float = 1.0, boundary: bool | None = None
+    ) -> dict[str, float]:
         cfg = self.cfg
+        if boundary is not None:  # dynamic batching: a varying number of micro-batches per optimizer step
+            self.actor_engine.set_gradient_accumulation_boundary(boundary)
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         entropy_coef = cfg.actor.entropy_coef
         out_fwd = self.actor_engine(mb.sequences, mb.attention_mask, mb.num_actions, temperature=temp, return_entropy=entropy_coef > 0)
         logp, entropy = out_fwd if entropy_coef > 0 else (out_fwd, None)
         out = self.policy_loss(logp, mb.old_logprobs, mb.advantages, mb.action_mask, rollout_log_probs=mb.rollout_logprobs)
-        loss = aggregate_loss(out.token_loss, mb.action_mask, global_tokens, scale)
+        if cfg.actor.policy_loss_type == "gspo":
+            loss = aggregate_loss(out.token_loss * sequence_mean_weights(mb.action_mask), mb.action_mask, global_seqs, scale)
+        else:
+            loss = aggregate_loss(out.token_loss, mb.action_mask, global_tokens, scale)
         kl_term = torch.zeros(())
         if cfg.algo.kl.use_loss and mb.ref_logprobs is not None:
             kl_term = aggregate_loss(kl_loss(logp, mb.ref_logprobs, mb.action_mask, cfg.algo.kl.estimator), mb.action_mask, global_tokens, scale)
@@ -460,7 +605,9 @@ class PPOTrainer:
             stats["train/kl_loss"] = kl_term.item() / scale * global_tokens / max(float(mb.action_mask.sum()), 1.0)
         return stats
 
-    def _critic_micro_step(self, mb: Experience, global_tokens: float, scale: float) -> dict[str, float]:
+    def _critic_micro_step(self, mb: Experience, global_tokens: float, scale: float, boundary: bool | None = None) -> dict[str, float]:
+        if boundary is not None and self._remote_critic is None:
+            self.critic_engine.set_gradient_accumulation_boundary(boundary)
         if self._remote_critic is not None:  # the same step, run where the critic lives
             return self._remote_critic.train_micro_step(mb, global_tokens, scale)
         return critic_micro_step(self.critic_engine, self.value_loss, self.converter, mb, global_tokens, scale)
@@ -475,6 +622,11 @@ class PPOTrainer:
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="ppo", disable=not (progress and st.is_rank_0), dynamic_ncols=True)
         while self.global_step < self.total_steps and self.episode < cfg.train.num_episodes:
             result = self.step()
+            if result is None:
+                logger.info("the prompt data is used up after %d steps", self.global_step)
+                break
+            if self.eval_dataset is not None and cfg.eval.steps > 0 and self.global_step % cfg.eval.steps == 0:
+                result.metrics.update(self.evaluate_dataset())
             self.history.append(result)
             if st.is_rank_0 and self.global_step % cfg.logger.logging_steps == 0:
                 self.metrics_logger.log(result.metrics, self.global_step)
@@ -551,6 +703,46 @@ class PPOTrainer:
         if st.is_rank_0:
             logger.info("evaluation: mean reward %.4f over %d samples in %.1f s", total / max(count, 1.0), int(count), time.perf_counter() - t0)
         return total / max(count, 1.0)
+
+    @torch.no_grad()
+    def evaluate_dataset(self) -> dict[str, float]:
+        """--eval.dataset: every prompt, --eval.n_samples_per_prompt samples at --eval.temperature;
+        eval/pass1 is the mean reward (score, through an agent), eval/passN the mean over prompts of
+        the best of the N. With --ckpt.best_metric_key, a better value exports the model to <ckpt>/best."""
+        cfg, st, e = self.cfg, self.strategy, self.cfg.eval
+        t0 = time.perf_counter()
+        idx = list(range(len(self.eval_dataset)))[st.rank :: st.world_size]
+        items = [self.eval_dataset[i] for i in idx]
+        prompts, labels = [it["prompt"] for it in items], [it["label"] for it in items]
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        s = SamplingConfig(
+            max_new_tokens=self.sampling(max(map(len, ids), default=0)).max_new_tokens, temperature=e.temperature,
+            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=e.n_samples_per_prompt, seed=4242 + st.rank,
+        )
+        self.engine.wake_up()
+        try:
+            groups = self.agent.generate(prompts, labels, s, s.max_new_tokens) if self.agent is not None else self.engine.generate(ids, s)
+        finally:
+            self.engine.sleep()
+        scores, _, _ = self._score(groups, prompts, labels) if groups else (torch.zeros(0), None, None)
+        per_prompt = scores.reshape(-1, e.n_samples_per_prompt) if scores.numel() else torch.zeros(0, e.n_samples_per_prompt)
+        count = st.all_reduce(float(per_prompt.shape[0])).item()
+        pass1 = st.all_reduce(per_prompt.mean(-1).sum() if per_prompt.numel() else 0.0).item() / max(count, 1.0)
+        passn = st.all_reduce(per_prompt.max(-1).values.sum() if per_prompt.numel() else 0.0).item() / max(count, 1.0)
+        out = {"eval/pass1": pass1, f"eval/pass{e.n_samples_per_prompt}": passn}
+        if st.is_rank_0:
+            logger.info("eval at step %d: pass1 %.4f, pass%d %.4f over %d prompts (%.1f s)", self.global_step, pass1,
+                        e.n_samples_per_prompt, passn, int(count), time.perf_counter() - t0)
+        key = cfg.ckpt.best_metric_key
+        if key != "none":
+            value = out.get(key.replace("eval_", "eval/") if key else "eval/pass1")
+            if value is None:
+                raise ConfigError(f"--ckpt.best_metric_key {key}: no such eval metric; choose one of {', '.join(out)} or none")
+            if self.best_eval is None or value > self.best_eval:
+                self.best_eval = value
+                self.strategy.save_hf(self.actor_engine, self.actor.model, self.tokenizer, Path(cfg.ckpt_path) / "best")
+                out["eval/best_saved"] = 1.0
+        return out
 
     def close(self) -> None:
         self.metrics_logger.close()

@@ -126,7 +126,12 @@ class ExperienceMaker:
         micro_batch_size: int = 8,
         device: torch.device | str = "cpu",
         reward_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        max_tokens: int | None = None,
+        all_reduce_max: Callable[[int], int] = lambda k: k,
     ) -> None:
+        """`max_tokens`: forwards bounded by tokens (--rollout.max_tokens_per_gpu, dynamic batching)
+        rather than by `micro_batch_size`; `all_reduce_max` makes every rank run as many."""
+        self.max_tokens, self.all_reduce_max = max_tokens, all_reduce_max
         self.actor, self.ref, self.critic = actor, ref, critic
         self.reward_fn, self.tokenizer, self.s = reward_fn, tokenizer, settings
         self.micro_batch_size, self.device = micro_batch_size, torch.device(device)
@@ -134,6 +139,17 @@ class ExperienceMaker:
 
     @torch.no_grad()
     def _forward(self, fn: Callable[..., torch.Tensor], exp: Experience, **kw) -> torch.Tensor:
+        if self.max_tokens is not None:
+            from openrlhf.utils.seqlen_balancing import synced_partition
+
+            out = torch.zeros(len(exp), exp.num_actions)
+            parts = synced_partition(exp.attention_mask.sum(-1).tolist(), self.max_tokens, self.all_reduce_max)
+            for idx in parts:
+                mb = exp.select(torch.tensor(idx or [0]))  # an empty part still runs: ZeRO-3 gathers collectively
+                res = fn(mb.sequences.to(self.device), mb.attention_mask.to(self.device), mb.num_actions, **kw).float().cpu()
+                if idx:
+                    out[idx, : res.shape[1]] = res
+            return out
         outs = []
         for start in range(0, len(exp), self.micro_batch_size):
             sl = slice(start, start + self.micro_batch_size)
@@ -141,18 +157,24 @@ class ExperienceMaker:
         return torch.cat(outs)
 
     @torch.no_grad()
-    def make(self, samples: Sequence[RolloutSample], prompts: Sequence[str], labels: Sequence[str | None]) -> Experience:
-        """`samples` are grouped: the n samples of prompt i are rows [i*n, (i+1)*n)."""
+    def make(
+        self, samples: Sequence[RolloutSample], prompts: Sequence[str], labels: Sequence[str | None],
+        scores: torch.Tensor | None = None, rewards: torch.Tensor | None = None,
+    ) -> Experience:
+        """`samples` are grouped: the n samples of prompt i are rows [i*n, (i+1)*n). `scores` (task
+        score) and `rewards` (what the advantages see), when given, replace the reward function."""
         t0 = time.perf_counter()
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         exp = samples_to_tensors(samples, pad)
         n = self.s.n_samples_per_prompt
-        responses = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-        rep_prompts = [p for p in prompts for _ in range(n)]
-        rep_labels = [lab for lab in labels for _ in range(n)]
-        rewards = self.reward_fn(rep_prompts, responses, rep_labels)
-        exp.scores = torch.as_tensor(rewards, dtype=torch.float32).reshape(len(samples))
-        exp.rewards = self.reward_transform(exp.scores) if self.reward_transform is not None else exp.scores
+        if scores is None:
+            responses = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
+            rep_prompts = [p for p in prompts for _ in range(n)]
+            rep_labels = [lab for lab in labels for _ in range(n)]
+            scores = torch.as_tensor(self.reward_fn(rep_prompts, responses, rep_labels), dtype=torch.float32).reshape(len(samples))
+        exp.scores = scores
+        rewards = scores if rewards is None else rewards
+        exp.rewards = self.reward_transform(rewards) if self.reward_transform is not None else rewards
         t1 = time.perf_counter()
         exp.old_logprobs = self._forward(self.actor, exp, temperature=self.s.temperature)
         t2 = time.perf_counter()
