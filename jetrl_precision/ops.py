@@ -68,7 +68,7 @@ def _impl_for(device: torch.device) -> QuantizeImpl | None:
         _warned.add("cuda")
         logger.warning(
             "jetrl_precision: no fast FP8 quantization kernel for %s (is triton installed?); using the reference "
-            "quantizer in plain torch, which is about 15x slower. Bytes are identical.",
+            "quantizer in plain torch, which is much slower. Bytes are identical.",
             device,
         )
     return None

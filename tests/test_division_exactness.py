@@ -45,7 +45,7 @@ def _differences(dx, cases, steps: int) -> int:
 def test_one_correction_reproduces_the_ieee_quotient_bytes(dx):
     cases = _cases(dx, 1500, seed=5)
     assert _differences(dx, cases, steps=1) == 0
-    assert _differences(dx, cases, steps=2) == 0  # sessions 5-6's count: a second correction changes nothing
+    assert _differences(dx, cases, steps=2) == 0  # `div.rn`'s count: a second correction changes nothing
 
 
 def test_one_correction_gives_the_fp32_quotient_bit_for_bit(dx):

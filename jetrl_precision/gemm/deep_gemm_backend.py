@@ -8,7 +8,7 @@ recipe_a=None, recipe_b=None, compiled_dims="nk", disable_ue8m0_cast=False)` com
 - wgrad: recipe (1, 1, 128) (both operands 1x128 along K): the 1D1D kernel, fp32 D only and C required
   (it TMA-adds into D). D starts at zero and is passed as C too; a bf16 request is cast from that fp32.
   Where cuBLASLt blockwise works, WGrad goes there instead (logged once): it writes bf16 directly and
-  measured 14-21% faster on the H200; the 1D1D path serves GPUs without it (M >= 64).
+  is faster on the H200; the 1D1D path serves GPUs without it (M >= 64).
 Scale layouts it reads without a copy, which are the ones built here: 1x128 scales fp32 (rows, K/128)
 MN-major with the row count padded to a multiple of 4 (16-byte TMA alignment; any other layout costs a
 JIT transpose kernel or a torch copy inside DeepGEMM); 128x128 scales fp32 (N/128, K/128) row-major (or
@@ -141,9 +141,9 @@ def deep_gemm_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
         return _to_torch(a, b, out_dtype, "fp32", f"{out_dtype} output requested for 1x128.128x128")
     if b.block == (1, 128):
         if _cublaslt_ok(a.data.device):
-            # WGrad on cuBLASLt: with the bf16 dW that Fp8Linear asks for it ran at 924-947 TFLOP/s on the
-            # H200, against 762-832 for DeepGEMM's 1D1D kernel, which writes fp32 only (zero-fill + cast).
-            return _to_torch(a, b, out_dtype, "wgrad", "1x128.1x128 (WGrad) runs on cuBLASLt, measured faster")
+            # WGrad on cuBLASLt: it writes the bf16 dW that Fp8Linear asks for directly and is faster on the
+            # H200 than DeepGEMM's 1D1D kernel, which writes fp32 only (zero-fill + cast).
+            return _to_torch(a, b, out_dtype, "wgrad", "1x128.1x128 (WGrad) runs on cuBLASLt, which is faster")
         return deep_gemm_wgrad_1d1d(a, b, out_dtype)
     dg = _module_or_raise()
     a_data, a_scale, b_data, b_scale, m, n = pad_operands(a, b, who="deep_gemm backend")
@@ -155,7 +155,7 @@ def deep_gemm_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.d
 def deep_gemm_wgrad_1d1d(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
     """1x128.1x128 on DeepGEMM's 1D1D kernel itself (the backend prefers cuBLASLt where it works)."""
     if a.shape[0] < _MIN_M_1D1D:
-        # The H200 test run failed the 1D1D kernel at M = 1 and passed it at M = 64, 100 and 130.
+        # On the H200 the 1D1D kernel fails at M = 1 and passes at M = 64, 100 and 130.
         raise ValueError(f"deep_gemm 1D1D kernel: needs M >= {_MIN_M_1D1D}, got {a.shape[0]}; use gemm_backend='torch' or 'triton'")
     dg = _module_or_raise()
     # Contiguous data: the 1D1D kernel takes K as the row stride of A and B.

@@ -39,7 +39,7 @@ class GemmBackend:
 
 
 _REGISTRY: dict[str, GemmBackend] = {}
-# Fastest first (H200 measurements in docs/benchmarks.md).
+# Fastest first on the H200 (GEMM figures in docs/benchmarks.md).
 AUTO_ORDER_CUDA = ("deep_gemm", "torch", "triton")
 _logged_choices: set[tuple[str, str]] = set()
 

@@ -1,15 +1,15 @@
 """The `torch` backend: cuBLASLt blockwise FP8 through `torch.nn.functional.scaled_mm` (sm90).
 
-Layouts (measured on an H200 with torch 2.11, see docs/benchmarks.md):
+Layouts (cuBLASLt on an H200 with torch 2.11):
 - mat_a = A e4m3 [M, K] row-major; mat_b = B.t() with B e4m3 [N, K] contiguous;
 - 1x128 scales (A always; B for WGrad): shape (rows, K/128), strides (1, rows) (MN-major);
 - 128x128 scale_b: shape (round_up(K/128, 4), N/128), strides (1, round_up(K/128, 4));
 - fast accumulation is refused with block scales (block scaling promotes to fp32 every 128 K anyway);
-- M must be a multiple of 4 (measured: M = 1 and 130 give CUBLAS_STATUS_NOT_SUPPORTED), so A is padded.
+- M must be a multiple of 4 (M = 1 and 130 give CUBLAS_STATUS_NOT_SUPPORTED), so A is padded.
 The recipe enum is looked up through `__members__` (its spelling differs across torch versions);
 torch builds without `F.scaled_mm` use the legacy `torch._scaled_mm`, which infers the recipe from
 the scale shapes; builds with both use the legacy call for 1x128.128x128 when the availability probe
-finds it bitwise equal (torch 2.11: equal, and 10 us/call less host time). K or N that are not
+finds it bitwise equal (it is on torch 2.11, with less host time per call). K or N that are not
 multiples of 128 are zero-padded (logged once).
 """
 
@@ -64,8 +64,8 @@ def torch_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
     types = scaling_types()
     if types is None or (b.block == (128, 128) and _legacy_same.get(_device_key(a_data.device), False)):
         # The legacy entry point infers the recipe from the scale shapes; where the probe found it
-        # bitwise equal to F.scaled_mm it is taken for 1x128.128x128, because it costs ~10 us less
-        # host time per call (measured on the H200), which decode-sized GEMMs feel.
+        # bitwise equal to F.scaled_mm it is taken for 1x128.128x128, because it costs less host time
+        # per call, which decode-sized GEMMs feel.
         out = torch._scaled_mm(a_data, b_data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
     else:
         one, block = types

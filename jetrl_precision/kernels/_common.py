@@ -2,8 +2,8 @@
 
 Each helper mirrors one line of `quantize.quantize_fp8` so the bytes match exactly:
 - amax is a max of |x| in fp32, floored at 1e-10, NaN kept visible (torch's amax propagates NaN): one
-  NaN-propagating max reduction carries both (a separate NaN-flag reduction cost the 128x1 kernels a second
-  cross-warp round, 3-11% of their time on the H200);
+  NaN-propagating max reduction carries both (a separate NaN-flag reduction would cost the 128x1 kernels a
+  second cross-warp round);
 - scale = amax / 448 with IEEE round-to-nearest division (`div_rn`, not Triton's approximate `/`);
 - pow2 rounding is frexp/ldexp on the bits (non-finite scales become 1.0, as torch.frexp makes them);
 - q = e4m3(clamp(x / scale, -448, 448)), x / scale the IEEE quotient from a per-group reciprocal and one FMA
@@ -50,19 +50,18 @@ def group_scale(amax, POW2: tl.constexpr):
 def quantize_values(x, scale, POW2: tl.constexpr):
     """e4m3(clamp(x / scale, -448, 448)) with x / scale the IEEE quotient RN(x / scale) and RNE conversion.
 
-    The clamp is left to the saturating conversion (module docstring); dropping the explicit one took 1 of 17-19
-    SASS instructions per element and moved the 128x1^T writer from 82% to 86% of copy on the H200 (session 6).
+    The clamp is left to the saturating conversion (module docstring): one SASS instruction per element fewer,
+    which the bandwidth-bound 128x1^T writer feels.
 
     The quotient takes one correctly rounded reciprocal per group, y = RN(1 / scale), then one FMA correction
     per element (none under POW2), q -= RN(q * scale - x) * y. That is RN(x / scale) exactly: x * y is within
     one ulp of the quotient, its residual is exact, and with y correctly rounded one correction lands on the
-    correctly rounded quotient (Markstein's theorem; sessions 5-6 ran two corrections, the count of `div.rn`'s
-    fast path, which starts from an approximate reciprocal). It is *not* x * (1 / scale), which differs in the
-    last bit. Where y == 0
+    correctly rounded quotient (Markstein's theorem; `div.rn`'s fast path needs two, since it starts from an
+    approximate reciprocal). It is *not* x * (1 / scale), which differs in the last bit. Where y == 0
     (scale = inf) the residual uses 0 for the scale, so x / inf stays a signed zero, and writing the residual
     as q * scale - x keeps x = -0 negative. `benchmarks/division_exactness.py` checks this in exact rational
-    arithmetic; the GPU tests compare every kernel's bytes with `quantize_fp8`. The kernels compile to 17-33%
-    fewer SASS instructions than with a per-element `div_rn` (sm_90a, docs/benchmarks.md).
+    arithmetic; the GPU tests compare every kernel's bytes with `quantize_fp8`. The kernels compile to fewer
+    SASS instructions than with a per-element `div_rn` (`benchmarks/sass_count.py`).
     """
     recip = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # per group, before the broadcast
     s_res = tl.where(recip == 0.0, 0.0, scale)

@@ -1,8 +1,8 @@
 """CUDA requantizer 1x128 -> 128x1, written transposed (the WGrad input), compiled at first use with NVRTC.
 
 Why CUDA and not Triton: the requantizer reads 1 byte and writes 1 byte per element, transposed. Triton
-moves its FP8 tile between the load and the transposed-store layouts through shared memory, and over 120
-tile settings (sessions 4-6) it never passed 51% of the copy bandwidth on the H200. Here each thread owns
+moves its FP8 tile between the load and the transposed-store layouts through shared memory, and no tile
+setting of the sweep brings it near the copy bandwidth on the H200. Here each thread owns
 32 consecutive tokens x 4 consecutive columns and loads one 32-bit word (4 columns) per token, so a warp
 reads whole 128-byte rows and the amax along tokens needs no shuffle, only one cross-warp step in shared
 memory. The e4m3x2 conversion packs the same column of two tokens into one 16-bit pair, so the transpose
@@ -83,9 +83,9 @@ __device__ __forceinline__ float quotient(float x, float recip, float s_res) {
 
 // One CTA = 128 tokens x 128 columns (one input 1x128 group wide), 4 warps. Warp w owns tokens [32w, 32w+32),
 // lane l columns [4l, 4l+4): 32 words in flight per thread. Needs K % 4 == 0, a 4-byte-aligned input row stride
-// and M % 16 == 0. (Session 7 measured the alternatives slower on the H200: 16 tokens per thread, keeping the
-// dequantized floats in registers instead of converting twice, and a persistent cp.async-pipelined variant;
-// session 8 a row stride fixed at compile time: +0.5 to 1 point, but -3 to 4 with pow2 scales.)
+// and M % 16 == 0. (Slower on the H200: 16 tokens per thread, keeping the dequantized floats in registers
+// instead of converting twice, a persistent cp.async-pipelined variant, and a row stride fixed at compile time
+// under pow2 scales.)
 template <bool POW2>
 __global__ void __launch_bounds__(128)
 requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_in, u32* __restrict__ q,
@@ -96,7 +96,7 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
     __shared__ uint4 tile[128][8];  // the output tile: 128 columns x 128 tokens of e4m3, 16-byte chunks
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Token blocks fastest: consecutive CTAs write neighbouring 128-byte pieces of the same output rows
-    // (1-2% faster than column blocks fastest on the H200, session 7 run 7).
+    // (faster than column blocks fastest on the H200).
     const int tm = blockIdx.x * 128, tk = blockIdx.y * 128;
     const int k0 = tk + 4 * lane, m0 = tm + warp * ROWS;
     const bool col_ok = k0 < K;
@@ -135,8 +135,7 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
     red[warp][lane] = make_float4(amax[0], amax[1], amax[2], amax[3]);
     __syncthreads();
     {   // Thread t finishes column t alone (amax over the 4 warps, the scale, its reciprocal): once per column
-        // instead of once per warp, since the IEEE division and reciprocal cost ~25 instructions each time
-        // (session 8: +1 to 2 points of the copy bandwidth at the large shapes).
+        // instead of once per warp, since the IEEE division and reciprocal cost ~25 instructions each time.
         const float* redf = reinterpret_cast<const float*>(red);  // column c of warp r at [r * 128 + c]
         float a = redf[threadIdx.x];
 #pragma unroll
@@ -159,7 +158,7 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
     // Column j of 16 tokens -> one 16-byte chunk (the e4m3x2 conversion packs two tokens of one column, so the
     // transpose costs no byte shuffling), staged in shared memory as soon as it is complete so that each warp
     // then stores whole 128-byte output rows: straight from registers a warp's 16-byte stores land in 32
-    // different rows (session 7: 0.7x the speed). Chunk c of row k sits at c ^ ((k >> 2) & 7): conflict-free
+    // different rows, which is much slower. Chunk c of row k sits at c ^ ((k >> 2) & 7): conflict-free
     // both ways (k >> 2 == lane when writing). The FP8 words are converted again rather than kept as floats.
 #pragma unroll
     for (int c = 0; c < ROWS / 16; ++c) {
@@ -205,8 +204,7 @@ _failed: dict[int, str] = {}
 
 class _Kernel:
     """A compiled kernel with a lean launcher: torch's `_CudaKernel.__call__` re-opens libcuda and converts
-    every argument on each call (60-88 us of host time per launch on the H200's host, against 27-31 us here;
-    session 7)."""
+    every argument on each call, which doubles the host time per launch."""
 
     _launch = None
 

@@ -108,7 +108,7 @@ class TritonQuantizeImpl:
         """(Q(x, 1x128), Q(x, 128x1).t()), outside the share cache (dY has no siblings); None for other pairs.
 
         Two kernels: one-read versions (a 128x128 tile reduced both ways; column-then-row slices re-read
-        from L2) were byte-exact but 1.3-2.3x slower on the H200 (docs/benchmarks.md).
+        from L2) are byte-exact but slower on the H200.
         """
         if block == (1, 128) and t_block == (128, 1) and x.dim() == 2 and x.numel() > 0 and x.is_floating_point():
             return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale)

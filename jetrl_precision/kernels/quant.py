@@ -120,8 +120,8 @@ def _quant_128x1_kernel(
     mask = (rr[:, None] < R) & (cc[None, :] < C)
     x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
     if DEQ:
-        # A per-element scale load (L1 hits) measured faster on the H200 than one load per row plus the
-        # broadcast's layout conversion (95 vs 111 us at 16384x4096).
+        # A per-element scale load (L1 hits) is faster on the H200 than one load per row plus the
+        # broadcast's layout conversion.
         s_in = tl.load(in_s_ptr + rr[:, None] * sir + (cc // 128)[None, :] * sig, mask=mask, other=0.0)
         x = x * s_in
     scale = group_scale(abs_max(x, 0), POW2)
@@ -139,12 +139,11 @@ class Tile128x1:
     col_fastest: bool = False
 
 
-# Fastest tiles of the H200 sweeps (`benchmarks/quant_sweep.py`, 18 tiles x 3 shapes: 16384x4096, 16384x14336,
-# 8192x4096; docs/benchmarks.md). Session 5 re-swept after the division became a per-group reciprocal plus FMA
-# corrections (fewer instructions per element move the balance towards wider tiles for the bf16 writer):
-# 64 columns x 2 warps won at all three shapes for the 128x1^T writer (1.08-1.10x the session-4 tile, 16 x 1,
-# column blocks fastest) and 16 x 1 for the requantizer (1.05-1.11x its session-4 tile, 16 x 2).
-TILE_128x1 = Tile128x1()  # row-major output (no sweep since session 1; 128 rows x 32 columns, 4 warps)
+# Fastest tiles of the H200 sweep (`benchmarks/quant_sweep.py`, 18 tiles x 3 shapes: 16384x4096, 16384x14336,
+# 8192x4096): 64 columns x 2 warps for the 128x1^T writer and 16 columns x 1 warp, column blocks fastest, for
+# the requantizer. Re-sweep after changing the per-element arithmetic: fewer instructions per element move the
+# balance towards wider tiles.
+TILE_128x1 = Tile128x1()  # row-major output (128 rows x 32 columns, 4 warps; not swept)
 TILE_128x1_T = Tile128x1(block_c=64, num_warps=2, col_fastest=False)
 TILE_REQUANT_T = Tile128x1(block_c=16, num_warps=1, col_fastest=True)
 
@@ -190,8 +189,8 @@ def requantize_1x128_to_128x1(
 ) -> QuantizedTensor:
     """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes.
 
-    Transposed, `kernel="auto"` takes the CUDA cast-transpose kernel (`cast_transpose`; 86% of the copy
-    bandwidth against the Triton kernel's 50% at 16384x14336 on the H200, session 8) where it compiled and the
+    Transposed, `kernel="auto"` takes the CUDA cast-transpose kernel (`cast_transpose`, which is faster on the
+    H200: figures in docs/benchmarks.md) where it compiled and the
     shape fits it (M % 16 == 0, K % 4 == 0), else this module's Triton kernel; both give the reference's bytes.
     A `tile` asks for the Triton kernel.
     """
@@ -244,11 +243,11 @@ def quantize_128x128(
 ) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
     """Returns (Q(x), Q(x).t()) as requested; both come from one read of x and carry identical bytes.
 
-    4 warps per 128x128 tile: 96 us against 102 us for 8 warps at 28672x4096 on the H200 (session 5).
+    4 warps per 128x128 tile: faster than 8 on the H200.
 
     For inputs wider than 16 bits both outputs take one launch each: with fp32 input Triton 3.6 moves the FP8
-    tile to the transposed store's layout with a conversion that wrote wrong bytes on the H200 (session 5;
-    bf16/fp16 inputs recompute the tile in that layout instead and are exact, as the GPU tests check).
+    tile to the transposed store's layout with a conversion that writes wrong bytes on the H200 (bf16/fp16
+    inputs recompute the tile in that layout instead and are exact, as the GPU tests check).
     """
     if write and write_t and x.element_size() > 2:
         return (quantize_128x128(x, pow2_scale, write=True, write_t=False, num_warps=num_warps)[0],
@@ -291,7 +290,7 @@ def transpose_quantized(qt: QuantizedTensor, block: int = 128, num_warps: int = 
     """qt.t() with the data transposed by a Triton kernel (torch's 1-byte transpose copy is slow).
 
     For 128x128 blocks the transposed scales are written in the padded row-major layout the GEMMs read.
-    128x128 tiles with 8 warps measured fastest on the H200 (3.4 TB/s, 81% of copy, for 28672x4096).
+    128x128 tiles with 8 warps are the fastest on the H200.
     """
     rows, cols = qt.shape
     src = qt.data.view(torch.uint8)

@@ -5,7 +5,7 @@ whole sequence at once. Ordinary kernels reduce in shape-dependent orders, so th
 differ by float noise (~1e-7 in fp32). With e4m3 that noise is not harmless: a value near a
 rounding boundary lands on the next code (a 6-12% change of that element), and through a deep
 model these flips cascade until rollout and training disagree as much as two independent
-quantizations (measured on SmolLM2: see docs/benchmarks.md).
+quantizations (SmolLM2 figures in docs/benchmarks.md).
 
 This attention computes scores, softmax and the weighted sum in float64 and rounds once to
 the input dtype. A float64 result differs by ~1e-16 between the two paths, which almost never
