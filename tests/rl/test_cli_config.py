@@ -24,7 +24,7 @@ from openrlhf.config import (
 from openrlhf.config.docs import render_alias_table, render_flag_table
 
 BASE = ["--pretrain", "some/model", "--prompt_data", "tasks.jsonl"]
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 
 
 def get(cfg, dest: str):

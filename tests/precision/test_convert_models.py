@@ -116,6 +116,7 @@ def train_losses(model: nn.Module, data: torch.Tensor, steps: int = 30, batch: i
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fp8_training_tracks_bf16_loss_curve(name):
     data = markov_dataset()

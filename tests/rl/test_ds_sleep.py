@@ -11,6 +11,8 @@ from jetrl_precision import convert_to_fp8, get_recipe, mark_weights_updated
 from openrlhf.utils.deepspeed import DeepspeedStrategy, StrategyConfig
 from openrlhf.utils.deepspeed.sleep import EngineSleeper, _engine_tensors
 
+pytestmark = pytest.mark.integration
+
 
 def _engine(stage: int):
     st = DeepspeedStrategy(StrategyConfig(zero_stage=stage, param_dtype="fp32", micro_batch_size=2, train_batch_size=2))

@@ -27,14 +27,11 @@ for _k, _v in dict(
 ).items():
     os.environ.setdefault(_k, _v)
 
-from _rl_helpers import ENV, PY, REPO, grpo_args, make_task, metrics, run  # noqa: E402
+from _rl_helpers import ENV, PY, REPO, grpo_args, metrics, run  # noqa: E402
 
 from openrlhf.config import ConfigError, parse_config  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    return make_task(tmp_path_factory.mktemp("task"))
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

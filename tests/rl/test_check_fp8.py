@@ -17,6 +17,8 @@ from jetrl_precision.diagnostics import diagnose_linears, format_diagnostics, sq
 from openrlhf.cli.check_fp8 import main as check_main
 from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model
 
+pytestmark = pytest.mark.integration
+
 
 class _MLP(nn.Module):
     def __init__(self) -> None:

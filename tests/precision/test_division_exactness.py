@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "division_exactness.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "division_exactness.py"
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.json"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.json"
 REQUIRED = {"name": str, "shape": str, "backend": str, "unit": str, "command": str, "date": str}
 
 
@@ -28,7 +28,7 @@ def _gpu_report():
 
     if "gpu_report" in sys.modules:
         return sys.modules["gpu_report"]
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_report.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_report.py"
     spec = importlib.util.spec_from_file_location("gpu_report", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["gpu_report"] = mod  # dataclasses look their module up there
@@ -70,7 +70,7 @@ def test_targets_table_from_the_recorded_runs():
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         [sys.executable, "benchmarks/gpu_report.py", str(DOC), "--targets", "--run-label",
          "session 8 run 4,session 8 run 3"],

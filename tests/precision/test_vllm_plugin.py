@@ -45,7 +45,9 @@ from openrlhf.trainer.engines.base import SamplingConfig  # noqa: E402
 from openrlhf.trainer.engines.vllm_engine import VLLMEngine  # noqa: E402
 from openrlhf.utils.tiny_model import build_tiny_model  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
 TEMPERATURE = 0.8
 
 

@@ -14,6 +14,8 @@ from openrlhf.trainer.engines.hf_engine import HFEngine
 from openrlhf.trainer.ppo_utils.experience_maker import sample_after_sync
 from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

@@ -98,6 +98,8 @@ vllm = pytest.importorskip("vllm")
 
 from openrlhf.trainer.engines.vllm_engine import VLLMEngine, VLLMNotInstalledError  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 
 class EnginePool:
     """One in-process vLLM engine at a time (vLLM's distributed state is per process)."""

@@ -9,12 +9,9 @@ import time
 import pytest
 import torch
 
-from _rl_helpers import ENV, PY, REPO, grpo_args, make_task, metrics, run
+from _rl_helpers import ENV, PY, REPO, grpo_args, metrics, run
 
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    return make_task(tmp_path_factory.mktemp("task"))
+pytestmark = pytest.mark.integration
 
 
 def _mean(xs):
