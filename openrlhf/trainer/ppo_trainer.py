@@ -30,7 +30,7 @@ from jetrl_precision import (
     mismatch_metrics,
 )
 from jetrl_precision.weight_sync import WeightSyncError, compare_digests, iter_sync_tensors, sync_tensor_digest
-from openrlhf.config import ActorConfig, ConfigError
+from openrlhf.config import ActorConfig, ConfigError, CriticConfig
 from openrlhf.datasets.prompts_dataset import PromptDataset, load_prompt_records
 from openrlhf.models.actor import Actor, Critic, load_causal_lm
 from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss, sequence_mean_weights
@@ -103,17 +103,17 @@ class _OffloadedModule:
             self.module.cpu()
 
 
-def make_lr_scheduler(optimizer, actor_cfg: ActorConfig, total_updates: int):
-    """Linear warmup, then cosine down to `min_lr_ratio` (or constant), over `total_updates` optimizer steps.
-    The critic uses the actor's schedule settings, as in OpenRLHF."""
+def make_lr_scheduler(optimizer, schedule: ActorConfig | CriticConfig, total_updates: int):
+    """Linear warmup, then cosine down to `min_lr_ratio` (or constant), over `total_updates` optimizer steps;
+    `schedule` is the model's own section (`cfg.actor` or `cfg.critic`)."""
     from transformers import get_scheduler
 
-    warmup = math.ceil(total_updates * actor_cfg.lr_warmup_ratio)
-    if actor_cfg.lr_scheduler == "constant":
+    warmup = math.ceil(total_updates * schedule.lr_warmup_ratio)
+    if schedule.lr_scheduler == "constant":
         return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
     return get_scheduler(
         "cosine_with_min_lr", optimizer, num_warmup_steps=warmup, num_training_steps=total_updates,
-        scheduler_specific_kwargs={"min_lr_rate": actor_cfg.min_lr_ratio},
+        scheduler_specific_kwargs={"min_lr_rate": schedule.min_lr_ratio},
     )
 
 

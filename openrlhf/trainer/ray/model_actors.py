@@ -133,7 +133,7 @@ class CriticActor:
         self.converter.convert(critic)
         opt = st.make_optimizer(critic, cfg.critic.adam.lr, cfg.critic.adam.betas, cfg.critic.adam.eps, cfg.critic.adam.weight_decay)
         # The SPMD trainer's scheduler, for the same number of updates.
-        sched = make_lr_scheduler(opt, cfg.actor, total_updates)
+        sched = make_lr_scheduler(opt, cfg.critic, total_updates)
         self.critic_engine = st.prepare(critic, opt, sched)
         self.value_loss = ValueLoss(cfg.critic.value_clip)
 

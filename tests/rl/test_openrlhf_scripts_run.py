@@ -1,6 +1,6 @@
 """OpenRLHF v0.11 example scripts, shrunk to a CPU, run 2 steps with the flags they use.
 
-Each script's argv (tests/fixtures/openrlhf_v0_11.json) keeps its feature flags (packing, dynamic
+Each script's argv (tests/rl/fixtures/openrlhf_v0_11.json) keeps its feature flags (packing, dynamic
 batching, DAPO filtering, DeepSpeed sleep, agent, periodic eval, IS correction, clip-higher, ZeRO
 stage, GAE critic, reward normalization, ...) plus `--fp8_unified`; what cannot fit this machine is
 replaced: model and data paths (a tiny local model and arithmetic prompts), sizes, flash attention
@@ -17,6 +17,8 @@ import pytest
 
 from _rl_helpers import ENV, PY, REPO, metrics
 from test_openrlhf_parity_cli import SCRIPTS
+
+pytestmark = pytest.mark.integration
 
 SIZE = {
     "--rollout.batch_size": "4", "--rollout.n_samples_per_prompt": "4", "--train.batch_size": "8",

@@ -1,7 +1,7 @@
 """OpenRLHF v0.11 users bring their scripts: every PPO/GRPO/REINFORCE++/DAPO example script parses
 with `--fp8_unified` appended, and every flag of v0.11's train_ppo_ray is known to our parser.
 
-The argument lists come from tests/fixtures/openrlhf_v0_11.json (data only: flag names and values).
+The argument lists come from tests/rl/fixtures/openrlhf_v0_11.json (data only: flag names and values).
 File arguments the scripts point at (/openrlhf/examples/python/reward_func.py, an agent file) are
 redirected to real local files, because validation checks that they exist.
 """
