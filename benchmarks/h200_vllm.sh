@@ -54,8 +54,13 @@ EOF
     tests/gpu/test_engine_linear_gpu.py tests/gpu/test_vllm_gpu.py 2>&1 | tail -30
 }
 
+stage_torch8b() {  # the same with the GEMM backend pinned to cuBLASLt (torch), engines in their own folder
+  python3 benchmarks/vllm_gpu.py throughput --layers 8 --gemm-backend torch --out /tmp/res/vllm8b --timeout 330 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -12
+  python3 benchmarks/vllm_gpu.py host --gemm-backend torch --out /tmp/res/vllm8b --timeout 60 2>&1 | tail -13
+}
+
 stage_sync() {
-  python3 benchmarks/vllm_gpu.py sync --sync-layers 32 --syncs 2 --out /tmp/res/sync --timeout 300 2>&1 | grep "^\[vllm_gpu\|^sync" | tail -12
+  python3 benchmarks/vllm_gpu.py sync --sync-layers 32 --syncs 2 --gemm-backend torch --out /tmp/res/sync --timeout 150 2>&1 | grep "^\[vllm_gpu\|^sync" | tail -12
   python3 benchmarks/vllm_gpu.py warm --layers 8 --recipes jet_fp8 bf16 --out /tmp/res/vllm8b --timeout 200 2>&1 | tail -4
 }
 

@@ -121,6 +121,15 @@ class _Turn:
         self._f.close()
 
 
+def _recipe(a: argparse.Namespace):
+    import dataclasses
+
+    from jetrl_precision import get_recipe
+
+    r = get_recipe(a.recipe)
+    return dataclasses.replace(r, gemm_backend=a.gemm_backend) if a.gemm_backend else r
+
+
 def job_throughput(a: argparse.Namespace) -> dict:
     import torch
     from vllm import SamplingParams
@@ -133,7 +142,7 @@ def job_throughput(a: argparse.Namespace) -> dict:
     try:
         t0 = time.perf_counter()
         engine = VLLMEngine(
-            a.model, a.recipe, dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem, max_model_len=a.prompt_len + a.new_tokens + 8,
+            a.model, _recipe(a), dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem, max_model_len=a.prompt_len + a.new_tokens + 8,
             enforce_eager=a.mode == "eager", engine_kwargs={"skip_tokenizer_init": True, **_engine_extra(a.kv_gib)},
         )
         start_s = time.perf_counter() - t0
@@ -196,7 +205,7 @@ def job_host(a: argparse.Namespace) -> dict:
     from jetrl_precision.integrations.engine_linear import EngineLinear
 
     recipe = get_recipe("jet_fp8")
-    backend = resolve_backend("auto", "cuda")
+    backend = resolve_backend(a.gemm_backend or "auto", "cuda")
     shapes = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672), "down_proj": (14336, 4096)}
 
     def host_us(fn, reps: int = 100) -> float:
@@ -237,7 +246,7 @@ def job_sync(a: argparse.Namespace) -> dict:
     from openrlhf.trainer.engines.base import SamplingConfig
     from openrlhf.trainer.engines.vllm_engine import VLLMEngine
 
-    recipe = get_recipe(a.recipe)
+    recipe = _recipe(a)
     cfg = LlamaConfig(num_hidden_layers=a.layers, torch_dtype="bfloat16", **SHAPE)
     torch.manual_seed(0)
     on_gpu = torch.cuda.is_available()
@@ -314,8 +323,12 @@ JOBS = {"throughput": job_throughput, "host": job_host, "sync": job_sync}
 
 
 # ---- orchestration -----------------------------------------------------------------------------------
+_GEMM_BACKEND: list[str] = []
+
+
 def _spawn(job: str, out_json: Path, args: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, __file__, "job", job, "--json", str(out_json), *args, *(["--tiny"] if SHAPE == TINY else [])]
+    extra = (["--tiny"] if SHAPE == TINY else []) + (["--gemm-backend", _GEMM_BACKEND[0]] if _GEMM_BACKEND else [])
+    cmd = [sys.executable, __file__, "job", job, "--json", str(out_json), *args, *extra]
     log = open(out_json.with_suffix(".log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
 
@@ -435,8 +448,11 @@ def main() -> None:
     ap.add_argument("--parties", type=int, default=1)
     ap.add_argument("--start-only", action="store_true")
     ap.add_argument("--timeout", type=float, default=540.0)
+    ap.add_argument("--gemm-backend", default=None, help="override the recipe's GEMM backend (auto, torch, deep_gemm, triton)")
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 8B shape (CPU smoke runs)")
     a = ap.parse_args()
+    if a.gemm_backend:
+        _GEMM_BACKEND.append(a.gemm_backend)
     if a.tiny:
         SHAPE.clear()
         SHAPE.update(TINY)
