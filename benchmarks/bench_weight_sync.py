@@ -9,7 +9,7 @@ It reports:
 - on the benchmark model (fp32 trainer on CPU): the trainer-side quantize time, the in-process
   install into a jet_fp8 vLLM engine (no re-quantization), the transfer over a gloo group
   (127.0.0.1, two threads), and the digest check over all tensors.
-Numbers from a 2-core CI-class machine are in the module's report to the lead / docs/benchmarks.md.
+Figures from a 2-core CPU machine are in docs/benchmarks.md.
 """
 
 from __future__ import annotations

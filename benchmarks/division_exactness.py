@@ -1,17 +1,15 @@
-"""Exact-arithmetic check of the FP8 quantizers' division (`kernels/_common.quantize_values`, since session 5).
+"""Exact-arithmetic check of the FP8 quantizers' division (`kernels/_common.quantize_values`).
 
 The bytes must equal the reference quantizer's `e4m3(clamp(x / scale))` with IEEE division. A per-element
-`div_rn` is about 9-10 of the 19-28 SASS instructions each element costs (session 4, docs/benchmarks.md), so the
-kernels use a per-group reciprocal y = RN(1/s) plus one FMA correction per element,
+`div_rn` is about a third of the SASS instructions each element costs (`sass_count.py`), so the kernels use a per-group reciprocal y = RN(1/s) plus one FMA correction per element,
 
     q = RN(x * y);  q = RN(q - RN(q*s - x) * y)
 
 (s is replaced by 0 in the residual where y == 0, i.e. s = inf, so that x/inf comes out as IEEE says, and the
 residual's sign convention keeps x = -0 negative). With y correctly rounded and RN(x * y) within one ulp of the
-quotient, one correction gives the correctly rounded quotient (Markstein's theorem). Sessions 5-6 ran two, the
-count of `div.rn`'s fast path, which starts from an approximate reciprocal; session 7 went to one. Under pow2
-scales the reciprocal is exact and q = RN(x * y) is the quotient itself, so the kernels skip the correction there
-(session 6), which the pow2 sets check. This script checks, in exact rational arithmetic (no float64 double
+quotient, one correction gives the correctly rounded quotient (Markstein's theorem; `div.rn`'s fast path runs
+two, since it starts from an approximate reciprocal). Under pow2 scales the reciprocal is exact and q = RN(x * y) is
+the quotient itself, so the kernels skip the correction there, which the pow2 sets check. This script checks, in exact rational arithmetic (no float64 double
 rounding), that the e4m3 bytes are then the reference's, on random groups, on quotients next to e4m3 rounding
 midpoints, on scales whose reciprocal sits at a binade edge, and on the special values. Inputs are bf16
 (quantization) or any fp32 (requantization). NaN bytes compare as one value: GPU arithmetic returns the canonical

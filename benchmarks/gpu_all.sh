@@ -5,8 +5,8 @@
 #
 # Knobs: SECTIONS (gpu_bench sections, default all), PYTEST_K (a -k filter; PYTEST_K=skip runs no tests),
 # BENCH_TIMEOUT / TEST_TIMEOUT in seconds. On a fresh machine the whole of tests/gpu takes longer than one call allows
-# next to the benchmark (session 5: test_triton_quant.py alone ~250 s of Triton compiles and reference checks, the
-# linear tests ~150 s with DeepGEMM's JIT): split it, e.g. PYTEST_K=skip here and the tests in a call of their own.
+# next to the benchmark (test_triton_quant.py alone spends minutes on Triton compiles and reference checks, the
+# linear tests on DeepGEMM's JIT): split it, e.g. PYTEST_K=skip here and the tests in a call of their own.
 # Writes 4 files to $OUT, well under what a device call returns:
 # deep_gemm_build.txt, pytest.txt, gpu_bench.log and gpu_bench.json.
 set -u

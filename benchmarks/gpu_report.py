@@ -1,13 +1,13 @@
-"""Turn a gpu_bench.py JSON into docs: records for docs/benchmarks.json, markdown tables, and a plot.
+"""Turn a gpu_bench.py JSON into results: a run file under benchmarks/results/runs/, markdown tables and plots.
 
-    python benchmarks/gpu_report.py RUN.json [--json docs/benchmarks.json] [--plot docs/gpu_gemm_tflops.png]
-        [--run-label LABEL] [--linear-plot docs/gpu_linear_fwd_bwd.png]
-    python benchmarks/gpu_report.py docs/benchmarks.json --targets --run-label "newest run,older run"
+    python benchmarks/gpu_report.py RUN.json [--run-label LABEL] [--plot docs/gpu_gemm_tflops.png]
+        [--linear-plot docs/gpu_linear_fwd_bwd.png]
+    python benchmarks/gpu_report.py --goals [benchmarks/results/runs]
 
-New records are tagged with `--run` (a label such as "2026-11-29 session 3"); an existing record with
-the same (name, shape, backend, run) is replaced, everything else is kept, so a partial run (a few
-sections) never deletes the figures of another. The markdown tables go to stdout; the GEMM plot is
-drawn when the run has GEMM records, the linear-layer plot when it has linear records and a run label.
+The run's records go to `benchmarks/results/runs/<date>_<NN>_<label>.json` (see `headline.py`); then run
+`python benchmarks/headline.py` to refresh headline.json and the README's table. The markdown tables go to
+stdout; the GEMM plot is drawn when the run has GEMM records, the linear-layer plot when it has linear records.
+`--goals` prints the goals table from every recorded run, the newest figure of each winning.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-GPU_PREFIXES = (
-    "d2d_copy", "quant_", "gemm_", "wgrad_gemm", "triton_decode_diag", "host_us", "linear_", "stack_", "decode_",
-)
+from headline import RUNS, load_records, write_run  # benchmarks/ is on sys.path: this file runs as a script from there
+
 REQUIRED = ("name", "shape", "backend", "value", "unit", "ratio_vs_bf16", "command", "date")
 
 
@@ -30,28 +29,18 @@ def load(path):
         return json.load(f)
 
 
-def _key(r):
-    return (r.get("name"), r.get("shape"), r.get("backend"), r.get("run"))
-
-
-def update_json(records, path, run_label=None):
-    old = []
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-    new = []
-    for r in records:
-        out = {k: r.get(k) for k in REQUIRED}
-        out["device"] = "NVIDIA H200 (nvidia-h200 lease)"
-        out.update({k: v for k, v in r.items() if k not in REQUIRED})
+def run_records(run: dict, run_label: str | None = None) -> list[dict]:
+    """gpu_bench.py's records in the results format: the required fields first, the device, the run label."""
+    device = (run.get("env") or {}).get("gpu") or "GPU (see the run's env)"
+    out = []
+    for r in run["records"]:
+        rec = {k: r.get(k) for k in REQUIRED}
+        rec["device"] = device
+        rec.update({k: v for k, v in r.items() if k not in REQUIRED})
         if run_label is not None:
-            out["run"] = run_label
-        new.append(out)
-    replaced = {_key(r) for r in new}
-    keep = [r for r in old if _key(r) not in replaced]
-    with open(path, "w") as f:
-        json.dump(keep + new, f, indent=1)
-    return len(new)
+            rec["run"] = run_label
+        out.append(rec)
+    return out
 
 
 def _last(records, name, shape=None, backend=None):
@@ -63,7 +52,7 @@ def _last(records, name, shape=None, backend=None):
 
 @dataclass(frozen=True)
 class Target:
-    """One of the issue's (#3) targets: `value(records)` -> (measured number or None, the record it came from)."""
+    """A goal of the FP8 path: `value(records)` -> (measured number or None, the record it came from)."""
 
     label: str
     unit: str  # "%" or "x"
@@ -83,7 +72,7 @@ def _gemm_row(backend):
         r = _last(records, "gemm_geomean_ratio_M_ge_4096", backend=backend)
         if r is None:
             return None, ""
-        # Session 8 on: timed at the power cap, with do_bench's figure beside it (gpu_bench.bench_sustained).
+        # Timed at the power cap, with do_bench's figure beside it (gpu_sections.timing.bench_sustained).
         how = f", at the power cap; do_bench {r['flush_geomean']}x" if "flush_geomean" in r else ""
         return r["value"], f"gemm_geomean_ratio_M_ge_4096 ({r['shape']}{how})"
     return Target(f"GEMM TFLOP/s vs BF16, M >= 4096, geomean, {backend}", "x", 1.6, value)
@@ -125,7 +114,7 @@ TARGETS = (
     _gemm_row("torch"),
     _gemm_row("deep_gemm"),
     _linear_row("FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, eager (auto)", "eager"),
-    # Not a target of the issue: the eager steps again with a process-wide knob (docs/performance.md, step 6).
+    # Not a goal: the eager steps again with a process-wide knob (docs/performance.md, step 6).
     _linear_row("FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, eager, autograd engine on the calling thread (auto)", "1thread", None),
     _linear_row("FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, CUDA graph (auto)", "graph"),
     _ratio_row("4-layer stack fwd+bwd+AdamW tokens/s vs BF16 (auto)", "stack_train_tokens_per_s", "4 layers, batch 16 x seq 4096"),
@@ -134,7 +123,7 @@ TARGETS = (
 
 
 def targets_table(records) -> str:
-    """One markdown table: each of the issue's targets, the measured value, and whether it is met."""
+    """One markdown table: each goal, the measured value, and whether it is met."""
     lines = ["| target | goal | measured | met | from |", "| --- | --- | --- | --- | --- |"]
     for t in TARGETS:
         label, unit, goal = t.label, t.unit, t.goal
@@ -247,33 +236,31 @@ def plot_linear(records, path, run_label):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("run")
-    ap.add_argument("--json", default="docs/benchmarks.json")
+    ap.add_argument("run", nargs="?", help="gpu_bench.py's JSON (with --goals: a folder of run files)")
+    ap.add_argument("--results", default=str(RUNS), help="where run files go")
     ap.add_argument("--plot", default="docs/gpu_gemm_tflops.png")
-    ap.add_argument("--run-label", default=None, help='tag for the new records, e.g. "2026-11-29 session 3 call 1"')
+    ap.add_argument("--run-label", default="gpu_bench", help='names the run file, e.g. "gpu_bench linear deep_gemm"')
     ap.add_argument("--linear-plot", default="docs/gpu_linear_fwd_bwd.png")
-    ap.add_argument("--targets", action="store_true",
-                    help="only print the targets table: RUN is docs/benchmarks.json and --run-label lists the runs to "
-                         "read, comma-separated, newest first (the first run holding a figure wins)")
+    ap.add_argument("--goals", "--targets", dest="goals", action="store_true",
+                    help="only print the goals table from the recorded runs (the newest figure of each wins)")
     args = ap.parse_args()
-    if args.targets:
-        labels = [x.strip() for x in (args.run_label or "").split(",") if x.strip()]
-        if not labels:
-            ap.error("--targets needs --run-label 'newest run,older run,...'")
-        records = load(args.run)
-        # Oldest first, so `_last` returns the newest run's figure.
-        picked = [r for label in reversed(labels) for r in records if r.get("run") == label]
-        if not picked:
-            ap.error(f"no records of runs {labels} in {args.run}")
-        print(targets_table(picked))
+    if args.goals:
+        records = load_records(args.run or args.results)
+        if not records:
+            ap.error(f"no run records in {args.run or args.results}")
+        print(targets_table(records))
         return
+    if args.run is None:
+        ap.error("give gpu_bench.py's JSON (or --goals)")
     run = load(args.run)
-    n = update_json(run["records"], args.json, args.run_label)
-    print(f"<!-- {n} GPU records written to {args.json} -->\n")
-    if any(r["name"] == "gemm_tflops" for r in run["records"]):
-        print(gemm_table(run["records"]))
-        plot(run["records"], args.plot)
-    if args.run_label and plot_linear([dict(r, run=args.run_label) for r in run["records"]], args.linear_plot, args.run_label):
+    records = run_records(run, args.run_label)
+    date = max(r["date"] for r in records) if records else "unknown-date"
+    path = write_run(records, args.run_label, date, args.results)
+    print(f"<!-- {len(records)} GPU records written to {os.path.relpath(path)} -->\n")
+    if any(r["name"] == "gemm_tflops" for r in records):
+        print(gemm_table(records))
+        plot(records, args.plot)
+    if plot_linear(records, args.linear_plot, args.run_label):
         print(f"<!-- linear plot written to {args.linear_plot} -->")
 
 

@@ -1,7 +1,7 @@
 """Where an eager Fp8Linear training step spends host (CPU) time, on a GPU.
 
-An o_proj-sized step at M=8192 does about 0.9 ms of GPU work but takes 1.5 ms eager (docs/benchmarks.md), and a
-fwd+bwd at M=64 costs ~1.3 ms of host time against ~0.15 ms for nn.Linear, more than the sum of its launches.
+An o_proj-sized step at M=8192 does less GPU work than its eager host time (docs/benchmarks.md), and a fwd+bwd at
+M=64 costs several times nn.Linear's host time, more than the sum of its launches.
 This script separates the candidates:
 - warm host time per step (steps back to back, timed before the closing sync, so the wall time is enqueue
   cost while the launch queue has room) for nn.Linear and Fp8Linear, at M=64 and M=8192, with the autograd
@@ -31,8 +31,8 @@ from jetrl_precision import Fp8Linear, get_recipe  # noqa: E402
 
 
 def host_ms(step, n=9):
-    """One step timed after a sync and a long sleep kernel: a *cold* host (session 4 found it 0.5-1 ms above
-    the warm figure even for nn.Linear). Kept to show that penalty; `loop_us` is the steady-state cost."""
+    """One step timed after a sync and a long sleep kernel: a *cold* host, well above the warm figure even for
+    nn.Linear. Kept to show that penalty; `loop_us` is the steady-state cost."""
     ts = []
     for _ in range(n):
         torch.cuda.synchronize()
@@ -78,7 +78,7 @@ def busy_us(step, n=20):
 def engine_thread_probe() -> None:
     """Backward bodies of one kind of work each, timed with the autograd engine's device threads on and off.
 
-    Session 4 measured an Fp8Linear fwd+bwd 0.4 ms cheaper with the threads off, against 0.06 ms for nn.Linear;
+    An Fp8Linear fwd+bwd can be cheaper with the threads off on some hosts (much more so than nn.Linear);
     the row whose work slows down on the device thread names the cause.
     """
     from jetrl_precision.gemm import gemm_nt

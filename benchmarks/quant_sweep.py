@@ -1,11 +1,9 @@
 """Sweep the launch shapes of the shipped 128x1ᵀ / requant / 1x128 quantizers on a GPU, byte-checked first.
 
-The shipped defaults come from this sweep (`quant.TILE_128x1_T`, `quant.TILE_REQUANT_T`): session 4 picked 16
-columns x 1 warp (bf16 -> 128x1ᵀ writer) and 16 x 2 (requantizer), column blocks fastest; session 5, after the
-division became a per-group reciprocal plus FMA corrections, re-swept and moved to 64 x 2 (row blocks fastest) and
-16 x 1 (1.05-1.11x). Session 4 also measured a variant with several column tiles per program and Triton's software
-pipelining (cp.async prefetch): slower at all 36 settings, so it was dropped; its code is at commit 01e810b and
-its figures are the `quant_sweep_*` records of run "session 4 run 3" in docs/benchmarks.json.
+The shipped defaults come from this sweep (`quant.TILE_128x1_T`: 64 columns x 2 warps, row blocks fastest, for the
+bf16 -> 128x1ᵀ writer; `quant.TILE_REQUANT_T`: 16 x 1, column blocks fastest, for the Triton requantizer). Re-run it
+after changing the kernels' per-element arithmetic: fewer instructions per element favour wider tiles. Its figures
+are the `quant_sweep_*` records in benchmarks/results/runs/.
 
 Every launch shape is first checked byte for byte (scales by their bits, so NaN scales compare) against the
 reference quantizer on a tensor holding NaN and +-inf; a mismatch drops it before timing.

@@ -3,7 +3,6 @@
 Triton's wheel carries ptxas and nvdisasm, so a CPU machine can compile a kernel for Hopper and count what it
 became. The count is static (every instruction once, the division slow path and setup included), divided by the
 elements one thread handles: a way to compare kernel variants before spending device time, not a timing.
-Session 5 used it to size the division change (docs/benchmarks.md, "Session 5 (latest): the division ...").
 
     python3 -m venv /tmp/trvenv && /tmp/trvenv/bin/pip install triton==3.6.0
     PYTHONPATH=.venv/lib/python3.11/site-packages /tmp/trvenv/bin/python benchmarks/sass_count.py [--dump KIND]
@@ -12,9 +11,7 @@ The CUDA requantizer (`kernels/cast_transpose.py`, row `cudaT`) is compiled with
 `nvidia-cuda-nvrtc-cu12` wheel and the same ptxas. Take NVRTC 12.8, as old as Triton 3.6's ptxas (12.9 writes PTX
 8.8, which that ptxas refuses): `/tmp/trvenv/bin/pip install nvidia-cuda-nvrtc-cu12==12.8.93`. Without the wheel
 that row says so and the others still print. Its count holds both the interior and the edge-tile load paths, of
-which a tile runs one. Session 8: 18.3 static (19.3 before one thread per column took over the scale step). Read
-from the disassembly (`nvdisasm -c`), an interior tile runs about 12.4 per element: ~100 instructions per thread for
-its 32 row loads and their 64-bit addresses, then ~1480 from the last scale load to the exit (~1580 before).
+which a tile runs one; the disassembly (`nvdisasm -c`) shows how many an interior tile runs per element.
 
 (torch comes from the project's venv only for the imports; nothing runs on a device.) Integer arguments get
 Triton's run-time specialization by hand: strides of 1 are constants and every other pointer and integer is marked

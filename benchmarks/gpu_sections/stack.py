@@ -1,0 +1,115 @@
+"""Sections `stack` (the 4-layer Llama-3.1-8B stack's fwd+bwd+AdamW step: tokens/s and peak memory, BF16 against
+jet_fp8 per GEMM backend, fused and unfused SwiGLU) and `decode` (its forward at M = 64 and 256 tokens, one
+position each, eager and under a CUDA graph)."""
+
+from __future__ import annotations
+
+import torch
+
+from jetrl_precision import mark_weights_updated
+from jetrl_precision.gemm import resolve_backend
+
+from .llama_stack import build_stack
+from .timing import bench, capture, data, rec
+
+__all__ = ["section_stack", "section_decode"]
+
+
+def _variant_label(variant):
+    if variant == "bf16":
+        return variant
+    backend, _, mode = variant.split("/")[1].partition(":")
+    return f"jet_fp8 {resolve_backend(backend, 'cuda')}" + (f" {mode}" if mode else "")
+
+
+def _stack_variants(args, unfused=False):
+    """bf16 plus one jet_fp8 variant per distinct resolved backend (auto,torch is one variant without DeepGEMM);
+    with `unfused`, the first backend once more without the fused SwiGLU MLP (its A/B)."""
+    out, seen = ["bf16"], set()
+    for b in args.stack_backends.split(","):
+        resolved = resolve_backend(b, "cuda")
+        if resolved not in seen:
+            seen.add(resolved)
+            out.append(f"jet_fp8/{b}")
+    if unfused and len(out) > 1:
+        out.insert(2, out[1] + ":unfused")
+    return out
+
+
+def section_stack(args):
+    seq = 4096
+    results = {}
+    for batch in (args.stack_batch, args.stack_batch // 2, args.stack_batch // 4):
+        try:
+            for name in _stack_variants(args, unfused=True):
+                torch.cuda.empty_cache()
+                model = build_stack(name)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+                x = data(batch * seq, 4096, seed=14).view(batch, seq, 4096)
+
+                def step():
+                    out = model(x)
+                    loss = out.float().pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    mark_weights_updated()
+                    return loss
+
+                for _ in range(2):
+                    step()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                n_steps = args.stack_steps
+                t0 = torch.cuda.Event(enable_timing=True)
+                t1 = torch.cuda.Event(enable_timing=True)
+                t0.record()
+                for _ in range(n_steps):
+                    loss = step()
+                t1.record()
+                torch.cuda.synchronize()
+                ms = t0.elapsed_time(t1) / n_steps
+                peak = torch.cuda.max_memory_allocated() / 2**30
+                tok_s = batch * seq / (ms * 1e-3)
+                results[name] = (ms, tok_s, peak, float(loss))
+                del model, opt, x
+                torch.cuda.empty_cache()
+            break
+        except torch.cuda.OutOfMemoryError:
+            print(f"stack: batch {batch} ran out of memory; halving")
+            results = {}
+            torch.cuda.empty_cache()
+    bf = results["bf16"]
+    shape = f"4 layers, batch {batch} x seq {seq}"
+    print(f"\n4-layer Llama-3.1-8B stack fwd+bwd+AdamW, {shape}")
+    for name, (ms, tok, peak, loss) in results.items():
+        label = _variant_label(name)
+        gb = "cublas-bf16" if name == "bf16" else label.split()[1]
+        print(f"  {name:22s} {ms:8.1f} ms/step {tok:9.0f} tok/s ({tok / bf[1]:.3f}x)  peak {peak:6.1f} GiB"
+              f" ({peak / bf[2]:.3f} of bf16)  loss {loss:.4g}  [{gb}]")
+        rec("stack_train_tokens_per_s", shape, label, round(tok, 0), "tokens/s", round(tok / bf[1], 3),
+            ms_per_step=round(ms, 2), peak_mem_gib=round(peak, 2), gemm_backend=gb,
+            fused_swiglu=name != "bf16" and not name.endswith(":unfused"))
+
+
+def section_decode(args):
+    print("\nDecode-shaped forward (M sequences x 1 position, no KV cache), 4 layers")
+    models = {name: build_stack(name).eval() for name in _stack_variants(args)}
+    for m in (64, 256):
+        res = {}
+        for name, model in models.items():
+            x = data(m, 4096, seed=15).view(m, 1, 4096)
+            with torch.no_grad():
+                model(x)
+                t_eager = bench(lambda: model(x), rep=100)
+                g = capture(lambda: model(x))
+                t_graph = bench(lambda: g.replay(), rep=100)
+            res[name] = (t_eager, t_graph)
+            del g
+        for name, (te, tg) in res.items():
+            rb = res["bf16"]
+            label = _variant_label(name)
+            print(f"  M={m:4d} {label:18s} eager {te * 1e3:8.1f} us ({rb[0] / te:4.2f}x)  graph {tg * 1e3:8.1f} us ({rb[1] / tg:4.2f}x)")
+            rec("decode_forward_us", f"M={m} 4 layers eager", label, round(te * 1e3, 1), "us", round(rb[0] / te, 3))
+            rec("decode_forward_us", f"M={m} 4 layers cuda-graph", label, round(tg * 1e3, 1), "us", round(rb[1] / tg, 3))
+    del models

@@ -1,0 +1,251 @@
+"""Benchmark results: the raw per-run records, and the headline figures the README quotes.
+
+    benchmarks/results/runs/<date>_<NN>_<label>.json   one benchmark run's records (a list), NN in run order
+    benchmarks/results/headline.json                  one entry per headline metric, the latest measurement only
+
+    python benchmarks/headline.py            # recompute headline.json from the runs, refresh README.md's table
+    python benchmarks/headline.py --check    # exit 1 if either is stale (tests/benchmarks runs the same check)
+
+A record is a dict with at least name, shape, backend, value, unit, ratio_vs_bf16, command, date (and usually
+device). Where runs disagree, the newest run holding a figure wins: run files sort by date, then run number.
+Headline metrics either come from a record (`METRICS` below says which, and how the value is read from it) or
+are written into headline.json by the benchmark that measures them (`set_metric`); recomputing keeps the latter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = RESULTS / "runs"
+HEADLINE = RESULTS / "headline.json"
+README = ROOT / "README.md"
+FIELDS = ("value", "unit", "what", "command", "date", "device")
+
+__all__ = ["load_runs", "load_records", "latest", "write_run", "Metric", "METRICS", "compute_headline", "set_metric",
+           "render_table", "update_readme"]
+
+
+# ---- raw records ------------------------------------------------------------------------------------
+def load_runs(runs_dir: Path = RUNS) -> list[tuple[str, list[dict]]]:
+    """[(file name, records)] oldest first."""
+    return [(p.name, json.loads(p.read_text())) for p in sorted(Path(runs_dir).glob("*.json"))]
+
+
+def load_records(runs_dir: Path = RUNS) -> list[dict]:
+    """Every record, oldest run first, each tagged with `_run_file`."""
+    return [dict(r, _run_file=name) for name, recs in load_runs(runs_dir) for r in recs]
+
+
+def latest(records: list[dict], name: str, shape: str | None = None, backend: str | None = None,
+           where: Callable[[dict], bool] | None = None) -> dict | None:
+    """The newest record with this name (and shape, backend, predicate when given), or None."""
+    hits = [r for r in records if r.get("name") == name and (shape is None or r.get("shape") == shape)
+            and (backend is None or r.get("backend") == backend) and (where is None or where(r))]
+    return hits[-1] if hits else None
+
+
+def write_run(records: list[dict], label: str, date: str, runs_dir: Path = RUNS) -> Path:
+    """Write one run's records as `<date>_<NN>_<label>.json`, NN the next run number of that date."""
+    runs_dir = Path(runs_dir)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    n = 1 + max((int(p.name.split("_")[1]) for p in runs_dir.glob(f"{date}_*.json")), default=0)
+    slug = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-") or "run"
+    path = runs_dir / f"{date}_{n:02d}_{slug}.json"
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return path
+
+
+# ---- headline metrics -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Metric:
+    """A headline figure read from the records: `pick(records)` -> (value, the record it came from)."""
+
+    key: str
+    unit: str
+    what: str
+    pick: Callable[[list[dict]], tuple[float | None, dict | None]]
+    digits: int = 3
+
+
+def _field(name, shape=None, backend=None, field="value", where=None, transform=lambda v: v):
+    def pick(records):
+        r = latest(records, name, shape, backend, where)
+        if r is None or r.get(field) is None:
+            return None, None
+        return transform(r[field]), r
+    return pick
+
+
+def _auto_variant(name, shape=None, field="ratio_vs_bf16"):
+    """The `auto` jet_fp8 variant of the newest run with such records: the first jet_fp8 one a run writes
+    (gpu_bench times `auto` first, then the other backends asked for, then the unfused SwiGLU A/B)."""
+    def pick(records):
+        hits = [r for r in records if r.get("name") == name and (shape is None or r.get("shape") == shape)]
+        if not hits:
+            return None, None
+        run = [r for r in hits if r["_run_file"] == hits[-1]["_run_file"]]
+        fp8 = [r for r in run if r.get("backend", "").startswith("jet_fp8") and r.get("fused_swiglu") is not False]
+        bf16 = [r for r in run if r.get("backend") == "bf16"]
+        if not fp8:
+            return None, None
+        if field == "peak_ratio":
+            return (fp8[0]["peak_mem_gib"] / bf16[0]["peak_mem_gib"], fp8[0]) if bf16 else (None, None)
+        return fp8[0].get(field), fp8[0]
+    return pick
+
+
+def _grpo(field_name, gpus, invert=False):
+    return _field(field_name, backend="jet_fp8", field="ratio_vs_bf16", where=lambda r: r.get("gpus") == gpus,
+                  transform=(lambda v: 1 / v) if invert else (lambda v: v))
+
+
+SMOL = "SmolLM2-135M fp32, 16 x 96 tokens, attention=jetrl_invariant"
+
+METRICS: tuple[Metric, ...] = (
+    Metric("gemm_fp8_vs_bf16_geomean", "x bf16",
+           "FP8 blockwise GEMM TFLOP/s over BF16, geomean of 12 Llama-3.1-8B shapes at M >= 4096, deep_gemm backend "
+           "(what auto picks), at the power cap",
+           _field("gemm_geomean_ratio_M_ge_4096", backend="deep_gemm")),
+    Metric("gemm_fp8_vs_bf16_geomean_cublaslt", "x bf16",
+           "the same with the torch backend (cuBLASLt blockwise, no DeepGEMM)",
+           _field("gemm_geomean_ratio_M_ge_4096", backend="torch")),
+    Metric("linear_fwd_bwd_vs_bf16_cuda_graph", "x bf16",
+           "FP8 linear layer forward+backward over nn.Linear BF16, M = 8192, geomean of the 4 Llama-3.1-8B projections, "
+           "under CUDA graphs",
+           _field("linear_fwd_bwd_geomean_ratio", "M=8192 4 layers graph")),
+    Metric("linear_fwd_bwd_vs_bf16_eager", "x bf16",
+           "the same, eager (host-bound for the smaller projections: it depends on the host CPU)",
+           lambda recs: _field("linear_fwd_bwd_geomean_ratio",
+                               f"M=8192 4 layers {(latest(recs, 'linear_fwd_bwd_geomean_ratio', 'M=8192 4 layers graph') or {}).get('backend')}_cached")(recs)),
+    Metric("stack_train_tokens_per_s_ratio", "x bf16",
+           "4-layer Llama-3.1-8B-shaped stack, forward+backward+AdamW tokens/s over BF16 (batch 16 x 4096 tokens)",
+           _auto_variant("stack_train_tokens_per_s")),
+    Metric("stack_peak_memory_ratio", "x bf16", "the same stack's peak GPU memory over BF16's",
+           _auto_variant("stack_train_tokens_per_s", field="peak_ratio")),
+    Metric("decode_forward_vs_bf16_cuda_graph", "x bf16",
+           "the same stack's decode-shaped forward (64 sequences x 1 token) under CUDA graphs, over BF16",
+           _auto_variant("decode_forward_us", "M=64 4 layers cuda-graph")),
+    Metric("quant_1x128_pct_of_copy", "% of copy", "1x128 activation quantizer bandwidth, 16384x14336, against a device copy",
+           _field("quant_1x128", "16384x14336", field="frac_of_copy", transform=lambda v: 100 * v), digits=1),
+    Metric("requant_128x1_transposed_pct_of_copy", "% of copy",
+           "the WGrad requantizer (saved FP8 1x128 -> 128x1, written transposed), 16384x14336, against a device copy",
+           _field("quant_requant_1x128_to_128x1_T", "16384x14336", field="frac_of_copy", transform=lambda v: 100 * v), digits=1),
+    Metric("grpo_step_tokens_per_s_ratio_1gpu", "x bf16",
+           "GRPO step tokens/s over bf16, 0.68B Llama, 1024-token rollouts on the transformers engine, ZeRO-3, 1 GPU",
+           _grpo("grpo_scaling_tokens_per_s", 1)),
+    Metric("grpo_step_tokens_per_s_ratio_2gpu", "x bf16", "the same on 2 GPUs", _grpo("grpo_scaling_tokens_per_s", 2)),
+    Metric("grpo_weight_sync_time_ratio", "x bf16", "the same run's weight quantization + sync time over bf16's, 1 GPU",
+           _grpo("grpo_scaling_weight_sync_s", 1, invert=True)),
+    Metric("mismatch_abs_logp_jet_fp8_invariant", "mean |dlogp|",
+           "rollout-vs-trainer logprob mismatch per token, jet_fp8, SmolLM2-135M, batch-invariant numerics (CPU fp32)",
+           _field("rollout_train_mismatch_abs_logp_diff_mean", SMOL, "jet_fp8"), digits=2),
+    Metric("mismatch_abs_logp_bf16_invariant", "mean |dlogp|", "the same, bf16 recipe",
+           _field("rollout_train_mismatch_abs_logp_diff_mean", SMOL, "bf16"), digits=2),
+    Metric("mismatch_abs_logp_fp8_rollout_invariant", "mean |dlogp|", "the same, fp8_rollout (the off-policy baseline)",
+           _field("rollout_train_mismatch_abs_logp_diff_mean", SMOL, "fp8_rollout"), digits=2),
+)
+
+
+def _round(v: float, digits: int) -> float:
+    if v == 0 or not math.isfinite(v):
+        return v
+    if abs(v) >= 1:
+        return round(v, digits)
+    return float(f"{v:.{digits}g}")
+
+
+def compute_headline(records: list[dict], current: dict | None = None) -> dict:
+    """headline.json's content: `current`'s entries, with every metric that has a record replaced by its newest value."""
+    metrics = dict((current or {}).get("metrics", {}))
+    for m in METRICS:
+        value, r = m.pick(records)
+        if value is None:
+            continue
+        metrics[m.key] = {
+            "value": _round(value, m.digits), "unit": m.unit, "what": m.what, "command": r["command"],
+            "date": r["date"], "device": r.get("device", ""), "record": {
+                "run_file": r["_run_file"], "name": r["name"], "shape": r["shape"], "backend": r["backend"]},
+        }
+    return {"metrics": metrics}
+
+
+def set_metric(key: str, value: float, unit: str, what: str, command: str, date: str, device: str, path: Path = HEADLINE) -> None:
+    """Record a headline figure that is not read from the run records (a benchmark writes its own)."""
+    data = json.loads(Path(path).read_text()) if Path(path).exists() else {"metrics": {}}
+    data["metrics"][key] = {"value": value, "unit": unit, "what": what, "command": command, "date": date, "device": device}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+
+# ---- the README table -----------------------------------------------------------------------------
+def _fmt(entry: dict) -> str:
+    v, unit = entry["value"], entry["unit"]
+    if unit.startswith("x "):
+        return f"{v:.2f}x"
+    if unit.startswith("%"):
+        return f"{v:.0f}%"
+    return f"{v:.2g}" if abs(v) < 1e-2 else f"{v:.3g}"
+
+
+def _md(row: str) -> str:
+    """One markdown table row from cells joined by NUL (pipes inside cells escaped)."""
+    return "| " + " | ".join(c.replace("|", "\\|") for c in row.split("\0")) + " |"
+
+
+def render_table(headline: dict) -> str:
+    rows = ["| figure | value | measured on |", "|---|---|---|"]
+    for e in headline["metrics"].values():
+        unit = "" if e["unit"].startswith(("x ", "%")) else f" {e['unit']}"
+        rows.append(_md(f"{e['what']}\0**{_fmt(e)}**{unit}\0{e['device']}, {e['date']}"))
+    return "\n".join(rows) + "\n"
+
+
+BLOCK = re.compile(r"(<!-- BEGIN GENERATED: headline -->\n).*?(<!-- END GENERATED: headline -->)", re.S)
+
+
+def readme_block(text: str) -> str | None:
+    m = BLOCK.search(text)
+    return None if m is None else text[m.end(1):m.start(2)]
+
+
+def update_readme(headline: dict, path: Path = README) -> bool:
+    text = Path(path).read_text()
+    if readme_block(text) is None:
+        raise ValueError(f"{path} has no '<!-- BEGIN GENERATED: headline -->' block")
+    new = BLOCK.sub(lambda m: m.group(1) + render_table(headline) + m.group(2), text)
+    if new != text:
+        Path(path).write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="only check that headline.json and README.md are current")
+    a = ap.parse_args(argv)
+    current = json.loads(HEADLINE.read_text()) if HEADLINE.exists() else None
+    fresh = compute_headline(load_records(), current)
+    if a.check:
+        stale = []
+        if fresh != current:
+            stale.append(f"{HEADLINE.relative_to(ROOT)} differs from the run records")
+        if readme_block(README.read_text()) != render_table(fresh):
+            stale.append("README.md's headline table differs from headline.json")
+        for s in stale:
+            print(f"stale: {s}; run python benchmarks/headline.py", file=sys.stderr)
+        return 1 if stale else 0
+    HEADLINE.write_text(json.dumps(fresh, indent=1) + "\n")
+    changed = update_readme(fresh)
+    print(f"wrote {HEADLINE.relative_to(ROOT)} ({len(fresh['metrics'])} metrics); README.md {'updated' if changed else 'up to date'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

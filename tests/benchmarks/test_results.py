@@ -1,0 +1,167 @@
+"""Benchmark results: the raw run records are complete and typed, the goals table reads them, headline.json is
+what the records say, the README quotes headline.json, and gpu_bench's CPU-runnable pieces run."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))  # the benchmark scripts import each other as top-level modules
+
+import headline  # noqa: E402
+
+REQUIRED = {"name": str, "shape": str, "backend": str, "unit": str, "command": str, "date": str, "device": str}
+
+
+def test_every_record_is_complete_and_typed():
+    runs = headline.load_runs()
+    assert runs
+    for file, records in runs:
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_\d{2}_[a-z0-9-]+\.json", file), file
+        assert isinstance(records, list) and records, file
+        for i, r in enumerate(records):
+            where = f"{file} record {i} ({r.get('name')!r})"
+            for key, typ in REQUIRED.items():
+                assert isinstance(r.get(key), typ) and r[key], f"{where}: {key} missing or not a {typ.__name__}"
+            assert isinstance(r.get("value"), (int, float)) and not isinstance(r["value"], bool), f"{where}: value"
+            assert "ratio_vs_bf16" in r and (r["ratio_vs_bf16"] is None or isinstance(r["ratio_vs_bf16"], (int, float))), where
+            assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]), f"{where}: date {r['date']!r}"
+            assert r["date"] <= file[:10], f"{where}: dated after its run file"
+
+
+def _gpu_report():
+    import importlib.util
+    import sys
+
+    if "gpu_report" in sys.modules:
+        return sys.modules["gpu_report"]
+    path = BENCH / "gpu_report.py"
+    spec = importlib.util.spec_from_file_location("gpu_report", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_report"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rec(name, shape, backend, value, ratio=None, **extra):
+    return dict(name=name, shape=shape, backend=backend, value=value, unit="x", ratio_vs_bf16=ratio, **extra)
+
+
+def test_targets_table_reads_each_target_and_says_whether_it_is_met():
+    """The one-table summary gpu_bench prints at the end: the goals against a run's records."""
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in _gpu_report().targets_table([
+        _rec("quant_1x128", "16384x14336", "triton", 3.7, frac_of_copy=0.887),
+        _rec("quant_128x1_transposed", "16384x14336", "triton", 2.1, frac_of_copy=0.50),
+        _rec("quant_128x1_transposed", "16384x14336", "triton", 2.9, frac_of_copy=0.68),  # a later record wins
+        _rec("gemm_geomean_ratio_M_ge_4096", "12 shapes", "torch", 1.562, 1.562),
+        _rec("gemm_geomean_ratio_M_ge_4096", "12 shapes", "deep_gemm", 1.762, 1.762),
+        _rec("linear_fwd_bwd_geomean_ratio", "M=8192 4 layers deep_gemm_cached", "deep_gemm", 1.23, 1.23),
+        _rec("linear_fwd_bwd_geomean_ratio", "M=8192 4 layers torch_cached", "torch", 1.5, 1.5),
+        _rec("linear_fwd_bwd_geomean_ratio", "M=8192 4 layers graph", "deep_gemm", 1.458, 1.458),
+        _rec("stack_train_tokens_per_s", "4 layers, batch 16 x seq 4096", "jet_fp8 deep_gemm", 113367.0, 1.267),
+    ]).splitlines()[2:]}
+    assert "| 89% | yes |" in rows["quantizer 1x128 (x, dY), % of copy"]
+    assert "| 68% | no |" in rows["quantizer 128x1 written transposed (dY^T), % of copy"]
+    assert "not measured in this run" in rows["quantizer 128x128 (weights), % of copy"]
+    assert "| 1.562x | no |" in rows["GEMM TFLOP/s vs BF16, M >= 4096, geomean, torch"]
+    assert "| 1.762x | yes |" in rows["GEMM TFLOP/s vs BF16, M >= 4096, geomean, deep_gemm"]
+    # eager is the `auto` backend's row (the graph record names it), not the faster-looking torch one
+    assert "| 1.230x | no |" in rows["FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, eager (auto)"]
+    assert "| 1.458x | yes |" in rows["FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, CUDA graph (auto)"]
+    assert "| 1.267x | - |" in rows["4-layer stack fwd+bwd+AdamW tokens/s vs BF16 (auto)"]
+    assert "not measured" in rows["decode forward, M=64, CUDA graph, vs BF16 (auto)"]
+
+
+def test_goals_table_from_the_recorded_runs():
+    """`gpu_report.py --goals` reads every run file; the newest figure of each goal wins, and the records cover
+    every goal."""
+    out = subprocess.run([sys.executable, "benchmarks/gpu_report.py", "--goals"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(lines) == 2 + len(_gpu_report().TARGETS)
+    assert "not measured" not in out
+    records = headline.load_records()
+    newest = headline.latest(records, "gemm_geomean_ratio_M_ge_4096", backend="torch")
+    row = next(line for line in lines if line.startswith("| GEMM TFLOP/s vs BF16, M >= 4096, geomean, torch "))
+    assert f"| {newest['value']:.3f}x |" in row
+
+
+def test_headline_is_what_the_records_say_and_the_readme_quotes_it():
+    data = json.loads(headline.HEADLINE.read_text())
+    assert data["metrics"], "headline.json has no metrics"
+    for key, entry in data["metrics"].items():
+        for field in headline.FIELDS:
+            assert entry.get(field) not in (None, ""), f"headline metric {key}: {field} missing"
+        assert isinstance(entry["value"], (int, float)) and re.fullmatch(r"\d{4}-\d{2}-\d{2}", entry["date"]), key
+    # Every metric read from the records equals the newest record's figure (recomputing changes nothing).
+    assert headline.compute_headline(headline.load_records(), data) == data, "stale: run python benchmarks/headline.py"
+    assert {m.key for m in headline.METRICS} <= set(data["metrics"])
+    # The README's table is rendered from headline.json, figure for figure.
+    block = headline.readme_block(headline.README.read_text())
+    assert block is not None, "README.md has no generated headline table"
+    assert block == headline.render_table(data), "README.md's table is stale: run python benchmarks/headline.py"
+    for entry in data["metrics"].values():
+        assert f"**{headline._fmt(entry)}**" in block
+
+
+def test_write_run_numbers_runs_per_date(tmp_path):
+    first = headline.write_run([{"name": "a"}], "gpu_bench quant", "2030-01-02", tmp_path)
+    second = headline.write_run([{"name": "b"}], "gpu_bench quant", "2030-01-02", tmp_path)
+    assert (first.name, second.name) == ("2030-01-02_01_gpu-bench-quant.json", "2030-01-02_02_gpu-bench-quant.json")
+    assert [r["name"] for r in headline.load_records(tmp_path)] == ["a", "b"]
+
+
+# ---- gpu_bench's pieces that run without a GPU ---------------------------------------------------
+def test_timing_records_carry_the_command_and_date():
+    from gpu_sections import timing
+
+    before = len(timing.RECORDS)
+    timing.set_command("python3 benchmarks/gpu_bench.py --sections quant")
+    try:
+        r = timing.rec("quant_1x128", "16x256", "triton", 1.5, "TB/s", None, frac_of_copy=0.4)
+    finally:
+        timing.set_command("PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py --out $OUT/gpu_bench.json")
+        del timing.RECORDS[before:]
+    assert r["command"] == "python3 benchmarks/gpu_bench.py --sections quant" and r["date"] == timing.DATE
+    assert r["frac_of_copy"] == 0.4 and r["ratio_vs_bf16"] is None
+
+
+def test_benchmark_stack_model_converts_and_fuses_like_hf_llama():
+    """The stack the `stack`/`decode` sections time, built small on CPU: jet_fp8 converts its projections,
+    the fused SwiGLU MLP gives the unfused model's values bit for bit, and FP8 stays close to fp32."""
+    from gpu_sections.llama_stack import MLP, Stack
+
+    from jetrl_precision import convert_to_fp8, fp8_linears, get_recipe
+    from jetrl_precision.swiglu import SwiGLUMLP, fuse_swiglu
+
+    def build():
+        torch.manual_seed(0)
+        model = Stack(n_layers=2, h=256, i=512, nh=2, nkv=1)
+        for p in model.parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.05)
+        return model
+
+    x = torch.randn(2, 8, 256, generator=torch.Generator().manual_seed(1))
+    ref = build()(x)
+    unfused = convert_to_fp8(build(), get_recipe("jet_fp8"), fuse_swiglu=False)
+    fused = convert_to_fp8(build(), get_recipe("jet_fp8"), fuse_swiglu=False)
+    fuse_swiglu(fused, classes=[MLP])  # what build_stack does, as convert_to_fp8 does for HF Llama MLPs
+    assert len(fp8_linears(unfused)) == 2 * 7 and sum(isinstance(m, SwiGLUMLP) for m in fused.modules()) == 2
+    y_unfused, y_fused = unfused(x), fused(x)
+    assert torch.equal(y_fused, y_unfused)
+    assert 0 < float((y_unfused - ref).norm() / ref.norm()) < 0.1
+
+
+def test_gpu_bench_imports_with_triton():
+    pytest.importorskip("triton")
+    out = subprocess.run([sys.executable, "benchmarks/gpu_bench.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "--sections" in out.stdout, out.stderr[-2000:]
