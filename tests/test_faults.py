@@ -7,6 +7,8 @@ subprocess, as a user would meet them.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -179,3 +181,245 @@ def test_digest_mismatch_shows_the_part_that_differs():
     with pytest.raises(WeightSyncError, match="changed the tensor after the sync"):
         compare_digests(SENT, {**SENT, "b.norm": "modified-after-sync:1234"})
     assert compare_digests(SENT, dict(SENT)) == []
+
+
+# ---- prompt data -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, content, words",
+    [
+        ("bad.jsonl", b'{"input": "1+1="}\n{"input": "caf\xe9"}\n', r"bad\.jsonl:2: byte 0xe9 at column 15 is not UTF-8; re-encode"),
+        ("bad.json", b'[{"input": "a"},\n {"input": "\xff"}]', r"bad\.json:2: byte 0xff .* not UTF-8"),
+        ("broken.jsonl", b'{"input": "a"}\n{"input": \n', r"broken\.jsonl:2: invalid JSON at column 11"),
+        ("list.jsonl", b'{"input": "a"}\n[1, 2]\n', r"list\.jsonl:2: each line must be a JSON object"),
+        ("empty.jsonl", b"", "holds no records"),
+        ("bad.parquet", b"not parquet at all", r"bad\.parquet: not a readable parquet file"),
+        ("notes.txt", b"hello", "unsupported prompt dataset"),
+    ],
+    ids=["jsonl_not_utf8", "json_not_utf8", "broken_json", "not_an_object", "empty", "bad_parquet", "unsupported"],
+)
+def test_prompt_files_fail_naming_file_and_line(tmp_path, name, content, words):
+    from openrlhf.datasets.prompts_dataset import PromptDataError, load_prompt_records
+
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(PromptDataError, match=words):
+        load_prompt_records(str(tmp_path / name))
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(PromptDataError, match="holds no .jsonl/.json/.parquet file"):
+        load_prompt_records(str(tmp_path / "folder"))
+
+
+# ---- training runs: the real CLI on a tiny model -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_task(tmp_path_factory):
+    import json
+
+    from openrlhf.utils.tiny_model import build_tiny_model
+
+    root = tmp_path_factory.mktemp("faults")
+    model = build_tiny_model(root / "model")
+    data = root / "d.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(64)))
+    return model, data
+
+
+def cli(model, data, out, *extra, steps: int = 1):
+    """Run train_ppo_ray as a user would; returns (exit code, stderr)."""
+    from _rl_helpers import ENV, PY, REPO, grpo_args
+
+    import subprocess
+
+    argv = [PY, "-m", "openrlhf.cli.train_ppo_ray", *grpo_args(model, data, out, "jet_fp8", steps, list(extra))]
+    proc = subprocess.run(argv, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stderr
+
+
+def one_line_error(rc: int, err: str, *words: str) -> str:
+    """The run failed with one `error:` line holding every word, and no traceback."""
+    assert rc != 0, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) >= 1, err[-3000:]
+    for w in words:
+        assert any(w in line for line in lines), (w, lines)
+    return lines[0]
+
+
+def test_cli_refuses_bad_paths_before_training(tiny_task, tmp_path):
+    model, data = tiny_task
+    rc, err = cli(tmp_path / "no_model", data, tmp_path / "a")
+    one_line_error(rc, err, "--actor.model_name_or_path", "does not exist", "config.json")
+    rc, err = cli(data, data, tmp_path / "b")
+    one_line_error(rc, err, "is a file; pass the model folder")
+    rc, err = cli(tmp_path, data, tmp_path / "c")
+    one_line_error(rc, err, "has no config.json")
+    # An output folder that cannot be created (a file sits where it would go): refused at once, not
+    # after the run; the same for an unusable TensorBoard folder.
+    (tmp_path / "occupied").write_text("a file")
+    rc, err = cli(model, data, tmp_path / "occupied")
+    one_line_error(rc, err, "--ckpt.output_dir", "is not a writable folder")
+    rc, err = cli(model, data, tmp_path / "d", "--logger.tensorboard_dir", str(tmp_path / "occupied" / "tb"))
+    one_line_error(rc, err, "--logger.tensorboard_dir", "is not a writable folder")
+    assert not (tmp_path / "d" / "summary.json").exists() and not any((tmp_path / "d" / "checkpoints_ppo").iterdir())  # nothing ran
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_cli_refuses_a_read_only_output_folder(tiny_task, tmp_path):
+    model, data = tiny_task
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        rc, err = cli(model, data, ro)
+        one_line_error(rc, err, "--ckpt.output_dir", "is not a writable folder")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_cli_bad_prompt_data_is_one_line(tiny_task, tmp_path):
+    model, _ = tiny_task
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"input": "1+1=", "label": "2"}\n' * 20 + b'{"input": "\xff", "label": "2"}\n')
+    rc, err = cli(model, bad, tmp_path / "o")
+    one_line_error(rc, err, "bad.jsonl:21: byte 0xff", "re-encode the file as UTF-8")
+
+
+def test_max_len_is_enforced(tiny_task, tmp_path):
+    """--data.max_len bounds prompt + response: prompts that leave no room are dropped (and counted),
+    and a budget no prompt fits is refused."""
+    model, data = tiny_task
+    rc, err = cli(model, data, tmp_path / "none", "--data.max_len", "6")  # 4 new tokens leave 2 for prompts of 4-6 chars
+    one_line_error(rc, err, "all 64 prompts are longer than 2 tokens", "raise --data.max_len")
+    # A budget of 5 keeps "i+i=" for i < 10 (4-5 characters, one token each) and drops the 54 longer ones.
+    rc, err = cli(model, data, tmp_path / "some", "--data.max_len", "9", "--rollout.batch_size", "8")
+    assert rc == 0, err[-3000:]
+    assert "54 of 64 prompts are longer than 5 tokens (--data.max_len 9 minus --rollout.max_new_tokens 4) and are skipped" in err
+
+
+def _saved_run(model, data, out):
+    rc, err = cli(model, data, out, "--ckpt.save_steps", "1", "--ckpt.max_num", "2", steps=3)
+    assert rc == 0, err[-3000:]
+    actor = out / "checkpoints_ppo" / "actor"
+    return actor
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_checkpoints_are_checksummed_rotated_and_verified(tiny_task, tmp_path):
+    model, data = tiny_task
+    out = tmp_path / "run"
+    actor = _saved_run(model, data, out)
+    from openrlhf.utils.deepspeed.checkpoint import MANIFEST, verify_manifest
+
+    # Three saves, two kept, no partial folder left; `latest` names the newest; every kept one verifies.
+    assert sorted(p.name for p in actor.iterdir() if p.is_dir()) == ["global_step2", "global_step3"]
+    assert (actor / "latest").read_text() == "global_step3"
+    assert all(verify_manifest(actor / t) == [] for t in ("global_step2", "global_step3"))
+    assert (actor / "global_step3" / MANIFEST).is_file()
+
+    # One flipped byte in the newest checkpoint: the resume refuses, names the file and the good
+    # checkpoint to use instead, and leaves every byte on disk as it was.
+    shard = next((actor / "global_step3").glob("*model_states.pt"))
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    shard.write_bytes(bytes(raw))
+    before = _snapshot(actor)
+    rc, err = cli(model, data, out, "--ckpt.save_steps", "1", "--ckpt.load_enable", steps=5)
+    line = one_line_error(rc, err, "global_step3 is corrupt", "mp_rank_00_model_states.pt has changed since it was saved")
+    assert "the newest other checkpoint that verifies is global_step2" in line and "echo global_step2 >" in line
+    assert _snapshot(actor) == before
+
+    # `latest` naming a checkpoint that is gone.
+    (actor / "latest").write_text("global_step9")
+    rc, err = cli(model, data, out, "--ckpt.load_enable", steps=5)
+    one_line_error(rc, err, "latest names global_step9", "does not exist", "global_step2")
+
+    # Following the advice resumes from the good checkpoint.
+    (actor / "latest").write_text("global_step2")
+    rc, err = cli(model, data, out, "--ckpt.load_enable", steps=4)
+    assert rc == 0, err[-3000:]
+    assert "resumed from step 2" in err
+
+
+def _rewrite_weight(actor, value: float):
+    """Plant `value` into one q_proj weight of the newest checkpoint and re-checksum it (a bad state
+    that checksums cannot catch: it was saved that way)."""
+    from openrlhf.utils.deepspeed.checkpoint import write_manifest
+
+    tag = (actor / "latest").read_text()
+    shard = next((actor / tag).glob("*model_states.pt"))
+    state = torch.load(shard, map_location="cpu", weights_only=False)
+    key = next(k for k in state["module"] if "q_proj.weight" in k)
+    state["module"][key][0, 0] = value
+    # ZeRO-1/2 restore the weights from the optimizer's fp32 partition: plant it there too (one
+    # rank, one group, parameters back to back in param_shapes order).
+    shapes = state["param_shapes"][0]
+    offset = sum(shape.numel() for name in list(shapes)[: list(shapes).index(key)] for shape in [shapes[name]])
+    torch.save(state, shard)
+    opt_file = next((actor / tag).glob("*optim_states.pt"))
+    opt = torch.load(opt_file, map_location="cpu", weights_only=False)
+    with torch.no_grad():
+        opt["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][offset] = value
+    torch.save(opt, opt_file)
+    write_manifest(actor / tag)
+    return tag
+
+
+def test_a_nonfinite_checkpoint_is_refused_at_load(tiny_task, tmp_path):
+    model, data = tiny_task
+    out = tmp_path / "run"
+    actor = _saved_run(model, data, out)
+    tag = _rewrite_weight(actor, float("nan"))  # saved that way: the checksums agree
+    before = _snapshot(actor)
+    rc, err = cli(model, data, out, "--ckpt.save_steps", "1", "--ckpt.load_enable", steps=5)
+    one_line_error(rc, err, "TrainingDivergedError", "parameters hold NaN/inf", "q_proj.weight")
+    assert _snapshot(actor) == before and (actor / "latest").read_text() == tag
+
+
+@pytest.mark.parametrize("dtype,stage", [("fp32", 2), ("bf16", 2), ("fp32", 3), ("fp32", 0)])
+def test_an_overflowing_gradient_stops_training(dtype, stage, monkeypatch):
+    """A finite loss whose gradients overflow. Where DeepSpeed checks for overflow it skips the update;
+    where it does not, it applies the inf and the gradient norm says so. Either way the run stops,
+    naming the step."""
+    from openrlhf.trainer.health import TrainingDivergedError, check_optimizer_step, nonfinite_parameters
+    from openrlhf.utils.deepspeed import DeepspeedStrategy, StrategyConfig
+
+    st = DeepspeedStrategy(StrategyConfig(zero_stage=stage, param_dtype=dtype, micro_batch_size=1, train_batch_size=1))
+    st.setup_distributed()
+    if dtype == "bf16":  # DeepSpeed's bf16 overflow check (off by default): the skip path
+        ds_config = st.ds_config
+        monkeypatch.setattr(st, "ds_config", lambda train=True: {**ds_config(train), "bf16": {"enabled": True, "check_grad_overflow": True}})
+    model = torch.nn.Linear(8, 4)
+    engine = st.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x = torch.randn(2, 8, dtype=engine.module.weight.dtype)
+
+    def step(poison: bool) -> None:
+        loss = engine(x).float().square().mean()
+        if poison:
+            engine.module.weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+        engine.backward(loss)
+        skipped = engine.skipped_steps
+        engine.step()
+        check_optimizer_step(engine, "actor", 7, skipped)
+
+    step(poison=False)  # a healthy step passes
+    assert nonfinite_parameters(engine.module) == []
+    with pytest.raises(TrainingDivergedError, match="step 7") as info:
+        step(poison=True)
+    skipped = "skipped the optimizer update" in str(info.value)
+    assert skipped or "gradient norm is" in str(info.value) or "wrote NaN/inf into weight" in str(info.value)
+    # Skipped: the weights are untouched. Applied: the inf is what the save/load guard then refuses.
+    assert nonfinite_parameters(engine.module, st.all_reduce) == ([] if skipped else ["weight"])
+
+
+def test_resume_after_the_dataset_shrank_is_refused(tiny_task, tmp_path):
+    model, data = tiny_task
+    out = tmp_path / "run"
+    actor = _saved_run(model, data, out)
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(data.read_text().splitlines(True)[:32]))
+    before = _snapshot(actor)
+    rc, err = cli(model, small, out, "--ckpt.load_enable", steps=5)
+    one_line_error(rc, err, "trained on 64 prompts, this run's dataset has 32", "Resume with the same data")
+    assert _snapshot(actor) == before

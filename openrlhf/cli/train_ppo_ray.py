@@ -43,16 +43,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from openrlhf.trainer.preflight import preflight_errors
+    from openrlhf.trainer.preflight import path_errors, preflight_errors
 
-    refused = preflight_errors(cfg)
+    # Refusals before anything loads: what this machine or framework cannot run, then paths (a missing
+    # model or an unwritable output folder is found now, not after the run). Only the rank that
+    # writes (rank 0, or the Ray driver) probes the folders.
+    refused = preflight_errors(cfg) or path_errors(cfg, write_probes=int(os.environ.get("RANK", "0")) == 0)
     if refused:
         print("\n".join(f"error: {e}" for e in refused), file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from jetrl_precision import BackendUnavailable, RecipeError
+    from openrlhf.datasets.prompts_dataset import PromptDataError
+    from openrlhf.trainer.health import TrainingDivergedError
     from openrlhf.trainer.ppo_trainer import PrecisionCheckError, WeightSyncError
     from openrlhf.trainer.ray.errors import RayActorDiedError, RayActorStartError
+    from openrlhf.utils.deepspeed.checkpoint import CheckpointError
 
     try:
         if use_ray_mode(cfg):
@@ -67,9 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             train(cfg)
     except (
         FileNotFoundError, KeyError, RecipeError, BackendUnavailable, PrecisionCheckError, WeightSyncError, ConfigError, RayActorDiedError,
-        RayActorStartError,
+        RayActorStartError, PromptDataError, CheckpointError, TrainingDivergedError,
     ) as e:
-        # Problems with the user's inputs or setup: one clear message, no traceback.
+        # Problems with the user's inputs, setup or data, and a run that diverged: one clear message, no traceback.
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {type(e).__name__}: {msg}", file=sys.stderr)
         return 1

@@ -19,39 +19,68 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["SUPPORTED_FORMATS", "load_prompt_records", "PromptDataset", "collate_prompts"]
+__all__ = ["SUPPORTED_FORMATS", "PromptDataError", "load_prompt_records", "PromptDataset", "collate_prompts"]
 
 SUPPORTED_FORMATS = (".jsonl", ".json", ".parquet", "a datasets.save_to_disk folder", "a folder of jsonl/json/parquet files")
 _FILE_EXTS = (".jsonl", ".json", ".parquet")
 _SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")
 
 
-def _unsupported(path: Path) -> ValueError:
-    return ValueError(f"unsupported prompt dataset {str(path)!r}; supported: {', '.join(SUPPORTED_FORMATS)}")
+class PromptDataError(ValueError):
+    """A prompt dataset that cannot be used; the message names the file (and line) and the fix."""
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _unsupported(path: Path, why: str = "") -> PromptDataError:
+    return PromptDataError(
+        f"unsupported prompt dataset {str(path)!r}{why}; supported: {', '.join(SUPPORTED_FORMATS)} (--data.prompt_dataset)"
+    )
+
+
+def _not_utf8(path: Path, lineno: int, line: bytes, e: UnicodeDecodeError) -> PromptDataError:
+    return PromptDataError(
+        f"{path}:{lineno}: byte 0x{line[e.start]:02x} at column {e.start + 1} is not UTF-8; re-encode the file as UTF-8 "
+        f"(e.g. iconv -f latin1 -t utf-8 {path.name} > fixed.jsonl)"
+    )
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise PromptDataError(f"prompt dataset {path} cannot be read ({e.strerror or e}) (--data.prompt_dataset)") from None
+
+
+def _read_jsonl(path: Path, raw: bytes | None = None) -> list[dict]:
     records = []
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: each line must be a JSON object, got {type(obj).__name__}")
-            records.append(obj)
+    for lineno, line in enumerate((_read_bytes(path) if raw is None else raw).splitlines(), 1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, lineno, line, e) from None
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PromptDataError(f"{path}:{lineno}: invalid JSON at column {e.colno} ({e.msg}); each line must be one JSON object") from None
+        if not isinstance(obj, dict):
+            raise PromptDataError(f"{path}:{lineno}: each line must be a JSON object, got {type(obj).__name__}")
+        records.append(obj)
     return records
 
 
 def _read_json(path: Path, split: str) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+    raw = _read_bytes(path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = raw.count(b"\n", 0, e.start) + 1
+        line_start = raw.rfind(b"\n", 0, e.start) + 1
+        raise _not_utf8(path, lineno, raw[line_start:], UnicodeDecodeError(e.encoding, e.object, e.start - line_start, e.end - line_start, e.reason)) from None
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:
-        return _read_jsonl(path)  # JSON lines with a .json extension
+        return _read_jsonl(path, raw)  # JSON lines with a .json extension (or broken JSON: named by line there)
     if isinstance(obj, dict):
         if isinstance(obj.get(split), list):
             obj = obj[split]
@@ -63,14 +92,18 @@ def _read_json(path: Path, split: str) -> list[dict]:
         else:
             obj = [obj]
     if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
-        raise ValueError(f"{path}: expected a list of JSON objects")
+        raise PromptDataError(f"{path}: expected a list of JSON objects (or one object per line)")
     return obj
 
 
 def _read_parquet(path: Path) -> list[dict]:
+    import pyarrow
     import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pylist()
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pyarrow.ArrowException, OSError) as e:
+        raise PromptDataError(f"{path}: not a readable parquet file ({e}); re-export it, or convert it to .jsonl") from None
 
 
 def _read_file(path: Path, split: str) -> list[dict]:
@@ -99,21 +132,24 @@ def _read_folder(path: Path, split: str) -> list[dict]:
     if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
         import datasets
 
-        ds = datasets.load_from_disk(str(path))
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except (OSError, ValueError, FileNotFoundError) as e:
+            raise PromptDataError(f"{path}: not a readable datasets.save_to_disk folder ({type(e).__name__}: {e})") from None
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
-                raise ValueError(f"split {split!r} not in {str(path)!r}; available splits: {sorted(ds)} (--data.prompt_split)")
+                raise PromptDataError(f"split {split!r} not in {str(path)!r}; available splits: {sorted(ds)} (--data.prompt_split)")
             ds = ds[split]
         return ds.to_list()
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in _FILE_EXTS and not p.name.startswith("."))
     if not files:
-        raise _unsupported(path)
+        raise _unsupported(path, ": the folder holds no .jsonl/.json/.parquet file")
     splits = {p: _file_split(p, path) for p in files}
     found = {s for s in splits.values() if s is not None}
     if found:
         chosen = [p for p in files if splits[p] == split]
         if not chosen:
-            raise ValueError(f"no {split!r} files in {str(path)!r}; splits found: {sorted(found)} (--data.prompt_split)")
+            raise PromptDataError(f"no {split!r} files in {str(path)!r}; splits found: {sorted(found)} (--data.prompt_split)")
     else:
         chosen = files
     records: list[dict] = []
@@ -131,9 +167,11 @@ def load_prompt_records(path: str, split: str = "train", max_samples: int | None
             f"{'/'.join(_FILE_EXTS)} file or a datasets folder (the hub is not reachable here)"
         )
     records = _read_folder(p, split) if p.is_dir() else _read_file(p, split)
+    if not records:
+        raise PromptDataError(f"prompt dataset {str(path)!r} holds no records (--data.prompt_dataset): point it at a file with prompts")
     if max_samples is not None:
         if max_samples < 0:
-            raise ValueError(f"max_samples must be >= 0, got {max_samples} (--data.max_samples)")
+            raise PromptDataError(f"max_samples must be >= 0, got {max_samples} (--data.max_samples)")
         records = records[: int(max_samples)]
     return records
 
@@ -169,11 +207,11 @@ class PromptDataset(torch.utils.data.Dataset):
     ) -> None:
         super().__init__()
         if input_template is not None and "{}" not in input_template:
-            raise ValueError(f"--data.input_template must contain '{{}}' where the input goes, got {input_template!r}")
+            raise PromptDataError(f"--data.input_template must contain '{{}}' where the input goes, got {input_template!r}")
         if (apply_chat_template or max_prompt_len is not None) and tokenizer is None:
             raise ValueError("a tokenizer is required for apply_chat_template / max_prompt_len")
         if apply_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
+            raise PromptDataError(
                 "--data.apply_chat_template is set but the tokenizer has no chat template; "
                 "drop the flag or use --data.input_template"
             )
@@ -195,13 +233,16 @@ class PromptDataset(torch.utils.data.Dataset):
                 continue
             self.items.append({"prompt": prompt, "label": label, "index": i})
         if records and not self.items:
-            raise ValueError(f"all {len(records)} prompts are longer than max_prompt_len={max_prompt_len} tokens (--data.max_len)")
+            raise PromptDataError(
+                f"all {len(records)} prompts are longer than {max_prompt_len} tokens, the prompt budget --data.max_len leaves "
+                "(minus --rollout.max_new_tokens): raise --data.max_len or shorten the prompts"
+            )
 
     @staticmethod
     def _build_prompt(value: Any, tokenizer: Any, apply_chat_template: bool, input_template: str | None) -> str:
         if isinstance(value, list) and all(isinstance(m, dict) for m in value):
             if not apply_chat_template:
-                raise ValueError("the input is a list of chat messages; set --data.apply_chat_template")
+                raise PromptDataError("the input is a list of chat messages; set --data.apply_chat_template")
             messages = value
         else:
             text = str(value)

@@ -11,6 +11,8 @@ checkpoint.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import time
@@ -38,6 +40,7 @@ from openrlhf.models.utils import masked_mean
 from openrlhf.utils.deepspeed import DeepspeedStrategy
 
 from .engines.base import RolloutEngine, SamplingConfig
+from .health import TrainingDivergedError, check_optimizer_step, nonfinite_parameters
 from .ppo_utils.experience_maker import AdvantageSettings, Experience, ExperienceMaker, RewardFn
 from .ppo_utils.reward_shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty
 
@@ -125,7 +128,9 @@ def critic_micro_step(
     values = critic_engine(mb.sequences, mb.attention_mask, mb.num_actions)
     token_loss = value_loss(values, mb.values, mb.returns, mb.action_mask)
     critic_engine.backward(aggregate_loss(token_loss, mb.action_mask, global_tokens, scale))
+    skipped = critic_engine.skipped_steps
     critic_engine.step()
+    check_optimizer_step(critic_engine, "critic", int(critic_engine.global_steps), skipped)
     if critic_engine.was_step_applied():
         converter.post_optimizer_hook(critic_engine.module)
     return {"train/value_loss": masked_mean(token_loss.detach(), mb.action_mask).item()}
@@ -167,14 +172,30 @@ class PPOTrainer:
 
         if cfg.train.full_determinism_enable:
             torch.use_deterministic_algorithms(True, warn_only=False)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.actor.model_name_or_path, use_fast=not cfg.data.disable_fast_tokenizer)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(
+                f"--actor.model_name_or_path {cfg.actor.model_name_or_path}: no usable tokenizer there ({first}); "
+                "save the tokenizer into the model folder (tokenizer.save_pretrained)"
+            ) from None
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         records = load_prompt_records(cfg.data.prompt_dataset, cfg.data.prompt_split, cfg.data.max_samples)
+        # --data.max_len bounds prompt + response: a prompt gets what the response leaves.
+        prompt_budget = cfg.data.max_len - (cfg.rollout.max_new_tokens or 1)
         self.dataset = PromptDataset(
             records, self.tokenizer, input_key=cfg.data.input_key, label_key=cfg.data.label_key,
             apply_chat_template=cfg.data.apply_chat_template, input_template=cfg.data.input_template,
+            max_prompt_len=prompt_budget,
         )
+        if self.dataset.num_dropped and st.is_rank_0:
+            logger.warning(
+                "%d of %d prompts are longer than %d tokens (--data.max_len %d minus %s) and are skipped",
+                self.dataset.num_dropped, len(records), prompt_budget, cfg.data.max_len,
+                f"--rollout.max_new_tokens {cfg.rollout.max_new_tokens}" if cfg.rollout.max_new_tokens else "one response token",
+            )
         if len(self.dataset) < cfg.rollout.batch_size:
             raise ConfigError(
                 f"the prompt dataset has {len(self.dataset)} prompts, fewer than --rollout.batch_size {cfg.rollout.batch_size}"
@@ -584,12 +605,14 @@ class PPOTrainer:
         if entropy is not None:  # an entropy bonus: maximize the token-mean entropy
             loss = loss - entropy_coef * aggregate_loss(entropy, mb.action_mask, global_tokens, scale)
         if not torch.isfinite(loss):
-            raise FloatingPointError(
+            raise TrainingDivergedError(
                 f"non-finite policy loss at step {self.global_step}: lower --actor.adam.lr, check rewards, "
                 f"or try --precision.recipe bf16 to rule out FP8 overflow"
             )
         self.actor_engine.backward(loss)
+        skipped = self.actor_engine.skipped_steps
         self.actor_engine.step()
+        check_optimizer_step(self.actor_engine, "actor", self.global_step, skipped)
         if self.actor_engine.was_step_applied():
             self.converter.post_optimizer_hook(self.actor.model)
         stats = {
@@ -638,15 +661,35 @@ class PPOTrainer:
         bar.close()
         return self.history
 
+    def _dataset_identity(self) -> dict[str, Any]:
+        """Size and fingerprint of the prompt set: a resume must see the data its position refers to."""
+        h = hashlib.sha256()
+        for item in self.dataset.items:
+            h.update(json.dumps([item["prompt"], item["label"]]).encode())
+        return {"prompts": len(self.dataset), "sha256": h.hexdigest()}
+
     def _client_state(self) -> dict[str, Any]:
         return {
+            "dataset": self._dataset_identity(),
             "global_step": self.global_step, "episode": self.episode, "rollout_index": self.rollout_index,
             "kl_coef": self.kl_ctl.value, "recipe": self.recipe.to_dict(),
             "reward_norm": None if self.reward_norm is None else (self.reward_norm.count, self.reward_norm.mean, self.reward_norm.m2),
         }
 
+    def _require_finite(self, what: str) -> None:
+        for name, engine in (("actor", self.actor_engine), ("critic", None if self._remote_critic is not None else self.critic_engine)):
+            if engine is None:
+                continue
+            bad = nonfinite_parameters(engine.module, self.strategy.all_reduce)
+            if bad:
+                raise TrainingDivergedError(
+                    f"{what}: {name} parameters hold NaN/inf ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}); "
+                    "refusing to go on, and the last good checkpoint is left as it is"
+                )
+
     def save_checkpoint(self) -> Path:
         tag = f"global_step{self.global_step}"
+        self._require_finite(f"saving step {self.global_step}")
         path = self.strategy.save_checkpoint(self.actor_engine, Path(self.cfg.ckpt_path) / "actor", tag, self._client_state(), self.cfg.ckpt.max_num)
         if self.critic_engine is not None:
             self.strategy.save_checkpoint(self.critic_engine, Path(self.cfg.ckpt_path) / "critic", tag, {}, self.cfg.ckpt.max_num)
@@ -666,8 +709,19 @@ class PPOTrainer:
                 f"checkpoint was trained with recipe {saved.name} but this run uses {self.recipe.name}: "
                 "resume with the same --precision.recipe"
             )
+        saved_data, data = state.get("dataset"), self._dataset_identity()
+        if saved_data is not None and saved_data["prompts"] != data["prompts"]:
+            raise ConfigError(
+                f"the checkpoint was trained on {saved_data['prompts']} prompts, this run's dataset has {data['prompts']} "
+                f"(--data.prompt_dataset {self.cfg.data.prompt_dataset}, --data.max_samples, --data.max_len): its data "
+                f"position (episode {state['episode']}, rollout {state['rollout_index']}) means nothing here. Resume with "
+                "the same data, or drop --ckpt.load_enable to start fresh"
+            )
+        if saved_data is not None and saved_data["sha256"] != data["sha256"]:
+            logger.warning("the prompt dataset changed since the checkpoint (same size, different prompts): resuming at the same position")
         if self.critic_engine is not None:
             self.strategy.load_checkpoint(self.critic_engine, Path(self.cfg.ckpt_path) / "critic")
+        self._require_finite(f"loading {self.cfg.ckpt_path}")
         self.global_step, self.episode, self.rollout_index = state["global_step"], state["episode"], state["rollout_index"]
         self.kl_ctl.value = state["kl_coef"]
         if self.reward_norm is not None and state.get("reward_norm"):

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
 
-__all__ = ["preflight_errors", "fp8_tp_shard_errors"]
+__all__ = ["preflight_errors", "fp8_tp_shard_errors", "path_errors"]
 
 BLOCK = 128
 
@@ -199,4 +201,66 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
             "--actor.optim/--critic.optim muon is not supported: DeepSpeed's Muon orthogonalizes the update of 2D weights, "
             "whose FP8 copies are re-quantized from the BF16 masters each step; use adam"
         )
+    return errors
+
+
+# ---- paths: checked before the first step, so no run dies (or loses its work) at the end ---------------
+def _model_path_error(flag: str, path: str | None) -> str | None:
+    """A model folder must exist with a config.json (or be a model id already in the Hugging Face cache)."""
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    if p.is_file():
+        return f"{flag} {path} is a file; pass the model folder (the one holding config.json and the weights)"
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            return f"{flag} {path} has no config.json: not a transformers model folder (save it with save_pretrained)"
+        return None
+    if not p.is_absolute() and not path.startswith(".") and path.count("/") <= 1:
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            if isinstance(try_to_load_from_cache(path, "config.json"), str):
+                return None  # a hub model id available offline
+        except ValueError:  # not a valid repo id either
+            pass
+    return (
+        f"{flag} {path} does not exist: pass a local model folder with config.json "
+        "(or the id of a model already in the Hugging Face cache; the hub itself is not reached)"
+    )
+
+
+def _writable_dir_error(flag: str, path: str | os.PathLike) -> str | None:
+    """Create `path` if needed and write (then remove) a probe file in it."""
+    p = Path(path).expanduser()
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".write_probe_"):
+            pass
+    except OSError as e:
+        return f"{flag} {path} is not a writable folder ({e.strerror or type(e).__name__}): choose another path, or fix its permissions"
+    return None
+
+
+def path_errors(cfg, *, write_probes: bool = True) -> list[str]:
+    """What would make the run fail on a path: missing models, and output, checkpoint or TensorBoard folders
+    that cannot be written (found now, not when the first checkpoint or the final model is saved).
+
+    `write_probes=False` skips the folder checks (ranks other than 0 never write them).
+    """
+    errors = [
+        e for e in (
+            _model_path_error("--actor.model_name_or_path", cfg.actor.model_name_or_path),
+            _model_path_error("--ref.model_name_or_path", cfg.ref.model_name_or_path if cfg.needs_ref else None),
+            _model_path_error("--critic.model_name_or_path", cfg.critic.model_name_or_path if cfg.needs_critic else None),
+            _model_path_error("--reward.model_name_or_path", cfg.reward.model_name_or_path),
+        ) if e
+    ]
+    if write_probes:
+        folders = [("--ckpt.output_dir", cfg.ckpt.output_dir)]
+        if cfg.ckpt.save_steps != 0 or cfg.ckpt.load_enable:
+            folders.append(("--ckpt.path", cfg.ckpt_path))
+        if cfg.logger.tensorboard_dir:
+            folders.append(("--logger.tensorboard_dir", cfg.logger.tensorboard_dir))
+        errors += [e for flag, path in folders if (e := _writable_dir_error(flag, path))]
     return errors

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from openrlhf.config import ConfigError
+
+from .checkpoint import MANIFEST, CheckpointError, read_latest, step_tags, verify_manifest, write_latest, write_manifest
 
 __all__ = ["StrategyConfig", "DeepspeedStrategy"]
 
@@ -213,31 +216,93 @@ class DeepspeedStrategy:
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save_checkpoint(self, engine, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any], max_num: int = 3) -> Path:
-        ckpt_dir = Path(ckpt_dir)
+    def _rank0_outcome(self, fn) -> None:
+        """Run `fn` on rank 0, then raise its CheckpointError on every rank (no rank left waiting)."""
+        msg = None
         if self.is_rank_0:
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-        self.barrier()
-        # DeepSpeed writes `latest` only after every shard is on disk: a run killed mid-save
-        # resumes from the previous complete checkpoint.
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state)
-        self.barrier()
-        if self.is_rank_0 and max_num > 0:
-            tags = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("global_step")), key=lambda p: int(p.name[len("global_step") :]))
-            for old in tags[:-max_num]:
-                import shutil
+            try:
+                fn()
+            except (CheckpointError, OSError) as e:
+                msg = str(e) if isinstance(e, CheckpointError) else f"checkpoint I/O failed: {type(e).__name__}: {e}"
+        msg = self.broadcast_object(msg)
+        if msg is not None:
+            raise CheckpointError(msg)
 
+    def save_checkpoint(self, engine, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any], max_num: int = 3) -> Path:
+        """Save into `<tag>.partial`, checksum every file, rename to `<tag>`, then point `latest` at it.
+
+        `latest` moves only once the new checkpoint is complete and checksummed, and the previous
+        checkpoints are pruned (keeping `max_num`) only after that: a failure or a kill at any point
+        leaves the last good checkpoint in place and named by `latest`.
+        """
+        ckpt_dir = Path(ckpt_dir)
+        staging = ckpt_dir / f"{tag}.partial"
+
+        def prepare() -> None:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+
+        self._rank0_outcome(prepare)
+        self.barrier()
+        engine.save_checkpoint(str(ckpt_dir), tag=staging.name, client_state=client_state, save_latest=False)
+        self.barrier()
+
+        def publish() -> None:
+            write_manifest(staging)
+            final, old = ckpt_dir / tag, ckpt_dir / f"{tag}.replaced"
+            if final.exists():  # the same step saved again (a final save after the last periodic one)
                 shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(staging, final)
+            write_latest(ckpt_dir, tag)
+            shutil.rmtree(old, ignore_errors=True)
+            if max_num > 0:
+                for stale in step_tags(ckpt_dir)[:-max_num]:
+                    if stale != tag:
+                        shutil.rmtree(ckpt_dir / stale, ignore_errors=True)
+
+        self._rank0_outcome(publish)
         self.barrier()
         return ckpt_dir / tag
 
     def load_checkpoint(self, engine, ckpt_dir: str | Path) -> dict[str, Any] | None:
+        """Load the checkpoint `ckpt_dir/latest` names, after verifying its checksums; None without `latest`."""
         ckpt_dir = Path(ckpt_dir)
-        if not (ckpt_dir / "latest").exists():
+        box: dict[str, Any] = {}
+
+        def verify() -> None:
+            tag = read_latest(ckpt_dir)
+            box["tag"] = tag
+            if tag is None:
+                return
+
+            def other() -> str:  # only on failure: hashing every other checkpoint costs time
+                good = next((t for t in reversed(step_tags(ckpt_dir)) if t != tag and verify_manifest(ckpt_dir / t) == []), None)
+                if good is None:
+                    return "no other checkpoint there verifies"
+                return f"the newest other checkpoint that verifies is {good}: `echo {good} > {ckpt_dir / 'latest'}` to resume from it"
+
+            if not (ckpt_dir / tag).is_dir():
+                raise CheckpointError(
+                    f"{ckpt_dir / 'latest'} names {tag}, but {ckpt_dir / tag} does not exist (moved or deleted); "
+                    f"{other()}, or drop --ckpt.load_enable to start fresh"
+                )
+            problems = verify_manifest(ckpt_dir / tag)
+            if problems is None:
+                logger.warning("checkpoint %s has no %s (written by another tool or version): loading it unverified", ckpt_dir / tag, MANIFEST)
+            elif problems:
+                raise CheckpointError(
+                    f"checkpoint {ckpt_dir / tag} is corrupt: {'; '.join(problems[:4])}. Refusing to resume from it; "
+                    f"{other()}, or drop --ckpt.load_enable to start fresh"
+                )
+
+        self._rank0_outcome(verify)
+        tag = self.broadcast_object(box.get("tag"))
+        if tag is None:
             return None
-        path, client_state = engine.load_checkpoint(str(ckpt_dir), load_optimizer_states=True, load_lr_scheduler_states=True)
+        path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
-            raise RuntimeError(f"checkpoint in {ckpt_dir} could not be loaded (see DeepSpeed's log above)")
+            raise CheckpointError(f"checkpoint {ckpt_dir / tag} could not be loaded (see DeepSpeed's log above)")
         return client_state
 
     def save_hf(self, engine, model: nn.Module, tokenizer, out_dir: str | Path) -> None:

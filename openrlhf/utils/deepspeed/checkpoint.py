@@ -1,0 +1,109 @@
+"""Checkpoint integrity: checksums written at save and verified at load, and a `latest` pointer
+that only ever names a complete, verified checkpoint.
+
+A DeepSpeed checkpoint is a folder `<ckpt_dir>/<tag>/` of shard files plus `<ckpt_dir>/latest`
+(the tag to resume from). The strategy writes a new checkpoint into `<tag>.partial/`, records a
+SHA-256 of every file in `<tag>.partial/CHECKSUMS.json`, renames the folder to `<tag>/`, and only
+then points `latest` at it (atomically). A run killed mid-save leaves `latest` on the previous
+checkpoint; a flipped byte on disk is found before a single weight is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointError",
+    "write_manifest",
+    "verify_manifest",
+    "read_latest",
+    "write_latest",
+    "step_tags",
+]
+
+MANIFEST = "CHECKSUMS.json"
+_TAG = re.compile(r"^global_step(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted or found; the message names the file and what to do."""
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically: a temporary file, fsync, then rename over the target."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(tag_dir: Path) -> dict[str, dict]:
+    """Hash every file under `tag_dir` into `tag_dir/CHECKSUMS.json`; returns the entries."""
+    tag_dir = Path(tag_dir)
+    files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+    if not files:
+        raise CheckpointError(f"checkpoint folder {tag_dir} is empty after saving: the save failed (see the log above)")
+    entries = {str(p.relative_to(tag_dir)): {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
+    _fsync_write(tag_dir / MANIFEST, json.dumps({"algorithm": "sha256", "files": entries}, indent=1))
+    return entries
+
+
+def verify_manifest(tag_dir: Path) -> list[str] | None:
+    """Every way the files under `tag_dir` differ from its manifest (empty: verified), or None without a manifest."""
+    tag_dir = Path(tag_dir)
+    manifest = tag_dir / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{manifest} is unreadable ({type(e).__name__}: {e})"]
+    problems = []
+    for rel, want in entries.items():
+        p = tag_dir / rel
+        if not p.is_file():
+            problems.append(f"{p} is missing")
+        elif p.stat().st_size != want["bytes"]:
+            problems.append(f"{p} has {p.stat().st_size} bytes, {want['bytes']} when saved")
+        elif _sha256(p) != want["sha256"]:
+            problems.append(f"{p} has changed since it was saved (sha256 differs from {MANIFEST})")
+    return problems
+
+
+def read_latest(ckpt_dir: Path) -> str | None:
+    """The tag `ckpt_dir/latest` names, or None when there is no `latest` file."""
+    latest = Path(ckpt_dir) / "latest"
+    if not latest.is_file():
+        return None
+    try:
+        tag = latest.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{latest} cannot be read ({type(e).__name__}: {e}); delete it to start fresh") from None
+    if not tag or "/" in tag or tag in (".", ".."):
+        raise CheckpointError(f"{latest} holds {tag!r}, not a checkpoint tag such as global_step10; fix or delete it")
+    return tag
+
+
+def write_latest(ckpt_dir: Path, tag: str) -> None:
+    _fsync_write(Path(ckpt_dir) / "latest", tag)
+
+
+def step_tags(ckpt_dir: Path) -> list[str]:
+    """Complete `global_step<N>` folders in `ckpt_dir`, oldest first."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    tags = [p.name for p in ckpt_dir.iterdir() if p.is_dir() and _TAG.match(p.name)]
+    return sorted(tags, key=lambda t: int(_TAG.match(t).group(1)))
