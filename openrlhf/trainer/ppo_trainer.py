@@ -284,7 +284,10 @@ class PPOTrainer:
             self.eval_dataset = PromptDataset(
                 load_prompt_records(cfg.eval.dataset, cfg.eval.split, None), self.tokenizer, input_key=cfg.data.input_key,
                 label_key=cfg.data.label_key, apply_chat_template=cfg.data.apply_chat_template, input_template=cfg.data.input_template,
+                max_prompt_len=prompt_budget,
             )
+            if self.eval_dataset.num_dropped and st.is_rank_0:
+                logger.warning("%d eval prompts are longer than %d tokens (--data.max_len) and are skipped", self.eval_dataset.num_dropped, prompt_budget)
         self.best_eval: float | None = None
         self.sync_weights()  # identical bytes before the first rollout, digest-checked
         self.precision_report = self.check_precision()

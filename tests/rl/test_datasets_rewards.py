@@ -129,7 +129,7 @@ def test_prompt_dataset_chat_template_and_length_filter(char_tokenizer):
     # character tokenizer: token count == character count. "Halve 1." is 8 chars, the others 12.
     ds = PromptDataset(RECORDS, char_tokenizer, input_key="question", max_prompt_len=10)
     assert [it["index"] for it in ds] == [2] and ds.num_dropped == 2
-    with pytest.raises(ValueError, match="max_prompt_len"):
+    with pytest.raises(ValueError, match="all 3 prompts are longer than 3 tokens"):
         PromptDataset(RECORDS, char_tokenizer, input_key="question", max_prompt_len=3)
 
 

@@ -148,12 +148,14 @@ class CriticActor:
         # The SPMD code path itself, run where the critic lives.
         return critic_micro_step(self.critic_engine, self.value_loss, self.converter, mb.to(self.strategy.device), global_tokens, scale)
 
-    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict) -> Any:
-        return self.critic_engine.save_checkpoint(save_dir, tag=tag, client_state=client_state)
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict, save_latest: bool = True) -> Any:
+        return self.critic_engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir: str, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True) -> Any:
+    def load_checkpoint(
+        self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True
+    ) -> Any:
         return self.critic_engine.load_checkpoint(
-            load_dir, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states
+            load_dir, tag=tag, load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states
         )
 
 
@@ -187,9 +189,11 @@ class RemoteCritic:
         return self
 
     # DeepSpeed engine signatures, so DeepspeedStrategy.save/load_checkpoint work unchanged
-    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict | None = None) -> Any:
-        return self._call(self._actor.save_checkpoint.remote(save_dir, tag, client_state or {}), "critic checkpoint save")
+    def save_checkpoint(self, save_dir: str, tag: str, client_state: dict | None = None, save_latest: bool = True) -> Any:
+        return self._call(self._actor.save_checkpoint.remote(save_dir, tag, client_state or {}, save_latest), "critic checkpoint save")
 
-    def load_checkpoint(self, load_dir: str, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True) -> Any:
-        ref = self._actor.load_checkpoint.remote(load_dir, load_optimizer_states, load_lr_scheduler_states)
+    def load_checkpoint(
+        self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True
+    ) -> Any:
+        ref = self._actor.load_checkpoint.remote(load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
         return self._call(ref, "critic checkpoint load")
