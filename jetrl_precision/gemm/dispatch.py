@@ -19,6 +19,7 @@ __all__ = [
     "register_backend",
     "resolve_backend",
     "AUTO_ORDER_CUDA",
+    "AUTO_ORDER_CUDA_ROLLOUT",
 ]
 
 logger = logging.getLogger(__name__)
@@ -62,17 +63,24 @@ def available_backends(device: torch.device | str = "cpu") -> dict[str, str | No
     return {name: b.unavailable_reason(device) for name, b in _REGISTRY.items()}
 
 
-def resolve_backend(name: str, device: torch.device | str) -> str:
-    """Turn a requested backend name ('auto' included) into the concrete backend that will run."""
+def resolve_backend(name: str, device: torch.device | str, role: str = "train") -> str:
+    """Turn a requested backend name ('auto' included) into the concrete backend that will run.
+
+    `role="rollout"` (an inference engine's decode-sized GEMMs) orders 'auto' differently; the choice is
+    recorded in the precision graph, where a backend that differs from training's is a warning.
+    """
     _ensure_registered()
     device = torch.device(device)
+    if role not in ("train", "rollout"):
+        raise ValueError(f"resolve_backend: role must be 'train' or 'rollout', got {role!r}")
     if name == "auto":
-        order = AUTO_ORDER_CUDA if device.type == "cuda" else ()
+        order = (AUTO_ORDER_CUDA_ROLLOUT if role == "rollout" else AUTO_ORDER_CUDA) if device.type == "cuda" else ()
         reasons = {}
         for cand in order:
             reason = _REGISTRY[cand].unavailable_reason(device)
             if reason is None:
-                _log_choice(cand, device, f"auto picked {cand!r} on {device}")
+                skipped = "".join(f"; {k} skipped: {v}" for k, v in reasons.items())  # e.g. DeepGEMM not installed
+                _log_choice(cand, device, f"auto picked {cand!r} on {device} for {role}{skipped}")
                 return cand
             reasons[cand] = reason
         why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or f"no FP8 tensor cores on {device.type}"

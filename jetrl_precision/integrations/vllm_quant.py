@@ -193,7 +193,7 @@ class JetFp8LinearMethod(LinearMethodBase):
     def backend_for(self, device: torch.device) -> str:
         key = str(device)
         if key not in self._backends:
-            self._backends[key] = resolve_backend(self.settings.recipe.gemm_backend, device)
+            self._backends[key] = resolve_backend(self.settings.recipe.gemm_backend, device, role="rollout")
         return self._backends[key]
 
     # -- forward ------------------------------------------------------------------------------------

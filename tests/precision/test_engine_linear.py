@@ -97,3 +97,16 @@ def test_op_args_round_trip():
     assert again.groups == lin.groups and again.input_spec == INPUT and again.one_grid is False
     assert lin.op_args[4] == spec_code(INPUT)
     assert vllm_plugin.spec_from_code(spec_code(INPUT)) == INPUT
+
+
+def test_auto_backend_order_for_rollout_engines(monkeypatch):
+    """Where both are usable, training takes DeepGEMM and a rollout engine cuBLASLt (faster at decode sizes)."""
+    dispatch._ensure_registered()
+    for name in ("deep_gemm", "torch", "triton"):
+        b = dispatch._REGISTRY[name]
+        monkeypatch.setitem(dispatch._REGISTRY, name, dispatch.GemmBackend(name, b.gemm_nt, lambda d: None))
+    assert dispatch.resolve_backend("auto", "cuda") == "deep_gemm"
+    assert dispatch.resolve_backend("auto", "cuda", role="rollout") == "torch"
+    assert dispatch.resolve_backend("deep_gemm", "cuda", role="rollout") == "deep_gemm"  # an explicit choice stands
+    with pytest.raises(ValueError, match="role must be"):
+        dispatch.resolve_backend("auto", "cuda", role="decode")
