@@ -8,7 +8,9 @@
 #
 # SmolLM2 travels as an xz-compressed GGUF split in three (.smol0/.smol1/.smol2, each copied to /tmp in
 # the call that carries it, since a call that does not carry an ignored folder removes it).
-# Results go to /tmp/res (and a tarball of the JSON records to $OUT).
+# Results go to /tmp/res and a tarball of the JSON results to $OUT; here, untar it and run
+# `python benchmarks/vllm_gpu.py record --from <folder>` to add them to benchmarks/results/runs, then
+# `python benchmarks/headline.py` to refresh headline.json and the README table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

