@@ -2,7 +2,7 @@
 
 docs/testing.md lists what this file covers. Library faults run in-process; the training
 faults run the real CLI (DeepSpeed on gloo, the transformers engine, a tiny Llama) in a
-subprocess, as a user would meet them.
+subprocess, as a user would meet them (marked `integration`).
 """
 
 from __future__ import annotations
@@ -244,6 +244,7 @@ def one_line_error(rc: int, err: str, *words: str) -> str:
     return lines[0]
 
 
+@pytest.mark.integration
 def test_cli_refuses_bad_paths_before_training(tiny_task, tmp_path):
     model, data = tiny_task
     rc, err = cli(tmp_path / "no_model", data, tmp_path / "a")
@@ -262,6 +263,7 @@ def test_cli_refuses_bad_paths_before_training(tiny_task, tmp_path):
     assert not (tmp_path / "d" / "summary.json").exists() and not any((tmp_path / "d" / "checkpoints_ppo").iterdir())  # nothing ran
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_cli_refuses_a_read_only_output_folder(tiny_task, tmp_path):
     model, data = tiny_task
@@ -275,6 +277,7 @@ def test_cli_refuses_a_read_only_output_folder(tiny_task, tmp_path):
         ro.chmod(0o700)
 
 
+@pytest.mark.integration
 def test_cli_bad_prompt_data_is_one_line(tiny_task, tmp_path):
     model, _ = tiny_task
     bad = tmp_path / "bad.jsonl"
@@ -283,6 +286,8 @@ def test_cli_bad_prompt_data_is_one_line(tiny_task, tmp_path):
     one_line_error(rc, err, "bad.jsonl:21: byte 0xff", "re-encode the file as UTF-8")
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_max_len_is_enforced(tiny_task, tmp_path):
     """--data.max_len bounds prompt + response: prompts that leave no room are dropped (and counted),
     and a budget no prompt fits is refused."""
@@ -306,6 +311,8 @@ def _snapshot(folder):
     return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_checkpoints_are_checksummed_rotated_and_verified(tiny_task, tmp_path):
     model, data = tiny_task
     out = tmp_path / "run"
@@ -366,6 +373,8 @@ def _rewrite_weight(actor, value: float):
     return tag
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_a_nonfinite_checkpoint_is_refused_at_load(tiny_task, tmp_path):
     model, data = tiny_task
     out = tmp_path / "run"
@@ -377,6 +386,7 @@ def test_a_nonfinite_checkpoint_is_refused_at_load(tiny_task, tmp_path):
     assert _snapshot(actor) == before and (actor / "latest").read_text() == tag
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("dtype,stage", [("fp32", 2), ("bf16", 2), ("fp32", 3), ("fp32", 0)])
 def test_an_overflowing_gradient_stops_training(dtype, stage, monkeypatch):
     """A finite loss whose gradients overflow. Where DeepSpeed checks for overflow it skips the update;
@@ -413,6 +423,8 @@ def test_an_overflowing_gradient_stops_training(dtype, stage, monkeypatch):
     assert nonfinite_parameters(engine.module, st.all_reduce) == ([] if skipped else ["weight"])
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_resume_after_the_dataset_shrank_is_refused(tiny_task, tmp_path):
     model, data = tiny_task
     out = tmp_path / "run"

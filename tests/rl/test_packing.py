@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from precision_testutil import assert_within, matmul_bound
 from jetrl_precision import convert_to_fp8, get_recipe, quantize_fp8
 from openrlhf.models.actor import Actor, Critic, load_causal_lm
 from openrlhf.models.packing import pack_batch, unpack_to_actions
@@ -163,7 +164,9 @@ def test_packed_critic_values_match_unpacked(tiny_path):
         critic.packing = True
         v_pack = critic(seq, mask, R)
     packed = pack_batch(seq, mask, R)
-    # The backbone's hidden states are identical; the fp32 value head then agrees to round-off.
+    # The backbone's hidden states are identical; the fp32 value head (a K-term dot product per token,
+    # batched in two shapes) then agrees within twice its worst-case rounding bound.
     pad_rows = hidden[0][:, -R - 1 : -1][packed.rows, packed.cols]
     assert torch.equal(hidden[1], pad_rows)
-    torch.testing.assert_close(v_pack[packed.rows, packed.cols], v_pad[packed.rows, packed.cols], rtol=1e-5, atol=0)
+    bound = 2 * matmul_bound(hidden[1], critic.score.weight.detach().t()).squeeze(-1)
+    assert_within(v_pack[packed.rows, packed.cols], v_pad[packed.rows, packed.cols], bound, "packed vs padded values")
