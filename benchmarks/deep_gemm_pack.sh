@@ -4,8 +4,8 @@
 #
 #   benchmarks/deep_gemm_pack.sh DEEPGEMM_GIT CUTLASS_GIT FMT_GIT [COMMIT]
 #
-# Each *_GIT is a git directory holding that repository (a bare clone or a `fetch` mirror, e.g.
-# /work/.mirror/deepseek-ai+DeepGEMM/repo). COMMIT defaults to 54e22612 (DeepGEMM 2.6.1, the version
+# Each *_GIT is a git directory holding that repository (a bare clone, e.g. `git clone --bare
+# https://github.com/deepseek-ai/DeepGEMM`). COMMIT defaults to 54e22612 (DeepGEMM 2.6.1, the version
 # measured on the H200); the CUTLASS and fmt commits are read from its submodule entries. Only what the
 # build and the runtime JIT read goes in: setup.py, csrc/, deep_gemm/, scripts/generate_pyi.py and the
 # two libraries' include/ trees (about 2.5 MiB compressed). `.dg/` must be git-ignored (.git/info/exclude).
