@@ -136,6 +136,23 @@ def _rule_errors(cfg: PPOConfig) -> list[str]:
         errors.append(f"--train.agent_func_path {agent}: no such file; pass a .py file that defines AgentExecutor")
     if cfg.eval.steps > 0 and not cfg.eval.dataset:
         errors.append(f"--eval.steps {cfg.eval.steps} evaluates on --eval.dataset, which is not set; pass one or drop --eval.steps")
+    if data.prompt_probs is not None and data.prompt_dataset:
+        from openrlhf.datasets.prompts_dataset import PromptDataError, parse_probs
+
+        try:
+            parse_probs(data.prompt_probs, len([s for s in data.prompt_dataset.split(",") if s.strip()]))
+        except PromptDataError as e:
+            errors.append(str(e))
+    if cfg.ckpt.disable_ds and cfg.ckpt.load_enable:
+        errors.append(
+            "--ckpt.disable_ds saves no DeepSpeed checkpoint, so --ckpt.load_enable has nothing to resume from "
+            "(HF exports hold no optimizer state or data position); drop one of them"
+        )
+    if cfg.ds.zpg > 1 and cfg.ds.zero_stage != 3:
+        errors.append(
+            f"--ds.zpg {cfg.ds.zpg} (ZeRO++ hierarchical partitioning) partitions ZeRO-3 parameters; with "
+            f"--ds.zero_stage {cfg.ds.zero_stage} it would do nothing: add --ds.zero_stage 3 or drop --ds.zpg"
+        )
     errors += _precision_errors(cfg.precision)
     return errors
 
@@ -198,6 +215,18 @@ def _warnings(cfg: PPOConfig) -> list[str]:
             f"past ~8k tokens. "
             f"Enable importance-sampling correction (--algo.advantage.is_correction_enable "
             f"--algo.advantage.is_correction_type tis), or switch to the unified flow (--fp8_unified)"
+        )
+    if cfg.ds.use_universal_ckpt and not cfg.ckpt.load_enable:
+        out.append("--ds.use_universal_ckpt only changes how a checkpoint is resumed; it has no effect without --ckpt.load_enable")
+    if cfg.vllm.sync_with_ray:
+        out.append(
+            "--vllm.sync_with_ray: weights always sync over a torch.distributed group here (gloo/NCCL, --vllm.sync_backend), "
+            "not ray.util.collective; the same bytes arrive, the flag changes nothing"
+        )
+    if cfg.data.dataloader_num_workers > 0:
+        out.append(
+            f"--data.dataloader_num_workers {cfg.data.dataloader_num_workers}: prompts are read into memory once and "
+            "tokenized per rollout, so no loader workers run; the flag changes nothing"
         )
     if cfg.vllm.enable_sleep and not cfg.train.colocate_all:
         out.append(

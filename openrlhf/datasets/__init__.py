@@ -1,6 +1,6 @@
 """Prompt datasets and the synthetic arithmetic task set."""
 
-from .prompts_dataset import SUPPORTED_FORMATS, PromptDataset, collate_prompts, load_prompt_records
+from .prompts_dataset import SUPPORTED_FORMATS, PromptDataset, blend_prompt_records, collate_prompts, load_prompt_records
 from .synthetic import evaluate_expression, make_arithmetic_records, write_jsonl
 
 __all__ = [
@@ -8,6 +8,7 @@ __all__ = [
     "PromptDataset",
     "collate_prompts",
     "load_prompt_records",
+    "blend_prompt_records",
     "evaluate_expression",
     "make_arithmetic_records",
     "write_jsonl",

@@ -8,6 +8,8 @@ Supported sources (all local; there is no dataset hub on our machines):
 - a folder of ``.jsonl``/``.json``/``.parquet`` files. Files whose name or parent folder
   names a split (``train-00000.parquet``, ``data/test.jsonl``) are selected by ``split``;
   if no file names a split, all files are read.
+
+Several sources, comma-separated, are blended (`blend_prompt_records`, --data.prompt_probs).
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["SUPPORTED_FORMATS", "PromptDataError", "load_prompt_records", "PromptDataset", "collate_prompts"]
+__all__ = [
+    "SUPPORTED_FORMATS", "PromptDataError", "load_prompt_records", "blend_prompt_records", "parse_probs", "PromptDataset",
+    "collate_prompts",
+]
 
 SUPPORTED_FORMATS = (".jsonl", ".json", ".parquet", "a datasets.save_to_disk folder", "a folder of jsonl/json/parquet files")
 _FILE_EXTS = (".jsonl", ".json", ".parquet")
@@ -174,6 +179,46 @@ def load_prompt_records(path: str, split: str = "train", max_samples: int | None
             raise PromptDataError(f"max_samples must be >= 0, got {max_samples} (--data.max_samples)")
         records = records[: int(max_samples)]
     return records
+
+
+def parse_probs(probs: str, n_sources: int) -> list[float]:
+    """--data.prompt_probs "0.7,0.3": one positive weight per comma-separated source, normalized to sum to 1."""
+    try:
+        weights = [float(w) for w in probs.split(",")]
+    except ValueError:
+        raise PromptDataError(f"--data.prompt_probs {probs!r}: not a comma-separated list of numbers (e.g. 0.7,0.3)") from None
+    if len(weights) != n_sources:
+        raise PromptDataError(
+            f"--data.prompt_probs {probs!r} gives {len(weights)} weights for {n_sources} comma-separated "
+            f"--data.prompt_dataset sources; give one weight per source"
+        )
+    if not all(w > 0 and w != float("inf") for w in weights):
+        raise PromptDataError(f"--data.prompt_probs {probs!r}: every weight must be a finite number > 0 (drop a source instead of weighting it 0)")
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def blend_prompt_records(
+    spec: str, probs: str | None = None, split: str = "train", max_samples: int | None = None, seed: int = 42
+) -> list[dict]:
+    """Records of one source, or of several comma-separated ones (`a.jsonl,b.parquet`), as OpenRLHF blends them:
+    each source cut to `max_samples`; without `probs` concatenated, with `probs` (--data.prompt_probs) drawn at
+    those rates by `datasets.interleave_datasets` (seeded; the "all_exhausted" strategy repeats the smaller
+    sources until every source has been used once); then cut to `max_samples` again."""
+    sources = [s.strip() for s in spec.split(",") if s.strip()]
+    if len(sources) <= 1:
+        return load_prompt_records(spec.strip(), split, max_samples)
+    parts = [load_prompt_records(src, split, max_samples) for src in sources]
+    if probs is None:
+        records = [r for part in parts for r in part]
+    else:
+        from datasets import Dataset, interleave_datasets
+
+        # Interleave row indices, not the records: sources may differ in their other columns.
+        index = [Dataset.from_dict({"src": [i] * len(part), "row": list(range(len(part)))}) for i, part in enumerate(parts)]
+        mixed = interleave_datasets(index, probabilities=parse_probs(probs, len(parts)), seed=seed, stopping_strategy="all_exhausted")
+        records = [parts[i][j] for i, j in zip(mixed["src"], mixed["row"])]
+    return records[: int(max_samples)] if max_samples is not None else records
 
 
 def _missing_key(kind: str, key: str, flag: str, index: int, record: dict) -> KeyError:

@@ -8,20 +8,29 @@ identical positions.
 
 from __future__ import annotations
 
+import copy
+import json
+import logging
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from .packing import pack_batch, unpack_to_actions
 from .utils import log_probs_from_logits
 
-__all__ = ["Actor", "Critic", "position_ids_from_mask", "load_causal_lm"]
+__all__ = ["Actor", "Critic", "position_ids_from_mask", "load_causal_lm", "read_checkpoint_tensor"]
+
+logger = logging.getLogger(__name__)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa"):
+def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", experts_implementation: str | None = None):
+    """`experts_implementation` (--ds.experts_implementation) picks transformers' kernel for MoE expert layers
+    (eager, batched_mm, grouped_mm, deepgemm); None keeps transformers' choice. Dense models ignore it."""
     from transformers import AutoModelForCausalLM
 
     if attn_implementation == "jetrl_invariant":
@@ -29,8 +38,9 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sd
 
         register_invariant_attention()
 
+    extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **extra)
     except OSError as e:
         raise FileNotFoundError(
             f"could not load a model from {path!r}: {e}. Pass a local folder saved with save_pretrained "
@@ -74,8 +84,32 @@ class Actor(nn.Module):
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
 
 
+def read_checkpoint_tensor(path: str, key: str) -> torch.Tensor | None:
+    """One tensor of a local safetensors checkpoint folder (single file or sharded), or None when absent."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shard = json.loads(index.read_text()).get("weight_map", {}).get(key)
+        files = [folder / shard] if shard else []
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            if key in st.keys():
+                return st.get_tensor(key)
+    return None
+
+
 class Critic(nn.Module):
-    """Backbone of the causal LM plus a scalar value head (`score`, kept high precision by the recipe filter)."""
+    """Backbone of the causal LM plus a scalar value head (`score`, kept high precision by the recipe filter).
+
+    Its state dict is laid out like transformers' `<Model>ForSequenceClassification` with one label
+    (`model.*` and `score.weight`): `save_pretrained` exports it in that format, and `from_pretrained` takes
+    the head from a checkpoint that has one (a reward model, or an exported critic) under
+    `<value_head_prefix>.weight` (--ds.value_head_prefix).
+    """
 
     def __init__(self, backbone: nn.Module, hidden_size: int, packing: bool = False) -> None:
         super().__init__()
@@ -85,12 +119,41 @@ class Critic(nn.Module):
         self.packing = packing
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", packing: bool = False) -> "Critic":
-        lm = load_causal_lm(path, dtype, attn_implementation)
+    def from_pretrained(
+        cls, path: str, dtype: torch.dtype, attn_implementation: str = "sdpa", packing: bool = False,
+        value_head_prefix: str = "score", experts_implementation: str | None = None,
+    ) -> "Critic":
+        lm = load_causal_lm(path, dtype, attn_implementation, experts_implementation)
         backbone = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
         critic = cls(backbone, lm.config.hidden_size, packing=packing)
+        head = read_checkpoint_tensor(path, f"{value_head_prefix}.weight") if Path(path).is_dir() else None
+        if head is not None and tuple(head.shape) == tuple(critic.score.weight.shape):
+            with torch.no_grad():
+                critic.score.weight.copy_(head)
+            logger.info("critic: value head %s.weight loaded from %s", value_head_prefix, path)
+        else:
+            why = "has no" if head is None else f"has a {tuple(head.shape)} (not a one-output)"
+            logger.info("critic: %s %s %s.weight; the value head starts at zero", path, why, value_head_prefix)
         critic.score.to(dtype)
         return critic
+
+    def gradient_checkpointing_enable(self, reentrant: bool = False) -> None:
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+
+    def save_pretrained(self, out_dir: str | Path, state_dict: dict[str, torch.Tensor], value_head_prefix: str = "score") -> None:
+        """Write `state_dict` (this module's, whole) as a `<Model>ForSequenceClassification` folder with one label;
+        the head is stored as `<value_head_prefix>.weight` (loadable with AutoModelForSequenceClassification when
+        that is `score`)."""
+        from huggingface_hub import save_torch_state_dict
+
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config = copy.deepcopy(self.model.config)
+        config.architectures = [a.replace("ForCausalLM", "ForSequenceClassification") for a in (config.architectures or [])] or None
+        config.num_labels = 1
+        config.save_pretrained(out_dir)
+        state = {(f"{value_head_prefix}.weight" if k == "score.weight" else k): v.contiguous() for k, v in state_dict.items()}
+        save_torch_state_dict(state, out_dir)
 
     def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
         """Values [B, num_actions]: V(state before each response token)."""

@@ -33,7 +33,7 @@ from jetrl_precision import (
 )
 from jetrl_precision.weight_sync import WeightSyncError, compare_digests, iter_sync_tensors, sync_tensor_digest
 from openrlhf.config import ActorConfig, ConfigError, CriticConfig
-from openrlhf.datasets.prompts_dataset import PromptDataset, load_prompt_records
+from openrlhf.datasets.prompts_dataset import PromptDataset, blend_prompt_records
 from openrlhf.models.actor import Actor, Critic, load_causal_lm
 from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss, sequence_mean_weights
 from openrlhf.models.utils import masked_mean
@@ -44,7 +44,10 @@ from .health import TrainingDivergedError, check_optimizer_step, nonfinite_param
 from .ppo_utils.experience_maker import AdvantageSettings, Experience, ExperienceMaker, RewardFn
 from .ppo_utils.reward_shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty
 
-__all__ = ["PPOTrainer", "PrecisionCheckError", "WeightSyncError", "StepResult", "make_lr_scheduler", "critic_micro_step"]
+__all__ = [
+    "PPOTrainer", "PrecisionCheckError", "WeightSyncError", "StepResult", "make_lr_scheduler", "prepare_critic", "critic_micro_step",
+    "save_critic",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +123,32 @@ def make_lr_scheduler(optimizer, schedule: ActorConfig | CriticConfig, total_upd
     )
 
 
+def prepare_critic(cfg, strategy: DeepspeedStrategy, converter: Fp8Converter, total_updates: int):
+    """The critic's DeepSpeed engine, built the same way by the SPMD trainer and by Ray's critic actors: the
+    training forward's precision, its own optimizer, schedule and clipping norm (--critic.*), packing and
+    gradient checkpointing as the actor has them."""
+    st = strategy
+    with st.model_init_context(train=True):
+        critic = Critic.from_pretrained(
+            cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation, packing=cfg.packing,
+            value_head_prefix=cfg.ds.value_head_prefix, experts_implementation=cfg.ds.experts_implementation,
+        )
+    converter.convert(critic)
+    if cfg.actor.gradient_checkpointing_enable:
+        critic.gradient_checkpointing_enable(reentrant=cfg.actor.gradient_checkpointing_reentrant)
+    c = cfg.critic
+    opt = st.make_optimizer(critic, c.adam.lr, c.adam.betas, c.adam.eps, c.adam.weight_decay)
+    return st.prepare(critic, opt, make_lr_scheduler(opt, c, total_updates), max_norm=c.max_norm)
+
+
+def save_critic(cfg, strategy: DeepspeedStrategy, critic_engine, out_dir: str | Path) -> None:
+    """--critic.save_value_network: the critic as a one-label sequence-classification model (every rank calls)."""
+    state = strategy.model_state_dict(critic_engine, critic_engine.module)
+    if strategy.is_rank_0:
+        critic_engine.module.save_pretrained(out_dir, state, cfg.ds.value_head_prefix)
+    strategy.barrier()
+
+
 def critic_micro_step(
     critic_engine, value_loss: ValueLoss, converter: Fp8Converter, mb: Experience, global_tokens: float, scale: float
 ) -> dict[str, float]:
@@ -182,7 +211,7 @@ class PPOTrainer:
             ) from None
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        records = load_prompt_records(cfg.data.prompt_dataset, cfg.data.prompt_split, cfg.data.max_samples)
+        records = blend_prompt_records(cfg.data.prompt_dataset, cfg.data.prompt_probs, cfg.data.prompt_split, cfg.data.max_samples, cfg.train.seed)
         # --data.max_len bounds prompt + response: a prompt gets what the response leaves.
         prompt_budget = cfg.data.max_len - (cfg.rollout.max_new_tokens or 1)
         self.dataset = PromptDataset(
@@ -213,19 +242,24 @@ class PPOTrainer:
 
         # ---- models (converted after from_pretrained, before deepspeed.initialize) ----------
         with st.model_init_context(train=True):
-            policy = load_causal_lm(cfg.actor.model_name_or_path, st.dtype, cfg.ds.attn_implementation)
+            policy = load_causal_lm(cfg.actor.model_name_or_path, st.dtype, cfg.ds.attn_implementation, cfg.ds.experts_implementation)
         self.converter.convert(policy)
         self.actor = Actor(policy, packing=cfg.packing)
         if cfg.actor.gradient_checkpointing_enable:
             self.actor.gradient_checkpointing_enable(reentrant=cfg.actor.gradient_checkpointing_reentrant)
         opt = st.make_optimizer(self.actor, cfg.actor.adam.lr, cfg.actor.adam.betas, cfg.actor.adam.eps, cfg.actor.adam.weight_decay)
         self.actor_engine = st.prepare(self.actor, opt, make_lr_scheduler(opt, cfg.actor, self.total_updates))
+        self.ema = None
+        if cfg.train.enable_ema:
+            from openrlhf.utils.deepspeed.ema import ParameterEMA
+
+            self.ema = ParameterEMA(self.actor.model, cfg.train.ema_beta, st.rank, st.device)
         self.ref_engine = None
         if cfg.needs_ref and self._remote_ref is not None:
             self.ref_engine = self._remote_ref
         elif cfg.needs_ref:
             with st.model_init_context(train=False):
-                ref = load_causal_lm(cfg.ref_model_path, st.dtype, cfg.ds.attn_implementation)
+                ref = load_causal_lm(cfg.ref_model_path, st.dtype, cfg.ds.attn_implementation, cfg.ds.experts_implementation)
             self.converter.convert(ref)  # the reference runs the training forward's precision
             ref_actor = Actor(ref, packing=cfg.packing).requires_grad_(False).eval()
             if cfg.ds.zero_stage == 3:  # sharded like the actor; --ref.offload keeps the shards on CPU
@@ -237,11 +271,7 @@ class PPOTrainer:
             self._remote_critic.setup(self.total_updates)
             self.critic_engine = self._remote_critic
         elif cfg.needs_critic:
-            with st.model_init_context(train=True):
-                critic = Critic.from_pretrained(cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation, packing=cfg.packing)
-            self.converter.convert(critic)
-            copt = st.make_optimizer(critic, cfg.critic.adam.lr, cfg.critic.adam.betas, cfg.critic.adam.eps, cfg.critic.adam.weight_decay)
-            self.critic_engine = st.prepare(critic, copt, make_lr_scheduler(copt, cfg.critic, self.total_updates))
+            self.critic_engine = prepare_critic(cfg, st, self.converter, self.total_updates)
 
         # ---- losses, experience maker, reward ------------------------------------------------
         adv = cfg.algo.advantage
@@ -262,7 +292,7 @@ class PPOTrainer:
 
         self.reward_fn: RewardFn = self._remote_reward_fn or build_reward_fn(
             cfg.reward_source, remote_url=cfg.reward.remote_url, model_path=cfg.reward.model_name_or_path,
-            clip_range=cfg.reward.clip_range, dtype=st.dtype, device=st.device,
+            clip_range=cfg.reward.clip_range, dtype=st.dtype, device=st.device, offload=cfg.reward.offload,
         )
 
         # ---- rollout engine + the precision check ------------------------------------------
@@ -282,7 +312,7 @@ class PPOTrainer:
         self.eval_dataset = None
         if cfg.eval.dataset:
             self.eval_dataset = PromptDataset(
-                load_prompt_records(cfg.eval.dataset, cfg.eval.split, None), self.tokenizer, input_key=cfg.data.input_key,
+                blend_prompt_records(cfg.eval.dataset, None, cfg.eval.split), self.tokenizer, input_key=cfg.data.input_key,
                 label_key=cfg.data.label_key, apply_chat_template=cfg.data.apply_chat_template, input_template=cfg.data.input_template,
                 max_prompt_len=prompt_budget,
             )
@@ -618,6 +648,8 @@ class PPOTrainer:
         check_optimizer_step(self.actor_engine, "actor", self.global_step, skipped)
         if self.actor_engine.was_step_applied():
             self.converter.post_optimizer_hook(self.actor.model)
+            if self.ema is not None:
+                self.ema.update()
         stats = {
             "train/policy_loss": masked_mean(out.token_loss.detach(), mb.action_mask).item(),
             "train/clip_frac": float(out.clip_frac),
@@ -691,18 +723,49 @@ class PPOTrainer:
                 )
 
     def save_checkpoint(self) -> Path:
+        """The DeepSpeed (resumable) checkpoint of actor and critic, unless --ckpt.disable_ds, and with --ckpt.save_hf
+        (or --ckpt.disable_ds) an HF export of the actor (its EMA with --train.enable_ema); each kind in its own
+        folder under --ckpt.path, checksummed, and pruned to --ckpt.max_num / --ckpt.max_mem."""
+        cfg, st = self.cfg, self.strategy
         tag = f"global_step{self.global_step}"
         self._require_finite(f"saving step {self.global_step}")
-        path = self.strategy.save_checkpoint(self.actor_engine, Path(self.cfg.ckpt_path) / "actor", tag, self._client_state(), self.cfg.ckpt.max_num)
-        if self.critic_engine is not None:
-            self.strategy.save_checkpoint(self.critic_engine, Path(self.cfg.ckpt_path) / "critic", tag, {}, self.cfg.ckpt.max_num)
-        if self.cfg.ckpt.save_hf:
-            self.strategy.save_hf(self.actor_engine, self.actor.model, self.tokenizer, Path(self.cfg.ckpt_path) / "hf" / tag)
+        root, keep = Path(cfg.ckpt_path), dict(max_num=cfg.ckpt.max_num, max_gb=cfg.ckpt.max_mem)
+        path = None
+        if not cfg.ckpt.disable_ds:
+            ema_files = self.ema.save if self.ema is not None else None
+            path = st.save_checkpoint(self.actor_engine, root / "actor", tag, self._client_state(), extra=ema_files, **keep)
+            if self.critic_engine is not None:
+                st.save_checkpoint(self.critic_engine, root / "critic", tag, {}, **keep)
+        if cfg.ckpt.save_hf or cfg.ckpt.disable_ds:
+            hf = st.save_checkpoint(None, root / "hf", tag, {}, extra=self._export_actor, **keep)
+            path = path or hf
         logger.info("saved checkpoint %s", path)
         return path
 
+    def _export_actor(self, out_dir: Path) -> None:
+        """HF export of the policy: the EMA weights with --train.enable_ema, else the trained ones (every rank calls)."""
+        state = self.ema.state_dict() if self.ema is not None else self.strategy.model_state_dict(self.actor_engine, self.actor.model)
+        self.strategy.write_hf(self.actor.model, self.tokenizer, out_dir, state)
+
+    def save_model(self) -> Path:
+        """The final model into --ckpt.output_dir (HF format; the EMA with --train.enable_ema), and with
+        --critic.save_value_network the critic into <output_dir>_critic, as OpenRLHF names them."""
+        out = Path(self.cfg.ckpt.output_dir)
+        self._require_finite("exporting the final model")
+        self._export_actor(out)
+        if self.cfg.critic.save_value_network and self.critic_engine is not None:
+            critic_dir = Path(str(out) + "_critic")
+            if self._remote_critic is not None:
+                self._remote_critic.save_value_network(str(critic_dir))
+            else:
+                save_critic(self.cfg, self.strategy, self.critic_engine, critic_dir)
+        if self.strategy.is_rank_0:
+            logger.info("final model saved to %s%s", out, " (EMA weights)" if self.ema is not None else "")
+        return out
+
     def load_checkpoint(self) -> bool:
-        state = self.strategy.load_checkpoint(self.actor_engine, Path(self.cfg.ckpt_path) / "actor")
+        ema_files = self.ema.load if self.ema is not None else None
+        state = self.strategy.load_checkpoint(self.actor_engine, Path(self.cfg.ckpt_path) / "actor", extra=ema_files)
         if state is None:
             logger.warning("--ckpt.load_enable: no checkpoint in %s; starting fresh", Path(self.cfg.ckpt_path) / "actor")
             return False

@@ -123,76 +123,17 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
             "--train.async_enable / --train.partial_rollout_enable are not supported: asynchronous training samples with "
             "weights at least one step behind the learner, which is off-policy whatever the precision; run synchronously"
         )
-    if cfg.use_ms:
-        errors.append("--use_ms (ModelScope hub) is not supported: models load from local folders or the Hugging Face cache")
-    if actor.optim == "muon" or cfg.critic.optim == "muon":
+    if actor.aux_loss_coef > 0:
         errors.append(
-            "--actor.optim/--critic.optim muon is not supported here: DeepSpeed's Muon is configured through its own "
-            "optimizer section with per-parameter use_muon flags, which this trainer's optimizer set-up does not build; use adam"
+            f"--actor.aux_loss_coef {actor.aux_loss_coef}: the MoE load-balancing loss is not supported: the policy "
+            "loss here is computed from log-probs only (the router logits it needs are not returned), and MoE expert "
+            "weights are not FP8 linears of the shared precision flow; drop the flag (dense models need none)"
         )
-    return errors
-
-
-def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
-    """Every reason `cfg` cannot run on this machine with this framework, one line each."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    ds, data, actor = cfg.ds, cfg.data, cfg.actor
-    errors: list[str] = []
-    if ds.ring_attn_size > 1:
-        missing = [w for w, ok in (("a CUDA GPU", cuda), ("the ring-flash-attn package", _has("ring_flash_attn")),
-                                   ("flash-attn", _has("flash_attn"))) if not ok]
-        model = _model_config(actor.model_name_or_path)
-        if model and model.get("num_attention_heads", 1) % ds.ring_attn_head_stride:
-            errors.append(
-                f"--ds.ring_attn_head_stride {ds.ring_attn_head_stride} must divide the model's "
-                f"{model['num_attention_heads']} attention heads"
-            )
+    if ds.experts_implementation == "deepgemm" and not (cuda and _has("deep_gemm")):
         errors.append(
-            f"--ds.ring_attn_size {ds.ring_attn_size}: ring attention runs on ring-flash-attn's CUDA kernels; "
-            + (f"missing here: {', '.join(missing)}" if missing else "this trainer does not shard packed sequences across a ring")
-            + "; drop --ds.ring_attn_size (and --ds.ring_attn_head_stride)"
-        )
-    if ds.tensor_parallel_size > 1:
-        recipe = cfg.precision.load_recipe()
-        model = _model_config(actor.model_name_or_path)
-        shard_errors = fp8_tp_shard_errors(model, ds.tensor_parallel_size) if model and recipe.name != "bf16" else []
-        errors += shard_errors
-        if not shard_errors:
-            errors.append(
-                f"--ds.tensor_parallel_size {ds.tensor_parallel_size}: DeepSpeed AutoTP replaces nn.Linear modules with its "
-                f"own sharded layers, which would bypass the FP8 linears (and their weight sync) of recipe {recipe.name}; "
-                f"shard with ZeRO-3 instead (--ds.zero_stage 3)"
-            )
-    if "flash_attention" in ds.attn_implementation and not (cuda and _has("flash_attn")):
-        errors.append(
-            f"--ds.attn_implementation {ds.attn_implementation} needs a CUDA GPU and the flash-attn package "
-            f"({'no CUDA device' if not cuda else 'flash-attn not installed'}); use sdpa (packing works with it too)"
-        )
-    if data.max_images_per_prompt > 0 or actor.freeze_visual_encoder:
-        errors.append(
-            "vision-language training (--data.max_images_per_prompt, --actor.freeze_visual_encoder) is not supported: "
-            "the FP8 precision flow and both rollout engines here are text-only"
-        )
-    if ds.lora.rank > 0 or ds.load_in_4bit:
-        errors.append(
-            "LoRA / 4-bit training (--ds.lora.rank, --ds.load_in_4bit) is not supported: the engine would sample from "
-            "merged weights re-quantized to FP8, which the training forward (base FP8 + adapter) never computes, so "
-            "rollout and training would not share one precision flow"
-        )
-    if ds.use_liger_kernel:
-        errors.append(
-            "--ds.use_liger_kernel is not supported: Liger's Triton kernels replace the MLP and loss modules the FP8 "
-            "flow converts, so training would no longer run the rollout's precision"
-        )
-    if ds.deepcompile:
-        errors.append(
-            "--ds.deepcompile is not supported: DeepCompile traces ZeRO-3 into torch.compile graphs on CUDA, "
-            "and the FP8 linears' custom autograd functions are not part of its tested passes"
-        )
-    if cfg.train.async_enable or cfg.train.partial_rollout_enable:
-        errors.append(
-            "--train.async_enable / --train.partial_rollout_enable are not supported: asynchronous training samples with "
-            "weights at least one step behind the learner, which is off-policy whatever the precision; run synchronously"
+            "--ds.experts_implementation deepgemm runs transformers' MoE experts on DeepGEMM kernels, which need a CUDA "
+            f"GPU and the deep_gemm package ({'no CUDA device' if not cuda else 'deep_gemm not installed'}); "
+            "use grouped_mm, batched_mm or eager"
         )
     if cfg.use_ms:
         errors.append("--use_ms (ModelScope hub) is not supported: models load from local folders or the Hugging Face cache")

@@ -15,22 +15,33 @@ __all__ = ["build_reward_fn", "RewardModelFn"]
 
 
 class RewardModelFn:
-    """A sequence-classification reward model scoring prompt + response text."""
+    """A sequence-classification reward model scoring prompt + response text.
 
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device) -> None:
+    `offload` (--reward.offload): the weights stay in host memory and visit `device` only while scoring."""
+
+    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, offload: bool = False) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype).to(device).eval()
-        self.device = device
+        self.offload = offload
+        self.home = torch.device("cpu") if offload else torch.device(device)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype).to(self.home).eval()
+        self.device = torch.device(device)
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str], labels: list[str | None]) -> list[float]:
         enc = self.tok([p + r for p, r in zip(prompts, responses)], return_tensors="pt", padding=True).to(self.device)
-        return self.model(**enc).logits[:, 0].float().cpu().tolist()
+        self.model.to(self.device)
+        try:
+            return self.model(**enc).logits[:, 0].float().cpu().tolist()
+        finally:
+            self.model.to(self.home)
 
 
-def build_reward_fn(source: str, *, remote_url: str | None, model_path: str | None, clip_range: Sequence[float], dtype: torch.dtype, device: torch.device) -> RewardFn:
+def build_reward_fn(
+    source: str, *, remote_url: str | None, model_path: str | None, clip_range: Sequence[float], dtype: torch.dtype,
+    device: torch.device, offload: bool = False,
+) -> RewardFn:
     if source == "remote":
         remote = load_reward_fn(remote_url)
 
@@ -38,7 +49,7 @@ def build_reward_fn(source: str, *, remote_url: str | None, model_path: str | No
             return list(remote([p + r for p, r in zip(prompts, responses)], list(prompts), list(labels)))
 
     elif source == "model":
-        fn = RewardModelFn(model_path, dtype, device)
+        fn = RewardModelFn(model_path, dtype, device, offload)
     else:
 
         def fn(prompts, responses, labels):

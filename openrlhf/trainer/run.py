@@ -40,7 +40,8 @@ def make_strategy(cfg: PPOConfig) -> DeepspeedStrategy:
             zero_stage=cfg.ds.zero_stage, param_dtype=cfg.ds.param_dtype, adam_offload=cfg.ds.adam_offload,
             micro_batch_size=cfg.train.micro_batch_size, train_batch_size=cfg.train.batch_size, max_norm=cfg.actor.max_norm,
             seed=cfg.train.seed, gradient_checkpointing=cfg.actor.gradient_checkpointing_enable, overlap_comm=cfg.ds.overlap_comm,
-            grad_accum_dtype=cfg.ds.grad_accum_dtype, offload_params=cfg.ref.offload,
+            grad_accum_dtype=cfg.ds.grad_accum_dtype, offload_params=cfg.ref.offload, zpg=cfg.ds.zpg,
+            load_universal=cfg.ds.use_universal_ckpt,
         )
     )
 
@@ -65,6 +66,7 @@ def train(cfg: PPOConfig, *, evaluate: bool = True, engine_factory=None, **train
     eval_after = trainer.evaluate(**eval_kw) if evaluate else None
     if cfg.ckpt.save_steps != 0 and (not history or cfg.ckpt.save_steps < 0 or trainer.global_step % cfg.ckpt.save_steps):
         trainer.save_checkpoint()
+    trainer.save_model()
     summary = {
         "recipe": trainer.recipe.name,
         "engine": trainer.engine.name,
@@ -76,6 +78,7 @@ def train(cfg: PPOConfig, *, evaluate: bool = True, engine_factory=None, **train
         "last_step": history[-1].metrics if history else {},
         "tensorboard_dir": cfg.logger.tensorboard_dir,
         "checkpoint_dir": cfg.ckpt_path,
+        "model_dir": cfg.ckpt.output_dir,
         "precision_report": trainer.precision_report,
     }
     if strategy.is_rank_0:

@@ -98,10 +98,13 @@ class VLLMEngine(RolloutEngine):
         quantization: str | None = "auto",
         weight_quant_scope: str = "per_part",
         enforce_eager: bool | None = None,
+        enable_prefix_caching: bool | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """`quantization="auto"` builds a `jetrl_fp8` engine when the recipe's rollout is FP8 and
-        a plain one otherwise; `None` forces a plain engine, "jetrl_fp8" forces ours."""
+        a plain one otherwise; `None` forces a plain engine, "jetrl_fp8" forces ours.
+        `enable_prefix_caching`: reuse the KV blocks of shared prompt prefixes (None: vLLM's default);
+        the cache is reset after every weight update, since its blocks hold the old weights' keys and values."""
         require_vllm()
         from jetrl_precision.integrations import vllm_plugin
 
@@ -124,6 +127,8 @@ class VLLMEngine(RolloutEngine):
         )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if enable_prefix_caching is not None:
+            kwargs["enable_prefix_caching"] = enable_prefix_caching
         if quantization == vllm_plugin.QUANT_NAME:
             kwargs.update(vllm_plugin.engine_kwargs(self.recipe, "rollout", weight_quant_scope))
         elif quantization is not None:
@@ -218,6 +223,7 @@ class VLLMEngine(RolloutEngine):
             enable_sleep=vllm.enable_sleep,
             max_model_len=max_model_len,
             enforce_eager=vllm.enforce_eager or None,
+            enable_prefix_caching=vllm.enable_prefix_caching,
             engine_kwargs=engine_kwargs,
         )
 

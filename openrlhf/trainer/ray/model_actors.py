@@ -78,7 +78,7 @@ class RewardActor:
         self.actor_id = actor_id
         self.fn = build_reward_fn(
             cfg.reward_source, remote_url=cfg.reward.remote_url, model_path=cfg.reward.model_name_or_path,
-            clip_range=cfg.reward.clip_range, dtype=_dtype(cfg), device=_device(),
+            clip_range=cfg.reward.clip_range, dtype=_dtype(cfg), device=_device(), offload=cfg.reward.offload,
         )
 
     def info(self) -> dict[str, Any]:
@@ -115,26 +115,20 @@ class CriticActor:
 
     def setup(self, master_addr: str, master_port: int, total_updates: int) -> None:
         from jetrl_precision import Fp8Converter
-        from openrlhf.trainer.run import make_strategy
-        from openrlhf.models.actor import Critic
         from openrlhf.models.loss import ValueLoss
-        from openrlhf.trainer.ppo_trainer import make_lr_scheduler
+        from openrlhf.trainer.ppo_trainer import prepare_critic
+        from openrlhf.trainer.run import make_strategy
 
         os.environ.update(
             RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.local_rank),
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
         )
         cfg = self.cfg
-        st = self.strategy = make_strategy(cfg)
-        st.setup_distributed()
-        with st.model_init_context(train=True):
-            critic = Critic.from_pretrained(cfg.critic_model_path, st.dtype, cfg.ds.attn_implementation)
+        self.strategy = make_strategy(cfg)
+        self.strategy.setup_distributed()
         self.converter = Fp8Converter(cfg.precision.load_recipe(), side="train")
-        self.converter.convert(critic)
-        opt = st.make_optimizer(critic, cfg.critic.adam.lr, cfg.critic.adam.betas, cfg.critic.adam.eps, cfg.critic.adam.weight_decay)
-        # The SPMD trainer's scheduler, for the same number of updates.
-        sched = make_lr_scheduler(opt, cfg.critic, total_updates)
-        self.critic_engine = st.prepare(critic, opt, sched)
+        # The SPMD trainer's critic (optimizer, schedule, clipping norm), for the same number of updates.
+        self.critic_engine = prepare_critic(cfg, self.strategy, self.converter, total_updates)
         self.value_loss = ValueLoss(cfg.critic.value_clip)
 
     @torch.no_grad()
@@ -150,6 +144,11 @@ class CriticActor:
 
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict, save_latest: bool = True) -> Any:
         return self.critic_engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+
+    def save_value_network(self, out_dir: str) -> None:
+        from openrlhf.trainer.ppo_trainer import save_critic
+
+        save_critic(self.cfg, self.strategy, self.critic_engine, out_dir)
 
     def load_checkpoint(
         self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True
@@ -187,6 +186,10 @@ class RemoteCritic:
 
     def eval(self) -> "RemoteCritic":
         return self
+
+    def save_value_network(self, out_dir: str) -> None:
+        """--critic.save_value_network: each policy rank drives its critic rank (ZeRO-3 gathers); critic rank 0 writes."""
+        self._call(self._actor.save_value_network.remote(out_dir), "critic export")
 
     # DeepSpeed engine signatures, so DeepspeedStrategy.save/load_checkpoint work unchanged
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict | None = None, save_latest: bool = True) -> Any:

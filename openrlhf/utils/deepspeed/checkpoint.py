@@ -24,6 +24,8 @@ __all__ = [
     "read_latest",
     "write_latest",
     "step_tags",
+    "stale_tags",
+    "folder_bytes",
 ]
 
 MANIFEST = "CHECKSUMS.json"
@@ -82,9 +84,9 @@ def verify_manifest(tag_dir: Path) -> list[str] | None:
     return problems
 
 
-def read_latest(ckpt_dir: Path) -> str | None:
-    """The tag `ckpt_dir/latest` names, or None when there is no `latest` file."""
-    latest = Path(ckpt_dir) / "latest"
+def read_latest(ckpt_dir: Path, name: str = "latest") -> str | None:
+    """The tag `ckpt_dir/latest` (or `ckpt_dir/<name>`) names, or None when there is no such file."""
+    latest = Path(ckpt_dir) / name
     if not latest.is_file():
         return None
     try:
@@ -107,3 +109,25 @@ def step_tags(ckpt_dir: Path) -> list[str]:
         return []
     tags = [p.name for p in ckpt_dir.iterdir() if p.is_dir() and _TAG.match(p.name)]
     return sorted(tags, key=lambda t: int(_TAG.match(t).group(1)))
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def stale_tags(ckpt_dir: Path, keep: str, max_num: int, max_gb: float | None = None) -> list[str]:
+    """The checkpoints to remove, oldest first, so that at most `max_num` remain and (with `max_gb`,
+    --ckpt.max_mem) they take at most that many GiB together; `keep` (the one just saved) is never removed."""
+    tags = step_tags(ckpt_dir)
+    sizes = {t: folder_bytes(Path(ckpt_dir) / t) for t in tags}
+    budget = None if max_gb is None else max_gb * 2**30
+    remove: list[str] = []
+    for tag in tags:  # oldest first
+        left = [t for t in tags if t not in remove]
+        over_num = max_num > 0 and len(left) > max_num
+        over_mem = budget is not None and sum(sizes[t] for t in left) > budget
+        if not (over_num or over_mem):
+            break
+        if tag != keep:
+            remove.append(tag)
+    return remove

@@ -15,7 +15,7 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -24,7 +24,9 @@ from torch import nn
 
 from openrlhf.config import ConfigError
 
-from .checkpoint import MANIFEST, CheckpointError, read_latest, step_tags, verify_manifest, write_latest, write_manifest
+from .checkpoint import (
+    MANIFEST, CheckpointError, folder_bytes, read_latest, stale_tags, step_tags, verify_manifest, write_latest, write_manifest,
+)
 
 __all__ = ["StrategyConfig", "DeepspeedStrategy"]
 
@@ -46,6 +48,8 @@ class StrategyConfig:
     overlap_comm: bool = False
     grad_accum_dtype: str | None = None  # DeepSpeed data_types.grad_accum_dtype
     offload_params: bool = False  # inference engines (reference) keep ZeRO-3 params on CPU
+    zpg: int = 1  # ZeRO++ hierarchical partitioning (hpZ): ranks holding a secondary ZeRO-3 copy
+    load_universal: bool = False  # resume from a DeepSpeed universal checkpoint (latest_universal)
 
 
 def _free_port() -> int:
@@ -82,6 +86,11 @@ class DeepspeedStrategy:
             raise ConfigError(
                 f"--train.batch_size {self.cfg.train_batch_size} must be a multiple of "
                 f"--train.micro_batch_size x world size = {self.cfg.micro_batch_size} x {world}"
+            )
+        if self.cfg.zpg > 1 and world % self.cfg.zpg:
+            raise ConfigError(
+                f"--ds.zpg {self.cfg.zpg} must divide the world size {world}: ZeRO++ keeps one secondary copy "
+                f"of the parameters per group of {self.cfg.zpg} ranks"
             )
         self.grad_accum_steps = self.cfg.train_batch_size // per_step
         logger.info("rank %d/%d on %s, grad accumulation %d", self.rank, world, self.device, self.grad_accum_steps)
@@ -133,7 +142,8 @@ class DeepspeedStrategy:
         return box[0]
 
     # ---- configs ---------------------------------------------------------------------------
-    def ds_config(self, train: bool = True) -> dict[str, Any]:
+    def ds_config(self, train: bool = True, max_norm: float | None = None) -> dict[str, Any]:
+        """DeepSpeed's config for one engine; `max_norm` overrides the strategy's clipping norm (the critic has its own)."""
         c = self.cfg
         zero: dict[str, Any] = {"stage": c.zero_stage if train else (3 if c.zero_stage == 3 else 0)}
         if c.zero_stage == 3:
@@ -144,6 +154,8 @@ class DeepspeedStrategy:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         if train and c.overlap_comm:
             zero["overlap_comm"] = True
+        if train and c.zero_stage == 3 and c.zpg > 1:
+            zero["zero_hpz_partition_size"] = c.zpg
         if not train and c.offload_params and c.zero_stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         cfg: dict[str, Any] = {
@@ -155,9 +167,11 @@ class DeepspeedStrategy:
             "wall_clock_breakdown": False,
         }
         if train:
-            cfg["gradient_clipping"] = c.max_norm
+            cfg["gradient_clipping"] = c.max_norm if max_norm is None else max_norm
             if c.grad_accum_dtype:
                 cfg["data_types"] = {"grad_accum_dtype": c.grad_accum_dtype}
+            if c.load_universal:
+                cfg["checkpoint"] = {"load_universal": True}
         if c.param_dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         elif c.param_dtype == "fp16":
@@ -185,14 +199,17 @@ class DeepspeedStrategy:
             self._hf_ds_config = None
             unset_hf_deepspeed_config()
 
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, train: bool = True):
+    def prepare(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, train: bool = True,
+        max_norm: float | None = None,
+    ):
         import deepspeed
 
         engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
             lr_scheduler=scheduler,
-            config=self.ds_config(train),
+            config=self.ds_config(train, max_norm),
             dist_init_required=False,
         )
         return engine
@@ -228,12 +245,17 @@ class DeepspeedStrategy:
         if msg is not None:
             raise CheckpointError(msg)
 
-    def save_checkpoint(self, engine, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any], max_num: int = 3) -> Path:
+    def save_checkpoint(
+        self, engine, ckpt_dir: str | Path, tag: str, client_state: dict[str, Any], max_num: int = 3,
+        max_gb: float | None = None, extra: Callable[[Path], None] | None = None,
+    ) -> Path:
         """Save into `<tag>.partial`, checksum every file, rename to `<tag>`, then point `latest` at it.
 
         `latest` moves only once the new checkpoint is complete and checksummed, and the previous
-        checkpoints are pruned (keeping `max_num`) only after that: a failure or a kill at any point
-        leaves the last good checkpoint in place and named by `latest`.
+        checkpoints are pruned (keeping `max_num`, and at most `max_gb` GiB together) only after that:
+        a failure or a kill at any point leaves the last good checkpoint in place and named by `latest`.
+        `extra(folder)` runs on every rank after the engine's save and writes more files into the staged
+        folder (they are checksummed with the rest). `engine=None` saves only what `extra` writes.
         """
         ckpt_dir = Path(ckpt_dir)
         staging = ckpt_dir / f"{tag}.partial"
@@ -244,8 +266,12 @@ class DeepspeedStrategy:
 
         self._rank0_outcome(prepare)
         self.barrier()
-        engine.save_checkpoint(str(ckpt_dir), tag=staging.name, client_state=client_state, save_latest=False)
+        if engine is not None:
+            engine.save_checkpoint(str(ckpt_dir), tag=staging.name, client_state=client_state, save_latest=False)
         self.barrier()
+        if extra is not None:
+            extra(staging)
+            self.barrier()
 
         def publish() -> None:
             write_manifest(staging)
@@ -256,24 +282,39 @@ class DeepspeedStrategy:
             os.replace(staging, final)
             write_latest(ckpt_dir, tag)
             shutil.rmtree(old, ignore_errors=True)
-            if max_num > 0:
-                for stale in step_tags(ckpt_dir)[:-max_num]:
-                    if stale != tag:
-                        shutil.rmtree(ckpt_dir / stale, ignore_errors=True)
+            for stale in stale_tags(ckpt_dir, tag, max_num, max_gb):
+                shutil.rmtree(ckpt_dir / stale, ignore_errors=True)
+            if max_gb is not None and folder_bytes(final) > max_gb * 2**30:
+                logger.warning("checkpoint %s alone takes %.2f GiB, more than --ckpt.max_mem %g: kept (it is the newest)",
+                               final, folder_bytes(final) / 2**30, max_gb)
 
         self._rank0_outcome(publish)
         self.barrier()
         return ckpt_dir / tag
 
-    def load_checkpoint(self, engine, ckpt_dir: str | Path) -> dict[str, Any] | None:
-        """Load the checkpoint `ckpt_dir/latest` names, after verifying its checksums; None without `latest`."""
+    def load_checkpoint(
+        self, engine, ckpt_dir: str | Path, extra: Callable[[Path], None] | None = None
+    ) -> dict[str, Any] | None:
+        """Load the checkpoint `ckpt_dir/latest` names, after verifying its checksums; None without `latest`.
+
+        With `load_universal` (--ds.use_universal_ckpt) the checkpoint is the one `latest_universal` names: a
+        DeepSpeed universal checkpoint, which loads at any world size and ZeRO stage. `extra(folder)` runs on
+        every rank after the engine's load (files the save's `extra` wrote)."""
         ckpt_dir = Path(ckpt_dir)
         box: dict[str, Any] = {}
+        pointer = "latest_universal" if self.cfg.load_universal else "latest"
 
         def verify() -> None:
-            tag = read_latest(ckpt_dir)
+            tag = read_latest(ckpt_dir, pointer)
             box["tag"] = tag
             if tag is None:
+                plain = read_latest(ckpt_dir) if self.cfg.load_universal else None
+                if plain is not None:
+                    raise CheckpointError(
+                        f"--ds.use_universal_ckpt: {ckpt_dir} has no latest_universal, only a regular checkpoint ({plain}). "
+                        f"Convert it first: python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt_dir / plain} "
+                        f"--output_folder {ckpt_dir / (plain + '_universal')} (or drop --ds.use_universal_ckpt)"
+                    )
                 return
 
             def other() -> str:  # only on failure: hashing every other checkpoint costs time
@@ -284,7 +325,7 @@ class DeepspeedStrategy:
 
             if not (ckpt_dir / tag).is_dir():
                 raise CheckpointError(
-                    f"{ckpt_dir / 'latest'} names {tag}, but {ckpt_dir / tag} does not exist (moved or deleted); "
+                    f"{ckpt_dir / pointer} names {tag}, but {ckpt_dir / tag} does not exist (moved or deleted); "
                     f"{other()}, or drop --ckpt.load_enable to start fresh"
                 )
             problems = verify_manifest(ckpt_dir / tag)
@@ -303,18 +344,32 @@ class DeepspeedStrategy:
         path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise CheckpointError(f"checkpoint {ckpt_dir / tag} could not be loaded (see DeepSpeed's log above)")
+        if extra is not None:
+            extra(ckpt_dir / tag)
         return client_state
 
+    def model_state_dict(self, engine, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """`model`'s whole state dict on rank 0 (None elsewhere); `model` is `engine.module` or a submodule of it
+        (the HF model inside an Actor). Under ZeRO-3 every rank must call it (it gathers the partitions)."""
+        if self.cfg.zero_stage != 3:
+            return {k: v.detach().cpu() for k, v in model.state_dict().items()} if self.is_rank_0 else None
+        prefix = next(name for name, m in engine.module.named_modules() if m is model)
+        full = engine._zero3_consolidated_16bit_state_dict()
+        if not self.is_rank_0:
+            return None
+        prefix = prefix + "." if prefix else ""
+        return {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+
     def save_hf(self, engine, model: nn.Module, tokenizer, out_dir: str | Path) -> None:
-        """Export a plain HF checkpoint (high-precision weights; FP8 is recomputed on load)."""
+        """Export a plain HF checkpoint of `model` (high-precision weights; FP8 is recomputed on load). Every rank calls."""
+        self.write_hf(model, tokenizer, out_dir, self.model_state_dict(engine, model))
+
+    def write_hf(self, model: nn.Module, tokenizer, out_dir: str | Path, state_dict: dict[str, torch.Tensor] | None) -> None:
+        """Rank 0 writes `state_dict` (its own; None elsewhere) as `model`'s HF folder; every rank calls."""
         out_dir = Path(out_dir)
-        if self.cfg.zero_stage == 3:
-            state = engine._zero3_consolidated_16bit_state_dict()
-        else:
-            state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         if self.is_rank_0:
             out_dir.mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+            model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
             if tokenizer is not None:
                 tokenizer.save_pretrained(out_dir)
             (out_dir / "jetrl_export.json").write_text(json.dumps({"note": "bf16/fp32 master weights; apply the recipe on load"}))

@@ -1,0 +1,256 @@
+"""OpenRLHF v0.11 flags that change what a run does, each checked for its effect (or its refusal):
+the critic's own clipping norm and value head, EMA of the actor, the final export, checkpoint pruning by
+size (--ckpt.max_mem) and HF-only checkpoints (--ckpt.disable_ds), blended prompt datasets
+(--data.prompt_probs), MoE expert kernels, the reward model's host offload, ZeRO++ partitioning
+(--ds.zpg) and universal checkpoints, on real DeepSpeed engines (gloo, CPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from _rl_helpers import ENV, PY, REPO, grpo_args, metrics, run
+from openrlhf.config import ConfigError, parse_config
+from openrlhf.trainer.preflight import preflight_errors
+from precision_testutil import assert_within, gamma
+
+JOBS = Path(__file__).with_name("ds_jobs.py")
+
+
+def _cfg(*extra: str, model: str = "m", data: str = "d.jsonl"):
+    return parse_config(["--actor.model_name_or_path", model, "--data.prompt_dataset", data, *extra], exit_on_error=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", TinyModelSpec(num_hidden_layers=1))
+
+
+# ---- refusals and warnings: one line naming the flag and the way out -------------------------------
+@pytest.mark.parametrize("extra,needles", [
+    (["--actor.aux_loss_coef", "0.01"], ["--actor.aux_loss_coef", "router logits", "drop the flag"]),
+    (["--ds.experts_implementation", "deepgemm"], ["--ds.experts_implementation deepgemm", "grouped_mm"]),
+])
+def test_preflight_refuses(extra, needles):
+    errors = preflight_errors(_cfg(*extra), cuda=False)
+    assert len(errors) == 1 and all(n in errors[0] for n in needles), errors
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (["--ckpt.disable_ds", "--ckpt.load_enable"], ["--ckpt.disable_ds", "--ckpt.load_enable", "nothing to resume"]),
+    (["--ds.zpg", "2", "--ds.zero_stage", "2"], ["--ds.zpg 2", "--ds.zero_stage 3"]),
+    (["--data.prompt_probs", "0.5,0.5"], ["2 weights for 1", "one weight per source"]),
+    (["--data.prompt_dataset", "a.jsonl,b.jsonl", "--data.prompt_probs", "1,0"], ["finite number > 0"]),
+    (["--data.prompt_dataset", "a.jsonl,b.jsonl", "--data.prompt_probs", "1,x"], ["comma-separated list of numbers"]),
+])
+def test_validation_refuses(extra, needles):
+    with pytest.raises(ConfigError) as e:
+        _cfg(*extra)
+    assert all(n in str(e.value) for n in needles), str(e.value)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--vllm.sync_with_ray"], "--vllm.sync_with_ray"),
+    (["--data.dataloader_num_workers", "4"], "--data.dataloader_num_workers 4"),
+    (["--ds.use_universal_ckpt"], "without --ckpt.load_enable"),
+])
+def test_flags_without_effect_here_warn(extra, needle):
+    cfg = _cfg(*extra)
+    assert any(needle in w for w in cfg.cfg_warnings), cfg.cfg_warnings
+
+
+# ---- checkpoint pruning: --ckpt.max_num and --ckpt.max_mem ------------------------------------------
+def test_stale_tags_keep_count_and_size(tmp_path):
+    from openrlhf.utils.deepspeed.checkpoint import stale_tags
+
+    for step, kib in [(1, 600), (2, 300), (3, 300), (10, 500)]:
+        (tmp_path / f"global_step{step}").mkdir()
+        (tmp_path / f"global_step{step}" / "w.bin").write_bytes(b"\0" * kib * 1024)
+    (tmp_path / "global_step4.partial").mkdir()  # not a checkpoint: never counted or removed
+    gib = 1024 * 1024  # KiB per GiB
+    assert stale_tags(tmp_path, "global_step10", 3) == ["global_step1"]
+    assert stale_tags(tmp_path, "global_step10", 10) == []
+    # 1700 KiB in all; to fit 1000 KiB the two oldest go (numeric order: step 10 is the newest)
+    assert stale_tags(tmp_path, "global_step10", 10, 1000 / gib) == ["global_step1", "global_step2"]
+    assert stale_tags(tmp_path, "global_step10", 10, 1100 / gib) == ["global_step1"]
+    # the checkpoint just saved stays even when it alone is over the budget
+    assert stale_tags(tmp_path, "global_step10", 10, 100 / gib) == ["global_step1", "global_step2", "global_step3"]
+
+
+# ---- --data.prompt_probs: several sources blended at the given rates -----------------------------
+def _write(path: Path, n: int, tag: str) -> str:
+    path.write_text("".join(json.dumps({"input": f"{tag}{i}", "label": str(i), "extra_" + tag: 1}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_blend_draws_each_source_at_its_rate(tmp_path):
+    from openrlhf.datasets.prompts_dataset import blend_prompt_records
+
+    a, b = _write(tmp_path / "a.jsonl", 40, "a"), _write(tmp_path / "b.jsonl", 10, "b")
+    # without weights: concatenated, in order (OpenRLHF's behaviour)
+    assert [r["input"] for r in blend_prompt_records(f"{a},{b}")] == [f"a{i}" for i in range(40)] + [f"b{i}" for i in range(10)]
+    mixed = blend_prompt_records(f"{a}, {b}", "1,3", seed=7)
+    from_a = sum(r["input"].startswith("a") for r in mixed)
+    from_b = len(mixed) - from_a
+    # "all_exhausted": drawing stops once the 40 a-records have all come up, so every record of both appears
+    assert {r["input"] for r in mixed} == {f"a{i}" for i in range(40)} | {f"b{i}" for i in range(10)}
+    assert from_a == 40 and from_b > 40  # b is oversampled, about 3 draws for every a draw
+    p_b = from_b / len(mixed)
+    sigma = (0.75 * 0.25 / len(mixed)) ** 0.5
+    assert abs(p_b - 0.75) < 5 * sigma, (from_a, from_b)
+    # seeded: the same seed gives the same blend, another seed another one; max_samples cuts each source and the blend
+    assert blend_prompt_records(f"{a},{b}", "1,3", seed=7) == mixed
+    assert blend_prompt_records(f"{a},{b}", "1,3", seed=8) != mixed
+    cut = blend_prompt_records(f"{a},{b}", "1,1", max_samples=8, seed=7)
+    assert len(cut) == 8 and all(int(r["label"]) < 8 for r in cut)
+
+
+# ---- experts implementation ------------------------------------------------------------------------
+def test_experts_implementation_reaches_transformers(tmp_path):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from openrlhf.models.actor import load_causal_lm
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    MixtralForCausalLM(cfg).save_pretrained(tmp_path / "moe")
+    ids = torch.randint(0, 64, (2, 9))
+    logits = {}
+    for impl in ("eager", "batched_mm"):
+        model = load_causal_lm(str(tmp_path / "moe"), torch.float32, "sdpa", impl)
+        assert model.config._experts_implementation == impl
+        logits[impl] = model(input_ids=ids).logits.detach()
+    # the two kernels compute the same expert sums; a dense fp32 bound over the model's accumulations
+    scale = logits["eager"].abs().amax()
+    assert_within(logits["batched_mm"], logits["eager"], 64 * gamma(4 * 96) * max(float(scale), 1.0), "batched_mm vs eager logits")
+
+
+# ---- --reward.offload -------------------------------------------------------------------------------
+def test_reward_model_offload_scores_the_same_and_rests_on_the_host(tmp_path, tiny):
+    from transformers import AutoModelForSequenceClassification
+
+    from openrlhf.trainer.reward import RewardModelFn
+
+    rm_dir = tmp_path / "rm"
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1)
+    torch.nn.init.normal_(rm.score.weight, std=0.5)
+    rm.config.pad_token_id = 0
+    rm.save_pretrained(rm_dir)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(rm_dir)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    plain = RewardModelFn(str(rm_dir), torch.float32, device)
+    offloaded = RewardModelFn(str(rm_dir), torch.float32, device, offload=True)
+    args = (["1+1=", "2+2="], ["2", "5"], [None, None])
+    assert offloaded(*args) == plain(*args)
+    assert all(p.device.type == "cpu" for p in offloaded.model.parameters())  # between calls
+    assert all(p.device == device for p in plain.model.parameters())
+
+
+# ---- the critic: its own clipping norm, packing, and the value head a checkpoint brings -------------
+def _strategy(cfg):
+    from openrlhf.trainer.run import make_strategy
+
+    st = make_strategy(cfg)
+    st.setup_distributed()
+    return st
+
+
+def test_critic_engine_clips_with_the_critic_norm(tiny):
+    from jetrl_precision import Fp8Converter
+    from openrlhf.trainer.ppo_trainer import prepare_critic
+
+    cfg = _cfg("--algo.advantage.estimator", "gae", "--critic.max_norm", "0.25", "--actor.max_norm", "2.0", "--ds.packing_samples",
+               "--ds.param_dtype", "fp32", "--train.batch_size", "2", "--rollout.batch_size", "2", model=str(tiny))
+    st = _strategy(cfg)
+    critic = prepare_critic(cfg, st, Fp8Converter(cfg.precision.load_recipe()), total_updates=4)
+    assert critic.gradient_clipping() == 0.25 and critic.module.packing
+    lin = torch.nn.Linear(4, 4)
+    actor = st.prepare(lin, torch.optim.AdamW(lin.parameters()))
+    assert actor.gradient_clipping() == 2.0  # the actor keeps --actor.max_norm
+
+
+def test_critic_takes_the_value_head_of_a_reward_model_and_exports_as_one(tmp_path, tiny):
+    from transformers import AutoModelForSequenceClassification
+
+    from openrlhf.models.actor import Critic
+
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1)
+    torch.nn.init.normal_(rm.score.weight, std=0.5)
+    rm.save_pretrained(tmp_path / "rm")
+    critic = Critic.from_pretrained(str(tmp_path / "rm"), torch.float32)
+    assert torch.equal(critic.score.weight, rm.score.weight)
+    assert all(torch.equal(a, b) for a, b in zip(critic.model.parameters(), rm.model.parameters()))
+    # another --ds.value_head_prefix: no such tensor there, so the head starts at zero
+    fresh = Critic.from_pretrained(str(tmp_path / "rm"), torch.float32, value_head_prefix="value_head")
+    assert not fresh.score.weight.any()
+    # exported (--critic.save_value_network), the critic loads back as a one-label reward model, bit for bit
+    critic.save_pretrained(tmp_path / "out", critic.state_dict())
+    back = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert back.config.num_labels == 1
+    for (n, a), (_, b) in zip(back.named_parameters(), rm.named_parameters()):
+        assert torch.equal(a, b), n
+    # with another prefix the head is stored under that name, as OpenRLHF's loaders look for it
+    critic.save_pretrained(tmp_path / "out2", critic.state_dict(), value_head_prefix="value_head")
+    again = Critic.from_pretrained(str(tmp_path / "out2"), torch.float32, value_head_prefix="value_head")
+    assert torch.equal(again.score.weight, rm.score.weight)
+
+
+# ---- --train.enable_ema --------------------------------------------------------------------------
+def _ema_engine(stage: int):
+    from openrlhf.utils.deepspeed import DeepspeedStrategy, StrategyConfig
+
+    st = DeepspeedStrategy(StrategyConfig(zero_stage=stage, param_dtype="fp32", micro_batch_size=2, train_batch_size=2))
+    st.setup_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.Linear(48, 8))
+    return st, st.prepare(model, st.make_optimizer(model, 3e-2, (0.9, 0.95), 1e-8, 0.0))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ema_follows_the_recurrence_and_survives_a_checkpoint(stage, tmp_path, single_thread, caplog):
+    from openrlhf.utils.deepspeed.ema import ParameterEMA
+
+    st, engine = _ema_engine(stage)
+    beta, steps = 0.7, 4
+    ema = ParameterEMA(engine.module, beta, st.rank, st.device)
+    def snapshot():
+        return {k: v.clone() for k, v in st.model_state_dict(engine, engine.module).items()}
+
+    snapshots = [snapshot()]
+    for k in range(steps):
+        x = torch.randn(2, 32, generator=torch.Generator().manual_seed(k))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        ema.update()
+        snapshots.append(snapshot())
+    got = ema.state_dict()
+    for name in got:
+        # closed form in float64: beta^k p_0 + sum_j (1 - beta) beta^(k - j) p_j
+        ref = beta**steps * snapshots[0][name].double()
+        ref += sum((1 - beta) * beta ** (steps - j) * snapshots[j][name].double() for j in range(1, steps + 1))
+        big = max(s[name].abs().max().item() for s in snapshots)
+        # each step rounds beta*e, (1-beta)*p and their sum (and beta, 1-beta themselves): 6 roundings of values <= big
+        assert_within(got[name], ref, steps * gamma(6) * 2 * big, f"EMA of {name}")
+        assert not torch.equal(got[name], snapshots[-1][name])  # it is an average, not the last weights
+    ema.save(tmp_path)
+    restored = ParameterEMA(engine.module, beta, st.rank, st.device)
+    restored.load(tmp_path)
+    assert all(torch.equal(restored.state_dict()[n], got[n]) for n in got)
+    # a checkpoint without EMA state: the average restarts at the loaded weights, and the log says so
+    empty = tmp_path / "none"
+    empty.mkdir()
+    with caplog.at_level(logging.WARNING):
+        restored.load(empty)
+    assert "restarts at the loaded weights" in caplog.text
+    assert all(torch.equal(restored.state_dict()[n], snapshots[-1][n]) for n in got)
