@@ -152,7 +152,8 @@ class Critic(nn.Module):
         config.architectures = [a.replace("ForCausalLM", "ForSequenceClassification") for a in (config.architectures or [])] or None
         config.num_labels = 1
         config.save_pretrained(out_dir)
-        state = {(f"{value_head_prefix}.weight" if k == "score.weight" else k): v.contiguous() for k, v in state_dict.items()}
+        # own storage per tensor: ZeRO-1/2 parameters are views into one flat buffer
+        state = {(f"{value_head_prefix}.weight" if k == "score.weight" else k): v.detach().clone() for k, v in state_dict.items()}
         save_torch_state_dict(state, out_dir)
 
     def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:

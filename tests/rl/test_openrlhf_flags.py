@@ -166,6 +166,7 @@ def _strategy(cfg):
     return st
 
 
+@pytest.mark.integration
 def test_critic_engine_clips_with_the_critic_norm(tiny):
     from jetrl_precision import Fp8Converter
     from openrlhf.trainer.ppo_trainer import prepare_critic
@@ -180,6 +181,7 @@ def test_critic_engine_clips_with_the_critic_norm(tiny):
     assert actor.gradient_clipping() == 2.0  # the actor keeps --actor.max_norm
 
 
+@pytest.mark.integration
 def test_critic_takes_the_value_head_of_a_reward_model_and_exports_as_one(tmp_path, tiny):
     from transformers import AutoModelForSequenceClassification
 
@@ -217,6 +219,7 @@ def _ema_engine(stage: int):
     return st, st.prepare(model, st.make_optimizer(model, 3e-2, (0.9, 0.95), 1e-8, 0.0))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("stage", [2, 3])
 def test_ema_follows_the_recurrence_and_survives_a_checkpoint(stage, tmp_path, single_thread, caplog):
     from openrlhf.utils.deepspeed.ema import ParameterEMA
@@ -254,3 +257,82 @@ def test_ema_follows_the_recurrence_and_survives_a_checkpoint(stage, tmp_path, s
         restored.load(empty)
     assert "restarts at the loaded weights" in caplog.text
     assert all(torch.equal(restored.state_dict()[n], snapshots[-1][n]) for n in got)
+
+
+# ---- --ds.zpg and --ds.use_universal_ckpt on several ranks -------------------------------------------
+def _torchrun(n: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run(["torchrun", "--nproc_per_node", str(n), "--standalone", str(JOBS), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_zpg_hierarchical_partitioning_trains_fp8_layers_bit_exactly(tmp_path):
+    """4 ranks of ZeRO-3 with a secondary partition per 2 ranks (--ds.zpg 2) train the FP8 layers exactly as plain ZeRO-3."""
+    _torchrun(4, "zpg", str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out == {"world": 4, "hpz": [1, 2], "equal": True, "moved": True}
+
+
+def test_zpg_must_divide_the_world_size():
+    from openrlhf.utils.deepspeed import DeepspeedStrategy, StrategyConfig
+
+    with pytest.raises(ConfigError, match="--ds.zpg 3 must divide the world size 1"):
+        DeepspeedStrategy(StrategyConfig(zero_stage=3, zpg=3, train_batch_size=1)).setup_distributed()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_universal_checkpoint_resumes_at_another_world_size(tmp_path):
+    """Saved by 2 ZeRO-2 ranks, converted with DeepSpeed's ds_to_universal (no extra flags: our checkpoints carry
+    the state it needs), resumed by 1 rank with --ds.use_universal_ckpt: the same weights, optimizer step and client state."""
+    ckpt = tmp_path / "ckpt"
+    _torchrun(2, "universal-save", str(ckpt))
+    # before conversion, asking for a universal checkpoint names the command that makes one
+    proc = subprocess.run(["torchrun", "--nproc_per_node", "1", "--standalone", str(JOBS), "universal-load", str(ckpt), str(tmp_path / "x")],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "deepspeed.checkpoint.ds_to_universal --input_folder" in proc.stderr
+    run([PY, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt / "global_step2"),
+         "--output_folder", str(ckpt / "global_step2_universal")])
+    _torchrun(1, "universal-load", str(ckpt), str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["world"] == 1 and out["equal"] and out["optimizer_step"] == 2
+    assert out["client"]["global_step"] == 2 and out["client"]["note"] == "saved at world size 2"
+
+
+# ---- a whole run: final export, EMA, the critic's export, HF-only checkpoints, blended prompts -------
+@pytest.mark.integration
+@pytest.mark.slow
+def test_run_exports_ema_and_critic_with_hf_only_checkpoints(task, tmp_path):
+    """GAE with --train.enable_ema --train.ema_beta 1 (the average never leaves the initial weights, so the export
+    must equal them although training moved the actor), --critic.save_value_network, --ckpt.disable_ds with a
+    checkpoint every step kept to one, and two prompt files blended by --data.prompt_probs."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    model, data = task
+    second = tmp_path / "second.jsonl"
+    second.write_text("".join(data.read_text().splitlines(keepends=True)[:64]))
+    out = tmp_path / "run"
+    extra = [
+        "--algo.advantage.estimator", "gae", "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "16",
+        "--train.batch_size", "16", "--train.micro_batch_size", "8",
+        "--train.enable_ema", "--train.ema_beta", "1.0", "--critic.save_value_network",
+        "--ckpt.disable_ds", "--ckpt.save_steps", "1", "--ckpt.max_num", "1",
+        "--data.prompt_dataset", f"{data},{second}", "--data.prompt_probs", "0.5,0.5",
+    ]
+    run([PY, "-m", "openrlhf.cli.train_ppo_ray", *grpo_args(model, data, out, "jet_fp8", 1, extra)], timeout=900)
+    assert [h["step"] for h in metrics(out)] == [1, 2]
+    initial = AutoModelForCausalLM.from_pretrained(model)
+    final = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), initial.state_dict().values()))
+    # the critic trained: its value head left zero; it loads as a one-label reward model
+    critic = AutoModelForSequenceClassification.from_pretrained(str(out) + "_critic")
+    assert critic.score.weight.abs().sum() > 0
+    # HF-only checkpoints, checksummed and pruned to --ckpt.max_num; no DeepSpeed state was written
+    ckpt = out / "checkpoints_ppo"
+    assert not (ckpt / "actor").exists() and not (ckpt / "critic").exists()
+    assert sorted(p.name for p in (ckpt / "hf").iterdir() if p.is_dir()) == ["global_step2"]
+    assert (ckpt / "hf" / "global_step2" / "CHECKSUMS.json").is_file() and (ckpt / "hf" / "latest").read_text() == "global_step2"

@@ -237,4 +237,7 @@ def test_hf_export_under_zero3_loads_and_holds_the_trained_weights(task, tmp_pat
     initial = AutoModelForCausalLM.from_pretrained(model)
     moved = [n for (n, a), (_, b) in zip(exported.named_parameters(), initial.named_parameters()) if not torch.equal(a, b)]
     assert len(moved) > 0  # four optimizer steps changed the weights; the export carries them, not the init
-    assert all(torch.isfinite(p).all() for p in exported.parameters())
+    # ...and only as far as four Adam steps can: each moves a weight by at most its lr (betas 0.9/0.95: 1 - beta1 <
+    # sqrt(1 - beta2)), and the lr never exceeds --actor.adam.lr 3e-4. A wrongly keyed export would load fresh weights.
+    for (n, a), (_, b) in zip(exported.named_parameters(), initial.named_parameters()):
+        assert (a - b).abs().max() <= 4 * 3e-4 * (1 + 1e-3), n

@@ -304,6 +304,44 @@ def test_unquantized_engine_syncs_through_vllm_reload(pool, model_dir):
     assert (ref - torch.tensor(sample.logprobs)).abs().max() < 1e-4
 
 
+def test_prefix_caching_follows_the_flag_and_is_reset_by_every_sync(pool, model_dir, monkeypatch):
+    """--vllm.enable_prefix_caching reaches vLLM (off unless given, as in OpenRLHF), and a weight sync drops the
+    cached prompt blocks: without that reset, the next request would reuse keys/values of the old weights."""
+    from openrlhf.config import parse_config
+
+    cfg = parse_config(["--actor.model_name_or_path", str(model_dir), "--data.prompt_dataset", "d.jsonl"], exit_on_error=False)
+
+    def from_flags(vllm):
+        return VLLMEngine.from_config(vllm, get_recipe("jet_fp8"), model_path=str(model_dir), sampling=SamplingConfig(),
+                                      max_model_len=512, param_dtype="fp32", seed=0)
+
+    plain = pool.get("flags-default", lambda: from_flags(cfg.vllm))
+    assert plain.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+    import dataclasses
+
+    eng = pool.get("flags-prefix", lambda: from_flags(dataclasses.replace(cfg.vllm, enable_prefix_caching=True)))
+    cache = eng.llm.llm_engine.vllm_config.cache_config
+    assert cache.enable_prefix_caching is True
+    prompt = [1] + [(7 * i) % 120 + 4 for i in range(cache.block_size + 5)]  # one full block gets cached
+    greedy = SamplingConfig(max_new_tokens=4, temperature=0.0)
+    eng.generate([prompt], greedy)
+    trainer = load_trainer(model_dir, "jet_fp8")
+    train_step(trainer, seed=11)
+    with monkeypatch.context() as m:  # the reset skipped: the cache is live, and stale
+        m.setattr(eng, "_reset_prefix_cache", lambda: None)
+        eng.update_weights(iter_sync_tensors(trainer))
+        stale = eng.generate([prompt], greedy)[0][0]
+    eng.llm.reset_prefix_cache()
+    fresh = eng.generate([prompt], greedy)[0][0]
+    assert stale.logprobs != fresh.logprobs
+    # the real sync resets it: the first request after it equals one on an emptied cache
+    train_step(trainer, seed=12)
+    eng.update_weights(iter_sync_tensors(trainer))
+    after_sync = eng.generate([prompt], greedy)[0][0]
+    eng.llm.reset_prefix_cache()
+    assert eng.generate([prompt], greedy)[0][0].logprobs == after_sync.logprobs
+
+
 def test_sleep_and_wake_are_noops_on_cpu_and_a_second_in_process_engine_is_refused(pool, model_dir):
     engine = pool.get("plain", lambda: VLLMEngine(model_dir, "bf16", max_model_len=256, seed=0))
     engine.sleep()

@@ -267,7 +267,11 @@ class DeepspeedStrategy:
         self._rank0_outcome(prepare)
         self.barrier()
         if engine is not None:
-            engine.save_checkpoint(str(ckpt_dir), tag=staging.name, client_state=client_state, save_latest=False)
+            from deepspeed.checkpoint import constants as dsc
+
+            # Marks the checkpoint convertible by `python -m deepspeed.checkpoint.ds_to_universal` (--ds.use_universal_ckpt).
+            universal = {dsc.UNIVERSAL_CHECKPOINT_INFO: {dsc.UNIVERSAL_CHECKPOINT_VERSION_KEY: dsc.UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+            engine.save_checkpoint(str(ckpt_dir), tag=staging.name, client_state={**universal, **client_state}, save_latest=False)
         self.barrier()
         if extra is not None:
             extra(staging)
