@@ -142,8 +142,7 @@ class DeepspeedStrategy:
         return box[0]
 
     # ---- configs ---------------------------------------------------------------------------
-    def ds_config(self, train: bool = True, max_norm: float | None = None) -> dict[str, Any]:
-        """DeepSpeed's config for one engine; `max_norm` overrides the strategy's clipping norm (the critic has its own)."""
+    def ds_config(self, train: bool = True) -> dict[str, Any]:
         c = self.cfg
         zero: dict[str, Any] = {"stage": c.zero_stage if train else (3 if c.zero_stage == 3 else 0)}
         if c.zero_stage == 3:
@@ -167,7 +166,7 @@ class DeepspeedStrategy:
             "wall_clock_breakdown": False,
         }
         if train:
-            cfg["gradient_clipping"] = c.max_norm if max_norm is None else max_norm
+            cfg["gradient_clipping"] = c.max_norm
             if c.grad_accum_dtype:
                 cfg["data_types"] = {"grad_accum_dtype": c.grad_accum_dtype}
             if c.load_universal:
@@ -203,13 +202,17 @@ class DeepspeedStrategy:
         self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None, train: bool = True,
         max_norm: float | None = None,
     ):
+        """deepspeed.initialize with this strategy's config; `max_norm` replaces its clipping norm (the critic has its own)."""
         import deepspeed
 
+        config = self.ds_config(train)
+        if train and max_norm is not None:
+            config["gradient_clipping"] = max_norm
         engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
             lr_scheduler=scheduler,
-            config=self.ds_config(train, max_norm),
+            config=config,
             dist_init_required=False,
         )
         return engine
