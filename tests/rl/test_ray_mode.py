@@ -282,7 +282,7 @@ def test_gae_with_critic_group_and_reward_model_actor(task, tmp_path, ray_local)
         "--vllm.num_engines", "1", "--rollout.engine", "hf", "--actor.num_gpus_per_node", "2", "--ds.zero_stage", "2",
         "--algo.advantage.estimator", "gae", "--critic.num_gpus_per_node", "2", "--algo.kl.init_coef", "0.01",
         "--reward.model_name_or_path", str(model), "--reward.num_gpus_per_node", "2", "--train.colocate_critic_reward",
-        "--ckpt.save_steps", "1",
+        "--ckpt.save_steps", "1", "--critic.save_value_network",
     ])
     t0 = time.time()
     summary = run_ray(cfg, evaluate=False)
@@ -293,6 +293,11 @@ def test_gae_with_critic_group_and_reward_model_actor(task, tmp_path, ray_local)
     # the reward model scores text: not the {0, 1} of the math rule
     assert any(h["rollout/reward"] not in (0.0, 1.0) for h in hist)
     assert (out / "checkpoints_ppo" / "critic" / "latest").read_text().strip() == "global_step2"
+    # the final models: the policy in --ckpt.output_dir, the critic group's export beside it (--critic.save_value_network)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    assert AutoModelForCausalLM.from_pretrained(out) is not None
+    assert AutoModelForSequenceClassification.from_pretrained(f"{out}_critic").score.weight.abs().sum() > 0
 
 
 def test_actor_that_fails_to_start_is_named_and_the_run_cleans_up(task, tmp_path, ray_local):
