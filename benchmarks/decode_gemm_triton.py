@@ -118,6 +118,7 @@ def main() -> None:
 
     from jetrl_precision import quantize_fp8
     from jetrl_precision.gemm import resolve_backend, torch_backend
+    from jetrl_precision.kernels import quant
     from jetrl_precision.kernels.layout import row_major_padded_t
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -127,8 +128,11 @@ def main() -> None:
     resolve_backend("torch", "cuda")
     mm = torch_backend.prepared_scaled_mm("cuda")
     def configs(m):
-        bms = [max(16, triton.next_power_of_2(m))] if m <= 64 else [64, 128]
-        return [(bm, bn, sk, 4, st) for bm in bms for bn in (64, 128) for sk in (1, 4, 8) for st in (3, 4)]
+        if m <= 64:
+            return [(max(16, triton.next_power_of_2(m)), bn, sk, 4, st) for bn in (64, 128) for sk in (1, 4, 8) for st in (3, 4)]
+        # larger batches: one M tile for the whole batch reads each weight byte once; more warps hold its accumulator
+        return [(bm, bn, sk, w, st) for bm in (128, 256) for bn in (32, 64, 128) for sk in (1, 2, 4) for w in (4, 8) for st in (3, 4)
+                if not (bm == 256 and bn == 128)]
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for proj, (k, n) in {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}.items():
@@ -136,8 +140,8 @@ def main() -> None:
         wq = quantize_fp8(w, (128, 128))
         wt, sbp = wq.data.t(), row_major_padded_t(wq.scale)
         for m in a_.m:
-            x = torch.randn(m, k, device="cuda", generator=g).bfloat16() * torch.exp(torch.randn(m, 1, device="cuda", generator=g))
-            xq = quantize_fp8(x, (1, 128))
+            x = (torch.randn(m, k, device="cuda", generator=g) * torch.exp(torch.randn(m, 1, device="cuda", generator=g))).bfloat16()
+            xq = quant.quantize_1x128(x, False)  # the engine's quantizer: same bytes, MN-major scales as cuBLASLt reads them
             ref = (xq.dequantize(torch.float32) @ wq.dequantize(torch.float32).t())
             cub = mm(xq.data, wt, xq.scale, sbp, torch.bfloat16)
             row = {"proj": proj, "m": m, "bf16_us": graph_us(lambda: F.linear(x, w)),
