@@ -242,7 +242,7 @@ def job_sync(a: argparse.Namespace) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from jetrl_precision import convert_to_fp8, get_recipe
+    from jetrl_precision import convert_to_fp8
     from jetrl_precision.weight_sync import iter_sync_tensors
     from openrlhf.trainer.engines.base import SamplingConfig
     from openrlhf.trainer.engines.vllm_engine import VLLMEngine
