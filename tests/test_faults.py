@@ -208,6 +208,64 @@ def test_prompt_files_fail_naming_file_and_line(tmp_path, name, content, words):
         load_prompt_records(str(tmp_path / "folder"))
 
 
+def test_a_split_the_data_does_not_have_is_refused(tmp_path):
+    from openrlhf.datasets.prompts_dataset import PromptDataError, load_prompt_records
+
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"input": "a"}\n')
+    assert load_prompt_records(str(f), "train") == [{"input": "a"}]
+    with pytest.raises(PromptDataError, match="split 'test' asked of .*d.jsonl', a single file without splits"):
+        load_prompt_records(str(f), "test")
+    with pytest.raises(PromptDataError, match=r"\(--eval.split\)|drop --eval.split"):
+        load_prompt_records(str(f), "test", flags=("--eval.dataset", "--eval.split"))
+    (tmp_path / "test.jsonl").write_text('{"input": "b"}\n')  # a file named by its split
+    assert load_prompt_records(str(tmp_path / "test.jsonl"), "test") == [{"input": "b"}]
+    js = tmp_path / "splits.json"
+    js.write_text('{"train": [{"input": "a"}], "validation": [{"input": "b"}]}')
+    with pytest.raises(PromptDataError, match=r"split 'test' not in .*available splits: \['train', 'validation'\]"):
+        load_prompt_records(str(js), "test")
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "part-0.jsonl").write_text('{"input": "a"}\n')
+    with pytest.raises(PromptDataError, match="whose files name no split"):
+        load_prompt_records(str(folder), "test")
+
+
+# ---- reward functions ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        ("def reward_func(:\n", r"failed to import at .*bad\.py:1: SyntaxError"),
+        ("import not_a_module_anywhere\n", r"failed to import at .*bad\.py:1: ModuleNotFoundError"),
+        ("def something():\n    return 1\n", r"must define reward_func.*found \['something'\]"),
+        ("def reward_func(q, p, l):\n    x = 1\n    raise RuntimeError('boom')\n", r"raised RuntimeError: boom at .*bad\.py:3"),
+        ("def reward_func(q, p, l):\n    return [1.0]\n", "returned 1 rewards for 2 queries"),
+        ("def reward_func(q, p, l):\n    return [float('nan')] * len(q)\n", "non-finite rewards"),
+    ],
+    ids=["syntax", "import", "no_reward_func", "raises", "wrong_count", "nan"],
+)
+def test_reward_function_files_fail_naming_file_and_line(tmp_path, source, words):
+    from openrlhf.rewards.remote import RewardFunctionError, load_reward_fn
+
+    (tmp_path / "bad.py").write_text(source)
+    with pytest.raises(RewardFunctionError, match=words):
+        load_reward_fn(str(tmp_path / "bad.py"))(["q1", "q2"], ["p1", "p2"], [None, None])
+
+
+def test_a_bf16_trainer_with_the_cpu_vllm_engine_is_refused_before_loading():
+    from openrlhf.config import parse_config
+    from openrlhf.trainer.preflight import engine_errors
+
+    base = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "d.jsonl", "--rollout.engine", "vllm"]
+    if torch.cuda.is_available():
+        pytest.skip("vLLM runs bf16 on CUDA")
+    (err,) = engine_errors(parse_config([*base, "--ds.param_dtype", "bf16"]), ray=False)
+    assert "vLLM-CPU runs in fp32 only" in err and "--ds.param_dtype fp32, or --rollout.engine hf" in err
+    assert engine_errors(parse_config([*base, "--ds.param_dtype", "fp32"]), ray=False) == []
+    assert engine_errors(parse_config([*base, "--ds.param_dtype", "bf16", "--rollout.engine", "hf"]), ray=False) == []
+    assert engine_errors(parse_config([*base, "--ds.param_dtype", "bf16"]), ray=True) == []  # engines may be on GPU nodes
+
+
 # ---- training runs: the real CLI on a tiny model -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_task(tmp_path_factory):
@@ -279,11 +337,15 @@ def test_cli_refuses_a_read_only_output_folder(tiny_task, tmp_path):
 
 @pytest.mark.integration
 def test_cli_bad_prompt_data_is_one_line(tiny_task, tmp_path):
-    model, _ = tiny_task
+    model, data = tiny_task
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"input": "1+1=", "label": "2"}\n' * 20 + b'{"input": "\xff", "label": "2"}\n')
     rc, err = cli(model, bad, tmp_path / "o")
     one_line_error(rc, err, "bad.jsonl:21: byte 0xff", "re-encode the file as UTF-8")
+    # A reward function that raises mid-run: one line with its file and line, on a line of its own.
+    (tmp_path / "reward.py").write_text("def reward_func(queries, prompts, labels):\n    raise KeyError('answer')\n")
+    rc, err = cli(model, data, tmp_path / "r", "--reward.remote_url", str(tmp_path / "reward.py"))
+    one_line_error(rc, err, "reward_func in", "raised KeyError", "reward.py:2")
 
 
 @pytest.mark.integration

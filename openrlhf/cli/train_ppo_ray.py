@@ -43,18 +43,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from openrlhf.trainer.preflight import path_errors, preflight_errors
+    from openrlhf.trainer.preflight import engine_errors, path_errors, preflight_errors
 
     # Refusals before anything loads: what this machine or framework cannot run, then paths (a missing
-    # model or an unwritable output folder is found now, not after the run). Only the rank that
-    # writes (rank 0, or the Ray driver) probes the folders.
-    refused = preflight_errors(cfg) or path_errors(cfg, write_probes=int(os.environ.get("RANK", "0")) == 0)
+    # model or an unwritable output folder is found now, not after the run; only the rank that writes,
+    # rank 0 or the Ray driver, probes the folders), then an engine that could not match the trainer.
+    refused = (
+        preflight_errors(cfg)
+        or path_errors(cfg, write_probes=int(os.environ.get("RANK", "0")) == 0)
+        or engine_errors(cfg, ray=use_ray_mode(cfg))
+    )
     if refused:
         print("\n".join(f"error: {e}" for e in refused), file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from jetrl_precision import BackendUnavailable, RecipeError
     from openrlhf.datasets.prompts_dataset import PromptDataError
+    from openrlhf.rewards.remote import RewardFunctionError, RewardServerError
     from openrlhf.trainer.health import TrainingDivergedError
     from openrlhf.trainer.ppo_trainer import PrecisionCheckError, WeightSyncError
     from openrlhf.trainer.ray.errors import RayActorDiedError, RayActorStartError
@@ -73,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             train(cfg)
     except (
         FileNotFoundError, KeyError, RecipeError, BackendUnavailable, PrecisionCheckError, WeightSyncError, ConfigError, RayActorDiedError,
-        RayActorStartError, PromptDataError, CheckpointError, TrainingDivergedError,
+        RayActorStartError, PromptDataError, CheckpointError, TrainingDivergedError, RewardFunctionError, RewardServerError,
     ) as e:
         # Problems with the user's inputs, setup or data, and a run that diverged: one clear message, no traceback.
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e

@@ -86,7 +86,11 @@ def _read_json(path: Path, split: str) -> list[dict]:
         obj = json.loads(text)
     except json.JSONDecodeError:
         return _read_jsonl(path, raw)  # JSON lines with a .json extension (or broken JSON: named by line there)
+    named: list[str] = []
     if isinstance(obj, dict):
+        named = sorted(k for k, v in obj.items() if k in _SPLIT_NAMES and isinstance(v, list))
+        if named and split not in named:
+            raise PromptDataError(f"split {split!r} not in {str(path)!r}; available splits: {named} (--data.prompt_split)")
         if isinstance(obj.get(split), list):
             obj = obj[split]
         elif isinstance(obj.get("data"), list):
@@ -98,6 +102,10 @@ def _read_json(path: Path, split: str) -> list[dict]:
             obj = [obj]
     if not isinstance(obj, list) or not all(isinstance(r, dict) for r in obj):
         raise PromptDataError(f"{path}: expected a list of JSON objects (or one object per line)")
+    if not named:
+        err = _single_file_split_error(path, split)
+        if err is not None:
+            raise err
     return obj
 
 
@@ -155,6 +163,11 @@ def _read_folder(path: Path, split: str) -> list[dict]:
         chosen = [p for p in files if splits[p] == split]
         if not chosen:
             raise PromptDataError(f"no {split!r} files in {str(path)!r}; splits found: {sorted(found)} (--data.prompt_split)")
+    elif split != "train":
+        raise PromptDataError(
+            f"split {split!r} asked of {str(path)!r}, whose files name no split (they count as 'train'): drop "
+            "--data.prompt_split, or name the files by split (train.jsonl, test.jsonl)"
+        )
     else:
         chosen = files
     records: list[dict] = []
@@ -163,17 +176,51 @@ def _read_folder(path: Path, split: str) -> list[dict]:
     return records
 
 
-def load_prompt_records(path: str, split: str = "train", max_samples: int | None = None) -> list[dict]:
-    """Read prompt records (dicts) from a local file or folder; see the module docstring."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(
-            f"prompt dataset {str(path)!r} does not exist (--data.prompt_dataset); pass a local "
-            f"{'/'.join(_FILE_EXTS)} file or a datasets folder (the hub is not reachable here)"
-        )
-    records = _read_folder(p, split) if p.is_dir() else _read_file(p, split)
-    if not records:
-        raise PromptDataError(f"prompt dataset {str(path)!r} holds no records (--data.prompt_dataset): point it at a file with prompts")
+def _single_file_split_error(path: Path, split: str) -> PromptDataError | None:
+    """A single .jsonl/.parquet file (or a .json list) holds one split, `train` (or the one its name says)."""
+    if split == "train" or _file_split(path, path.parent) == split:
+        return None
+    return PromptDataError(
+        f"split {split!r} asked of {str(path)!r}, a single file without splits (it counts as 'train'): drop "
+        "--data.prompt_split, or point --data.prompt_dataset at a folder (or .json file) that holds that split"
+    )
+
+
+def _read_records(p: Path, split: str) -> list[dict]:
+    if p.is_dir():
+        return _read_folder(p, split)
+    if p.suffix.lower() in (".jsonl", ".parquet"):
+        err = _single_file_split_error(p, split)
+        if err is not None:
+            raise err
+    return _read_file(p, split)
+
+
+def load_prompt_records(
+    path: str,
+    split: str = "train",
+    max_samples: int | None = None,
+    *,
+    flags: tuple[str, str] = ("--data.prompt_dataset", "--data.prompt_split"),
+) -> list[dict]:
+    """Read prompt records (dicts) from a local file or folder; see the module docstring.
+
+    `flags` name the dataset and split flags in error messages (the eval set passes its own).
+    """
+    try:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise FileNotFoundError(
+                f"prompt dataset {str(path)!r} does not exist (--data.prompt_dataset); pass a local "
+                f"{'/'.join(_FILE_EXTS)} file or a datasets folder (the hub is not reachable here)"
+            )
+        records = _read_records(p, split)
+        if not records:
+            raise PromptDataError(f"prompt dataset {str(path)!r} holds no records (--data.prompt_dataset): point it at a file with prompts")
+    except (PromptDataError, FileNotFoundError) as e:
+        if flags == ("--data.prompt_dataset", "--data.prompt_split"):
+            raise
+        raise type(e)(str(e).replace("--data.prompt_dataset", flags[0]).replace("--data.prompt_split", flags[1])) from None
     if max_samples is not None:
         if max_samples < 0:
             raise PromptDataError(f"max_samples must be >= 0, got {max_samples} (--data.max_samples)")
@@ -199,7 +246,8 @@ def parse_probs(probs: str, n_sources: int) -> list[float]:
 
 
 def blend_prompt_records(
-    spec: str, probs: str | None = None, split: str = "train", max_samples: int | None = None, seed: int = 42
+    spec: str, probs: str | None = None, split: str = "train", max_samples: int | None = None, seed: int = 42,
+    *, flags: tuple[str, str] = ("--data.prompt_dataset", "--data.prompt_split"),
 ) -> list[dict]:
     """Records of one source, or of several comma-separated ones (`a.jsonl,b.parquet`), as OpenRLHF blends them:
     each source cut to `max_samples`; without `probs` concatenated, with `probs` (--data.prompt_probs) drawn at
@@ -207,8 +255,8 @@ def blend_prompt_records(
     sources until every source has been used once); then cut to `max_samples` again."""
     sources = [s.strip() for s in spec.split(",") if s.strip()]
     if len(sources) <= 1:
-        return load_prompt_records(spec.strip(), split, max_samples)
-    parts = [load_prompt_records(src, split, max_samples) for src in sources]
+        return load_prompt_records(spec.strip(), split, max_samples, flags=flags)
+    parts = [load_prompt_records(src, split, max_samples, flags=flags) for src in sources]
     if probs is None:
         records = [r for part in parts for r in part]
     else:

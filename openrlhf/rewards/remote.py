@@ -18,34 +18,53 @@ import importlib.util
 import json
 import math
 import time
+import traceback
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["RewardFn", "load_reward_fn", "normalize_rewards"]
+__all__ = ["RewardFn", "RewardFunctionError", "RewardServerError", "load_reward_fn", "normalize_rewards"]
 
 RewardFn = Callable[[Sequence[str], Sequence[str], Sequence["str | None"]], list]
+
+
+class RewardFunctionError(ValueError):
+    """A reward function file that cannot be loaded or called, or that returned unusable rewards."""
+
+
+class RewardServerError(RuntimeError):
+    """A reward server that cannot be reached or rejected the request."""
+
+
+def _where_in(path: Path, exc: BaseException) -> str:
+    """'file:line' of the deepest frame of `exc` inside `path` (the user's own code), else of the last frame."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if Path(f.filename).resolve() == path]
+    f = (mine or frames or [None])[-1]
+    return f"{f.filename}:{f.lineno}" if f is not None else str(path)
 
 
 def normalize_rewards(out: Any, n: int, source: str) -> list[float]:
     """Accept a list/tuple/tensor/ndarray of numbers or a dict with "rewards"; check the length."""
     if isinstance(out, dict):
         if "rewards" not in out:
-            raise ValueError(f"reward function {source} returned a dict without 'rewards' (keys: {sorted(out)})")
+            raise RewardFunctionError(f"reward function {source} returned a dict without 'rewards' (keys: {sorted(out)})")
         out = out["rewards"]
     if hasattr(out, "tolist"):  # torch tensor / numpy array
         out = out.tolist()
     if not isinstance(out, (list, tuple)):
-        raise TypeError(f"reward function {source} returned {type(out).__name__}; expected a list of floats or {{'rewards': [...]}}")
+        raise RewardFunctionError(f"reward function {source} returned {type(out).__name__}; expected a list of floats or {{'rewards': [...]}}")
     try:
         rewards = [float(x) for x in out]
     except (TypeError, ValueError) as e:
-        raise TypeError(f"reward function {source} returned non-numeric rewards: {e}") from None
+        raise RewardFunctionError(f"reward function {source} returned non-numeric rewards: {e}") from None
     if len(rewards) != n:
-        raise ValueError(f"reward function {source} returned {len(rewards)} rewards for {n} queries")
+        raise RewardFunctionError(f"reward function {source} returned {len(rewards)} rewards for {n} queries")
     if not all(math.isfinite(r) for r in rewards):
-        raise ValueError(f"reward function {source} returned non-finite rewards: {rewards}")
+        raise RewardFunctionError(f"reward function {source} returned non-finite rewards: {rewards}")
     return rewards
 
 
@@ -59,16 +78,27 @@ def _load_py(path_str: str) -> RewardFn:
     if spec is None or spec.loader is None:
         raise ValueError(f"cannot import reward function file {str(path)!r}")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: name where it failed, not our import machinery
+        raise RewardFunctionError(
+            f"reward function file {path} failed to import at {_where_in(path, e)}: {type(e).__name__}: {e} (--reward.remote_url)"
+        ) from e
     func = getattr(module, "reward_func", None)
     if not callable(func):
-        raise AttributeError(
+        raise RewardFunctionError(
             f"{str(path)!r} must define reward_func(queries, prompts, labels, **kwargs); "
             f"found {sorted(n for n in vars(module) if not n.startswith('_'))}"
         )
 
     def reward_fn(queries: Sequence[str], prompts: Sequence[str], labels: Sequence[str | None], **kw: Any) -> list[float]:
-        out = func(list(queries), list(prompts), list(labels), **kw)
+        try:
+            out = func(list(queries), list(prompts), list(labels), **kw)
+        except Exception as e:
+            raise RewardFunctionError(
+                f"reward_func in {path} raised {type(e).__name__}: {e} at {_where_in(path, e)}; it is called as "
+                f"reward_func(queries, prompts, labels) with {len(queries)} queries: fix it and rerun"
+            ) from e
         return normalize_rewards(out, len(queries), str(path))
 
     reward_fn.__name__ = f"reward_func[{path.name}]"
@@ -88,13 +118,13 @@ def _load_http(url: str, timeout: float, retries: int) -> RewardFn:
             except urllib.error.HTTPError as e:
                 if e.code < 500:  # the server rejected the request: retrying will not help
                     detail = e.read()[:300].decode("utf-8", "replace")
-                    raise RuntimeError(f"reward server {url} answered HTTP {e.code}: {detail}") from None
+                    raise RewardServerError(f"reward server {url} answered HTTP {e.code}: {detail} (--reward.remote_url)") from None
                 last_err = e
             except (urllib.error.URLError, TimeoutError, OSError, json.JSONDecodeError) as e:
                 last_err = e
             if attempt < retries:
                 time.sleep(min(0.5 * 2**attempt, 5.0))
-        raise RuntimeError(
+        raise RewardServerError(
             f"reward server {url} failed after {retries + 1} attempt(s) (timeout {timeout}s each): {last_err!r}. "
             "Check that it is running and reachable (--reward.remote_url)"
         )
@@ -110,7 +140,7 @@ def load_reward_fn(spec: str, *, timeout: float = 60.0, retries: int = 2) -> Rew
         return _load_http(s, timeout, retries)
     if s.endswith(".py"):
         return _load_py(s)
-    raise ValueError(
+    raise RewardFunctionError(
         f"cannot use reward spec {spec!r}: pass a .py file defining reward_func(queries, prompts, labels) "
         "or an http(s):// URL (--reward.remote_url)"
     )

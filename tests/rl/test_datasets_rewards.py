@@ -21,6 +21,7 @@ from openrlhf.datasets import (
     write_jsonl,
 )
 from openrlhf.rewards import extract_final_number, load_reward_fn, math_reward
+from openrlhf.rewards.remote import RewardFunctionError
 
 RECORDS = [
     {"question": "What is 2+2?", "answer": 4, "id": 0},
@@ -272,7 +273,7 @@ def test_load_reward_fn_py_file(tmp_path):
     assert fn(q, p, l) == [1.0, 0.0, -1.0]
     assert fn(q, p, l, as_dict=True) == [1.0, 0.0, -1.0]
     (tmp_path / "no_func.py").write_text("def other(): pass\n")
-    with pytest.raises(AttributeError, match="reward_func"):
+    with pytest.raises(RewardFunctionError, match="reward_func"):
         load_reward_fn(str(tmp_path / "no_func.py"))
     with pytest.raises(FileNotFoundError, match="missing.py"):
         load_reward_fn(str(tmp_path / "missing.py"))
