@@ -59,6 +59,21 @@ def make_task(workdir: Path, sft_steps: int = 40, seed: int = 0) -> tuple[Path, 
     return sft, data
 
 
+def make_reward_model(model: Path, out: Path, seed: int = 0) -> Path:
+    """A one-label sequence-classification model on `model`'s backbone with a seeded head (cached per folder)."""
+    if not (Path(out) / "config.json").exists():
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        rm = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
+        torch.nn.init.normal_(rm.score.weight, std=0.5, generator=torch.Generator().manual_seed(seed))
+        tok = AutoTokenizer.from_pretrained(model)
+        rm.config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        rm.save_pretrained(out)
+        tok.save_pretrained(out)
+    return Path(out)
+
+
 def grpo_args(model: Path, data: Path, out: Path, recipe: str, steps: int, extra: list[str] = ()) -> list[str]:
     """`steps` rollouts of 16 prompts x 8 samples, each followed by 4 optimizer steps of 32 samples."""
     return [

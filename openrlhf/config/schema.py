@@ -41,6 +41,9 @@ __all__ = [
     "GROUP_ESTIMATORS",
 ]
 
+# transformers' schedules that take (warmup, total) steps, as OpenRLHF passes --<model>.lr_scheduler to get_scheduler.
+LRSchedule = Literal["cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup", "polynomial"]
+
 # Estimators whose baseline is computed from the other samples of the same prompt.
 GROUP_ESTIMATORS = ("group_norm", "rloo", "reinforce_baseline", "dr_grpo")
 
@@ -112,8 +115,9 @@ class ActorConfig:
         0.03, "fraction of optimizer steps spent in linear warmup", aliases=["--lr_warmup_ratio"], ge=0.0, le=1.0
     )
     min_lr_ratio: float = opt(0.1, "final lr as a fraction of the peak lr (cosine_with_min_lr)", ge=0.0, le=1.0)
-    lr_scheduler: Literal["cosine_with_min_lr", "constant"] = opt(
-        "cosine_with_min_lr", "learning-rate schedule after warmup", aliases=["--lr_scheduler"]
+    lr_scheduler: LRSchedule = opt(
+        "cosine_with_min_lr", "learning-rate schedule (transformers' get_scheduler; constant has no warmup)",
+        aliases=["--lr_scheduler"],
     )
     adam: AdamConfig = section(AdamConfig, "actor optimizer (AdamW)", aliases={"lr": ["--actor_learning_rate"]})
     gradient_checkpointing_reentrant: bool = opt(
@@ -153,7 +157,7 @@ class CriticConfig:
     adam: AdamConfig = section(
         AdamConfig, "critic optimizer (AdamW)", aliases={"lr": ["--critic_learning_rate"]}, lr=9e-6
     )
-    lr_scheduler: Literal["cosine_with_min_lr", "constant"] = opt("cosine_with_min_lr", "critic learning-rate schedule")
+    lr_scheduler: LRSchedule = opt("cosine_with_min_lr", "critic learning-rate schedule (as --actor.lr_scheduler)")
     lr_warmup_ratio: float = opt(0.03, "fraction of critic optimizer steps in linear warmup", ge=0.0, le=1.0)
     min_lr_ratio: float = opt(0.1, "critic's final lr as a fraction of its peak lr", ge=0.0, le=1.0)
     max_norm: float = opt(1.0, "critic gradient clipping norm", gt=0.0)
@@ -291,7 +295,10 @@ class AdvantageConfig:
     )
     gamma: float = opt(1.0, "discount factor", aliases=["--gamma"], ge=0.0, le=1.0)
     lambd: float = opt(1.0, "GAE lambda", aliases=["--lambd"], ge=0.0, le=1.0)
-    no_std_norm: bool = opt(False, "do not divide advantages by their std", aliases=["--no_advantage_std_norm"])
+    no_std_norm: bool = opt(
+        False, "gae/reinforce/reinforce_baseline: normalize advantages over the batch by their mean only (no std)",
+        aliases=["--no_advantage_std_norm"],
+    )
     is_correction_enable: bool = opt(
         False,
         "importance-sampling correction for the rollout/train mismatch (needed by off-policy recipes)",

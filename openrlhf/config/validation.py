@@ -216,6 +216,12 @@ def _warnings(cfg: PPOConfig) -> list[str]:
             f"Enable importance-sampling correction (--algo.advantage.is_correction_enable "
             f"--algo.advantage.is_correction_type tis), or switch to the unified flow (--fp8_unified)"
         )
+    if cfg.algo.advantage.no_std_norm and cfg.algo.advantage.estimator in GROUP_ESTIMATORS:
+        out.append(
+            f"--algo.advantage.no_std_norm changes the batch normalization of gae/reinforce/reinforce_baseline advantages "
+            f"only (as in OpenRLHF v0.11); {cfg.algo.advantage.estimator} keeps its own group normalization. For a "
+            f"mean-only group baseline use --algo.advantage.estimator dr_grpo"
+        )
     if cfg.ds.use_universal_ckpt and not cfg.ckpt.load_enable:
         out.append("--ds.use_universal_ckpt only changes how a checkpoint is resumed; it has no effect without --ckpt.load_enable")
     if cfg.vllm.sync_with_ray:

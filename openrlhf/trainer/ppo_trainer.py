@@ -110,16 +110,15 @@ class _OffloadedModule:
 
 
 def make_lr_scheduler(optimizer, schedule: ActorConfig | CriticConfig, total_updates: int):
-    """Linear warmup, then cosine down to `min_lr_ratio` (or constant), over `total_updates` optimizer steps;
-    `schedule` is the model's own section (`cfg.actor` or `cfg.critic`)."""
+    """transformers' `lr_scheduler` schedule over `total_updates` optimizer steps, with `lr_warmup_ratio` of them
+    warming up (constant has none) and cosine_with_min_lr ending at `min_lr_ratio` of the peak, as OpenRLHF
+    builds it; `schedule` is the model's own section (`cfg.actor` or `cfg.critic`)."""
     from transformers import get_scheduler
 
     warmup = math.ceil(total_updates * schedule.lr_warmup_ratio)
-    if schedule.lr_scheduler == "constant":
-        return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup)
+    extra = {"min_lr_rate": schedule.min_lr_ratio} if schedule.lr_scheduler == "cosine_with_min_lr" else {}
     return get_scheduler(
-        "cosine_with_min_lr", optimizer, num_warmup_steps=warmup, num_training_steps=total_updates,
-        scheduler_specific_kwargs={"min_lr_rate": schedule.min_lr_ratio},
+        schedule.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_updates, scheduler_specific_kwargs=extra
     )
 
 
@@ -280,19 +279,12 @@ class PPOTrainer:
         self.value_loss = ValueLoss(cfg.critic.value_clip)
         self.kl_ctl = _AdaptiveKL(cfg.algo.kl.init_coef, cfg.algo.kl.target, cfg.algo.kl.horizon)
         self.estimator = adv.estimator
-        if adv.no_std_norm:
-            if adv.estimator != "group_norm":
-                raise ConfigError(
-                    f"--algo.advantage.no_std_norm is supported with group_norm only (it is then Dr. GRPO's "
-                    f"mean-only baseline); {adv.estimator} does not divide by a group std. Drop the flag."
-                )
-            self.estimator = "dr_grpo"
         self.reward_norm = _RunningRewardNorm(st) if cfg.reward.normalize_enable else None
         from .reward import build_reward_fn
 
         self.reward_fn: RewardFn = self._remote_reward_fn or build_reward_fn(
             cfg.reward_source, remote_url=cfg.reward.remote_url, model_path=cfg.reward.model_name_or_path,
-            clip_range=cfg.reward.clip_range, dtype=st.dtype, device=st.device, offload=cfg.reward.offload,
+            clip_range=cfg.reward.clip_range, dtype=st.dtype, device=st.device, offload=cfg.reward.offload, value_head_prefix=cfg.ds.value_head_prefix,
         )
 
         # ---- rollout engine + the precision check ------------------------------------------
@@ -519,6 +511,7 @@ class PPOTrainer:
                 self.estimator, cfg.rollout.n_samples_per_prompt, cfg.algo.advantage.gamma, cfg.algo.advantage.lambd,
                 kl_coef=0.0 if cfg.algo.kl.use_loss else self.kl_ctl.value, kl_estimator=cfg.algo.kl.estimator,
                 temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+                std_norm=not cfg.algo.advantage.no_std_norm,
             ),
             ref=self.ref_engine, critic=self.critic_engine, micro_batch_size=cfg.rollout.micro_batch_size, device=st.device,
             reward_transform=self.reward_norm,

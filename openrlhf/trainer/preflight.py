@@ -92,6 +92,13 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
                 f"own sharded layers, which would bypass the FP8 linears (and their weight sync) of recipe {recipe.name}; "
                 f"shard with ZeRO-3 instead (--ds.zero_stage 3)"
             )
+    uses_vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and _has("vllm"))
+    if uses_vllm and cfg.vllm.tensor_parallel_size > 1:
+        errors.append(
+            f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}: vLLM engines split across devices are not "
+            "supported yet: the digest check after every weight sync reads each layer's FP8 bytes from one engine worker, "
+            "and tensor parallelism spreads them over several; use --vllm.tensor_parallel_size 1 with more --vllm.num_engines"
+        )
     if "flash_attention" in ds.attn_implementation and not (cuda and _has("flash_attn")):
         errors.append(
             f"--ds.attn_implementation {ds.attn_implementation} needs a CUDA GPU and the flash-attn package "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -17,15 +18,33 @@ __all__ = ["build_reward_fn", "RewardModelFn"]
 class RewardModelFn:
     """A sequence-classification reward model scoring prompt + response text.
 
-    `offload` (--reward.offload): the weights stay in host memory and visit `device` only while scoring."""
+    `offload` (--reward.offload): the weights stay in host memory and visit `device` only while scoring.
+    `value_head_prefix` (--ds.value_head_prefix): the checkpoint's name for the one-output head; a checkpoint
+    without it is refused, since transformers would score with a freshly initialized (random) head."""
 
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, offload: bool = False) -> None:
+    def __init__(
+        self, path: str, dtype: torch.dtype, device: torch.device, offload: bool = False, value_head_prefix: str = "score"
+    ) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from openrlhf.config import ConfigError
+        from openrlhf.models.actor import read_checkpoint_tensor
 
         self.tok = AutoTokenizer.from_pretrained(path)
         self.offload = offload
         self.home = torch.device("cpu") if offload else torch.device(device)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype).to(self.home).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype).eval()
+        if Path(path).is_dir():
+            head = read_checkpoint_tensor(path, f"{value_head_prefix}.weight")
+            if head is None or tuple(head.shape) != tuple(self.model.score.weight.shape):
+                raise ConfigError(
+                    f"--reward.model_name_or_path {path} has no one-output value head named {value_head_prefix}.weight "
+                    f"(found {'none' if head is None else tuple(head.shape)}): its rewards would come from a random head. "
+                    f"Pass the head's name with --ds.value_head_prefix, or a trained reward model"
+                )
+            with torch.no_grad():
+                self.model.score.weight.copy_(head)
+        self.model.to(self.home)
         self.device = torch.device(device)
 
     @torch.no_grad()
@@ -40,7 +59,7 @@ class RewardModelFn:
 
 def build_reward_fn(
     source: str, *, remote_url: str | None, model_path: str | None, clip_range: Sequence[float], dtype: torch.dtype,
-    device: torch.device, offload: bool = False,
+    device: torch.device, offload: bool = False, value_head_prefix: str = "score",
 ) -> RewardFn:
     if source == "remote":
         remote = load_reward_fn(remote_url)
@@ -49,7 +68,7 @@ def build_reward_fn(
             return list(remote([p + r for p, r in zip(prompts, responses)], list(prompts), list(labels)))
 
     elif source == "model":
-        fn = RewardModelFn(model_path, dtype, device, offload)
+        fn = RewardModelFn(model_path, dtype, device, offload, value_head_prefix)
     else:
 
         def fn(prompts, responses, labels):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _rl_helpers import ENV, PY, REPO, grpo_args, metrics, run
+from _rl_helpers import ENV, PY, REPO, grpo_args, make_reward_model, metrics, run
 from openrlhf.config import ConfigError, parse_config
 from openrlhf.trainer.preflight import preflight_errors
 from precision_testutil import assert_within, gamma
@@ -136,18 +136,9 @@ def test_experts_implementation_reaches_transformers(tmp_path):
 
 # ---- --reward.offload -------------------------------------------------------------------------------
 def test_reward_model_offload_scores_the_same_and_rests_on_the_host(tmp_path, tiny):
-    from transformers import AutoModelForSequenceClassification
-
     from openrlhf.trainer.reward import RewardModelFn
 
-    rm_dir = tmp_path / "rm"
-    rm = AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=1)
-    torch.nn.init.normal_(rm.score.weight, std=0.5)
-    rm.config.pad_token_id = 0
-    rm.save_pretrained(rm_dir)
-    from transformers import AutoTokenizer
-
-    AutoTokenizer.from_pretrained(tiny).save_pretrained(rm_dir)
+    rm_dir = make_reward_model(tiny, tmp_path / "rm")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     plain = RewardModelFn(str(rm_dir), torch.float32, device)
     offloaded = RewardModelFn(str(rm_dir), torch.float32, device, offload=True)
@@ -155,6 +146,31 @@ def test_reward_model_offload_scores_the_same_and_rests_on_the_host(tmp_path, ti
     assert offloaded(*args) == plain(*args)
     assert all(p.device.type == "cpu" for p in offloaded.model.parameters())  # between calls
     assert all(p.device == device for p in plain.model.parameters())
+
+
+def test_reward_model_head_is_read_under_its_prefix_or_refused(tmp_path, tiny):
+    """A checkpoint without the named head would score with a random one: refused, naming --ds.value_head_prefix."""
+    from openrlhf.trainer.reward import RewardModelFn
+
+    rm_dir = make_reward_model(tiny, tmp_path / "rm")
+    with pytest.raises(ConfigError, match="no one-output value head named value_head.weight.*--ds.value_head_prefix"):
+        RewardModelFn(str(rm_dir), torch.float32, torch.device("cpu"), value_head_prefix="value_head")
+    with pytest.raises(ConfigError, match="no one-output value head named score.weight"):
+        RewardModelFn(str(tiny), torch.float32, torch.device("cpu"))  # a causal LM, not a reward model
+    # OpenRLHF's reward models store the head as value_head.weight: read under that name
+    from safetensors.torch import load_file, save_file
+
+    renamed = tmp_path / "rm_value_head"
+    import shutil
+
+    shutil.copytree(rm_dir, renamed)
+    state = load_file(renamed / "model.safetensors")
+    state["value_head.weight"] = state.pop("score.weight")
+    save_file(state, renamed / "model.safetensors", metadata={"format": "pt"})
+    a = RewardModelFn(str(renamed), torch.float32, torch.device("cpu"), value_head_prefix="value_head")
+    b = RewardModelFn(str(rm_dir), torch.float32, torch.device("cpu"))
+    for (n, x), (_, y) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(x, y), n
 
 
 # ---- the critic: its own clipping norm, packing, and the value head a checkpoint brings -------------

@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from _rl_helpers import ENV, PY, REPO, metrics
+from _rl_helpers import ENV, PY, REPO, make_reward_model, metrics
 from test_openrlhf_parity_cli import SCRIPTS
 
 pytestmark = pytest.mark.integration
@@ -61,13 +61,14 @@ def world(tmp_path_factory):
     write_jsonl(make_arithmetic_records(6, difficulty=1, seed=1, max_operand=4, operators=("+",)), d / "eval.jsonl")
     (d / "reward.py").write_text(REWARD)
     (d / "agent.py").write_text(AGENT)
-    return {"dir": d, "model": str(build_tiny_model(d / "model", TinyModelSpec(num_hidden_layers=1))),
+    model = build_tiny_model(d / "model", TinyModelSpec(num_hidden_layers=1))
+    return {"dir": d, "model": str(model), "reward_model": str(make_reward_model(model, d / "reward_model")),
             "data": str(d / "train.jsonl"), "eval": str(d / "eval.jsonl"), "reward": str(d / "reward.py"), "agent": str(d / "agent.py")}
 
 
 def shrink(argv: list[str], w: dict, out) -> list[str]:
     paths = {
-        "--actor.model_name_or_path": w["model"], "--reward.model_name_or_path": w["model"],
+        "--actor.model_name_or_path": w["model"], "--reward.model_name_or_path": w["reward_model"],
         "--data.prompt_dataset": w["data"], "--eval.dataset": w["eval"], "--train.agent_func_path": w["agent"],
         "--reward.remote_url": w["reward"], "--ckpt.output_dir": str(out), "--ckpt.path": str(out / "ckpt"),
         "--logger.tensorboard_dir": str(out / "tb"),

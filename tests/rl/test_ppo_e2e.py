@@ -195,11 +195,11 @@ def test_setup_errors_are_clear(task, tmp_path, extra, needles):
 
 
 def test_optional_training_flags_run(task, tmp_path):
-    """Entropy bonus, reward normalization, Dr.GRPO via no_std_norm, offloaded reference, fp32 grad accumulation."""
+    """Entropy bonus, reward normalization, Dr.GRPO, offloaded reference, fp32 grad accumulation."""
     model, data = task
     out = tmp_path / "flags"
     extra = [
-        "--actor.entropy_coef", "0.01", "--reward.normalize_enable", "--algo.advantage.no_std_norm",
+        "--actor.entropy_coef", "0.01", "--reward.normalize_enable", "--algo.advantage.estimator", "dr_grpo",
         "--algo.kl.init_coef", "0.01", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--ref.offload",
         "--ds.grad_accum_dtype", "fp32", "--ckpt.save_steps", "-1", "--train.eval_prompts", "8", "--eval_n_samples_per_prompt", "2",
     ]

@@ -27,7 +27,7 @@ for _k, _v in dict(
 ).items():
     os.environ.setdefault(_k, _v)
 
-from _rl_helpers import ENV, PY, REPO, grpo_args, metrics, run  # noqa: E402
+from _rl_helpers import ENV, PY, REPO, grpo_args, make_reward_model, metrics, run  # noqa: E402
 
 from openrlhf.config import ConfigError, parse_config  # noqa: E402
 
@@ -281,7 +281,8 @@ def test_gae_with_critic_group_and_reward_model_actor(task, tmp_path, ray_local)
     cfg = _cfg(task, out, 2, [
         "--vllm.num_engines", "1", "--rollout.engine", "hf", "--actor.num_gpus_per_node", "2", "--ds.zero_stage", "2",
         "--algo.advantage.estimator", "gae", "--critic.num_gpus_per_node", "2", "--algo.kl.init_coef", "0.01",
-        "--reward.model_name_or_path", str(model), "--reward.num_gpus_per_node", "2", "--train.colocate_critic_reward",
+        "--reward.model_name_or_path", str(make_reward_model(model, tmp_path / "rm")), "--reward.num_gpus_per_node", "2",
+        "--train.colocate_critic_reward",
         "--ckpt.save_steps", "1", "--critic.save_value_network",
     ])
     t0 = time.time()

@@ -415,6 +415,26 @@ def test_reinforce_hand():
     torch.testing.assert_close(adv, exp)
 
 
+@pytest.mark.parametrize("estimator,n", [("reinforce", 1), ("reinforce_baseline", 3)])
+def test_no_std_norm_subtracts_the_batch_mean_only(estimator, n):
+    """--algo.advantage.no_std_norm (OpenRLHF v0.11): the batch normalization keeps the scale, only the mean goes."""
+    whitened, returns = compute_advantages(estimator, REWARDS, MASK, n_samples_per_prompt=n)
+    centered, _ = compute_advantages(estimator, REWARDS, MASK, n_samples_per_prompt=n, std_norm=False)
+    m = MASK.bool()
+    x = returns[m].double()  # the normalized quantity (exact small numbers here)
+    k = int(m.sum())
+    ref = x - x.mean()
+    # fp32: the masked mean (k-term sum, one division) and the subtraction
+    bound_c = gamma(k + 2) * (x.abs() + x.abs().max())
+    assert_within(centered[m], ref, bound_c, f"{estimator} centered")
+    assert not centered[~m].any()
+    # whitening divides the same centered values by sqrt(var + 1e-8): var's k squares, sum and division, the rsqrt and
+    # the product add a relative gamma(k + 8) on top of the centered values' own error
+    std = (ref.pow(2).mean() + 1e-8).sqrt()
+    assert_within(whitened[m], ref / std, bound_c / std + gamma(k + 8) * (ref / std).abs(), f"{estimator} whitened")
+    assert abs(std.item() - 1) > 0.5  # so the two results differ, and the first check would catch a division
+
+
 def test_reinforce_discounted_return_hand():
     ret = discounted_returns(compute_token_rewards(REWARDS, MASK, None, 0.0), MASK, gamma=0.5)
     # row 3: length 3, reward 4 -> [1, 2, 4, 0]; row 1: length 4, reward 0 -> 0
@@ -532,3 +552,30 @@ def test_all_estimators_zero_outside_mask_and_finite(estimator):
 
 def test_loss_module_exports():
     assert set(loss_mod.__all__) >= {"ISCorrection", "PolicyLoss", "PolicyLossOutput", "ValueLoss", "kl_loss", "aggregate_loss"}
+
+
+@pytest.mark.parametrize("name,first,last", [
+    ("constant", 1.0, 1.0),  # no warmup, as transformers (and OpenRLHF) define it
+    ("constant_with_warmup", 0.0, 1.0),
+    ("linear", 0.0, 1 / 9),  # one warmup step, then down to 0 over 9: the last step taken is at 1/9 of the peak
+    ("cosine_with_min_lr", 0.0, None),
+])
+def test_lr_schedules_follow_their_names(name, first, last):
+    from openrlhf.config import parse_config
+    from openrlhf.trainer.ppo_trainer import make_lr_scheduler
+
+    cfg = parse_config(["--actor.model_name_or_path", "m", "--data.prompt_dataset", "d", "--actor.lr_scheduler", name,
+                        "--actor.lr_warmup_ratio", "0.1", "--actor.min_lr_ratio", "0.25"], exit_on_error=False)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = make_lr_scheduler(opt, cfg.actor, total_updates=10)
+    lrs = []
+    for _ in range(10):
+        lrs.append(opt.param_groups[0]["lr"] / 2.0)
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(first, abs=1e-12)
+    assert max(lrs) == pytest.approx(1.0)
+    if name == "cosine_with_min_lr":  # cosine from the peak toward 0.25 of it, never below
+        assert min(lrs[1:]) >= 0.25 - 1e-12 and lrs[-1] < 0.3
+    else:
+        assert lrs[-1] == pytest.approx(last, abs=1e-12)

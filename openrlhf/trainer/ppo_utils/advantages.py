@@ -20,7 +20,9 @@ Normalisation:
 - reinforce: the return of the raw reward, whitened over all masked tokens;
 - gae: GAE(gamma, lambda) with the critic's values; returns = advantages + values (the
   critic target, not whitened); advantages are then whitened over all masked tokens.
-Whitening: (x - mean) / sqrt(var + 1e-8), population variance over masked tokens.
+Whitening: (x - mean) / sqrt(var + 1e-8), population variance over masked tokens; with
+``std_norm=False`` (--algo.advantage.no_std_norm, as OpenRLHF v0.11 defines it) only the mean is
+subtracted. It touches only these three; the group estimators keep their own normalisation.
 For every estimator except gae, ``returns`` is the (un-whitened) return-to-go.
 """
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from openrlhf.models.utils import masked_whiten
+from openrlhf.models.utils import masked_mean, masked_whiten
 
 __all__ = [
     "ESTIMATORS",
@@ -157,6 +159,7 @@ def compute_advantages(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lambd: float = 1.0,
+    std_norm: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages [B, T], returns [B, T]), fp32, 0 outside the mask. See the module docstring."""
     if estimator not in ESTIMATORS:
@@ -175,10 +178,17 @@ def compute_advantages(
             raise ValueError(f"values {tuple(values.shape)} must match mask {tuple(m.shape)}")
         token_rewards = compute_token_rewards(rewards, m, kl, kl_coef)
         adv, returns = gae_advantages(token_rewards, values, m, gamma, lambd)
-        return masked_whiten(adv, m), returns
+        return _normalize(adv, m, std_norm), returns
 
     shaped = group_baseline(estimator, rewards, n_samples_per_prompt) if estimator in GROUP_ESTIMATORS else rewards
     returns = discounted_returns(compute_token_rewards(shaped, m, kl, kl_coef), m, gamma)
     if estimator in ("reinforce", "reinforce_baseline"):
-        return masked_whiten(returns, m), returns
+        return _normalize(returns, m, std_norm), returns
     return returns.clone(), returns
+
+
+def _normalize(x: torch.Tensor, m: torch.Tensor, std_norm: bool) -> torch.Tensor:
+    if std_norm:
+        return masked_whiten(x, m)
+    xf = x.float()
+    return torch.where(m, xf - masked_mean(xf, m), torch.zeros_like(xf))

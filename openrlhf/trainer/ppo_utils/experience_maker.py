@@ -111,6 +111,7 @@ class AdvantageSettings:
     kl_coef: float = 0.0  # KL in the reward (0 when KL is a loss term)
     kl_estimator: str = "k1"
     temperature: float = 1.0
+    std_norm: bool = True  # gae/reinforce/reinforce_baseline: divide by the batch std (--algo.advantage.no_std_norm turns it off)
 
 
 class ExperienceMaker:
@@ -195,6 +196,7 @@ class ExperienceMaker:
             values=exp.values,
             gamma=self.s.gamma,
             lambd=self.s.lambd,
+            std_norm=self.s.std_norm,
         )
         exp.timings = {"reward_s": t1 - t0, "old_logprob_s": t2 - t1, "ref_s": t3 - t2, "values_s": t4 - t3}
         return exp

@@ -78,7 +78,7 @@ class RewardActor:
         self.actor_id = actor_id
         self.fn = build_reward_fn(
             cfg.reward_source, remote_url=cfg.reward.remote_url, model_path=cfg.reward.model_name_or_path,
-            clip_range=cfg.reward.clip_range, dtype=_dtype(cfg), device=_device(), offload=cfg.reward.offload,
+            clip_range=cfg.reward.clip_range, dtype=_dtype(cfg), device=_device(), offload=cfg.reward.offload, value_head_prefix=cfg.ds.value_head_prefix,
         )
 
     def info(self) -> dict[str, Any]:
