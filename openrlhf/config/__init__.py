@@ -5,11 +5,13 @@
     flags       one `FlagSpec` per field: what the parser, the validator and the docs walk
     parser      argparse generated from the flags; `parse_config` = parse + `validate`
     validation  type/bound checks and the rules across fields
-    docs        docs/cli.md's flag tables (`python -m openrlhf.config.docs docs/cli.md`)
+    parity      how each OpenRLHF v0.11 flag is treated here (supported / differs / refused, and why)
+    docs        docs/cli.md's flag and parity tables (`python -m openrlhf.config.docs docs/cli.md`)
 """
 
 from .fields import ConfigError
 from .flags import FlagSpec, flag_specs
+from .parity import OPENRLHF_V0_11, Parity
 from .parser import build_parser, parse_config, parse_unvalidated
 from .schema import (
     GROUP_ESTIMATORS,
@@ -67,4 +69,6 @@ __all__ = [
     "parse_unvalidated",
     "validate",
     "flag_specs",
+    "Parity",
+    "OPENRLHF_V0_11",
 ]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from .fields import BOUNDS
 from .flags import default_str, flag_specs, section_help
+from .parity import OPENRLHF_V0_11
 
-__all__ = ["render_flag_table", "render_alias_table", "update_docs"]
+__all__ = ["render_flag_table", "render_alias_table", "render_parity_table", "update_docs"]
 
 
 def _md(text: str) -> str:
@@ -50,7 +51,24 @@ def render_alias_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-_GENERATED = {"flags": render_flag_table, "aliases": render_alias_table}
+_STATUS = {"supported": "supported", "differs": "**supported differently**", "refused": "**refused**"}
+
+
+def render_parity_table() -> str:
+    """Markdown: every OpenRLHF v0.11 train_ppo_ray flag, in v0.11's order, with its status here and the note
+    (how it differs, why it is refused), followed by the counts."""
+    lines = ["| OpenRLHF v0.11 flag | here | how / why |", "|---|---|---|"]
+    lines += [f"| `{flag}` | {_STATUS[p.status]} | {_md(p.note)} |" for flag, p in OPENRLHF_V0_11.items()]
+    counts = {s: sum(p.status == s for p in OPENRLHF_V0_11.values()) for s in _STATUS}
+    lines.append("")
+    lines.append(
+        f"{len(OPENRLHF_V0_11)} flags: {counts['supported']} supported, {counts['differs']} supported differently, "
+        f"{counts['refused']} refused."
+    )
+    return "\n".join(lines) + "\n"
+
+
+_GENERATED = {"flags": render_flag_table, "aliases": render_alias_table, "parity": render_parity_table}
 
 
 def update_docs(path: str | Path) -> bool:

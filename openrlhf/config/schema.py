@@ -107,8 +107,8 @@ class ActorConfig:
         "dual-clip PPO: caps the loss of negative-advantage tokens at dual_clip*|A| (> 1)",
         aliases=["--dual_clip"],
     )
-    entropy_coef: float = opt(
-        0.0, "entropy bonus coefficient (0 = entropy is only logged)", aliases=["--entropy_loss_coef"], ge=0.0
+    entropy_coef: float | None = opt(
+        None, "entropy bonus coefficient (unset: no entropy computed; 0: entropy only logged)", aliases=["--entropy_loss_coef"], ge=0.0
     )
     max_norm: float = opt(1.0, "gradient clipping norm", aliases=["--max_norm"], gt=0.0)
     lr_warmup_ratio: float = opt(
@@ -162,7 +162,10 @@ class CriticConfig:
     min_lr_ratio: float = opt(0.1, "critic's final lr as a fraction of its peak lr", ge=0.0, le=1.0)
     max_norm: float = opt(1.0, "critic gradient clipping norm", gt=0.0)
     freezing_steps: int = opt(-1, "train only the critic for the first N steps (the actor is frozen)", aliases=["--freezing_actor_steps"])
-    save_value_network: bool = opt(False, "export the critic (HF format) at the end", aliases=["--save_value_network"])
+    save_value_network: bool = opt(
+        False, "export the critic at the end into <ckpt.output_dir>_critic (a one-label sequence classifier)",
+        aliases=["--save_value_network"],
+    )
     optim: Literal["adam", "muon"] = opt("adam", "optimizer; muon is refused: see docs/cli.md")
     muon: MuonConfig = section(MuonConfig, "Muon optimizer settings (accepted; muon is refused)")
 
@@ -192,14 +195,14 @@ class RewardConfig:
     stop_properly_penalty_coef: float | None = opt(
         None, "truncated responses: reward scaled by C (C >= 0) or set to C (C < 0)", aliases=["--stop_properly_penalty_coef"]
     )
-    offload: bool = opt(False, "keep the reward model on CPU between uses")
+    offload: bool = opt(False, "keep the reward model in host memory between uses")
 
 
 @dataclass(frozen=True)
 class DataConfig:
     prompt_dataset: str | None = opt(
         None,
-        "prompt data: a .jsonl/.json/.parquet file or a local HF datasets folder (required)",
+        "prompt data: a .jsonl/.json/.parquet file or a local HF datasets folder, or several comma-separated (required)",
         aliases=["--prompt_data"],
     )
     prompt_split: str = opt("train", "split to read from the prompt dataset", aliases=["--prompt_split"])
@@ -216,10 +219,11 @@ class DataConfig:
     max_len: int = opt(2048, "max tokens of prompt + response", aliases=["--max_len"])
     max_samples: int | None = opt(None, "use at most this many prompts", aliases=["--max_samples"], ge=1)
     prompt_probs: str | None = opt(
-        None, "sampling weights of comma-separated --data.prompt_dataset sources, e.g. 0.7,0.3", aliases=["--prompt_data_probs"]
+        None, "sampling weights of comma-separated --data.prompt_dataset sources, e.g. 0.7,0.3 (without: concatenated)",
+        aliases=["--prompt_data_probs"],
     )
     disable_fast_tokenizer: bool = opt(False, "load the slow (Python) tokenizer", aliases=["--disable_fast_tokenizer"])
-    dataloader_num_workers: int = opt(0, "accepted; prompts are read into memory, no loader workers run", ge=0)
+    dataloader_num_workers: int = opt(0, "no effect here (a warning): prompts are read into memory, no loader workers run", ge=0)
     image_key: str = opt("images", "vision-language datasets only (unused while max_images_per_prompt is 0)")
     max_images_per_prompt: int = opt(0, "vision-language training; refused when > 0: see docs/cli.md", ge=0)
 
@@ -281,7 +285,9 @@ class TrainConfig:
         None, "a .py file defining AgentExecutor: multi-turn rollouts through your agent", aliases=["--agent_func_path"]
     )
     full_determinism_enable: bool = opt(False, "deterministic torch algorithms (slower)", aliases=["--full_determinism"])
-    enable_ema: bool = opt(False, "keep an exponential moving average of the actor; exported with the final model")
+    enable_ema: bool = opt(
+        False, "keep an fp32 exponential moving average of the actor; it is what the final model and HF exports hold"
+    )
     ema_beta: float = opt(0.992, "EMA decay", gt=0.0, le=1.0)
     async_enable: bool = opt(False, "asynchronous training; refused: see docs/cli.md", aliases=["--async_train"])
     async_queue_size: int = opt(1, "async training queue size (accepted; async is refused)", ge=1)
@@ -361,14 +367,24 @@ class DeepSpeedConfig:
         False, "park actor/critic weights and optimizer states in host memory while the engine generates",
         aliases=["--deepspeed_enable_sleep"],
     )
-    tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP size; refused when > 1: see docs/cli.md", aliases=["--ds_tensor_parallel_size"], ge=1)
+    tensor_parallel_size: int = opt(
+        1, "DeepSpeed AutoTP size; refused when > 1: see docs/cli.md", aliases=["--ds_tensor_parallel_size"], ge=1
+    )
     ring_attn_size: int = opt(1, "ring attention group size (CUDA + ring-flash-attn only)", aliases=["--ring_attn_size"], ge=1)
     ring_attn_head_stride: int = opt(1, "heads per ring-attention step", aliases=["--ring_head_stride"], ge=1)
-    zpg: int = opt(1, "ZeRO++ hierarchical partition size (zero_hpz_partition_size)", aliases=["--zpg"], ge=1)
-    use_universal_ckpt: bool = opt(False, "load DeepSpeed universal checkpoints", aliases=["--use_ds_universal_ckpt"])
-    value_head_prefix: str = opt("score", "attribute name of the critic's value head", aliases=["--value_head_prefix"])
+    zpg: int = opt(
+        1, "ZeRO++ hierarchical partitioning: ranks per secondary parameter copy (ZeRO-3; divides the world size)",
+        aliases=["--zpg"], ge=1,
+    )
+    use_universal_ckpt: bool = opt(
+        False, "resume from the DeepSpeed universal checkpoint latest_universal names (any world size)",
+        aliases=["--use_ds_universal_ckpt"],
+    )
+    value_head_prefix: str = opt(
+        "score", "name of the one-output value head in critic and reward checkpoints", aliases=["--value_head_prefix"]
+    )
     experts_implementation: Literal["eager", "batched_mm", "grouped_mm", "deepgemm"] | None = opt(
-        None, "MoE expert kernels, passed to transformers' from_pretrained"
+        None, "MoE expert kernels, passed to transformers' from_pretrained (deepgemm: CUDA only)"
     )
     deepcompile: bool = opt(False, "DeepSpeed DeepCompile; refused: see docs/cli.md")
     use_liger_kernel: bool = opt(False, "Liger kernels; refused: see docs/cli.md", aliases=["--use_liger_kernel"])
@@ -396,20 +412,31 @@ class VLLMConfig:
         "auto", "weight-sync backend (auto: nccl on GPU, gloo on CPU)", aliases=["--vllm_sync_backend"]
     )
     dtype: str = opt("auto", "vLLM model dtype")
-    enable_prefix_caching: bool = opt(False, "vLLM prefix caching", aliases=["--enable_prefix_caching"])
-    sync_with_ray: bool = opt(False, "accepted: Ray-mode weights always travel through Ray's object store here", aliases=["--vllm_sync_with_ray"])
+    enable_prefix_caching: bool = opt(
+        False, "vLLM prefix caching (emptied after every weight sync)", aliases=["--enable_prefix_caching"]
+    )
+    sync_with_ray: bool = opt(
+        False, "no effect here (a warning): weights sync over a torch.distributed group, not ray.util.collective",
+        aliases=["--vllm_sync_with_ray"],
+    )
 
 
 @dataclass(frozen=True)
 class CkptConfig:
-    output_dir: str = opt("./ckpt", "where the final model is written", aliases=["--save_path"])
+    output_dir: str = opt("./ckpt", "the final model (HF format) and the run's summary.json/metrics.jsonl", aliases=["--save_path"])
     path: str | None = opt(None, "checkpoint folder (default: <output_dir>/checkpoints_ppo)", aliases=["--ckpt_path"])
     save_steps: int = opt(-1, "save a checkpoint every N steps (-1 = only at the end)", aliases=["--save_steps"])
     load_enable: bool = opt(False, "resume from the latest checkpoint in --ckpt.path", aliases=["--load_checkpoint"])
     save_hf: bool = opt(False, "also export HF-format weights with each checkpoint", aliases=["--save_hf_ckpt"])
     max_num: int = opt(3, "keep at most this many checkpoints", aliases=["--max_ckpt_num"], ge=1)
-    max_mem: float | None = opt(None, "keep the checkpoints under this many GB (oldest removed first; default: no limit)", aliases=["--max_ckpt_mem"], gt=0.0)
-    disable_ds: bool = opt(False, "skip the DeepSpeed (resumable) checkpoint; HF exports only", aliases=["--disable_ds_ckpt"])
+    max_mem: float | None = opt(
+        None, "keep each model's checkpoints under this many GiB (oldest removed first, the newest kept; default: no limit)",
+        aliases=["--max_ckpt_mem"], gt=0.0,
+    )
+    disable_ds: bool = opt(
+        False, "write no DeepSpeed (resumable) checkpoint: each checkpoint step writes an HF export instead",
+        aliases=["--disable_ds_ckpt"],
+    )
     best_metric_key: str = opt(
         "", "eval metric whose best value keeps a copy of the HF model ('' = the first pass1 metric, 'none' = off)"
     )

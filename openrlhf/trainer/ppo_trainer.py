@@ -618,8 +618,9 @@ class PPOTrainer:
             self.actor_engine.set_gradient_accumulation_boundary(boundary)
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         entropy_coef = cfg.actor.entropy_coef
-        out_fwd = self.actor_engine(mb.sequences, mb.attention_mask, mb.num_actions, temperature=temp, return_entropy=entropy_coef > 0)
-        logp, entropy = out_fwd if entropy_coef > 0 else (out_fwd, None)
+        want_entropy = entropy_coef is not None  # 0: logged only; > 0: also a bonus (OpenRLHF's convention)
+        out_fwd = self.actor_engine(mb.sequences, mb.attention_mask, mb.num_actions, temperature=temp, return_entropy=want_entropy)
+        logp, entropy = out_fwd if want_entropy else (out_fwd, None)
         out = self.policy_loss(logp, mb.old_logprobs, mb.advantages, mb.action_mask, rollout_log_probs=mb.rollout_logprobs)
         if cfg.actor.policy_loss_type == "gspo":
             loss = aggregate_loss(out.token_loss * sequence_mean_weights(mb.action_mask), mb.action_mask, global_seqs, scale)
@@ -629,7 +630,7 @@ class PPOTrainer:
         if cfg.algo.kl.use_loss and mb.ref_logprobs is not None:
             kl_term = aggregate_loss(kl_loss(logp, mb.ref_logprobs, mb.action_mask, cfg.algo.kl.estimator), mb.action_mask, global_tokens, scale)
             loss = loss + self.kl_ctl.value * kl_term
-        if entropy is not None:  # an entropy bonus: maximize the token-mean entropy
+        if entropy is not None and entropy_coef > 0:  # an entropy bonus: maximize the token-mean entropy
             loss = loss - entropy_coef * aggregate_loss(entropy, mb.action_mask, global_tokens, scale)
         if not torch.isfinite(loss):
             raise TrainingDivergedError(

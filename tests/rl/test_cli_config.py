@@ -21,7 +21,7 @@ from openrlhf.config import (
     parse_unvalidated,
     validate,
 )
-from openrlhf.config.docs import render_alias_table, render_flag_table
+from openrlhf.config.docs import render_alias_table, render_flag_table, render_parity_table
 
 BASE = ["--pretrain", "some/model", "--prompt_data", "tasks.jsonl"]
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
@@ -404,7 +404,7 @@ def test_to_dict_round_trip():
 # ---- docs -----------------------------------------------------------------------------------------
 def test_docs_tables_are_current():
     text = DOCS.read_text()
-    for name, render in (("flags", render_flag_table), ("aliases", render_alias_table)):
+    for name, render in (("flags", render_flag_table), ("aliases", render_alias_table), ("parity", render_parity_table)):
         block = re.search(rf"<!-- BEGIN GENERATED: {name} -->\n(.*?)<!-- END GENERATED: {name} -->", text, re.S)
         assert block, name
         assert block.group(1) == render(), "docs/cli.md is stale: run python -m openrlhf.config.docs docs/cli.md"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from openrlhf.config import flag_specs, parse_config, parse_unvalidated
+from openrlhf.config import OPENRLHF_V0_11, ConfigError, flag_specs, parse_config, parse_unvalidated
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "openrlhf_v0_11.json").read_text())
 SCRIPTS = FIXTURE["scripts"]
@@ -99,3 +99,61 @@ def test_v0_11_choices_are_accepted():
         if "choices" in ref and ref["flag"] in ours and ours[ref["flag"]].choices is not None:
             missing = set(ref["choices"]) - {str(c) for c in ours[ref["flag"]].choices}
             assert not missing, f"{ref['flag']} lacks v0.11 choices {missing}"
+
+
+# ---- docs/cli.md's parity table: every v0.11 flag, and every refusal real ----------------------------
+def test_parity_table_lists_exactly_the_v0_11_flags_in_order():
+    assert list(OPENRLHF_V0_11) == [r["flag"] for r in REF_FLAGS]
+    assert set(OPENRLHF_V0_11) <= set(OURS)
+    for flag, p in OPENRLHF_V0_11.items():
+        assert p.status in ("supported", "differs", "refused"), flag
+        assert p.note or p.status == "supported", f"{flag}: say how it differs or why it is refused"
+    rendered = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    assert all(f"| `{flag}` |" in rendered for flag in OPENRLHF_V0_11)
+
+
+# What turns each refused flag on (a sub-flag of a refused feature is refused through its parent).
+REFUSAL_TRIGGERS = {
+    "--vllm.tensor_parallel_size": ["--vllm.tensor_parallel_size", "2", "--rollout.engine", "vllm"],
+    "--train.async_enable": ["--train.async_enable"],
+    "--train.async_queue_size": ["--train.async_enable", "--train.async_queue_size", "4"],
+    "--train.partial_rollout_enable": ["--train.partial_rollout_enable"],
+    "--ds.deepcompile": ["--ds.deepcompile"],
+    "--ds.use_liger_kernel": ["--ds.use_liger_kernel"],
+    "--ds.tensor_parallel_size": ["--ds.tensor_parallel_size", "2"],
+    "--ds.load_in_4bit": ["--ds.load_in_4bit"],
+    "--ds.lora.rank": ["--ds.lora.rank", "8"],
+    "--ds.lora.alpha": ["--ds.lora.rank", "8", "--ds.lora.alpha", "32"],
+    "--ds.lora.target_modules": ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj"],
+    "--ds.lora.dropout": ["--ds.lora.rank", "8", "--ds.lora.dropout", "0.1"],
+    "--actor.aux_loss_coef": ["--actor.aux_loss_coef", "0.01"],
+    "--actor.optim": ["--actor.optim", "muon"],
+    **{f"--actor.muon.{k}": ["--actor.optim", "muon"] for k in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")},
+    "--critic.optim": ["--critic.optim", "muon"],
+    **{f"--critic.muon.{k}": ["--critic.optim", "muon"] for k in ("lr", "momentum", "ns_steps", "nesterov", "no_nesterov")},
+    "--ds.ring_attn_size": ["--ds.ring_attn_size", "2"],
+    "--ds.ring_attn_head_stride": ["--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "2"],
+    "--data.image_key": ["--data.max_images_per_prompt", "1", "--data.image_key", "images"],
+    "--data.max_images_per_prompt": ["--data.max_images_per_prompt", "1"],
+    "--actor.freeze_visual_encoder": ["--actor.freeze_visual_encoder"],
+    "--use_ms": ["--use_ms"],
+}
+
+
+def test_every_refused_flag_has_a_trigger():
+    assert set(REFUSAL_TRIGGERS) == {f for f, p in OPENRLHF_V0_11.items() if p.status == "refused"}
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSAL_TRIGGERS))
+def test_refused_flags_are_refused_in_one_line_naming_them(flag):
+    """Before anything loads (the CLI prints these and exits 2); each line names the flag that turned the feature on."""
+    from openrlhf.trainer.preflight import preflight_errors
+
+    argv = ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "d.jsonl", *REFUSAL_TRIGGERS[flag]]
+    try:
+        errors = preflight_errors(parse_config(argv, exit_on_error=False), cuda=False)
+    except ConfigError as e:
+        errors = [str(e)]
+    parent = REFUSAL_TRIGGERS[flag][0]
+    named = [e for e in errors if parent in e]
+    assert named and all("\n" not in e for e in named), errors

@@ -128,6 +128,8 @@ def test_script_runs_two_steps(name, world, tmp_path):
         assert all("eval/pass1" in h and "eval/pass2" in h for h in hist)
     if "--train.agent_func_path" in argv:
         assert all(h["rollout/response_length"] > 0 for h in hist)
+    if "--actor.entropy_coef" in argv:  # 0.0 in the script: the entropy is logged, no bonus
+        assert all(h["train/entropy"] > 0 for h in hist)
     if "--reward.stop_properly_penalty_coef" in argv:
         assert all("rollout/truncated" in h for h in hist)
 
