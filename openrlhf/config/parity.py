@@ -132,8 +132,9 @@ OPENRLHF_V0_11: dict[str, Parity] = {
     ),
     "--ds.enable_sleep": _same("actor and critic parameters, fp32 masters and optimizer states parked in host memory during rollouts"),
     "--ds.tensor_parallel_size": _refused(
-        "when > 1: the FP8 layers shard under DeepSpeed AutoTP (openrlhf/models/tensor_parallel.py), but the trainer "
-        "does not run tensor-parallel groups; shard with --ds.zero_stage 3 instead"
+        "when > 1: AutoTP shards convert to FP8 with the unsharded bytes (openrlhf/models/tensor_parallel.py, tested on "
+        "2 gloo ranks), but the trainer treats every rank as data parallel (own prompts, loss scaled by the world size, "
+        "whole weights read for sync and export); shard with --ds.zero_stage 3 instead"
     ),
     "--ds.packing_samples": _same("FP8 quantization of packed tokens is byte-identical to unpacked"),
     "--train.dynamic_batch_enable": _same(),

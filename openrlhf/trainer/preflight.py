@@ -4,7 +4,8 @@ Parsing accepts every OpenRLHF v0.11 flag, so an OpenRLHF script always gets pas
 this step then refuses, with one line each, what this framework or this machine cannot run:
 features that need CUDA kernels (ring attention, flash attention, Liger), features built on
 modules the FP8 precision flow does not cover (vision towers, LoRA adapters, 4-bit bases), and
-tensor-parallel shards that would cut FP8 blocks in half. docs/cli.md lists the same decisions.
+tensor-parallel training (with the shard sizes that would cut FP8 blocks in half named first).
+docs/cli.md's parity table lists the same decisions.
 """
 
 from __future__ import annotations
@@ -88,9 +89,12 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
         errors += shard_errors
         if not shard_errors:
             errors.append(
-                f"--ds.tensor_parallel_size {ds.tensor_parallel_size}: DeepSpeed AutoTP replaces nn.Linear modules with its "
-                f"own sharded layers, which would bypass the FP8 linears (and their weight sync) of recipe {recipe.name}; "
-                f"shard with ZeRO-3 instead (--ds.zero_stage 3)"
+                f"--ds.tensor_parallel_size {ds.tensor_parallel_size}: the trainer does not run tensor-parallel groups yet. "
+                "DeepSpeed AutoTP shards the model and its layers convert to FP8 with the unsharded bytes "
+                "(openrlhf.models.tensor_parallel), but the trainer treats every rank as data parallel: it gives each rank "
+                "its own prompts (a group needs one rollout and identical micro-batches), scales the loss by the world "
+                "size, and reads whole weights from each rank for the weight sync and the HF export. Shard with "
+                "--ds.zero_stage 3 instead"
             )
     uses_vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and _has("vllm"))
     if uses_vllm and cfg.vllm.tensor_parallel_size > 1:

@@ -352,3 +352,36 @@ def test_run_exports_ema_and_critic_with_hf_only_checkpoints(task, tmp_path):
     assert not (ckpt / "actor").exists() and not (ckpt / "critic").exists()
     assert sorted(p.name for p in (ckpt / "hf").iterdir() if p.is_dir()) == ["global_step2"]
     assert (ckpt / "hf" / "global_step2" / "CHECKSUMS.json").is_file() and (ckpt / "hf" / "latest").read_text() == "global_step2"
+
+
+# ---- DeepSpeed AutoTP, then FP8 ---------------------------------------------------------------------
+@pytest.mark.integration
+@pytest.mark.slow
+def test_autotp_shards_convert_to_fp8_with_the_unsharded_bytes(tmp_path):
+    """2 gloo ranks: AutoTP shards a Llama (q/k/v/gate/up by rows, o/down by columns), the shards become FP8 layers;
+    each quantizes to its slice of the unsharded layer's bytes and scales, the gathered weight is the unsharded one,
+    and forward, DGrad and WGrad match the unsharded FP8 layer within their fp32 accumulation bounds (exactly where
+    one GEMM computes both); one DeepSpeed step of the sharded model trains it, the same loss on both ranks."""
+    _torchrun(2, "tp", str(tmp_path / "out.json"))
+    ranks = json.loads((tmp_path / "out.json").read_text())["ranks"]
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["kinds"] == {
+            **{f"model.layers.0.self_attn.{p}_proj": "Fp8ColumnParallelLinear" for p in "qkv"},
+            "model.layers.0.self_attn.o_proj": "Fp8RowParallelLinear",
+            "model.layers.0.mlp.gate_proj": "Fp8ColumnParallelLinear", "model.layers.0.mlp.up_proj": "Fp8ColumnParallelLinear",
+            "model.layers.0.mlp.down_proj": "Fp8RowParallelLinear",
+        }
+        assert all(r["bytes"].values()) and all(r["gathered"].values()), r
+        assert all(w <= 1.0 for layer in r["worst"].values() for w in layer.values()), r["worst"]
+        assert r["shard_shapes"]["model.layers.0.mlp.down_proj"] == [256, 256] and r["moved"]
+    assert ranks[0]["loss"] == ranks[1]["loss"]
+
+
+def test_autotp_shards_that_cut_fp8_blocks_are_refused():
+    from openrlhf.trainer.preflight import fp8_tp_shard_errors
+
+    llama_8b = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8}
+    assert fp8_tp_shard_errors(llama_8b, 8) == []
+    cut = fp8_tp_shard_errors({**llama_8b, "intermediate_size": 11008}, 8)  # 1376 per rank
+    assert len(cut) == 2 and all("not a multiple of 128" in e for e in cut)
