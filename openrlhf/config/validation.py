@@ -16,7 +16,7 @@ from .fields import BOUNDS, ConfigError
 from .flags import FlagSpec, default_str, flag_specs, get_field
 from .schema import GROUP_ESTIMATORS, PPOConfig, PrecisionConfig, RewardConfig
 
-__all__ = ["validate"]
+__all__ = ["validate", "parse_probs"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,23 @@ def _check_field(spec: FlagSpec, value: Any) -> str | None:
             if not holds(item, bound):
                 return f"{spec.flag} must be {word} {bound}, got {item!r}"
     return None
+
+
+def parse_probs(probs: str, n_sources: int) -> list[float]:
+    """--data.prompt_probs "0.7,0.3": one positive weight per comma-separated source, normalized to sum to 1."""
+    try:
+        weights = [float(w) for w in probs.split(",")]
+    except ValueError:
+        raise ConfigError(f"--data.prompt_probs {probs!r}: not a comma-separated list of numbers (e.g. 0.7,0.3)") from None
+    if len(weights) != n_sources:
+        raise ConfigError(
+            f"--data.prompt_probs {probs!r} gives {len(weights)} weights for {n_sources} comma-separated "
+            f"--data.prompt_dataset sources; give one weight per source"
+        )
+    if not all(w > 0 and w != float("inf") for w in weights):
+        raise ConfigError(f"--data.prompt_probs {probs!r}: every weight must be a finite number > 0 (drop a source instead of weighting it 0)")
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 def _largest_divisor_at_most(n: int, cap: int) -> int:
@@ -137,11 +154,9 @@ def _rule_errors(cfg: PPOConfig) -> list[str]:
     if cfg.eval.steps > 0 and not cfg.eval.dataset:
         errors.append(f"--eval.steps {cfg.eval.steps} evaluates on --eval.dataset, which is not set; pass one or drop --eval.steps")
     if data.prompt_probs is not None and data.prompt_dataset:
-        from openrlhf.datasets.prompts_dataset import PromptDataError, parse_probs
-
         try:
             parse_probs(data.prompt_probs, len([s for s in data.prompt_dataset.split(",") if s.strip()]))
-        except PromptDataError as e:
+        except ConfigError as e:
             errors.append(str(e))
     if cfg.ckpt.disable_ds and cfg.ckpt.load_enable:
         errors.append(

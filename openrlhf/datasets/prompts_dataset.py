@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 __all__ = [
-    "SUPPORTED_FORMATS", "PromptDataError", "load_prompt_records", "blend_prompt_records", "parse_probs", "PromptDataset",
+    "SUPPORTED_FORMATS", "PromptDataError", "load_prompt_records", "blend_prompt_records", "PromptDataset",
     "collate_prompts",
 ]
 
@@ -228,23 +228,6 @@ def load_prompt_records(
     return records
 
 
-def parse_probs(probs: str, n_sources: int) -> list[float]:
-    """--data.prompt_probs "0.7,0.3": one positive weight per comma-separated source, normalized to sum to 1."""
-    try:
-        weights = [float(w) for w in probs.split(",")]
-    except ValueError:
-        raise PromptDataError(f"--data.prompt_probs {probs!r}: not a comma-separated list of numbers (e.g. 0.7,0.3)") from None
-    if len(weights) != n_sources:
-        raise PromptDataError(
-            f"--data.prompt_probs {probs!r} gives {len(weights)} weights for {n_sources} comma-separated "
-            f"--data.prompt_dataset sources; give one weight per source"
-        )
-    if not all(w > 0 and w != float("inf") for w in weights):
-        raise PromptDataError(f"--data.prompt_probs {probs!r}: every weight must be a finite number > 0 (drop a source instead of weighting it 0)")
-    total = sum(weights)
-    return [w / total for w in weights]
-
-
 def blend_prompt_records(
     spec: str, probs: str | None = None, split: str = "train", max_samples: int | None = None, seed: int = 42,
     *, flags: tuple[str, str] = ("--data.prompt_dataset", "--data.prompt_split"),
@@ -261,6 +244,8 @@ def blend_prompt_records(
         records = [r for part in parts for r in part]
     else:
         from datasets import Dataset, interleave_datasets
+
+        from openrlhf.config.validation import parse_probs
 
         # Interleave row indices, not the records: sources may differ in their other columns.
         index = [Dataset.from_dict({"src": [i] * len(part), "row": list(range(len(part)))}) for i, part in enumerate(parts)]
