@@ -1,7 +1,7 @@
-"""Prompt datasets and the synthetic arithmetic task set."""
+"""Prompt datasets and the synthetic arithmetic task sets (expressions and word problems)."""
 
 from .prompts_dataset import SUPPORTED_FORMATS, PromptDataset, blend_prompt_records, collate_prompts, load_prompt_records
-from .synthetic import evaluate_expression, make_arithmetic_records, write_jsonl
+from .synthetic import evaluate_expression, make_arithmetic_records, make_word_problem_records, write_jsonl
 
 __all__ = [
     "SUPPORTED_FORMATS",
@@ -11,5 +11,6 @@ __all__ = [
     "blend_prompt_records",
     "evaluate_expression",
     "make_arithmetic_records",
+    "make_word_problem_records",
     "write_jsonl",
 ]

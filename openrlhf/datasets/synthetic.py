@@ -8,6 +8,10 @@ left to right otherwise), then ``=``. No spaces, no parentheses. Labels are the 
 integer result as a decimal string; expressions with a negative result are re-drawn, so
 every answer is a non-negative integer. ``answer_digits`` keeps only expressions whose
 answer has exactly that many digits (the answer-length knob).
+
+Word problems (``make_word_problem_records``) put the same kind of arithmetic into short English
+stories ("Ava has 12 stickers and buys 7 more ...") for instruction-tuned models: one or two
+operations, whole non-negative answers, the arithmetic kept beside the text as ``expression``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import random
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["OPERATORS", "make_arithmetic_records", "evaluate_expression", "write_jsonl"]
+__all__ = ["OPERATORS", "make_arithmetic_records", "evaluate_expression", "make_word_problem_records", "write_jsonl"]
 
 OPERATORS = ("+", "-", "*")
 _MAX_TRIES_PER_RECORD = 2000
@@ -84,6 +88,76 @@ def make_arithmetic_records(
             continue
         expr = "".join(str(x) + op for x, op in zip(operands, ops)) + str(operands[-1])
         records.append({"input": expr + "=", "label": str(value), "difficulty": difficulty})
+    return records
+
+
+_NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Gus", "Hana", "Ivan", "Jade", "Kofi", "Lena", "Mateo", "Nora", "Omar", "Priya")
+_ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "cookies", "stamps", "shells", "coins", "cards")
+
+
+def _one_step(rng: random.Random, name: str, other: str, item: str, top: int) -> tuple[str, str, int]:
+    kind = rng.choice(("add", "sub", "mul", "div", "compare"))
+    a, b = rng.randint(2, top), rng.randint(2, top)
+    if kind == "add":
+        return f"{name} has {a} {item}. {other} gives {name} {b} more. How many {item} does {name} have now?", f"{a}+{b}", a + b
+    if kind == "sub":
+        a, b = max(a, b), min(a, b)
+        return f"{name} has {a} {item} and gives {b} of them away. How many {item} does {name} have left?", f"{a}-{b}", a - b
+    if kind == "mul":
+        a, b = rng.randint(2, 9), rng.randint(2, 12)
+        return f"{name} buys {a} boxes of {item} with {b} {item} in each box. How many {item} does {name} buy?", f"{a}*{b}", a * b
+    if kind == "div":
+        each, friends = rng.randint(2, 12), rng.randint(2, 9)
+        total = each * friends
+        return (f"{name} shares {total} {item} equally among {friends} friends. How many {item} does each friend get?",
+                f"{total}/{friends}", each)
+    a, b = max(a, b), min(a, b)  # compare
+    return f"{name} has {a} {item} and {other} has {b} {item}. How many more {item} does {name} have than {other}?", f"{a}-{b}", a - b
+
+
+def _two_steps(rng: random.Random, name: str, other: str, item: str, top: int) -> tuple[str, str, int]:
+    kind = rng.choice(("add_sub", "start_plus_packs", "packs_minus", "sub_add"))
+    a, b = rng.randint(5, top), rng.randint(2, top)
+    if kind == "add_sub":
+        c = rng.randint(1, a + b)
+        return (f"{name} has {a} {item}, finds {b} more, and then loses {c}. How many {item} does {name} have now?",
+                f"{a}+{b}-{c}", a + b - c)
+    if kind == "start_plus_packs":
+        packs, per = rng.randint(2, 9), rng.randint(2, 12)
+        return (f"{name} has {a} {item} and buys {packs} packs with {per} {item} in each pack. "
+                f"How many {item} does {name} have in total?", f"{a}+{packs}*{per}", a + packs * per)
+    if kind == "packs_minus":
+        rows, per = rng.randint(2, 9), rng.randint(2, 12)
+        c = rng.randint(1, rows * per)
+        return (f"A shop has {rows} shelves with {per} {item} on each shelf. It sells {c} {item}. "
+                f"How many {item} are left in the shop?", f"{rows}*{per}-{c}", rows * per - c)
+    c = rng.randint(1, top)  # sub_add
+    a, b = max(a, b), min(a, b)
+    return (f"{name} has {a} {item} and gives {b} to {other}. Later {name} gets {c} more. How many {item} does {name} have now?",
+            f"{a}-{b}+{c}", a - b + c)
+
+
+def make_word_problem_records(n: int, *, steps: Iterable[int] = (1, 2), seed: int = 0, max_number: int = 30) -> list[dict]:
+    """``n`` records ``{"input": "Ava has 12 stickers ...?", "label": "19", "expression": "12+7", "steps": 1}``.
+
+    steps: how many operations a problem may take (1, 2 or both; drawn evenly). Numbers in a problem
+    stay within 2..max_number (products of up to 9 x 12). Deterministic in the arguments.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    steps = tuple(steps)
+    if not steps or any(s not in (1, 2) for s in steps):
+        raise ValueError(f"steps must be a non-empty subset of (1, 2), got {steps}")
+    if max_number < 5:
+        raise ValueError(f"max_number must be >= 5, got {max_number}")
+    rng = random.Random(f"words-{seed}-{steps}-{max_number}")
+    records = []
+    for _ in range(n):
+        k = rng.choice(steps)
+        name, other = rng.sample(_NAMES, 2)
+        item = rng.choice(_ITEMS)
+        text, expr, value = (_one_step if k == 1 else _two_steps)(rng, name, other, item, max_number)
+        records.append({"input": text, "label": str(value), "expression": expr, "steps": k})
     return records
 
 

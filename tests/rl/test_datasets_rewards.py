@@ -1,9 +1,10 @@
 """Prompt loading (jsonl/json/parquet/HF folders), PromptDataset, the synthetic arithmetic
-task set, the math-verify reward and file/HTTP reward functions."""
+task sets (expressions, word problems), the math-verify reward and file/HTTP reward functions."""
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from openrlhf.datasets import (
     evaluate_expression,
     load_prompt_records,
     make_arithmetic_records,
+    make_word_problem_records,
     write_jsonl,
 )
 from openrlhf.rewards import extract_final_number, load_reward_fn, math_reward
@@ -200,6 +202,35 @@ def test_arithmetic_records_deterministic_and_knobs(tmp_path):
     assert math_reward([l + "</s>" for l in labels], labels) == [1.0] * 40
     wrong = [str(int(l) + 1) for l in labels]
     assert math_reward(wrong, labels) == [0.0] * 40
+
+
+def test_word_problems_are_correct_and_varied():
+    recs = make_word_problem_records(400, seed=7)
+    assert recs == make_word_problem_records(400, seed=7) and recs != make_word_problem_records(400, seed=8)
+    for r in recs:
+        assert set(r) == {"input", "label", "expression", "steps"}
+        expr = r["expression"]
+        assert re.fullmatch(r"\d+([-+*/]\d+){1,2}", expr), expr
+        assert sum(expr.count(op) for op in "+-*/") == r["steps"]
+        value = eval(expr)  # noqa: S307 - digits and +-*/ only, checked above; Python's evaluator, not ours
+        assert value == int(value) and str(int(value)) == r["label"] and int(r["label"]) >= 0, r
+        # every number of the arithmetic is stated in the text, in order
+        pos = 0
+        for num in re.findall(r"\d+", expr):
+            m = re.compile(rf"\b{num}\b").search(r["input"], pos)
+            assert m is not None, (expr, r["input"])
+            pos = m.end()
+        assert r["input"].endswith("?")
+    assert {r["steps"] for r in recs} == {1, 2}
+    assert {op for r in recs for op in "+-*/" if op in r["expression"]} == set("+-*/")
+    assert len({r["input"] for r in recs}) > 350
+    assert all(r["steps"] == 1 for r in make_word_problem_records(50, steps=[1], seed=1))
+    # the label is what the math reward accepts, in the phrasing an instruct model uses
+    labels = [r["label"] for r in recs[:20]]
+    assert math_reward([f"So the answer is {l}." for l in labels], labels) == [1.0] * 20
+    assert math_reward([f"So the answer is {int(l) + 1}." for l in labels], labels) == [0.0] * 20
+    with pytest.raises(ValueError, match="steps"):
+        make_word_problem_records(3, steps=[3])
 
 
 # ---------------------------------------------------------------- math reward
