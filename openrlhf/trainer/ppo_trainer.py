@@ -316,6 +316,9 @@ class PPOTrainer:
         self.precision_report = self.check_precision()
 
         from openrlhf.utils.logging_utils import MetricsLogger
+        from openrlhf.utils.memory import StepMemory
+
+        self._memory = StepMemory(lambda t: st.all_reduce(t, "max"))
 
         self.metrics_logger = MetricsLogger(
             enabled=st.is_rank_0, tensorboard_dir=cfg.logger.tensorboard_dir, wandb_cfg=cfg.logger.wandb, run_config=cfg.to_dict()
@@ -439,17 +442,24 @@ class PPOTrainer:
         kept: list[tuple] = []
         drawn = rounds = 0
         stats: dict[str, float] = {}
+        timing = dict.fromkeys(("perf/engine_wake_s", "perf/generate_s", "perf/reward_s", "perf/engine_sleep_s"), 0.0)
+        t = time.perf_counter()
         for sleeper in self.sleepers:
             sleeper.sleep()
         self.engine.wake_up()
+        timing["perf/engine_wake_s"] = time.perf_counter() - t
         try:
             while True:
                 batch = self._next_prompts()
                 if batch is None:
                     break
                 prompts, labels = batch
+                t = time.perf_counter()
                 groups = self._generate(prompts, labels)
+                timing["perf/generate_s"] += time.perf_counter() - t
+                t = time.perf_counter()
                 scores, rewards, stats = self._score(groups, prompts, labels)
+                timing["perf/reward_s"] += time.perf_counter() - t
                 keep = dynamic_filter_keep(scores, n, *cfg.algo.dynamic_filtering_range) if filtering else torch.ones(len(prompts), dtype=torch.bool)
                 for i in keep.nonzero().flatten().tolist():
                     kept.append((prompts[i], labels[i], groups[i], scores[i * n : (i + 1) * n], rewards[i * n : (i + 1) * n]))
@@ -457,10 +467,14 @@ class PPOTrainer:
                 rounds += 1
                 if not filtering or st.all_reduce(float(len(kept)), "min").item() >= per_rank:
                     break
+            self._memory.sample_device("rollout_engine_awake")
         finally:
+            t = time.perf_counter()
             self.engine.sleep()
             for sleeper in self.sleepers:
                 sleeper.wake()
+            timing["perf/engine_sleep_s"] = time.perf_counter() - t
+        stats.update(timing)
         have = int(st.all_reduce(float(min(len(kept), per_rank)), "min").item())
         if have == 0:
             return None
@@ -496,14 +510,15 @@ class PPOTrainer:
     def step(self) -> StepResult | None:
         """One rollout -> train iteration; None when the prompt data is used up."""
         cfg, st = self.cfg, self.strategy
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
+        mem = self._memory
+        mem.begin()
         t0 = time.perf_counter()
         rollout = self.collect_rollout()
         if rollout is None:
             return None
         prompts, labels, samples, scores, rewards, roll_stats = rollout
         t1 = time.perf_counter()
+        mem.end_phase("rollout")
 
         maker = ExperienceMaker(
             self.actor_engine, self.reward_fn, self.tokenizer,
@@ -521,6 +536,7 @@ class PPOTrainer:
         self.actor_engine.eval()
         exp = maker.make(samples, prompts, labels, scores=scores, rewards=rewards)
         t2 = time.perf_counter()
+        mem.end_phase("experience")
 
         metrics = self._experience_metrics(exp)
         metrics.update(roll_stats)
@@ -530,10 +546,13 @@ class PPOTrainer:
             metrics[f"agent/{key}"] = st.all_reduce(float(sum(vals))).item() / max(st.all_reduce(float(len(vals))).item(), 1.0)
         metrics.update(self._train(exp))
         t3 = time.perf_counter()
+        mem.end_phase("train")
+        mem.sample_device("train_engine_asleep")
 
         self.global_step += 1
         metrics.update(self.sync_weights())
         t4 = time.perf_counter()
+        mem.end_phase("sync")
         self.kl_ctl.update(metrics.get("rollout/kl", 0.0), cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)
         metrics.update({
             "perf/rollout_s": t1 - t0, "perf/experience_s": t2 - t1, "perf/old_logprob_s": exp.timings["old_logprob_s"],
@@ -541,8 +560,9 @@ class PPOTrainer:
             "perf/rollout_tokens_per_s": metrics["rollout/total_response_tokens"] / max(t1 - t0, 1e-9),
             "train/kl_coef": self.kl_ctl.value,
         })
-        if torch.cuda.is_available():
-            metrics["perf/peak_mem_gb"] = st.all_reduce(torch.cuda.max_memory_allocated() / 2**30, "max").item()
+        metrics.update(mem.metrics())
+        if "memory/peak_allocated_gib" in metrics:
+            metrics["perf/peak_mem_gb"] = metrics["memory/peak_allocated_gib"]  # the name earlier runs logged
         return StepResult(self.global_step, metrics)
 
     def _experience_metrics(self, exp: Experience) -> dict[str, float]:
@@ -673,6 +693,11 @@ class PPOTrainer:
         from tqdm import tqdm
 
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="ppo", disable=not (progress and st.is_rank_0), dynamic_ncols=True)
+        # Every step's metrics reach <output_dir>/metrics.jsonl as it ends: a run stopped early keeps its curves.
+        jsonl = Path(cfg.ckpt.output_dir) / "metrics.jsonl"
+        if st.is_rank_0:
+            jsonl.parent.mkdir(parents=True, exist_ok=True)
+            jsonl.write_text("")
         try:  # the bar ends its line even when a step fails, so the error prints on its own line
             while self.global_step < self.total_steps and self.episode < cfg.train.num_episodes:
                 result = self.step()
@@ -682,6 +707,9 @@ class PPOTrainer:
                 if self.eval_dataset is not None and cfg.eval.steps > 0 and self.global_step % cfg.eval.steps == 0:
                     result.metrics.update(self.evaluate_dataset())
                 self.history.append(result)
+                if st.is_rank_0:
+                    with jsonl.open("a") as f:
+                        f.write(json.dumps({"step": result.step, **result.metrics}) + "\n")
                 if st.is_rank_0 and self.global_step % cfg.logger.logging_steps == 0:
                     self.metrics_logger.log(result.metrics, self.global_step)
                 m = result.metrics

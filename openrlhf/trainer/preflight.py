@@ -153,6 +153,12 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
             "--actor.optim/--critic.optim muon is not supported: DeepSpeed's Muon orthogonalizes the update of 2D weights, "
             "whose FP8 copies are re-quantized from the BF16 masters each step; use adam"
         )
+    if cfg.reward_source == "math" and not _has("math_verify"):
+        # The rule-based reward scores 0.0 on any failure, so a missing checker would look like a model that never learns.
+        errors.append(
+            "the rule-based math reward (no --reward.model_name_or_path or --reward.remote_url) needs math-verify, which "
+            "is not installed: pip install 'math-verify==0.9.0'"
+        )
     return errors
 
 

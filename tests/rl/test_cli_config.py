@@ -297,6 +297,19 @@ def test_remote_reward_sources(tmp_path):
     assert parse_config(BASE).reward_source == "math"
 
 
+def test_math_reward_without_math_verify_is_refused_before_loading(monkeypatch, tmp_path):
+    """The math reward scores any failure 0.0; a missing checker must stop the run, not zero every reward."""
+    from openrlhf.trainer import preflight
+
+    assert preflight.preflight_errors(parse_config(BASE)) == []  # math-verify is installed here
+    monkeypatch.setattr(preflight, "_has", lambda module: module != "math_verify")
+    errors = preflight.preflight_errors(parse_config(BASE))
+    assert len(errors) == 1 and "math-verify" in errors[0] and "pip install 'math-verify==0.9.0'" in errors[0]
+    fn = tmp_path / "r.py"
+    fn.write_text("def reward_func(queries, prompts, labels):\n    return [0.0 for _ in queries]\n")
+    assert preflight.preflight_errors(parse_config([*BASE, "--reward.remote_url", str(fn)])) == []
+
+
 def test_recipe_files(tmp_path):
     from jetrl_precision import get_recipe
 

@@ -137,11 +137,15 @@ class VLLMEngine(RolloutEngine):
             kwargs["dtype"] = dtype if dtype != "auto" else "bfloat16"
             kwargs["enable_sleep_mode"] = enable_sleep
             kwargs["enforce_eager"] = bool(enforce_eager)
-            if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-                # SPMD (hybrid engine): every trainer rank hosts one engine in-process, on its LOCAL_RANK
-                # device; vLLM's external launcher reuses torchrun's/DeepSpeed's world.
-                kwargs["distributed_executor_backend"] = "external_launcher"
+            if torch.distributed.is_initialized():
+                # SPMD (hybrid engine): every trainer rank hosts one engine in its own process, so the weight
+                # sync installs device tensors in place and our quantization method is registered where the
+                # model is built (vLLM's default would start the engine core in a subprocess).
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+                if torch.distributed.get_world_size() > 1:
+                    # one engine per rank, on its LOCAL_RANK device: vLLM's external launcher reuses
+                    # torchrun's/DeepSpeed's world.
+                    kwargs["distributed_executor_backend"] = "external_launcher"
         else:
             if enable_sleep:
                 logger.info("vLLM engine: sleep mode needs a GPU; sleep()/wake_up() are no-ops on CPU")

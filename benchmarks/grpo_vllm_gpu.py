@@ -1,0 +1,628 @@
+"""End-to-end GRPO on one GPU with the colocated vLLM engine: bf16, the unified FP8 flow, and FP8 rollout + TIS.
+
+    python benchmarks/grpo_vllm_gpu.py speed --layers 8 --out DIR             # step time phase by phase, 8B-shaped model
+    python benchmarks/grpo_vllm_gpu.py learn --model SMOLLM2_DIR --out DIR    # reward and mismatch curves, SmolLM2
+    python benchmarks/grpo_vllm_gpu.py report --from DIR [DIR ...]            # run records, plots, the table
+    python benchmarks/grpo_vllm_gpu.py all --tiny --out DIR                   # all three on CPU with tiny models
+
+Every run is the command a user runs, one per recipe:
+`deepspeed --num_gpus 1 openrlhf/cli/train_ppo_ray.py ...` in SPMD mode, the vLLM engine colocated in the trainer's
+process and asleep while training runs (`--vllm.enable_sleep --train.colocate_all`), ZeRO-2, the precision check
+before step 1, the FP8 weight sync with its digest check after every step (`--precision.recipe bf16`,
+`--fp8_unified`, `--precision.recipe fp8_rollout` with TIS). The trainer logs each step's phases (`perf/*`) and
+memory (`memory/*`) to `<run>/metrics.jsonl`, which this script reads.
+
+- speed: a Llama-3.1-8B-shaped model (`--layers` decoder layers, random init saved locally, a character tokenizer
+  padded to the 128256-token vocabulary, made locally), arithmetic prompts, GRPO with `--n` samples of
+  `--new_tokens` tokens per prompt (a random policy rarely samples EOS, so rollouts run to full length), a cheap
+  string-match reward (math-verify on random text would time the checker, not the step). Step 1 warms up (CUDA
+  graphs, kernel autotuning); later steps are averaged.
+- learn: SmolLM2-135M-Instruct on generated arithmetic word problems with the math-verify reward; on a GPU the three
+  recipes train side by side (a 135M model leaves the GPU mostly idle; only the curves are compared, not times).
+- report: run records in benchmarks/results/runs (benchmarks/headline.py format; `e2e_grpo_step_s` feeds
+  `e2e_grpo_step_ratio_1gpu`, `grpo_reward_gap_vs_bf16_pp` feeds `grpo_reward_gap_jet_fp8_vs_bf16_pct`), the
+  phase-split and learning plots in docs/, and a markdown table.
+- `--tiny`: the same code paths on CPU (vLLM-CPU, DeepSpeed over gloo, fp32) with tiny models, 2 steps per recipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT, ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+RECIPES = ("bf16", "jet_fp8", "fp8_rollout")
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+            max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# String-match reward for the speed runs, written next to the data (a `--reward.remote_url` .py function).
+MATCH_REWARD = "def reward_func(queries, prompts, labels):\n    return [float(l in q[len(p):]) for q, p, l in zip(queries, prompts, labels)]\n"
+WORD_TEMPLATE = "{}\nSolve it step by step, then finish with: The answer is <number>."
+# Phases of a step as the plot stacks them: (label, metric keys summed).
+PHASES = (
+    ("generate", ("perf/generate_s",)),
+    ("reward", ("perf/reward_s",)),
+    ("engine wake + sleep", ("perf/engine_wake_s", "perf/engine_sleep_s")),
+    ("old logprobs", ("perf/old_logprob_s",)),
+    ("reference", ("perf/ref_s",)),
+    ("actor update", ("perf/train_s",)),
+    ("weight sync + digest", ("perf/weight_sync_s",)),
+)
+GiB = float(1 << 30)
+
+
+def _log(msg: str) -> None:
+    print(f"[grpo_vllm {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ---- plans: what each part runs --------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpeedPlan:
+    layers: int = 8
+    prompts: int = 64
+    n: int = 4
+    new_tokens: int = 1024
+    steps: int = 3  # step 1 is warm-up
+    rollout_micro: int = 8
+    train_micro: int = 4
+    zero_stage: int = 2
+    gpu_mem: float = 0.3
+    gemm_backend: str = "torch"  # cuBLASLt blockwise on both sides: no JIT build inside a timed run
+    lr: float = 1e-6
+    timeout: float = 290.0
+    tiny: bool = False
+
+    def argv(self, model: Path, data: Path, reward: Path) -> list[str]:
+        return [
+            "--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(data), "--data.input_key", "input",
+            "--data.label_key", "label", "--data.max_len", str(self.new_tokens + 64), "--reward.remote_url", str(reward),
+            "--rollout.batch_size", str(self.prompts), "--rollout.n_samples_per_prompt", str(self.n),
+            "--rollout.max_new_tokens", str(self.new_tokens), "--rollout.temperature", "1.0",
+            "--rollout.micro_batch_size", str(self.rollout_micro), "--train.batch_size", str(self.prompts * self.n),
+            "--train.micro_batch_size", str(self.train_micro), "--train.max_steps", str(self.steps),
+            "--actor.adam.lr", str(self.lr), "--ds.zero_stage", str(self.zero_stage),
+            "--vllm.gpu_memory_utilization", str(self.gpu_mem), "--precision.gemm_backend", self.gemm_backend,
+        ]
+
+    def shape(self, model_cfg: dict, params: int) -> str:
+        kind = "Llama-3.1-8B shape" if model_cfg["hidden_size"] == LLAMA_8B["hidden_size"] else f"tiny Llama h{model_cfg['hidden_size']}"
+        return (f"{kind}, {model_cfg['num_hidden_layers']} layers ({params / 1e9:.2f}B), {self.prompts} prompts x {self.n} samples x "
+                f"{self.new_tokens} new tokens, ZeRO-{self.zero_stage}, colocated vLLM (default mode, asleep in training)")
+
+
+@dataclass(frozen=True)
+class LearnPlan:
+    steps: int = 24
+    prompts: int = 32
+    n: int = 8
+    new_tokens: int = 256
+    updates_per_step: int = 2
+    train_micro: int = 16
+    rollout_micro: int = 32
+    lr: float = 3e-6
+    kl_coef: float = 0.001
+    eval_every: int = 8
+    eval_prompts: int = 64
+    gpu_mem: float = 0.12
+    gemm_backend: str = "torch"
+    concurrent: bool = True  # the three recipes side by side on the one GPU
+    timeout: float = 500.0
+    tiny: bool = False
+
+    def argv(self, model: Path, data: Path, heldout: Path) -> list[str]:
+        argv = [
+            "--actor.model_name_or_path", str(model), "--data.prompt_dataset", str(data), "--data.input_key", "input",
+            "--data.label_key", "label", "--data.max_len", str(self.new_tokens + 256),
+            "--rollout.batch_size", str(self.prompts), "--rollout.n_samples_per_prompt", str(self.n),
+            "--rollout.max_new_tokens", str(self.new_tokens), "--rollout.temperature", "1.0",
+            "--rollout.micro_batch_size", str(self.rollout_micro),
+            "--train.batch_size", str(self.prompts * self.n // self.updates_per_step), "--train.micro_batch_size", str(self.train_micro),
+            "--train.max_steps", str(self.steps * self.updates_per_step), "--actor.adam.lr", str(self.lr),
+            "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", "--algo.kl.init_coef", str(self.kl_coef),
+            "--ds.zero_stage", "2", "--vllm.gpu_memory_utilization", str(self.gpu_mem), "--precision.gemm_backend", self.gemm_backend,
+            "--eval.dataset", str(heldout), "--eval.steps", str(self.eval_every), "--eval.n_samples_per_prompt", "4",
+            "--eval.temperature", "0.6", "--ckpt.best_metric_key", "none",
+        ]
+        if not self.tiny:  # SmolLM2-Instruct: a chat turn; the tiny char model has no chat template
+            argv += ["--data.apply_chat_template", "--data.input_template", WORD_TEMPLATE]
+        return argv
+
+    def shape(self, model_name: str) -> str:
+        return (f"{model_name}, arithmetic word problems (1-2 operations), {self.prompts} prompts x {self.n} samples x <={self.new_tokens} "
+                f"tokens, {self.updates_per_step} updates per step, lr {self.lr:g}, {self.steps} steps, math-verify reward")
+
+
+COMMON = ["--algo.advantage.estimator", "group_norm", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
+          "--rollout.engine", "vllm", "--vllm.enable_sleep", "--train.colocate_all", "--train.eval_prompts", "0",
+          "--ckpt.save_steps", "0"]
+
+
+def recipe_argv(recipe: str) -> list[str]:
+    if recipe == "jet_fp8":
+        return ["--fp8_unified"]
+    argv = ["--precision.recipe", recipe]
+    if recipe == "fp8_rollout":  # the off-policy baseline needs its importance-sampling correction
+        argv += ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tis"]
+    return argv
+
+
+# ---- models and data -------------------------------------------------------------------------------
+def build_random_llama(out: Path, shape: dict, layers: int) -> Path:
+    """A random-init Llama (N(0, 0.02), norms at 1) of `shape` with `layers` layers and a character tokenizer padded to
+    its vocabulary, saved as a checkpoint folder (bf16 on a GPU, fp32 on CPU, where vLLM-CPU runs fp32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from openrlhf.utils.tiny_model import build_char_tokenizer
+
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_char_tokenizer(shape["vocab_size"])
+    dtype = torch.bfloat16 if _cuda() else torch.float32
+    cfg = LlamaConfig(num_hidden_layers=layers, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, torch_dtype=str(dtype).split(".")[-1], **shape)
+    torch.manual_seed(0)
+    with torch.device("cuda" if _cuda() else "cpu"):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    del model
+    if _cuda():
+        torch.cuda.empty_cache()
+    return out
+
+
+def n_params(model: Path) -> int:
+    cfg = json.loads((model / "config.json").read_text())
+    h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    return layers * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2) + h
+
+
+def speed_inputs(work: Path, plan: SpeedPlan) -> tuple[Path, Path, Path]:
+    from openrlhf.datasets.synthetic import make_arithmetic_records, write_jsonl
+
+    model = build_random_llama(work / f"llama_l{plan.layers}{'_tiny' if plan.tiny else ''}", TINY if plan.tiny else LLAMA_8B, plan.layers)
+    data = write_jsonl(make_arithmetic_records(max(plan.prompts * (plan.steps + 1), 256), difficulty=3, seed=0), work / "arith.jsonl")
+    reward = work / "match_reward.py"
+    reward.write_text(MATCH_REWARD)
+    return model, data, reward
+
+
+def learn_inputs(work: Path, plan: LearnPlan) -> tuple[Path, Path]:
+    from openrlhf.datasets.synthetic import make_word_problem_records, write_jsonl
+
+    train = write_jsonl(make_word_problem_records(plan.prompts * (plan.steps + 2), seed=0), work / "words_train.jsonl")
+    heldout = write_jsonl(make_word_problem_records(plan.eval_prompts, seed=1), work / "words_heldout.jsonl")
+    return train, heldout
+
+
+# ---- running one recipe ------------------------------------------------------------------------------
+def launcher() -> list[str]:
+    """The deepspeed launcher: the `deepspeed` script when on PATH, else the module it runs."""
+    exe = shutil.which("deepspeed")
+    return [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def run_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not carried to the lent GPU
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        env.setdefault(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")
+    if not _cuda():  # CPU: DeepSpeed over gloo, vLLM-CPU in fp32 with a small KV cache
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    return env
+
+
+def start(argv: list[str], out: Path, port: int) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [*launcher(), "--num_gpus", "1", "--master_port", str(port), str(ROOT / "openrlhf/cli/train_ppo_ray.py"), *argv,
+           "--ckpt.output_dir", str(out)]
+    if not _cuda():
+        cmd += ["--ds.param_dtype", "fp32"]
+    (out / "cmd.json").write_text(json.dumps(cmd, indent=1))
+    log = open(out / "log.txt", "w")
+    # Its own process group: a timeout takes the launcher's worker down too (or it would hold the port and GPU).
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return {"proc": proc, "log": log, "out": out, "t0": time.time()}
+
+
+def finish(job: dict, timeout: float) -> dict:
+    proc, out = job["proc"], job["out"]
+    timed_out = False
+    try:
+        proc.wait(timeout=max(1.0, timeout - (time.time() - job["t0"])))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    job["log"].close()
+    steps = []
+    if (out / "metrics.jsonl").exists():
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    res = {"rc": proc.returncode, "timed_out": timed_out, "wall_s": round(time.time() - job["t0"], 1), "steps": steps,
+           "precision_report": summary.get("precision_report", ""), "engine": summary.get("engine")}
+    if proc.returncode != 0:
+        res["log_tail"] = (out / "log.txt").read_text(errors="replace")[-3000:]
+    return res
+
+
+def run_recipes(part: str, recipes: list[str], argv_for, out: Path, timeout: float, concurrent: bool, meta: dict, deadline: float) -> list[dict]:
+    """Run each recipe (one after another, or side by side), write `<out>/<part>_<recipe>.json` as each ends."""
+    results = []
+    batches = [recipes] if concurrent else [[r] for r in recipes]
+    for batch in batches:
+        left = deadline - time.time()
+        if left < 60:
+            _log(f"{part}: no time left for {', '.join(batch)} ({left:.0f} s before the deadline); skipped")
+            continue
+        jobs = {}
+        for i, r in enumerate(batch):
+            _log(f"{part} {r}: starting")
+            jobs[r] = start([*argv_for(r), *COMMON, *recipe_argv(r)], out / part / r, 29500 + 10 * RECIPES.index(r) + i)
+        for r, job in jobs.items():
+            res = {"part": part, "recipe": r, **meta, **finish(job, min(timeout, deadline - job["t0"]))}
+            ok = res["rc"] == 0 and res["steps"]
+            _log(f"{part} {r}: {'done' if ok else 'FAILED'} in {res['wall_s']} s, {len(res['steps'])} steps"
+                 + ("" if ok else f" (rc {res['rc']}{', timed out' if res['timed_out'] else ''}; see {job['out'] / 'log.txt'})"))
+            (out / f"{part}_{r}.json").write_text(json.dumps(res, indent=1))
+            results.append(res)
+    return results
+
+
+def env_info() -> dict:
+    import torch
+
+    info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": sys.version.split()[0],
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "x86-64 CPU"}
+    for mod in ("vllm", "deepspeed", "transformers", "triton", "math_verify"):
+        try:
+            info[mod] = getattr(__import__(mod), "__version__", "?")
+        except Exception as e:  # noqa: BLE001 - report what is missing, the runs will say why it matters
+            info[mod] = f"missing ({type(e).__name__})"
+    return info
+
+
+def cmd_speed(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
+    plan = speed_plan(a)
+    model, data, reward = speed_inputs(Path(a.workdir), plan)
+    cfg = json.loads((model / "config.json").read_text())
+    meta = {"plan": dataclasses.asdict(plan), "shape": plan.shape(cfg, n_params(model)), "params": n_params(model)}
+    _log(f"speed: {meta['shape']}")
+    return run_recipes("speed", a.recipes, lambda r: plan.argv(model, data, reward), out, plan.timeout, False, meta, deadline)
+
+
+def cmd_learn(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
+    plan = learn_plan(a)
+    work = Path(a.workdir)
+    if plan.tiny:
+        model, name = build_random_llama(work / "learn_tiny", TINY, 1), "tiny random Llama"
+    else:
+        if not a.model or not (Path(a.model) / "config.json").exists():
+            raise SystemExit("learn: --model must be a SmolLM2-135M-Instruct folder (examples/scripts/prepare_smollm2.py makes one)")
+        model, name = Path(a.model), "SmolLM2-135M-Instruct"
+    train, heldout = learn_inputs(work, plan)
+    meta = {"plan": dataclasses.asdict(plan), "shape": plan.shape(name)}
+    _log(f"learn: {meta['shape']}")
+    return run_recipes("learn", a.recipes, lambda r: plan.argv(model, train, heldout), out, plan.timeout, plan.concurrent, meta, deadline)
+
+
+def speed_plan(a: argparse.Namespace) -> SpeedPlan:
+    if a.tiny:
+        return SpeedPlan(layers=2, prompts=4, n=4, new_tokens=16, steps=2, rollout_micro=8, train_micro=4, gpu_mem=0.3,
+                         gemm_backend="auto", timeout=400.0, tiny=True)
+    return SpeedPlan(layers=a.layers, prompts=a.prompts, n=a.n, new_tokens=a.new_tokens, steps=a.steps, gpu_mem=a.gpu_mem,
+                     gemm_backend=a.gemm_backend, zero_stage=a.zero_stage, timeout=a.run_timeout or SpeedPlan.timeout)
+
+
+def learn_plan(a: argparse.Namespace) -> LearnPlan:
+    if a.tiny:
+        return LearnPlan(steps=2, prompts=4, n=4, new_tokens=16, updates_per_step=1, train_micro=8, rollout_micro=16,
+                         eval_every=2, eval_prompts=4, gpu_mem=0.3, gemm_backend="auto", concurrent=False, timeout=400.0, tiny=True)
+    return LearnPlan(steps=a.learn_steps, gemm_backend=a.gemm_backend, concurrent=_cuda(), timeout=a.run_timeout or LearnPlan.timeout)
+
+
+# ---- report: records, plots, table --------------------------------------------------------------------
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def timed_steps(res: dict) -> list[dict]:
+    """The steps a speed figure averages: all but the first (warm-up), or the only one."""
+    steps = res["steps"]
+    return steps[1:] or steps
+
+
+def phase_means(res: dict) -> dict[str, float]:
+    steps = timed_steps(res)
+    out = {label: _mean([sum(s.get(k, 0.0) for k in keys) for s in steps]) for label, keys in PHASES}
+    out["step"] = _mean([s["perf/step_s"] for s in steps])
+    out["other"] = out["step"] - sum(out[label] for label, _ in PHASES)
+    return out
+
+
+def last_quarter(values: list[float]) -> float | None:
+    k = max(1, math.ceil(len(values) / 4))
+    return _mean(values[-k:]) if values else None
+
+
+def precision_line(res: dict) -> str:
+    """The verdict line of the run's precision check ("precision check: OK ..." or "... N violation(s) ...")."""
+    return next((line.strip() for line in res.get("precision_report", "").splitlines() if line.startswith("precision check")), "")
+
+
+def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
+    """Run records (benchmarks/headline.py format) from the speed and learn results."""
+    recs: list[dict] = []
+    device, date = env.get("device", "?"), env.get("date", time.strftime("%Y-%m-%d"))
+
+    def rec(name, shape, backend, value, unit, ratio=None, **extra):
+        if value is None:
+            return
+        recs.append({"name": name, "shape": shape, "backend": backend, "value": value, "unit": unit, "ratio_vs_bf16": ratio,
+                     "command": command, "date": date, "device": device, "gpus": 1, **extra})
+
+    ok = [r for r in results if r["rc"] == 0 and r["steps"]]
+    speed = {r["recipe"]: r for r in ok if r["part"] == "speed"}
+    base = speed.get("bf16")
+    bp = phase_means(base) if base else None
+    for recipe, r in speed.items():
+        ph, steps = phase_means(r), timed_steps(r)
+        plan = r["plan"]
+        extra = {"layers": plan["layers"], "params": r["params"], "gemm_backend": plan["gemm_backend"], "steps_timed": len(steps),
+                 "per_step_s": [s["perf/step_s"] for s in r["steps"]], "phases_s": {k: round(v, 4) for k, v in ph.items()},
+                 "precision_check": precision_line(r),
+                 "digest_checked_tensors": sum(s.get("sync/checked_tensors", 0.0) for s in r["steps"]), "wall_s": r["wall_s"]}
+        speedup = (lambda b, v: b / v if b and v else None) if recipe != "bf16" else (lambda b, v: None)
+        rec("e2e_grpo_step_s", r["shape"], recipe, round(ph["step"], 3), "s", speedup(bp and bp["step"], ph["step"]), **extra)
+        for label, _ in (*PHASES, ("other", ())):
+            rec("e2e_grpo_phase_s", f"{r['shape']}, phase {label}", recipe, round(ph[label], 4), "s",
+                speedup(bp and bp[label], ph[label]) if ph[label] > 1e-3 else None, phase=label)
+        tps = _mean([s["perf/rollout_tokens_per_s"] for s in steps])
+        base_tps = _mean([s["perf/rollout_tokens_per_s"] for s in timed_steps(base)]) if base else None
+        rec("e2e_grpo_rollout_tokens_per_s", r["shape"], recipe, round(tps, 1), "tok/s", tps / base_tps if base_tps and recipe != "bf16" else None)
+        for key, name in (("memory/peak_allocated_gib", "e2e_grpo_peak_allocated_gib"),
+                          ("memory/rollout_engine_awake_device_used_gib", "e2e_grpo_device_used_engine_awake_gib"),
+                          ("memory/train_engine_asleep_device_used_gib", "e2e_grpo_device_used_engine_asleep_gib"),
+                          ("memory/host_peak_rss_gib", "e2e_grpo_host_peak_rss_gib")):
+            v = max((s[key] for s in r["steps"] if key in s), default=None)
+            rec(name, r["shape"], recipe, None if v is None else round(v, 3), "GiB")
+        rec("e2e_grpo_mismatch_abs_logp_mean", r["shape"], recipe, _mean([s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps]),
+            "mean |dlogp|", kl_k3=_mean([s.get("rollout_train_mismatch/kl_k3") for s in steps]))
+    learn = {r["recipe"]: r for r in ok if r["part"] == "learn"}
+    curves = {recipe: [s["rollout/reward"] for s in r["steps"]] for recipe, r in learn.items()}
+    final = {recipe: last_quarter(c) for recipe, c in curves.items()}
+    for recipe, r in learn.items():
+        steps = r["steps"]
+        mism = [s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps]
+        evals = [(s["step"], s["eval/pass1"]) for s in steps if "eval/pass1" in s]
+        extra = {"reward_curve": curves[recipe], "mismatch_curve": mism, "kl_k3_curve": [s.get("rollout_train_mismatch/kl_k3") for s in steps],
+                 "eval_pass1": evals, "steps": len(steps), "wall_s": r["wall_s"],
+                 "precision_check": precision_line(r)}
+        b = final.get("bf16")
+        rec("grpo_learn_reward_last_quarter", r["shape"], recipe, round(final[recipe], 4), "mean reward",
+            final[recipe] / b if b and recipe != "bf16" else None, **extra)
+        if recipe != "bf16" and b is not None:
+            rec("grpo_reward_gap_vs_bf16_pp", r["shape"], recipe, round(100 * (final[recipe] - b), 2), "pct points")
+        rec("grpo_learn_mismatch_abs_logp_mean", r["shape"], recipe, _mean(mism), "mean |dlogp|")
+        if evals:
+            rec("grpo_learn_eval_pass1_final", r["shape"], recipe, evals[-1][1], "pass@1", at_step=evals[-1][0])
+    return recs
+
+
+def plot_phases(results: list[dict], path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in results if r["part"] == "speed" and r["rc"] == 0 and r["steps"]]
+    if not runs:
+        return None
+    runs.sort(key=lambda r: RECIPES.index(r["recipe"]))
+    ph = [phase_means(r) for r in runs]
+    fig, ax = plt.subplots(figsize=(2.0 * len(runs) + 4.0, 4.4))
+    bottom = [0.0] * len(runs)
+    labels = [r["recipe"] for r in runs]
+    for label, _ in (*PHASES, ("other", ())):
+        vals = [max(p[label], 0.0) for p in ph]
+        ax.bar(labels, vals, bottom=bottom, label=label, color="lightgrey" if label == "other" else None)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    base = next((p["step"] for r, p in zip(runs, ph) if r["recipe"] == "bf16"), None)
+    for i, p in enumerate(ph):
+        note = f"{p['step']:.1f} s" + (f"\n{base / p['step']:.2f}x bf16" if base and runs[i]["recipe"] != "bf16" else "")
+        ax.text(i, p["step"] * 1.01, note, ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("seconds per GRPO step (mean after warm-up)")
+    ax.set_ylim(0, max(p["step"] for p in ph) * 1.2)
+    ax.set_title(runs[0]["shape"], fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_learning(results: list[dict], path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted((r for r in results if r["part"] == "learn" and r["rc"] == 0 and r["steps"]), key=lambda r: RECIPES.index(r["recipe"]))
+    if not runs:
+        return None
+    fig, (ax_r, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        steps = [s["step"] for s in r["steps"]]
+        line, = ax_r.plot(steps, [s["rollout/reward"] for s in r["steps"]], marker=".", label=r["recipe"])
+        evals = [(s["step"], s["eval/pass1"]) for s in r["steps"] if "eval/pass1" in s]
+        if evals:
+            ax_r.plot(*zip(*evals), "s--", color=line.get_color(), alpha=0.6, label=f"{r['recipe']} held-out pass@1")
+        ax_m.plot(steps, [s["rollout_train_mismatch/abs_logp_diff_mean"] for s in r["steps"]], marker=".", label=r["recipe"])
+    ax_r.set_xlabel("step")
+    ax_r.set_ylim(-0.02, 1.02)  # the math reward is 0 or 1 per sample
+    ax_r.set_ylabel("mean reward (math-verify)")
+    ax_r.legend(fontsize=7)
+    ax_m.set_xlabel("step")
+    ax_m.set_ylabel("rollout vs trainer mean |dlogp| per token")
+    ax_m.set_yscale("log")
+    ax_m.legend(fontsize=7)
+    fig.suptitle(runs[0]["shape"], fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def table(results: list[dict]) -> str:
+    lines = []
+    speed = sorted((r for r in results if r["part"] == "speed"), key=lambda r: RECIPES.index(r["recipe"]))
+    if speed:
+        cols = [label for label, _ in PHASES] + ["other", "step"]
+        lines += ["| recipe | " + " | ".join(cols) + " | vs bf16 | peak alloc GiB | awake / asleep device GiB | mismatch |",
+                  "|---" * (len(cols) + 5) + "|"]
+        base = next((phase_means(r)["step"] for r in speed if r["recipe"] == "bf16" and r["rc"] == 0 and r["steps"]), None)
+        for r in speed:
+            if r["rc"] != 0 or not r["steps"]:
+                lines.append(f"| {r['recipe']} | FAILED (rc {r['rc']}{', timed out' if r['timed_out'] else ''}) |")
+                continue
+            p, last = phase_means(r), r["steps"][-1]
+            mem = lambda k: f"{last[k]:.1f}" if k in last else "-"  # noqa: E731
+            ratio = f"{base / p['step']:.3f}x" if base else "-"
+            lines.append(f"| {r['recipe']} | " + " | ".join(f"{p[c]:.2f}" for c in cols) + f" | {ratio} | {mem('memory/peak_allocated_gib')} | "
+                         f"{mem('memory/rollout_engine_awake_device_used_gib')} / {mem('memory/train_engine_asleep_device_used_gib')} | "
+                         f"{last['rollout_train_mismatch/abs_logp_diff_mean']:.3g} |")
+    learn = sorted((r for r in results if r["part"] == "learn"), key=lambda r: RECIPES.index(r["recipe"]))
+    if learn:
+        lines += ["", "| recipe | steps | first reward | last-quarter reward | mismatch (mean over steps) | held-out pass@1 (last) |",
+                  "|---|---|---|---|---|---|"]
+        for r in learn:
+            if r["rc"] != 0 or not r["steps"]:
+                lines.append(f"| {r['recipe']} | FAILED (rc {r['rc']}{', timed out' if r['timed_out'] else ''}) |")
+                continue
+            rw = [s["rollout/reward"] for s in r["steps"]]
+            ev = [s["eval/pass1"] for s in r["steps"] if "eval/pass1" in s]
+            lines.append(f"| {r['recipe']} | {len(rw)} | {rw[0]:.3f} | {last_quarter(rw):.3f} | "
+                         f"{_mean([s['rollout_train_mismatch/abs_logp_diff_mean'] for s in r['steps']]):.3g} | {ev[-1] if ev else '-'} |")
+    return "\n".join(lines)
+
+
+def cmd_report(a: argparse.Namespace) -> None:
+    from headline import RUNS, write_run  # benchmarks/headline.py
+
+    results, env = [], {}
+    for d in map(Path, a.from_dirs):
+        for f in sorted(d.rglob("*.json")):
+            data = json.loads(f.read_text())
+            if f.name == "env.json":
+                env = data
+            elif isinstance(data, dict) and data.get("part") in ("speed", "learn"):
+                results.append(data)
+    if not results:
+        raise SystemExit(f"report: no speed_*.json or learn_*.json results under {', '.join(a.from_dirs)}")
+    latest = {}
+    for r in results:  # a recipe run again in a later call replaces the earlier result
+        latest[(r["part"], r["recipe"])] = r
+    results = list(latest.values())
+    if a.table_only:  # on the device: no plotting library, and the records are written where the results come back to
+        print(table(results))
+        return
+    if a.device_name:
+        env["device"] = a.device_name
+    recs = records_from(results, env, a.command)
+    runs_dir = Path(a.runs_dir) if a.runs_dir else RUNS
+    if recs:
+        path = write_run(recs, a.label, env.get("date") or time.strftime("%Y-%m-%d"), runs_dir)
+        print(f"wrote {len(recs)} records to {path}")
+    docs = Path(a.docs_dir) if a.docs_dir else ROOT / "docs"
+    for p in (plot_phases(results, docs / "grpo_vllm_phase_split.png"), plot_learning(results, docs / "grpo_vllm_learning.png")):
+        if p:
+            print(f"wrote {p}")
+    text = table(results)
+    (Path(a.from_dirs[0]) / "report.md").write_text(text + "\n")
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["speed", "learn", "all", "report"])
+    ap.add_argument("--out", default=os.environ.get("OUT", "grpo_vllm_out"), help="results folder (one JSON per run, run folders)")
+    ap.add_argument("--workdir", default="/tmp/grpo_vllm", help="models and data")
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, 2 steps per recipe")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds from now after which no new run starts, and runs are stopped")
+    ap.add_argument("--run_timeout", type=float, default=None, help="seconds per run (speed: 290, learn: 500)")
+    sp = ap.add_argument_group("speed")
+    sp.add_argument("--layers", type=int, default=SpeedPlan.layers)
+    sp.add_argument("--prompts", type=int, default=SpeedPlan.prompts)
+    sp.add_argument("--n", type=int, default=SpeedPlan.n)
+    sp.add_argument("--new_tokens", type=int, default=SpeedPlan.new_tokens)
+    sp.add_argument("--steps", type=int, default=SpeedPlan.steps)
+    sp.add_argument("--gpu_mem", type=float, default=SpeedPlan.gpu_mem)
+    sp.add_argument("--zero_stage", type=int, default=SpeedPlan.zero_stage, choices=[2, 3])
+    sp.add_argument("--gemm_backend", default=SpeedPlan.gemm_backend, help="both sides' FP8 GEMM backend (auto may JIT-build DeepGEMM kernels)")
+    lp = ap.add_argument_group("learn")
+    lp.add_argument("--model", default=None, help="SmolLM2-135M-Instruct folder")
+    lp.add_argument("--learn_steps", type=int, default=LearnPlan.steps)
+    rp = ap.add_argument_group("report")
+    rp.add_argument("--from", dest="from_dirs", nargs="+", default=None)
+    rp.add_argument("--runs_dir", default=None, help="where run records go (default benchmarks/results/runs)")
+    rp.add_argument("--docs_dir", default=None, help="where the plots go (default docs/)")
+    rp.add_argument("--table_only", action="store_true", help="only print the table (no records, no plots)")
+    rp.add_argument("--label", default="grpo-vllm-gpu")
+    rp.add_argument("--device_name", default=None, help="override the device recorded in env.json")
+    rp.add_argument("--command", default="bash benchmarks/h200_grpo.sh (calls in docs/benchmarks.md)")
+    a = ap.parse_args(argv)
+    if a.what == "report":
+        if not a.from_dirs:
+            ap.error("report needs --from DIR")
+        cmd_report(a)
+        return
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "env.json").write_text(json.dumps(env_info(), indent=1))
+    deadline = time.time() + (a.deadline or 1e9)
+    if a.what in ("speed", "all"):
+        cmd_speed(a, out, deadline)
+    if a.what in ("learn", "all"):
+        cmd_learn(a, out, deadline)
+    if a.what == "all":
+        a.from_dirs = [str(out)]
+        cmd_report(a)
+
+
+if __name__ == "__main__":
+    main()

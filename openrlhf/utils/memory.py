@@ -1,0 +1,70 @@
+"""Memory of one training step, phase by phase, for the `memory/*` metrics.
+
+On a GPU, torch's allocator peak is read and reset at the end of each phase (rollout, experience,
+train, sync), so each phase reports its own peak; the device-wide use (`cudaMemGetInfo`: what the
+allocator reserved plus what lives outside it, such as a sleeping vLLM engine's pool, NCCL buffers and
+CUDA graphs) is sampled at chosen points, e.g. with the rollout engine awake and asleep. Everywhere the
+host process's resident memory is reported too. Every value is the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Callable
+
+import torch
+
+__all__ = ["StepMemory"]
+
+GiB = float(1 << 30)
+
+
+def _host_rss_bytes() -> float:
+    try:
+        import psutil
+
+        return float(psutil.Process().memory_info().rss)
+    except ImportError:  # psutil comes with DeepSpeed; without it, read Linux's statm
+        with open("/proc/self/statm") as f:
+            return float(f.read().split()[1]) * resource.getpagesize()
+
+
+class StepMemory:
+    """Collects `memory/<phase>_peak_allocated_gib`, `memory/<point>_device_used_gib` and host RSS for one step.
+
+    `reduce_max(tensor)` returns the element-wise maximum over ranks (the strategy's all_reduce)."""
+
+    def __init__(self, reduce_max: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.reduce_max = reduce_max
+        self.cuda = torch.cuda.is_available()
+        self.values: dict[str, float] = {}
+
+    def begin(self) -> None:
+        self.values = {}
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def end_phase(self, phase: str) -> None:
+        """The allocator's peak since the previous phase ended (or `begin`)."""
+        if self.cuda:
+            self.values[f"memory/{phase}_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
+            torch.cuda.reset_peak_memory_stats()
+
+    def sample_device(self, point: str) -> None:
+        """Device memory in use right now, by anything in any process (what nvidia-smi shows)."""
+        if self.cuda:
+            free, total = torch.cuda.mem_get_info()
+            self.values[f"memory/{point}_device_used_gib"] = (total - free) / GiB
+
+    def metrics(self) -> dict[str, float]:
+        out = dict(self.values)
+        peaks = [v for k, v in out.items() if k.endswith("_peak_allocated_gib")]
+        if peaks:
+            out["memory/peak_allocated_gib"] = max(peaks)
+        rss = _host_rss_bytes() / GiB
+        out["memory/host_rss_gib"] = rss
+        # ru_maxrss is KiB on Linux, and the kernel updates that high-water mark lazily: never below the current RSS.
+        out["memory/host_peak_rss_gib"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB, rss)
+        keys = sorted(out)
+        reduced = self.reduce_max(torch.tensor([out[k] for k in keys], dtype=torch.float64))
+        return {k: float(v) for k, v in zip(keys, reduced.tolist())}

