@@ -100,7 +100,7 @@ class SpeedPlan:
             "--rollout.batch_size", str(self.prompts), "--rollout.n_samples_per_prompt", str(self.n),
             "--rollout.max_new_tokens", str(self.new_tokens), "--rollout.temperature", "1.0",
             "--rollout.micro_batch_size", str(self.rollout_micro), "--train.batch_size", str(self.prompts * self.n),
-            "--train.micro_batch_size", str(self.train_micro), "--train.max_steps", str(self.steps),
+            "--train.micro_batch_size", str(math.gcd(self.train_micro, self.prompts * self.n)), "--train.max_steps", str(self.steps),
             "--actor.adam.lr", str(self.lr), "--ds.zero_stage", str(self.zero_stage),
             "--vllm.gpu_memory_utilization", str(self.gpu_mem), "--precision.gemm_backend", self.gemm_backend,
         ]
@@ -137,7 +137,7 @@ class LearnPlan:
             "--rollout.batch_size", str(self.prompts), "--rollout.n_samples_per_prompt", str(self.n),
             "--rollout.max_new_tokens", str(self.new_tokens), "--rollout.temperature", "1.0",
             "--rollout.micro_batch_size", str(self.rollout_micro),
-            "--train.batch_size", str(self.prompts * self.n // self.updates_per_step), "--train.micro_batch_size", str(self.train_micro),
+            "--train.batch_size", str(self.batch), "--train.micro_batch_size", str(math.gcd(self.train_micro, self.batch)),
             "--train.max_steps", str(self.steps * self.updates_per_step), "--actor.adam.lr", str(self.lr),
             "--actor.lr_scheduler", "constant", "--actor.lr_warmup_ratio", "0", "--algo.kl.init_coef", str(self.kl_coef),
             "--ds.zero_stage", "2", "--vllm.gpu_memory_utilization", str(self.gpu_mem), "--precision.gemm_backend", self.gemm_backend,
@@ -147,6 +147,10 @@ class LearnPlan:
         if not self.tiny:  # SmolLM2-Instruct: a chat turn; the tiny char model has no chat template
             argv += ["--data.apply_chat_template", "--data.input_template", WORD_TEMPLATE]
         return argv
+
+    @property
+    def batch(self) -> int:  # samples per optimizer step
+        return self.prompts * self.n // self.updates_per_step
 
     def shape(self, model_name: str) -> str:
         return (f"{model_name}, arithmetic word problems (1-2 operations), {self.prompts} prompts x {self.n} samples x <={self.new_tokens} "
@@ -337,19 +341,26 @@ def cmd_learn(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
     return run_recipes("learn", a.recipes, lambda r: plan.argv(model, train, heldout), out, plan.timeout, plan.concurrent, meta, deadline)
 
 
+def gemm_backend(a: argparse.Namespace) -> str:
+    """--gemm_backend, else cuBLASLt blockwise on a GPU (no JIT build inside a timed run) and the emulated GEMM on CPU."""
+    return a.gemm_backend or ("torch" if _cuda() else "auto")
+
+
 def speed_plan(a: argparse.Namespace) -> SpeedPlan:
     if a.tiny:
         return SpeedPlan(layers=2, prompts=4, n=4, new_tokens=16, steps=2, rollout_micro=8, train_micro=4, gpu_mem=0.3,
                          gemm_backend="auto", timeout=400.0, tiny=True)
     return SpeedPlan(layers=a.layers, prompts=a.prompts, n=a.n, new_tokens=a.new_tokens, steps=a.steps, gpu_mem=a.gpu_mem,
-                     gemm_backend=a.gemm_backend, zero_stage=a.zero_stage, timeout=a.run_timeout or SpeedPlan.timeout)
+                     gemm_backend=gemm_backend(a), zero_stage=a.zero_stage, timeout=a.run_timeout or SpeedPlan.timeout)
 
 
 def learn_plan(a: argparse.Namespace) -> LearnPlan:
     if a.tiny:
         return LearnPlan(steps=2, prompts=4, n=4, new_tokens=16, updates_per_step=1, train_micro=8, rollout_micro=16,
                          eval_every=2, eval_prompts=4, gpu_mem=0.3, gemm_backend="auto", concurrent=False, timeout=400.0, tiny=True)
-    return LearnPlan(steps=a.learn_steps, gemm_backend=a.gemm_backend, concurrent=_cuda(), timeout=a.run_timeout or LearnPlan.timeout)
+    return LearnPlan(steps=a.learn_steps, prompts=a.learn_prompts, n=a.learn_n, new_tokens=a.learn_new_tokens, lr=a.learn_lr,
+                     eval_every=a.learn_eval_every, eval_prompts=a.learn_eval_prompts, gemm_backend=gemm_backend(a), concurrent=_cuda(),
+                     timeout=a.run_timeout or LearnPlan.timeout)
 
 
 # ---- report: records, plots, table --------------------------------------------------------------------
@@ -593,10 +604,16 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--steps", type=int, default=SpeedPlan.steps)
     sp.add_argument("--gpu_mem", type=float, default=SpeedPlan.gpu_mem)
     sp.add_argument("--zero_stage", type=int, default=SpeedPlan.zero_stage, choices=[2, 3])
-    sp.add_argument("--gemm_backend", default=SpeedPlan.gemm_backend, help="both sides' FP8 GEMM backend (auto may JIT-build DeepGEMM kernels)")
+    sp.add_argument("--gemm_backend", default=None, help="both sides' FP8 GEMM backend (default: torch on a GPU; auto may JIT-build DeepGEMM kernels)")
     lp = ap.add_argument_group("learn")
     lp.add_argument("--model", default=None, help="SmolLM2-135M-Instruct folder")
     lp.add_argument("--learn_steps", type=int, default=LearnPlan.steps)
+    lp.add_argument("--learn_prompts", type=int, default=LearnPlan.prompts)
+    lp.add_argument("--learn_n", type=int, default=LearnPlan.n)
+    lp.add_argument("--learn_new_tokens", type=int, default=LearnPlan.new_tokens)
+    lp.add_argument("--learn_lr", type=float, default=LearnPlan.lr)
+    lp.add_argument("--learn_eval_every", type=int, default=LearnPlan.eval_every)
+    lp.add_argument("--learn_eval_prompts", type=int, default=LearnPlan.eval_prompts)
     rp = ap.add_argument_group("report")
     rp.add_argument("--from", dest="from_dirs", nargs="+", default=None)
     rp.add_argument("--runs_dir", default=None, help="where run records go (default benchmarks/results/runs)")
