@@ -23,7 +23,7 @@ from torch import nn
 
 from . import ops
 from .formats import QuantizedTensor
-from .gemm import gemm_nt, resolve_backend
+from .gemm import gemm_nt, prepare_gemm, resolve_backend
 from .kernels import transpose_quantized
 from .recipe import BackwardSpec, FpropSpec
 
@@ -57,90 +57,120 @@ def _gather_if_partitioned(p: torch.Tensor) -> None:
         p.all_gather()
 
 
-def _fprop(layer: "Fp8Linear", x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, backend: str):
-    """y = Q(x) . Q(W)^T (+ bias) as the layer's fprop spec says; returns y and the quantized x."""
-    fprop = layer.fprop
-    xq = ops.quantize(x2, fprop.input) if fprop.input.is_fp8 else None
-    wq = layer.quantized_weight(weight) if fprop.weight.is_fp8 else None
-    y = _mm(xq if xq is not None else x2, wq if wq is not None else weight, out_dtype, backend)
+class _StepPlan:
+    """What a step of one layer on one device derives from its recipe and backend, resolved once.
+
+    The quantizers are bound to their implementation (`ops.quantizer` and friends: no per-call dispatch on block,
+    device or implementation) and the GEMMs are the backend's `PreparedGemm`, which reads the layer's weight
+    operands from the weight cache. Every call gives the bytes the unplanned calls (`ops.quantize`, `gemm_nt`) give.
+    """
+
+    __slots__ = ("requested", "backend", "gemm", "quantize_x", "quantize_dy", "quantize_dy_t", "quantize_dy_dual",
+                 "requantize_x_t", "quantize_x_t", "fp8_x", "fp8_w", "fp8_dgrad", "fp8_wgrad", "save_fp8")
+
+    def __init__(self, layer: "Fp8Linear", device: torch.device) -> None:
+        fp, bw = layer.fprop, layer.backward_spec or BackwardSpec()
+        self.requested = layer.gemm_backend
+        self.backend = resolve_backend(layer.gemm_backend, device)
+        self.gemm = prepare_gemm(self.backend, device)
+        self.fp8_x, self.fp8_w = fp.input.is_fp8, fp.weight.is_fp8
+        self.quantize_x = ops.quantizer(fp.input, device) if self.fp8_x else None
+        self.fp8_dgrad = bw.dgrad_grad_output.is_fp8
+        self.fp8_wgrad = bw.wgrad_grad_output.is_fp8 and bw.wgrad_input.is_fp8
+        self.save_fp8 = bw.saved_input.is_fp8 and self.fp8_x
+        self.quantize_dy = ops.quantizer(bw.dgrad_grad_output, device) if self.fp8_dgrad else None
+        self.quantize_dy_t = ops.transposed_quantizer(bw.wgrad_grad_output, device) if self.fp8_wgrad else None
+        # Both layouts of dY in one call, so an implementation can produce them from one read.
+        self.quantize_dy_dual = (ops.dual_quantizer(bw.dgrad_grad_output, bw.wgrad_grad_output, device)
+                                 if self.fp8_dgrad and self.fp8_wgrad else None)
+        # WGrad's input: the saved FP8 input re-grouped along tokens, or (no FP8 input saved) the saved one quantized so.
+        self.requantize_x_t = ops.transposed_requantizer(bw.wgrad_input, device) if self.fp8_wgrad else None
+        self.quantize_x_t = ops.transposed_quantizer(bw.wgrad_input, device) if self.fp8_wgrad else None
+
+
+def _fprop(layer: "Fp8Linear", plan: _StepPlan, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype):
+    """y = Q(x) . Q(W)^T (+ bias) as the layer's fprop spec says; returns y, the quantized x, and the quantized W
+    when the layer keeps it cached (else None)."""
+    xq = plan.quantize_x(x2) if plan.fp8_x else None
+    if plan.fp8_w:
+        wq, prepared, cached = layer._weight_operands(weight, plan)
+        if xq is not None:
+            y = plan.gemm.nt_weight(xq, prepared, wq, out_dtype)
+        else:
+            y = _mm(x2, wq, out_dtype)
+    else:
+        wq, cached = None, False
+        y = _mm(xq if xq is not None else x2, weight, out_dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y, xq
+    return y, xq, wq if cached else None
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Fp8Linear") -> torch.Tensor:
-        lead, k = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, k)
-        backend = layer.backend_for(x.device)
-        y, xq = _fprop(layer, x2, weight, bias, x.dtype, backend)
-        ctx.layer, ctx.backend, ctx.x_shape, ctx.x_dtype, ctx.has_bias = layer, backend, x.shape, x.dtype, bias is not None
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Fp8Linear",
+                plan: _StepPlan) -> torch.Tensor:
+        flat = x.dim() != 2
+        x2 = x.reshape(-1, x.shape[-1]) if flat else x
+        y, xq, wq = _fprop(layer, plan, x2, weight, bias, x.dtype)
+        ctx.layer, ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.has_bias = layer, plan, x.shape if flat else None, x.dtype, bias is not None
+        # The forward's quantized weight, when the layer caches it anyway (not under ZeRO-3, where holding it from
+        # forward to backward would keep a gathered FP8 copy of every layer alive): DGrad transposes it.
+        ctx.wq = wq
         if any(ctx.needs_input_grad):
-            saved_fp8 = layer.backward_spec is not None and layer.backward_spec.saved_input.is_fp8 and xq is not None
+            saved_fp8 = plan.save_fp8 and xq is not None
             ctx.saved_fp8 = saved_fp8
             if saved_fp8:
                 ctx.x_block = xq.block
                 ctx.save_for_backward(xq.data, xq.scale, weight)
             else:
                 ctx.save_for_backward(x2, weight)
-        return y.reshape(*lead, y.shape[-1])
+        return y.reshape(*x.shape[:-1], y.shape[-1]) if flat else y
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         layer: Fp8Linear = ctx.layer
-        bw = layer.backward_spec or BackwardSpec()
+        plan: _StepPlan = ctx.plan
         if ctx.saved_fp8:
             xdata, xscale, weight = ctx.saved_tensors
-            xq = QuantizedTensor(xdata, xscale, ctx.x_block)
+            xq = QuantizedTensor.trusted(xdata, xscale, ctx.x_block)
             x_hp = None
         else:
             x_hp, weight = ctx.saved_tensors
             xq = None
         _gather_if_partitioned(weight)
-        n = grad_out.shape[-1]
-        gy = grad_out.reshape(-1, n)
+        gy = grad_out.reshape(-1, grad_out.shape[-1]) if grad_out.dim() != 2 else grad_out
         grad_x = grad_w = grad_b = None
-
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        fp8_wgrad = bw.wgrad_grad_output.is_fp8 and bw.wgrad_input.is_fp8
         gy_q = gy_t = None
-        if need_dx and need_dw and bw.dgrad_grad_output.is_fp8 and fp8_wgrad:
-            # Both layouts of dY in one call, so a kernel can produce them from one read.
-            gy_q, gy_t = ops.quantize_dual(gy, bw.dgrad_grad_output, bw.wgrad_grad_output)
+        if need_dx and need_dw and plan.quantize_dy_dual is not None:
+            gy_q, gy_t = plan.quantize_dy_dual(gy)
 
         if need_dx:
-            if bw.dgrad_grad_output.is_fp8:
-                wq_t = layer.quantized_weight_t(weight)
-                gy_q = gy_q if gy_q is not None else ops.quantize(gy, bw.dgrad_grad_output)
-                grad_x = gemm_nt(gy_q, wq_t, ctx.x_dtype, ctx.backend)
+            if plan.fp8_dgrad:
+                wq_t, prepared = layer._dgrad_operands(ctx.wq, weight, plan)
+                gy_q = gy_q if gy_q is not None else plan.quantize_dy(gy)
+                grad_x = plan.gemm.nt_weight(gy_q, prepared, wq_t, ctx.x_dtype)
             else:
                 grad_x = (gy @ weight.to(gy.dtype)).to(ctx.x_dtype)
-            grad_x = grad_x.reshape(ctx.x_shape)
+            if ctx.x_shape is not None:
+                grad_x = grad_x.reshape(ctx.x_shape)
 
         if need_dw:
-            if fp8_wgrad:
-                gy_t = gy_t if gy_t is not None else ops.quantize_transposed(gy, bw.wgrad_grad_output)
-                x_t = ops.requantize_transposed(xq, bw.wgrad_input) if xq is not None else ops.quantize_transposed(x_hp, bw.wgrad_input)
+            if plan.fp8_wgrad:
+                gy_t = gy_t if gy_t is not None else plan.quantize_dy_t(gy)
+                x_t = plan.requantize_x_t(xq) if xq is not None else plan.quantize_x_t(x_hp)
                 # The GEMM accumulates in fp32 and rounds once to the weight dtype: the same bytes as an
                 # fp32 output cast afterwards, without the extra pass over dW.
-                grad_w = gemm_nt(gy_t, x_t, weight.dtype, ctx.backend)
+                grad_w = plan.gemm.nt(gy_t, x_t, weight.dtype)
             else:
                 x_in = xq.dequantize(gy.dtype) if xq is not None else x_hp.to(gy.dtype)
                 grad_w = (gy.t() @ x_in).to(weight.dtype)
 
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = gy.sum(0).to(layer.bias.dtype)
-        return grad_x, grad_w, grad_b, None
-
-
-def _mm(a: torch.Tensor | QuantizedTensor, b: torch.Tensor | QuantizedTensor, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
-    """a @ b^T where either side may be FP8; mixed pairs dequantize the FP8 side (fp8_rollout-style W8A16 is not a recipe)."""
-    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
-        return gemm_nt(a, b, out_dtype, backend)
-    a_hp = a.dequantize(torch.float32) if isinstance(a, QuantizedTensor) else a.float()
-    b_hp = b.dequantize(torch.float32) if isinstance(b, QuantizedTensor) else b.float()
-    return (a_hp @ b_hp.t()).to(out_dtype)
+        return grad_x, grad_w, grad_b, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -160,9 +190,11 @@ class Fp8Linear(nn.Linear):
         self.gemm_backend = "auto"
         self.fqn = ""
         self._resolved: dict[str, str] = {}
-        self._wq_cache: tuple[tuple, QuantizedTensor] | None = None
-        self._wq_t_cache: tuple[tuple, QuantizedTensor] | None = None
-        self._installed: tuple[QuantizedTensor, QuantizedTensor | None] | None = None
+        self._plans: dict[torch.device, _StepPlan] = {}
+        # (cache key, Q(W), {backend: prepared GEMM operands}); the transpose's entry is keyed by Q(W) itself.
+        self._wq_cache: tuple[tuple, QuantizedTensor, dict] | None = None
+        self._wq_t_cache: tuple[QuantizedTensor, QuantizedTensor, dict] | None = None
+        self._installed: tuple[QuantizedTensor, dict] | None = None
 
     @classmethod
     def from_linear(
@@ -200,43 +232,80 @@ class Fp8Linear(nn.Linear):
         device = self.weight.device if self.weight.device.type != "meta" else torch.device("cpu")
         return resolve_backend(self.gemm_backend, device)
 
+    def _plan(self, device: torch.device) -> _StepPlan:
+        plan = self._plans.get(device)
+        if plan is None or plan.requested != self.gemm_backend:
+            plan = self._plans[device] = _StepPlan(self, device)
+            self._resolved[str(device)] = plan.backend
+        return plan
+
     # ---- weight quantization cache ---------------------------------------------------
     def _cache_key(self, weight: torch.Tensor) -> tuple | None:
         if _is_zero3_param(weight):
             return None  # the gathered buffer is transient under ZeRO-3; quantizing is deterministic anyway
-        return (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, _current_generation[0])
+        return (weight.data_ptr(), weight._version, weight.shape, weight.dtype, _current_generation[0])
 
     def quantized_weight(self, weight: torch.Tensor | None = None) -> QuantizedTensor:
         """Q(W, fprop.weight): cached until the weight changes. The weight sync sends exactly these bytes."""
         if self._installed is not None:
             return self._installed[0]
-        weight = self.weight if weight is None else weight
-        key = self._cache_key(weight)
-        if key is not None and self._wq_cache is not None and self._wq_cache[0] == key:
-            return self._wq_cache[1]
+        return self._quantized_weight_entry(self.weight if weight is None else weight)[1]
+
+    def _quantized_weight_entry(self, weight: torch.Tensor) -> tuple:
+        # `_cache_key`, inlined: this runs in every forward.
+        key = None if hasattr(weight, "ds_id") else (weight.data_ptr(), weight._version, weight.shape, weight.dtype, _current_generation[0])
+        cached = self._wq_cache
+        if key is not None and cached is not None and cached[0] == key:
+            return cached
         with torch.no_grad():
             wq = ops.quantize(weight.detach(), self.fprop.weight)
+        entry = (key, wq, {})
         if key is not None:
-            self._wq_cache = (key, wq)
-        if self._wq_t_cache is not None and self._wq_t_cache[0] != key:
+            self._wq_cache = entry
             # The transpose of the old weight is stale too. Dropped now, not at the next backward, so it does not
             # sit through the forward (the memory peak): 1 byte per weight, ~7 GB for an 8B model.
             self._wq_t_cache = None
-        return wq
+        return entry
+
+    def _weight_operands(self, weight: torch.Tensor, plan: _StepPlan) -> tuple[QuantizedTensor, object, bool]:
+        """(Q(W), the plan's GEMM operands derived from it, whether the layer keeps them cached)."""
+        if self._installed is not None:
+            wq, prepared = self._installed
+            cached = True
+        else:
+            key, wq, prepared = self._quantized_weight_entry(weight)
+            cached = key is not None
+        name = plan.backend
+        if name not in prepared:
+            prepared[name] = plan.gemm.weight(wq)
+        return wq, prepared[name], cached
 
     def quantized_weight_t(self, weight: torch.Tensor | None = None) -> QuantizedTensor:
         """The exact transpose of `quantized_weight` (for DGrad), cached alongside it."""
-        weight = self.weight if weight is None else weight
-        key = self._cache_key(weight)
-        if key is not None and self._wq_t_cache is not None and self._wq_t_cache[0] == key:
-            return self._wq_t_cache[1]
-        wq_t = transpose_quantized(self.quantized_weight(weight))  # == .t(); a fast kernel on CUDA
-        if key is not None:
-            self._wq_t_cache = (key, wq_t)
-        return wq_t
+        return self._transposed_entry(self.quantized_weight(weight))[1]
+
+    def _transposed_entry(self, wq: QuantizedTensor) -> tuple:
+        cached = self._wq_t_cache
+        if cached is not None and cached[0] is wq:
+            return cached
+        entry = (wq, transpose_quantized(wq), {})  # == wq.t(); a fast kernel on CUDA
+        if self._installed is not None or (self._wq_cache is not None and self._wq_cache[1] is wq):
+            self._wq_t_cache = entry  # only the transpose of a cached Q(W) is kept (not a ZeRO-3 gather's)
+        return entry
+
+    def _dgrad_operands(self, wq: QuantizedTensor | None, weight: torch.Tensor, plan: _StepPlan) -> tuple[QuantizedTensor, object]:
+        """(Q(W)^T, its prepared GEMM operands) for DGrad; `wq` is the forward's Q(W) when the layer caches it."""
+        entry = self._transposed_entry(wq if wq is not None else self.quantized_weight(weight))
+        prepared = entry[2]
+        name = plan.backend
+        if name not in prepared:
+            prepared[name] = plan.gemm.weight(entry[1])
+        return entry[1], prepared[name]
 
     def invalidate_cache(self) -> None:
+        """Drop the cached FP8 weights (and the step plans, rebuilt at the next forward)."""
         self._wq_cache = self._wq_t_cache = None
+        self._plans.clear()
 
     def install_quantized_weight(self, wq: QuantizedTensor | None) -> None:
         """Rollout-side modules: run on FP8 bytes received from the trainer, never re-quantizing.
@@ -249,7 +318,7 @@ class Fp8Linear(nn.Linear):
                 raise ValueError(f"{self.fqn}: installed FP8 weight has shape {tuple(wq.shape)}, expected {(self.out_features, self.in_features)}")
             if wq.block != self.fprop.weight.granularity.block(tuple(wq.shape)):
                 raise ValueError(f"{self.fqn}: installed FP8 weight has block {wq.block}, this layer's recipe wants {self.fprop.weight.granularity.value}")
-        self._installed = None if wq is None else (wq, None)
+        self._installed = None if wq is None else (wq, {})
         self.invalidate_cache()
 
     # ---- forward ------------------------------------------------------------------------
@@ -260,11 +329,14 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"{self.fqn or 'Fp8Linear'}: input last dim {x.shape[-1]} != in_features {self.in_features}")
         if x.numel() == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
+        plan = self._plan(x.device)
         if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
             # Rollout / reference / logprob passes: the same math without autograd's bookkeeping.
-            y, _ = _fprop(self, x.reshape(-1, x.shape[-1]), self.weight, self.bias, x.dtype, self.backend_for(x.device))
+            if x.dim() == 2:
+                return _fprop(self, plan, x, self.weight, self.bias, x.dtype)[0]
+            y = _fprop(self, plan, x.reshape(-1, x.shape[-1]), self.weight, self.bias, x.dtype)[0]
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self)
+        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, plan)
 
     def extra_repr(self) -> str:
         bw = self.backward_spec

@@ -9,7 +9,7 @@ the reference runs and `kernel_name(device)` says so (it is recorded in the prec
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -156,4 +156,58 @@ def release_shared_results() -> None:
             fn()
 
 
-__all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual", "silu_mul_quantized", "release_shared_results"]
+# ---- bound entry points -----------------------------------------------------------------------------------
+# The functions above dispatch on every call (implementation, block, device). A layer's step plan resolves that once
+# per device: these return a function of the 2-D input alone, giving the very bytes of the call they name. The
+# caller guarantees a 2-D input with at least one element (Fp8Linear handles empty inputs before quantizing).
+_FAST_GRANULARITIES = (Granularity.BLOCK_1x128, Granularity.BLOCK_128x128, Granularity.BLOCK_128x1)
+
+
+def _bindable(spec: TensorSpec, device: torch.device, method: str):
+    """(impl's binder, block) when the implementation for `device` binds `spec`, else (None, None)."""
+    if not spec.is_fp8 or spec.granularity not in _FAST_GRANULARITIES:
+        return None, None
+    impl = _impl_for(torch.device(device))
+    fn = getattr(impl, method, None) if impl is not None else None
+    return fn, spec.granularity.block((1, 1))
+
+
+def quantizer(spec: TensorSpec, device: torch.device | str) -> Callable[[torch.Tensor], QuantizedTensor]:
+    """`lambda x: quantize(x, spec)` for inputs on `device`, resolved once."""
+    fn, block = _bindable(spec, device, "bind_quantize")
+    if fn is not None:
+        return fn(block, spec.pow2_scale)
+    return lambda x: quantize(x, spec)
+
+
+def dual_quantizer(spec: TensorSpec, t_spec: TensorSpec, device: torch.device | str):
+    """`lambda x: quantize_dual(x, spec, t_spec)` for inputs on `device`, resolved once."""
+    fn, block = _bindable(spec, device, "bind_quantize_dual")
+    t_fn, t_block = _bindable(t_spec, device, "bind_quantize_dual")
+    if fn is not None and t_fn is not None:
+        bound = fn(block, spec.pow2_scale, t_block, t_spec.pow2_scale)
+        if bound is not None:
+            return bound
+    return lambda x: quantize_dual(x, spec, t_spec)
+
+
+def transposed_quantizer(spec: TensorSpec, device: torch.device | str):
+    """`lambda x: quantize_transposed(x, spec)` for inputs on `device`, resolved once."""
+    impl = _impl_for(torch.device(device)) if spec.is_fp8 else None
+    fn = getattr(impl, "quantize_transposed", None) if impl is not None else None
+    if fn is not None and spec.granularity in _FAST_GRANULARITIES:
+        block, pow2 = spec.granularity.block((1, 1)), spec.pow2_scale
+        return lambda x: fn(x, block, pow2)
+    return lambda x: quantize_transposed(x, spec)
+
+
+def transposed_requantizer(spec: TensorSpec, device: torch.device | str):
+    """`lambda qt: requantize_transposed(qt, spec)` for inputs on `device`, resolved once."""
+    fn, block = _bindable(spec, device, "bind_requantize_transposed")
+    if fn is not None:
+        return fn(block, spec.pow2_scale, torch.device(device))
+    return lambda qt: requantize_transposed(qt, spec)
+
+
+__all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual", "silu_mul_quantized", "release_shared_results",
+            "quantizer", "dual_quantizer", "transposed_quantizer", "transposed_requantizer"]

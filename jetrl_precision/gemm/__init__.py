@@ -11,9 +11,11 @@ Every backend computes the "NT" product ``out[M, N] = A[M, K] @ B[N, K]^T`` of t
 from .dispatch import (
     BackendUnavailable,
     GemmBackend,
+    PreparedGemm,
     available_backends,
     gemm_nt,
     get_backend,
+    prepare_gemm,
     register_backend,
     resolve_backend,
 )
@@ -21,9 +23,11 @@ from .dispatch import (
 __all__ = [
     "BackendUnavailable",
     "GemmBackend",
+    "PreparedGemm",
     "available_backends",
     "gemm_nt",
     "get_backend",
+    "prepare_gemm",
     "register_backend",
     "resolve_backend",
 ]

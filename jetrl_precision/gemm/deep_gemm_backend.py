@@ -27,9 +27,9 @@ import torch
 
 from ..formats import QuantizedTensor
 from ..kernels.layout import pad_operands
-from .dispatch import GemmBackend, register_backend
+from .dispatch import GemmBackend, PreparedGemm, register_backend
 
-__all__ = ["deep_gemm_gemm_nt", "deep_gemm_wgrad_1d1d", "import_deep_gemm"]
+__all__ = ["deep_gemm_gemm_nt", "deep_gemm_wgrad_1d1d", "import_deep_gemm", "DeepGemmPreparedGemm"]
 
 logger = logging.getLogger(__name__)
 _module: list[ModuleType | None] = []
@@ -167,6 +167,47 @@ def deep_gemm_wgrad_1d1d(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torc
     return out if out.shape[1] == n else out[:, :n]
 
 
+class DeepGemmPreparedGemm(PreparedGemm):
+    """DeepGEMM's 1x128.128x128 kernel with a layer's weight operands (data, scales in the layout it reads) derived
+    once and the keyword set resolved once; WGrad on the torch backend's prepared cuBLASLt call where that works
+    (as `deep_gemm_gemm_nt` routes it). Everything else goes through `deep_gemm_gemm_nt`."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__("deep_gemm")
+        dg = _module_or_raise()
+        self.fn = dg.fp8_gemm_nt
+        self.kw = {"recipe": (1, 128, 128)}
+        if _supports_kw(self.fn, "disable_ue8m0_cast"):
+            self.kw["disable_ue8m0_cast"] = True
+        self.wgrad = None
+        if _cublaslt_ok(device):
+            from .torch_backend import TorchPreparedGemm
+
+            self.wgrad = TorchPreparedGemm(device)
+            if "wgrad" not in _logged:
+                _logged.add("wgrad")
+                logger.info("deep_gemm backend: 1x128.1x128 (WGrad) runs on cuBLASLt, which is faster; using the torch backend for it")
+
+    def weight(self, w: QuantizedTensor) -> object:
+        n, k = w.shape
+        if w.block != (128, 128) or n % 128 or k % 128 or not w.data.is_contiguous():
+            return None
+        return w.data, _sm90_sfb(w.scale)
+
+    def nt_weight(self, a: QuantizedTensor, prepared: object, w: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        data = a.data
+        if prepared is None or out_dtype != torch.bfloat16 or a.block != (1, 128) or not data.is_contiguous():
+            return deep_gemm_gemm_nt(a, w, out_dtype)
+        out = torch.empty((data.shape[0], prepared[0].shape[0]), dtype=torch.bfloat16, device=data.device)
+        self.fn((data, _tma_mn_major(a.scale)), prepared, out, **self.kw)
+        return out
+
+    def nt(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        if self.wgrad is not None and b.block == (1, 128):
+            return self.wgrad.nt(a, b, out_dtype)
+        return deep_gemm_gemm_nt(a, b, out_dtype)
+
+
 def _module_or_raise() -> ModuleType:
     dg = import_deep_gemm()
     if dg is None:
@@ -187,4 +228,4 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-register_backend(GemmBackend("deep_gemm", deep_gemm_gemm_nt, unavailable_reason))
+register_backend(GemmBackend("deep_gemm", deep_gemm_gemm_nt, unavailable_reason, DeepGemmPreparedGemm))

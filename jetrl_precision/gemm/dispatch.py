@@ -20,6 +20,8 @@ __all__ = [
     "resolve_backend",
     "AUTO_ORDER_CUDA",
     "AUTO_ORDER_CUDA_ROLLOUT",
+    "PreparedGemm",
+    "prepare_gemm",
 ]
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,41 @@ class GemmBackend:
     gemm_nt: GemmFn
     # Returns None when usable on `device`, else a one-line reason.
     unavailable_reason: Callable[[torch.device], str | None]
+    # Optional: the backend's `PreparedGemm` for a device (what a layer derives once); None: the generic one.
+    prepare: Callable[[torch.device], "PreparedGemm"] | None = None
+
+
+class PreparedGemm:
+    """One backend's GEMMs on one device, for a layer that calls them every step.
+
+    `weight(w)` derives what the backend reads from a quantized weight (scale layouts, views) once per weight
+    quantization; `nt_weight(a, prepared, w, out_dtype)` is `gemm_nt(a, w, out_dtype)` with that taken out of the
+    call, and `nt(a, b, out_dtype)` is `gemm_nt` for two per-call operands (WGrad). Each gives exactly the bytes of
+    `gemm_nt` on the same backend: the same library call with the same operands, or `gemm_nt` itself where the
+    operands do not fit the prepared form. This generic form prepares nothing.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._gemm = _REGISTRY[name].gemm_nt
+
+    def weight(self, w: QuantizedTensor) -> object:
+        return None
+
+    def nt_weight(self, a: QuantizedTensor, prepared: object, w: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return self._gemm(a, w, out_dtype)
+
+    def nt(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return self._gemm(a, b, out_dtype)
+
+
+def prepare_gemm(name: str, device: torch.device | str) -> PreparedGemm:
+    """The `PreparedGemm` of a resolved backend name on `device` (see `resolve_backend`)."""
+    _ensure_registered()
+    if name not in _REGISTRY:
+        raise BackendUnavailable(f"unknown GEMM backend {name!r}; choose one of {['auto', *sorted(_REGISTRY)]}")
+    backend = _REGISTRY[name]
+    return backend.prepare(torch.device(device)) if backend.prepare is not None else PreparedGemm(name)
 
 
 _REGISTRY: dict[str, GemmBackend] = {}

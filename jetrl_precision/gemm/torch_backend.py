@@ -19,9 +19,9 @@ import torch
 
 from ..formats import QuantizedTensor
 from ..kernels.layout import mn_major, pad_operands, row_major_padded_t
-from .dispatch import GemmBackend, register_backend
+from .dispatch import GemmBackend, PreparedGemm, register_backend
 
-__all__ = ["torch_gemm_nt", "scaling_types", "prepared_scaled_mm"]
+__all__ = ["torch_gemm_nt", "scaling_types", "prepared_scaled_mm", "TorchPreparedGemm"]
 
 
 def _norm(name: str) -> str:
@@ -98,9 +98,74 @@ def prepared_scaled_mm(device: torch.device | str):
     return blockwise
 
 
+def prepared_scaled_mm_1x128(device: torch.device | str):
+    """The scaled_mm call `torch_gemm_nt` makes for 1x128 x 1x128 (WGrad) on `device`: fn(a, b_t, sa, sb, out_dtype),
+    both scales MN-major. Where the probe found it bitwise equal, `torch._scaled_mm_v2` is called with the arguments
+    `F.scaled_mm` builds (the same op, without the wrapper's per-call list building)."""
+    reason = unavailable_reason(torch.device(device))
+    if reason is not None:
+        raise RuntimeError(f"the torch GEMM backend cannot run on {device}: {reason}")
+    types = scaling_types()
+    if types is None:
+        raise RuntimeError(f"torch {torch.__version__} has no F.scaled_mm: 1x128 x 1x128 needs it")
+    one = types[0]
+    if _v2_same.get(_device_key(device), False):
+        code = [_enum_int(one)]
+
+        def v2(a, b_t, sa, sb, out_dtype):
+            return torch._scaled_mm_v2(a, b_t, [sa], code, [], [sb], code, [], None, out_dtype, [], False)
+
+        return v2
+
+    def wrapped(a, b_t, sa, sb, out_dtype):
+        return torch.nn.functional.scaled_mm(a, b_t, sa, one, sb, one, output_dtype=out_dtype)
+
+    return wrapped
+
+
+def _enum_int(member) -> int:
+    return member.value if hasattr(member, "value") else int(member)
+
+
+class TorchPreparedGemm(PreparedGemm):
+    """cuBLASLt blockwise with a layer's weight operands derived once: W^T as a view and its scales in the padded
+    layout cuBLASLt reads (`row_major_padded_t`), and the scaled_mm entry point chosen once per device. Operands
+    that need padding (M not a multiple of 4; K, N or the WGrad token count not multiples of 128) or a copy
+    (non-contiguous data) go through `torch_gemm_nt`, which does it."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__("torch")
+        self.mm = prepared_scaled_mm(device)
+        self.mm_1x128 = prepared_scaled_mm_1x128(device)
+
+    def weight(self, w: QuantizedTensor) -> object:
+        n, k = w.shape
+        if w.block != (128, 128) or n % 128 or k % 128 or not w.data.is_contiguous():
+            return None
+        return w.data.t(), row_major_padded_t(w.scale)
+
+    def nt_weight(self, a: QuantizedTensor, prepared: object, w: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        data = a.data
+        if prepared is None or data.shape[0] % 4 or a.block != (1, 128) or not data.is_contiguous():
+            return torch_gemm_nt(a, w, out_dtype)
+        w_t, sb = prepared
+        return self.mm(data, w_t, mn_major(a.scale), sb, out_dtype)
+
+    def nt(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+        ad, bd = a.data, b.data
+        if (
+            a.block != (1, 128) or b.block != (1, 128) or ad.shape[0] % 4 or ad.shape[1] % 128 or bd.shape[0] % 128
+            or not ad.is_contiguous() or not bd.is_contiguous()
+        ):
+            return torch_gemm_nt(a, b, out_dtype)
+        return self.mm_1x128(ad, bd.t(), mn_major(a.scale), mn_major(b.scale), out_dtype)
+
+
 _probe: dict[str, str | None] = {}
 # device -> whether torch._scaled_mm gives F.scaled_mm's exact bits for 1x128.128x128 (set by the probe).
 _legacy_same: dict[str, bool] = {}
+# device -> whether torch._scaled_mm_v2, called as F.scaled_mm calls it, gives its exact bits for 1x128.1x128.
+_v2_same: dict[str, bool] = {}
 
 
 def _device_key(device: torch.device | str) -> str:
@@ -127,6 +192,7 @@ def _probe_device(device: torch.device) -> str | None:
             if not err < 1e-3:
                 return f"blockwise scaled_mm gave a wrong result on this build (rel err {err:.2e} for B {bq.block})"
         _legacy_same[_device_key(device)] = _legacy_matches(aq, quantize_fp8(w, (128, 128)))
+        _v2_same[_device_key(device)] = _v2_matches(aq, quantize_fp8(w, (1, 128)))
     except Exception as e:  # noqa: BLE001 - the message is the reason shown to the user
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"blockwise torch scaled_mm is not supported here ({type(e).__name__}: {msg}); it needs sm90 and cuBLASLt >= 12.9"
@@ -147,6 +213,23 @@ def _legacy_matches(aq: QuantizedTensor, bq: QuantizedTensor) -> bool:
     return bool(torch.equal(ref, legacy))
 
 
+def _v2_matches(aq: QuantizedTensor, bq: QuantizedTensor) -> bool:
+    """Whether torch._scaled_mm_v2, called with the arguments F.scaled_mm builds in torch 2.13, reproduces
+    F.scaled_mm's bits for 1x128.1x128 on this build (another signature raises, and the wrapper is kept)."""
+    types = scaling_types()
+    if types is None or not hasattr(torch, "_scaled_mm_v2"):
+        return False
+    one = types[0]
+    sa, sb = mn_major(aq.scale), mn_major(bq.scale)
+    try:
+        ref = torch.nn.functional.scaled_mm(aq.data, bq.data.t(), sa, one, sb, one, output_dtype=torch.bfloat16)
+        code = [_enum_int(one)]
+        v2 = torch._scaled_mm_v2(aq.data, bq.data.t(), [sa], code, [], [sb], code, [], None, torch.bfloat16, [], False)
+    except Exception:  # noqa: BLE001 - the direct call is only an optimization
+        return False
+    return bool(torch.equal(ref, v2))
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"needs a CUDA device, got {device.type}"
@@ -163,4 +246,4 @@ def unavailable_reason(device: torch.device) -> str | None:
     return _probe[key]
 
 
-register_backend(GemmBackend("torch", torch_gemm_nt, unavailable_reason))
+register_backend(GemmBackend("torch", torch_gemm_nt, unavailable_reason, TorchPreparedGemm))

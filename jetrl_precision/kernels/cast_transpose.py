@@ -28,8 +28,10 @@ import threading
 import torch
 
 from ..formats import FP8_DTYPE, QuantizedTensor
+from .launch import launch_override
 
-__all__ = ["requantize_1x128_to_128x1_t", "supported_shape", "status", "usable", "GRAPH_KERNEL"]
+__all__ = ["requantize_1x128_to_128x1_t", "kernel_for", "launch", "supported_shape", "supported_layout", "status", "usable", "GRAPH_KERNEL",
+           "KERNEL_NAME"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +197,7 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
 # How the precision graph names this kernel on the WGrad input edge. A batch whose token count is not a multiple
 # of 16 takes the Triton kernel instead (same bytes), which the graph, built from the modules, cannot know.
 GRAPH_KERNEL = "cuda:cast_transpose"
+KERNEL_NAME = "requant_1x128_to_128x1_t"  # what `launch.override_launches` receives
 
 _lock = threading.Lock()
 _usable: dict[str, bool] = {}
@@ -204,23 +207,47 @@ _failed: dict[int, str] = {}
 
 class _Kernel:
     """A compiled kernel with a lean launcher: torch's `_CudaKernel.__call__` re-opens libcuda and converts
-    every argument on each call, which doubles the host time per launch."""
+    every argument on each call, which doubles the host time per launch. Here each thread keeps one ctypes
+    argument block per kernel and refills it (cuLaunchKernel copies the arguments before it returns)."""
 
     _launch = None
+    N_PTRS, N_INTS = 4, 5
 
-    def __init__(self, compiled) -> None:
+    def __init__(self, compiled, name: str, device_index: int) -> None:
         self.compiled = compiled  # keeps torch's handle (and its module) alive
         self.func = compiled.func
+        self.name = name
+        self.device_index = device_index
+        self._local = threading.local()
         if _Kernel._launch is None:
             fn = _libcuda().cuLaunchKernel
-            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
             fn.restype = ctypes.c_int
             _Kernel._launch = fn
 
-    def __call__(self, grid: tuple[int, int], threads: int, ptrs: list[int], ints: list[int]) -> None:
-        args = [ctypes.c_void_p(p) for p in ptrs] + [ctypes.c_int(i) for i in ints]
-        argv = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        stream = torch.cuda.current_stream().cuda_stream
+    def _args(self):
+        block = getattr(self._local, "block", None)
+        if block is None:
+            ptrs = (ctypes.c_void_p * self.N_PTRS)()
+            ints = (ctypes.c_int * self.N_INTS)()
+            argv = (ctypes.c_void_p * (self.N_PTRS + self.N_INTS))(
+                *[ctypes.addressof(ptrs) + i * ctypes.sizeof(ctypes.c_void_p) for i in range(self.N_PTRS)],
+                *[ctypes.addressof(ints) + i * ctypes.sizeof(ctypes.c_int) for i in range(self.N_INTS)],
+            )
+            block = self._local.block = (ptrs, ints, argv, ctypes.addressof(argv))
+        return block
+
+    def __call__(self, grid: tuple[int, int], threads: int, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> None:
+        override = launch_override()
+        if override is not None:
+            override(self.name, grid, (*tensors, *ints), {"threads": threads})
+            return
+        ptr_block, int_block, _, argv = self._args()
+        for i, t in enumerate(tensors):
+            ptr_block[i] = t.data_ptr()
+        for i, v in enumerate(ints):
+            int_block[i] = v
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         rc = _Kernel._launch(self.func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, None)
         if rc == _CUDA_ERROR_INVALID_CONTEXT:
             # A thread with no current context yet (autograd's backward threads start so; the driver API does not
@@ -255,7 +282,7 @@ def _compile(device_index: int, pow2: bool) -> _Kernel:
         if key not in _kernels:
             with torch.cuda.device(device_index):
                 name = f"requant_1x128_to_128x1_t<{'true' if pow2 else 'false'}>"
-                _kernels[key] = _Kernel(torch.cuda._compile_kernel(_SOURCE, name))
+                _kernels[key] = _Kernel(torch.cuda._compile_kernel(_SOURCE, name), KERNEL_NAME, device_index)
         return _kernels[key]
 
 
@@ -297,13 +324,18 @@ def usable(device: torch.device) -> bool:
 
 
 def supported_shape(qt: QuantizedTensor) -> bool:
-    """The layouts the kernel handles: 1x128 groups, contiguous columns, 4-byte rows, M % 16 == 0 (16-byte stores),
-    sizes and strides that fit the kernel's 32-bit int arguments."""
+    """The inputs the kernel handles: a CUDA tensor whose layout `supported_layout` accepts."""
+    return qt.data.is_cuda and supported_layout(qt)
+
+
+def supported_layout(qt: QuantizedTensor) -> bool:
+    """The layouts the kernel handles (any device): 1x128 groups, contiguous columns, 4-byte rows, M % 16 == 0
+    (16-byte stores), sizes and strides that fit the kernel's 32-bit int arguments."""
     d = qt.data
     rows, cols = d.shape
     ints = (rows, cols, d.stride(0), *qt.scale.stride())
     return (
-        qt.block == (1, 128) and d.is_cuda and d.stride(1) == 1 and cols % 4 == 0 and d.stride(0) % 4 == 0
+        qt.block == (1, 128) and d.stride(1) == 1 and cols % 4 == 0 and d.stride(0) % 4 == 0
         and d.data_ptr() % 4 == 0 and rows % 16 == 0 and rows > 0 and cols > 0 and qt.scale.dtype == torch.float32
         and qt.scale.device == d.device and max(ints) < 2**31 and cols <= 65535 * 128  # grid.y = column blocks
     )
@@ -317,15 +349,23 @@ def requantize_1x128_to_128x1_t(qt: QuantizedTensor, pow2_scale: bool = False) -
             f"got block {qt.block}, shape {tuple(qt.shape)}, strides {qt.data.stride()} "
             f"(quant.requantize_1x128_to_128x1 takes any shape and falls back to Triton)"
         )
-    rows, cols = qt.shape
-    dev = qt.data.device
-    kern = _compile(dev.index if dev.index is not None else torch.cuda.current_device(), pow2_scale)
+    return launch(qt, kernel_for(qt.data.device, pow2_scale))
+
+
+def kernel_for(device: torch.device, pow2_scale: bool) -> _Kernel:
+    """The compiled kernel for `device` (compiled at first use); `status(device)` says whether that can work."""
+    return _compile(device.index if device.index is not None else torch.cuda.current_device(), pow2_scale)
+
+
+def launch(qt: QuantizedTensor, kern: _Kernel) -> QuantizedTensor:
+    """`requantize_1x128_to_128x1_t` without its checks, for callers that checked `supported_shape` already
+    (a layer's step plan, once per input layout)."""
+    data, s_in = qt.data, qt.scale
+    rows, cols = data.shape
+    dev = data.device
     nrb = -(-rows // 128)
     q = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev)
-    sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=dev)
-    kern(
-        (nrb, -(-cols // 128)), 128,
-        [qt.data.data_ptr(), qt.scale.data_ptr(), q.data_ptr(), sbuf.data_ptr()],
-        [rows, cols, qt.data.stride(0) // 4, qt.scale.stride(0), qt.scale.stride(1)],
-    )
-    return QuantizedTensor(q, sbuf.t(), (1, 128))
+    # The kernel writes a row-major (nrb, K) buffer: the logical (K, nrb) scale with strides (1, K).
+    scale = torch.empty_strided((cols, nrb), (1, cols), dtype=torch.float32, device=dev)
+    kern((nrb, -(-cols // 128)), 128, (data, s_in, q, scale), (rows, cols, data.stride(0) // 4, *s_in.stride()))
+    return QuantizedTensor.trusted(q, scale, (1, 128))

@@ -21,7 +21,8 @@ import triton.language as tl
 
 from ..formats import FP8_DTYPE, QuantizedTensor
 from ._common import abs_max, group_scale, quantize_values
-from .quant import new_scale_1x128
+from .launch import TritonLauncher
+from .quant import empty_scale_1x128
 
 try:  # Triton >= 3.2 spells the CUDA libdevice module like this
     from triton.language.extra import libdevice as _libdevice
@@ -65,6 +66,9 @@ def _silu_mul_quant_kernel(
     tl.store(s_ptr + rr * ssr + g_idx * ssg, scale, mask=rr < R)
 
 
+_kern_silu_mul = TritonLauncher(_silu_mul_quant_kernel)
+
+
 def silu_mul_quantize(
     gate: torch.Tensor, up: torch.Tensor, pow2_scale: bool = False, return_hp: bool = False
 ) -> QuantizedTensor | tuple[QuantizedTensor, torch.Tensor]:
@@ -76,16 +80,16 @@ def silu_mul_quantize(
     rows, cols = gate.shape
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=gate.device)
     h = torch.empty((rows, cols), dtype=gate.dtype, device=gate.device) if return_hp else q
-    _, scale = new_scale_1x128(rows, cols, gate.device)
+    scale = empty_scale_1x128(rows, cols, gate.device)
     br = 16 if rows <= 2048 else 32
     grid = (_cdiv(rows, br), _cdiv(cols, 128))
-    _silu_mul_quant_kernel[grid](
+    _kern_silu_mul(grid,
         gate, up, h, q, scale, rows, cols,
         gate.stride(0), gate.stride(1), up.stride(0), up.stride(1), h.stride(0), h.stride(1),
         q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
         BLOCK_R=br, POW2=pow2_scale, WRITE_H=return_hp, OUT_DTYPE=_TL_DTYPE[gate.dtype], num_warps=4,
     )
-    qt = QuantizedTensor(q, scale, (1, 128))
+    qt = QuantizedTensor.trusted(q, scale, (1, 128))
     return (qt, h) if return_hp else qt
 
 
@@ -116,6 +120,9 @@ def _rmsnorm_quant_kernel(
     tl.store(s_ptr + row * ssr + gi * ssg, scale, mask=gi * 128 < C)
 
 
+_kern_rmsnorm = TritonLauncher(_rmsnorm_quant_kernel)
+
+
 def rmsnorm_quantize(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, pow2_scale: bool = False, return_hp: bool = False
 ) -> QuantizedTensor | tuple[QuantizedTensor, torch.Tensor]:
@@ -128,9 +135,9 @@ def rmsnorm_quantize(
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
     y = torch.empty((rows, cols), dtype=x.dtype, device=x.device) if return_hp else q
-    _, scale = new_scale_1x128(rows, cols, x.device)
+    scale = empty_scale_1x128(rows, cols, x.device)
     block_c = max(128, triton.next_power_of_2(cols))
-    _rmsnorm_quant_kernel[(rows,)](
+    _kern_rmsnorm((rows,),
         x, weight, y, q, scale, rows, cols, float(eps),
         x.stride(0), y.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
         BLOCK_C=block_c, POW2=pow2_scale, WRITE_Y=return_hp, OUT_DTYPE=_TL_DTYPE[x.dtype],

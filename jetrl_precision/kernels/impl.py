@@ -7,7 +7,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
-from . import fused, quant
+from . import cast_transpose, fused, quant
 
 __all__ = ["TritonQuantizeImpl"]
 
@@ -34,23 +34,36 @@ class _LastResult:
         self.value: QuantizedTensor | None = None
 
     @staticmethod
-    def _key(x: torch.Tensor, extra: tuple) -> tuple | None:
-        if x.is_inference():  # inference tensors have no version counter; never cache them
-            return None
-        st = x.untyped_storage()
-        return (st.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version, x.device, extra)
+    def _key(x: torch.Tensor, st, extra: tuple) -> tuple:
+        return (st.data_ptr(), x.storage_offset(), x.shape, x.stride(), x.dtype, x._version, x.device, extra)
 
     def get(self, x: torch.Tensor, extra: tuple) -> QuantizedTensor | None:
-        if self.key is None or self.ref is None or self.ref.expired():
+        key = self.key
+        if key is None or x.is_inference():
             return None
-        return self.value if self._key(x, extra) == self.key else None
+        if self._key(x, x.untyped_storage(), extra) != key or self.ref.expired():
+            return None
+        return self.value
 
     def put(self, x: torch.Tensor, extra: tuple, value: QuantizedTensor) -> QuantizedTensor:
-        key = self._key(x, extra)
-        if key is None:
+        if x.is_inference():  # inference tensors have no version counter; never cache them
             self.key = self.ref = self.value = None
         else:
-            self.key, self.ref, self.value = key, StorageWeakRef(x.untyped_storage()), value
+            st = x.untyped_storage()
+            self.key, self.ref, self.value = self._key(x, st, extra), StorageWeakRef(st), value
+        return value
+
+    def lookup(self, x: torch.Tensor, extra: tuple, make, arg) -> QuantizedTensor:
+        """The kept quantization of x if it is still valid, else `make(arg)`, kept: one storage lookup per call."""
+        if x.is_inference():
+            self.key = self.ref = self.value = None
+            return make(arg)
+        st = x.untyped_storage()
+        key = self._key(x, st, extra)
+        if key == self.key and not self.ref.expired():
+            return self.value
+        value = make(arg)
+        self.key, self.ref, self.value = key, StorageWeakRef(st), value
         return value
 
 
@@ -80,8 +93,7 @@ class TritonQuantizeImpl:
             if block == (1, 128):
                 if not self.share_results:
                     return quant.quantize_1x128(x, pow2_scale)
-                hit = self._last_q.get(x, (block, pow2_scale))
-                return hit if hit is not None else self._last_q.put(x, (block, pow2_scale), quant.quantize_1x128(x, pow2_scale))
+                return self._last_q.lookup(x, (block, pow2_scale), lambda t: quant.quantize_1x128(t, pow2_scale), x)
             if block == (128, 128):
                 return quant.quantize_128x128(x, pow2_scale)[0]
             if block == (128, 1):
@@ -126,6 +138,55 @@ class TritonQuantizeImpl:
         qt, h = fused.silu_mul_quantize(gate, up, pow2_scale, return_hp=True)
         self._last_q.put(h, (block, pow2_scale), qt)
         return h
+
+    # ---- bound entry points: resolved once per (block, scale rule, device) by a layer's step plan --------------
+    # Each returns a function of the 2-D floating input only (no per-call dispatch on block, dtype or device) that
+    # gives the bytes of the matching method above; the caller guarantees a 2-D input with at least one element.
+    def bind_quantize(self, block: Block, pow2_scale: bool):
+        if block == (1, 128):
+            extra = (block, pow2_scale)
+
+            def make(x):
+                return quant.quantize_1x128(x, pow2_scale)
+
+            def quantize_shared(x: torch.Tensor) -> QuantizedTensor:
+                if not x.is_floating_point():
+                    return quantize_fp8(x, block, pow2_scale=pow2_scale, nonfinite="propagate")
+                return self._last_q.lookup(x, extra, make, x) if self.share_results else make(x)
+
+            return quantize_shared
+        return lambda x: self.quantize(x, block, pow2_scale)
+
+    def bind_quantize_dual(self, block: Block, pow2_scale: bool, t_block: Block, t_pow2_scale: bool):
+        if block == (1, 128) and t_block == (128, 1):
+
+            def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale)
+
+            return dual
+        return None
+
+    def bind_requantize_transposed(self, block: Block, pow2_scale: bool, device: torch.device):
+        """requantize_transposed for 1x128 inputs: the CUDA kernel (resolved once) where the input's layout fits
+        it, else the Triton one; kept for siblings that saved the same FP8 input (q/k/v)."""
+        if block != (128, 1):
+            return lambda qt: self.requantize_transposed(qt, block, pow2_scale)
+        cuda_kernel = cast_transpose.kernel_for(device, pow2_scale) if cast_transpose.usable(device) else None
+
+        def make_for(qt: QuantizedTensor):
+            if cuda_kernel is not None and cast_transpose.supported_shape(qt):
+                return cast_transpose.launch(qt, cuda_kernel)
+            return quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale, kernel="triton")
+
+        def requantize_t(qt: QuantizedTensor) -> QuantizedTensor:
+            if qt.block != (1, 128):
+                return self.requantize_transposed(qt, block, pow2_scale)
+            if not self.share_results:
+                return make_for(qt)
+            extra = (block, pow2_scale, qt.scale.data_ptr(), qt.scale.stride())
+            return self._last_rq_t.lookup(qt.data, extra, make_for, qt)
+
+        return requantize_t
 
     def requantize_transposed(self, qt: QuantizedTensor, block: Block, pow2_scale: bool) -> QuantizedTensor:
         if qt.block == (1, 128) and block == (128, 1):

@@ -21,6 +21,7 @@ import triton.language as tl
 from ..formats import FP8_DTYPE, QuantizedTensor
 from . import cast_transpose
 from ._common import abs_max, group_scale, quantize_values
+from .launch import TritonLauncher
 
 __all__ = [
     "quantize_1x128",
@@ -46,6 +47,11 @@ def new_scale_1x128(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.T
     """(buffer, logical view) for 1x128 scales: view shape (rows, ceil(cols/128)), strides (1, rows)."""
     buf = torch.empty((_cdiv(cols, 128), rows), dtype=torch.float32, device=device)
     return buf, buf.t()
+
+
+def empty_scale_1x128(rows: int, cols: int, device) -> torch.Tensor:
+    """The logical view of `new_scale_1x128` in one allocation (no separate view op): the hot path's form."""
+    return torch.empty_strided((rows, _cdiv(cols, 128)), (1, rows), dtype=torch.float32, device=device)
 
 
 def new_scale_128x128(rows: int, cols: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +82,9 @@ def _quant_1x128_kernel(
     tl.store(s_ptr + rr * ssr + g * ssg, scale, mask=rr < R)
 
 
+_kern_1x128 = TritonLauncher(_quant_1x128_kernel)
+
+
 def _block_r_1x128(rows: int) -> int:
     # Small row blocks keep many CTAs in flight for decode-sized inputs; 32 rows = 8 KB of bf16 per CTA.
     return 16 if rows <= 2048 else 32
@@ -87,16 +96,15 @@ def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False, block_r: int | Non
     output rows R.. are discarded (each output row depends on its own A row only)."""
     rows, cols = x.shape
     alloc = rows if rows_alloc is None else max(rows, rows_alloc)
-    q = torch.empty((alloc, cols), dtype=FP8_DTYPE, device=x.device)
-    _, scale = new_scale_1x128(alloc, cols, x.device)
-    br = block_r or _block_r_1x128(rows)
-    grid = (_cdiv(rows, br), _cdiv(cols, 128))
-    _quant_1x128_kernel[grid](
-        x, q, scale, rows, cols,
-        x.stride(0), x.stride(1), q.stride(0), q.stride(1), scale.stride(0), scale.stride(1),
-        BLOCK_R=br, POW2=pow2_scale, num_warps=4,
-    )
-    return QuantizedTensor(q, scale, (1, 128))
+    dev = x.device
+    groups = -(-cols // 128)
+    q = torch.empty((alloc, cols), dtype=FP8_DTYPE, device=dev)
+    scale = torch.empty_strided((alloc, groups), (1, alloc), dtype=torch.float32, device=dev)  # MN-major
+    br = block_r or (16 if rows <= 2048 else 32)  # `_block_r_1x128`, inlined: this runs several times per step
+    sxr, sxc = x.stride()
+    _kern_1x128((-(-rows // br), groups), x, q, scale, rows, cols, sxr, sxc, cols, 1, 1, alloc,
+                BLOCK_R=br, POW2=pow2_scale, num_warps=4)
+    return QuantizedTensor.trusted(q, scale, (1, 128))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,6 +138,9 @@ def _quant_128x1_kernel(
     tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
 
 
+_kern_128x1 = TritonLauncher(_quant_128x1_kernel)
+
+
 @dataclass(frozen=True)
 class Tile128x1:
     """Launch shape of the 128x1 kernel: columns per program, warps, and the grid's fast axis."""
@@ -152,26 +163,28 @@ def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, t
     if 128 % tile.block_c:
         raise ValueError(f"block_c must divide 128, got {tile.block_c}")
     nrb = _cdiv(rows, 128)
-    sbuf = torch.empty((nrb, cols), dtype=torch.float32, device=x.device)
+    dev = x.device
+    # The kernel writes scales as a row-major (nrb, C) buffer; transposed, the result's scale is its (C, nrb)
+    # view with strides (1, C), allocated as such (one call, no view op).
     if transposed:
-        q = torch.empty((cols, rows), dtype=FP8_DTYPE, device=x.device)
-        sqr, sqc = q.stride(1), q.stride(0)
+        scale = torch.empty_strided((cols, nrb), (1, cols), dtype=torch.float32, device=dev)
+        q = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev)
+        sqr, sqc = 1, rows
     else:
-        q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
-        sqr, sqc = q.stride(0), q.stride(1)
+        scale = torch.empty((nrb, cols), dtype=torch.float32, device=dev)
+        q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=dev)
+        sqr, sqc = cols, 1
     deq = in_scale is not None
-    sir, sig = (in_scale.stride(0), in_scale.stride(1)) if deq else (0, 0)
+    sir, sig = in_scale.stride() if deq else (0, 0)
+    sxr, sxc = x.stride()
     ncb = _cdiv(cols, tile.block_c)
     grid = (ncb, nrb) if tile.col_fastest else (nrb, ncb)
-    _quant_128x1_kernel[grid](
-        x, in_scale if deq else sbuf, q, sbuf, rows, cols,
-        x.stride(0), x.stride(1), sir, sig, sqr, sqc, sbuf.stride(0), sbuf.stride(1),
+    _kern_128x1(grid,
+        x, in_scale if deq else scale, q, scale, rows, cols, sxr, sxc, sir, sig, sqr, sqc, cols, 1,
         BLOCK_C=tile.block_c, POW2=pow2_scale, DEQ=deq, COL_FASTEST=tile.col_fastest, num_warps=tile.num_warps,
     )
-    if transposed:
-        # quantize(x, 128x1).t(): data x^T [C, R], 1x128 groups, scale (C, ceil(R/128)) MN-major.
-        return QuantizedTensor(q, sbuf.t(), (1, 128))
-    return QuantizedTensor(q, sbuf, (128, 1))
+    # Transposed: quantize(x, 128x1).t(): data x^T [C, R], 1x128 groups, scale (C, ceil(R/128)) MN-major.
+    return QuantizedTensor.trusted(q, scale, (1, 128) if transposed else (128, 1))
 
 
 def quantize_128x1(x: torch.Tensor, pow2_scale: bool = False, tile: Tile128x1 | None = None) -> QuantizedTensor:
@@ -238,6 +251,9 @@ def _quant_128x128_kernel(
         tl.store(st_ptr + cb * stsr + rb * stsc, scale)
 
 
+_kern_128x128 = TritonLauncher(_quant_128x128_kernel)
+
+
 def quantize_128x128(
     x: torch.Tensor, pow2_scale: bool = False, *, write: bool = True, write_t: bool = False, num_warps: int = 4
 ) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
@@ -261,7 +277,7 @@ def quantize_128x128(
     dq, ds = (q, s) if write else (x, x)  # dummies are never written (constexpr-guarded)
     dqt, dst = (qt, st) if write_t else (x, x)
     grid = (_cdiv(rows, 128), _cdiv(cols, 128))
-    _quant_128x128_kernel[grid](
+    _kern_128x128(grid,
         x, dq, dqt, ds, dst, rows, cols,
         x.stride(0), x.stride(1),
         dq.stride(0), dq.stride(1), dqt.stride(0), dqt.stride(1),
@@ -286,6 +302,9 @@ def _transpose_u8_kernel(x_ptr, y_ptr, R, C, sxr, sxc, syr, syc, BLOCK: tl.const
     tl.store(y_ptr + cc[None, :].to(tl.int64) * syr + rr[:, None] * syc, v, mask=mask)
 
 
+_kern_transpose_u8 = TritonLauncher(_transpose_u8_kernel)
+
+
 def transpose_quantized(qt: QuantizedTensor, block: int = 128, num_warps: int = 8) -> QuantizedTensor:
     """qt.t() with the data transposed by a Triton kernel (torch's 1-byte transpose copy is slow).
 
@@ -296,7 +315,7 @@ def transpose_quantized(qt: QuantizedTensor, block: int = 128, num_warps: int = 
     src = qt.data.view(torch.uint8)
     out = torch.empty((cols, rows), dtype=torch.uint8, device=src.device)
     grid = (_cdiv(rows, block), _cdiv(cols, block))
-    _transpose_u8_kernel[grid](src, out, rows, cols, src.stride(0), src.stride(1), out.stride(0), out.stride(1), BLOCK=block, num_warps=num_warps)
+    _kern_transpose_u8(grid, src, out, rows, cols, src.stride(0), src.stride(1), out.stride(0), out.stride(1), BLOCK=block, num_warps=num_warps)
     if qt.block == (128, 128):
         _, scale = new_scale_128x128(cols, rows, src.device)
         scale.copy_(qt.scale.t())

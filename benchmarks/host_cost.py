@@ -1,0 +1,577 @@
+"""Host (CPU) work of one FP8 linear step, counted on a machine without a GPU: the CUDA code path, kernels stubbed.
+
+On the H200's host an eager `Fp8Linear` forward+backward costs several times `nn.Linear`'s host time, and at 8B
+shapes the smaller projections wait on the host, not the GPU. What that time is made of can be counted anywhere:
+this script runs the layer's CUDA code path on CPU tensors (the Triton quantize implementation, the CUDA
+requantizer and the cuBLASLt `torch` GEMM backend), with every kernel launch and GEMM call replaced by a stub, and
+counts per step:
+
+  python_calls   Python function calls (sys.setprofile 'call' events): interpreter work between kernels
+  builtin_calls  C functions called from Python ('c_call'): tensor.stride(), isinstance, dict.get, ...
+  torch_calls    torch API calls from Python (a TorchFunctionMode): each crosses the binding and the dispatcher
+  aten_ops       ops that reached the dispatcher's kernels (a TorchDispatchMode), views and factories included
+  allocations    factory ops among them (empty, empty_strided, zeros, ...): caching-allocator calls on a GPU
+  launches       GPU launches: Triton kernels, the CUDA requantizer, scaled_mm GEMMs (F.linear/mm for bf16)
+  cpu_us         wall time per step with no-op stubs and no counters (CPU tensors: a rough guide only)
+
+The counts are deterministic and comparable between revisions; the GPU's figure is `gpu_bench.py --sections linear`
+(`linear_fwd_bwd_host_ms`). With `--check`, the stubs compute what the kernels compute (the reference quantizer,
+a float64 GEMM), and the step's outputs must equal the CPU reference path's bit for bit: the host-path logic
+(plans, layouts, padding, buffer reuse) is checked without a GPU.
+
+    python benchmarks/host_cost.py [--shapes 256x512x768,200x384x640] [--check] [--json out.json] [--top 25]
+
+Without Triton installed, a stand-in `triton` module lets the kernel modules import (no kernel ever runs: every
+launch is stubbed). Run it in its own process: it patches the device checks of the modules it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import json
+import sys
+import time
+import types
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+__all__ = ["HostCounts", "count_host_work", "simulated_cuda", "install_triton_stand_in", "linear_steps", "main"]
+
+
+# ---- a stand-in for Triton where it is not installed -------------------------------------------------------
+class _JitStandIn:
+    """What `@triton.jit` returns here: the function's parameter names, and a launch that refuses to run."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.arg_names = list(inspect.signature(fn).parameters)
+
+    def __getitem__(self, grid):
+        raise RuntimeError(f"the Triton stand-in cannot launch {self.fn.__name__}: run it under launch.override_launches")
+
+
+class _StandIn:
+    """Any attribute, any call: what module-level Triton code (decorators, dtypes, configs) needs to import."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> "_StandIn":
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _StandIn(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return _JitStandIn(args[0])  # a decorator (@triton.jit, @triton.autotune(...)(fn))
+        return _StandIn(f"{self._name}(...)")
+
+    def __repr__(self) -> str:
+        return f"<triton stand-in {self._name}>"
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _StandIn(f"{self.__name__}.{attr}")
+
+
+def install_triton_stand_in() -> bool:
+    """Make `import triton` work without Triton (True if the stand-in was installed, False if Triton is there)."""
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
+        return False
+    # torch decides once whether Triton exists (and imports it for torch.compile's runtime): let it find none first.
+    import torch._dynamo  # noqa: F401
+    from torch.utils._triton import has_triton
+
+    has_triton()
+    mods = {}
+    for name in ("triton", "triton.language", "triton.language.extra", "triton.language.extra.libdevice",
+                 "triton.language.extra.cuda", "triton.language.extra.cuda.libdevice", "triton.testing"):
+        mods[name] = sys.modules[name] = _StandInModule(name)
+    mods["triton"].__version__ = "0.0+stand-in"
+    mods["triton"].jit = _StandIn("triton.jit")
+    mods["triton"].next_power_of_2 = lambda n: 1 << (int(n) - 1).bit_length()
+    mods["triton"].cdiv = lambda a, b: -(-a // b)
+    for name, mod in mods.items():
+        if "." in name:
+            parent, child = name.rsplit(".", 1)
+            setattr(mods[parent], child, mod)
+    return True
+
+
+# ---- counting -----------------------------------------------------------------------------------------------
+_FACTORIES = {"empty", "empty_strided", "zeros", "ones", "full", "new_empty", "new_empty_strided", "new_zeros",
+              "new_ones", "new_full", "empty_like", "zeros_like", "ones_like", "full_like", "scalar_tensor"}
+
+
+@dataclass
+class HostCounts:
+    python_calls: int = 0
+    builtin_calls: int = 0
+    torch_calls: int = 0
+    aten_ops: int = 0
+    allocations: int = 0
+    launches: int = 0
+    launch_names: dict[str, int] = field(default_factory=dict)
+    aten_names: dict[str, int] = field(default_factory=dict)
+    python_functions: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if not isinstance(v, dict)}
+
+
+_THIS_FILE = str(Path(__file__).resolve())
+
+
+class _Counter:
+    """The counters of one measurement; `paused` while a stub runs (stub work is not the step's host work)."""
+
+    def __init__(self) -> None:
+        self.c = HostCounts()
+        self.paused = 0
+        self.active = False
+        self.py = collections.Counter()
+        self.aten = collections.Counter()
+        self.launch: dict[str, int] = {}
+
+    def profile(self, frame, event, arg):
+        if self.paused or not self.active:
+            return
+        if event == "call":
+            code = frame.f_code
+            if code.co_filename == _THIS_FILE:  # the measurement's own frames (step lambdas, stubs)
+                return
+            self.c.python_calls += 1
+            self.py[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+        elif event == "c_call":
+            self.c.builtin_calls += 1
+
+    def launched(self, name: str) -> None:
+        if self.active and not self.paused:
+            self.c.launches += 1
+            self.launch[name] = self.launch.get(name, 0) + 1
+
+    def finish(self) -> HostCounts:
+        self.c.python_functions = dict(self.py.most_common())
+        self.c.aten_names = dict(self.aten.most_common())
+        self.c.launch_names = dict(self.launch)
+        return self.c
+
+
+_COUNTER: list[_Counter | None] = [None]
+
+
+class _TorchCalls(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        c = _COUNTER[0]
+        if c is not None and c.active and not c.paused:
+            c.c.torch_calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _AtenOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        c = _COUNTER[0]
+        if c is not None and c.active and not c.paused:
+            c.c.aten_ops += 1
+            name = func.overloadpacket.__name__
+            c.aten[name] += 1
+            if name in _FACTORIES:
+                c.c.allocations += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counted(step: Callable[[], object], how: str) -> _Counter:
+    counter = _Counter()
+    _COUNTER[0] = counter
+    try:
+        if how == "python":
+            sys.setprofile(counter.profile)
+            counter.active = True
+            try:
+                step()
+            finally:
+                counter.active = False
+                sys.setprofile(None)
+        else:
+            with (_TorchCalls() if how == "torch" else _AtenOps()):
+                counter.active = True
+                try:
+                    step()
+                finally:
+                    counter.active = False
+    finally:
+        _COUNTER[0] = None
+    return counter
+
+
+def count_host_work(step: Callable[[], object], warmup: int = 2) -> HostCounts:
+    """Run `step` `warmup` times, then three more times, each under one kind of counter (Python calls, torch API
+    calls, aten ops), so that no counter counts another's machinery. Steps must repeat the same work (the
+    measured ones alternate two inputs; each pass is one step) and run on the calling thread (CPU autograd does).
+    """
+    for _ in range(warmup):
+        step()
+    py, tf, at = (_counted(step, how) for how in ("python", "torch", "aten"))
+    out = py.finish()
+    out.torch_calls = tf.c.torch_calls
+    out.aten_ops, out.allocations = at.c.aten_ops, at.c.allocations
+    out.aten_names = dict(at.aten.most_common())
+    return out
+
+
+def cpu_us(step: Callable[[], object], n: int = 30, warmup: int = 3) -> float:
+    """Median wall time per step in us (no counters)."""
+    for _ in range(warmup):
+        step()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[n // 2] * 1e6
+
+
+# ---- the kernels, stubbed -----------------------------------------------------------------------------------
+def _strided(t: torch.Tensor, shape, strides) -> torch.Tensor:
+    return torch.as_strided(t, tuple(shape), tuple(strides), t.storage_offset())
+
+
+def _emulate_triton(name: str, grid, args, meta) -> None:
+    """What each Triton kernel of jetrl_precision.kernels writes, from the reference quantizer (exact bytes)."""
+    from jetrl_precision.formats import QuantizedTensor
+    from jetrl_precision.quantize import quantize_fp8, requantize_fp8
+
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    if name == "_quant_1x128_kernel":
+        x, q, s, r, c, sxr, sxc, sqr, sqc, ssr, ssg = args
+        ref = quantize_fp8(_strided(x, (r, c), (sxr, sxc)), (1, 128), pow2_scale=meta["POW2"], nonfinite="propagate")
+        _strided(q, (r, c), (sqr, sqc)).copy_(ref.data)
+        _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
+    elif name == "_quant_128x1_kernel":
+        x, in_s, q, s, r, c, sxr, sxc, sir, sig, sqr, sqc, ssb, ssc = args
+        xv = _strided(x, (r, c), (sxr, sxc))
+        if meta["DEQ"]:
+            src = QuantizedTensor(xv, _strided(in_s, (r, cdiv(c, 128)), (sir, sig)), (1, 128))
+            ref = requantize_fp8(src, (128, 1), pow2_scale=meta["POW2"])
+        else:
+            ref = quantize_fp8(xv, (128, 1), pow2_scale=meta["POW2"], nonfinite="propagate")
+        _strided(q, (r, c), (sqr, sqc)).copy_(ref.data)
+        _strided(s, (cdiv(r, 128), c), (ssb, ssc)).copy_(ref.scale)
+    elif name == "_quant_128x128_kernel":
+        x, q, qt, s, st, r, c, sxr, sxc, sqr, sqc, stqr, stqc, ssr, ssc, stsr, stsc = args
+        ref = quantize_fp8(_strided(x, (r, c), (sxr, sxc)), (128, 128), pow2_scale=meta["POW2"], nonfinite="propagate")
+        rb, cb = cdiv(r, 128), cdiv(c, 128)
+        if meta["WRITE_Q"]:
+            _strided(q, (r, c), (sqr, sqc)).copy_(ref.data)
+            _strided(s, (rb, cb), (ssr, ssc)).copy_(ref.scale)
+        if meta["WRITE_T"]:
+            _strided(qt, (c, r), (stqr, stqc)).copy_(ref.data.t())
+            _strided(st, (cb, rb), (stsr, stsc)).copy_(ref.scale.t())
+    elif name == "_transpose_u8_kernel":
+        x, y, r, c, sxr, sxc, syr, syc = args
+        _strided(y, (c, r), (syr, syc)).copy_(_strided(x, (r, c), (sxr, sxc)).t())
+    elif name == "_silu_mul_quant_kernel":
+        g, u, h, q, s, r, c, sgr, sgc, sur, suc, shr, shc, sqr, sqc, ssr, ssg = args
+        hp = F.silu(_strided(g, (r, c), (sgr, sgc))) * _strided(u, (r, c), (sur, suc))
+        if meta["WRITE_H"]:
+            _strided(h, (r, c), (shr, shc)).copy_(hp)
+        ref = quantize_fp8(hp, (1, 128), pow2_scale=meta["POW2"], nonfinite="propagate")
+        _strided(q, (r, c), (sqr, sqc)).copy_(ref.data)
+        _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
+    elif name == "requant_1x128_to_128x1_t":
+        x, s_in, q, s_out, m, k, ldx_words, s_row, s_grp = args
+        src = QuantizedTensor(_strided(x, (m, k), (4 * ldx_words, 1)), _strided(s_in, (m, cdiv(k, 128)), (s_row, s_grp)), (1, 128))
+        ref = requantize_fp8(src, (128, 1), pow2_scale=meta.get("POW2", False)).t()
+        _strided(q, (k, m), (m, 1)).copy_(ref.data)
+        _strided(s_out, (k, cdiv(m, 128)), (1, k)).copy_(ref.scale)
+    else:
+        raise NotImplementedError(f"host_cost: no CPU emulation of kernel {name!r}")
+
+
+def _b_operand(b_t: torch.Tensor, sb: torch.Tensor, block_b: str):
+    """B [N, K] and its logical scales from scaled_mm's (mat_b = B^T, scale_b) for the two recipes."""
+    from jetrl_precision.formats import QuantizedTensor
+
+    b = b_t.t()
+    n, k = b.shape
+    if block_b == "128x128":  # scale_b (round_up(KB, 4), NB), strides (1, round_up(KB, 4))
+        return QuantizedTensor(b, sb.t()[:, : -(-k // 128)], (128, 128))
+    return QuantizedTensor(b, sb, (1, 128))  # (N, KG), MN-major
+
+
+def _emulated_mm(a, b_t, sa, sb, out_dtype, block_b: str) -> torch.Tensor:
+    from jetrl_precision.formats import QuantizedTensor
+
+    aq = QuantizedTensor(a, sa, (1, 128))
+    bq = _b_operand(b_t, sb, block_b)
+    return (aq.dequantize(torch.float64) @ bq.dequantize(torch.float64).t()).to(out_dtype)
+
+
+class _GemmStubs:
+    """torch._scaled_mm, F.scaled_mm and torch._scaled_mm_v2 replaced: counted as launches; in check mode they
+    return the float64 product of the dequantized operands (the `emulated` backend's numbers), else an empty
+    output."""
+
+    def __init__(self, check: bool) -> None:
+        self.check = check
+        self.saved: dict[str, object] = {}
+
+    def _run(self, name, a, b_t, sa, sb, out_dtype, block_b):
+        c = _COUNTER[0]
+        if c is not None:
+            c.launched(name)
+            c.paused += 1
+        try:
+            if self.check:
+                return _emulated_mm(a, b_t, sa, sb, out_dtype, block_b)
+            return torch.empty((a.shape[0], b_t.shape[1]), dtype=out_dtype)
+        finally:
+            if c is not None:
+                c.paused -= 1
+
+    def legacy(self, a, b_t, scale_a=None, scale_b=None, out_dtype=None, **kw):
+        # jetrl_precision takes the legacy entry point for 1x128 x 128x128 only (it refuses 1x128 x 1x128).
+        return self._run("torch._scaled_mm", a, b_t, scale_a, scale_b, out_dtype, "128x128")
+
+    def scaled_mm(self, a, b_t, sa, rec_a, sb, rec_b, *args, output_dtype=torch.bfloat16, **kw):
+        return self._run("F.scaled_mm", a, b_t, sa, sb, output_dtype, "128x128" if "128x128" in str(rec_b) else "1x128")
+
+    def v2(self, a, b_t, sa, rec_a, swz_a, sb, rec_b, swz_b, bias, out_dtype, contraction_dim, fast_accum):
+        block = F.ScalingType.BlockWise128x128.value if hasattr(F.ScalingType.BlockWise128x128, "value") else None
+        block_b = "128x128" if block is not None and list(rec_b) == [block] else "1x128"
+        return self._run("torch._scaled_mm_v2", a, b_t, sa[0] if isinstance(sa, (list, tuple)) else sa,
+                         sb[0] if isinstance(sb, (list, tuple)) else sb, out_dtype, block_b)
+
+    def __enter__(self):
+        self.saved = {"legacy": torch._scaled_mm, "scaled_mm": F.scaled_mm, "v2": getattr(torch, "_scaled_mm_v2", None)}
+        torch._scaled_mm = self.legacy
+        F.scaled_mm = self.scaled_mm
+        if self.saved["v2"] is not None:
+            torch._scaled_mm_v2 = self.v2
+        return self
+
+    def __exit__(self, *exc):
+        torch._scaled_mm = self.saved["legacy"]
+        F.scaled_mm = self.saved["scaled_mm"]
+        if self.saved["v2"] is not None:
+            torch._scaled_mm_v2 = self.saved["v2"]
+
+
+@contextlib.contextmanager
+def simulated_cuda(check: bool = False) -> Iterator[None]:
+    """Run jetrl_precision's CUDA code path on CPU tensors, every launch stubbed (see the module docstring).
+
+    Inside the block CPU devices pass the CUDA-only device checks of the Triton quantize implementation, the CUDA
+    requantizer and the torch (cuBLASLt) GEMM backend. `check=True` makes the stubs compute the kernels' results.
+    """
+    install_triton_stand_in()
+    from jetrl_precision import ops
+    from jetrl_precision.gemm import dispatch, torch_backend
+    from jetrl_precision.kernels import cast_transpose, launch
+    from jetrl_precision.kernels.impl import TritonQuantizeImpl
+
+    ops._load_optional()
+    impl = TritonQuantizeImpl()
+    impl._ok["cpu"] = True
+    ops.register_quantize_impl(impl)
+    dispatch._ensure_registered()
+    saved_torch = dispatch._REGISTRY["torch"]
+    dispatch._REGISTRY["torch"] = dataclasses.replace(saved_torch, unavailable_reason=lambda device: None)
+    saved_reason = torch_backend.unavailable_reason
+    torch_backend.unavailable_reason = lambda device: None
+    saved_legacy, saved_v2 = dict(torch_backend._legacy_same), dict(torch_backend._v2_same)
+    # The entry points the device probe picks on the H200: the legacy call for 1x128 x 128x128 (bitwise equal
+    # there, torch 2.11), and torch._scaled_mm_v2 for 1x128 x 1x128 where it matches F.scaled_mm.
+    torch_backend._legacy_same["cpu"] = True
+    torch_backend._v2_same["cpu"] = True
+    saved_ct = (cast_transpose.supported_shape, cast_transpose.kernel_for, dict(cast_transpose._usable))
+    cast_transpose.supported_shape = cast_transpose.supported_layout  # the layout rules, on CPU tensors
+    cast_transpose.kernel_for = lambda device, pow2: _RequantStub(pow2, cast_transpose.KERNEL_NAME, launch.launch_override)
+    cast_transpose._usable["cpu"] = True
+
+    def override(name, grid, args, meta):
+        c = _COUNTER[0]
+        if c is not None:
+            c.launched(name)
+        if check:
+            if c is not None:
+                c.paused += 1
+            try:
+                _emulate_triton(name, grid, args, meta)
+            finally:
+                if c is not None:
+                    c.paused -= 1
+
+    try:
+        with _GemmStubs(check), launch.override_launches(override):
+            yield
+    finally:
+        ops._IMPLS.remove(impl)
+        dispatch._REGISTRY["torch"] = saved_torch
+        torch_backend.unavailable_reason = saved_reason
+        for table, saved in ((torch_backend._legacy_same, saved_legacy), (torch_backend._v2_same, saved_v2)):
+            table.clear()
+            table.update(saved)
+        cast_transpose.supported_shape, cast_transpose.kernel_for = saved_ct[:2]
+        cast_transpose._usable.clear()
+        cast_transpose._usable.update(saved_ct[2])
+
+
+class _RequantStub:
+    """Stands in for the compiled CUDA requantizer (`cast_transpose._Kernel`): its launch goes to the override."""
+
+    def __init__(self, pow2: bool, name: str, launch_override: Callable) -> None:
+        self.pow2, self.name, self.launch_override = pow2, name, launch_override
+
+    def __call__(self, grid, threads, tensors, ints):
+        self.launch_override()(self.name, grid, (*tensors, *ints), {"threads": threads, "POW2": self.pow2})
+
+
+# ---- the steps measured -------------------------------------------------------------------------------------
+def _data(shape, seed, scale=1.0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * torch.exp(0.5 * torch.randn(shape[0], 1, generator=g))
+    ch = torch.rand(shape[-1], generator=g) < 5e-3
+    return (torch.where(ch[None, :], x * 20, x) * scale).to(dtype)
+
+
+def linear_steps(m: int, k: int, n: int, backend: str = "torch", dtype=torch.bfloat16) -> dict[str, Callable]:
+    """{label: step} for one projection: nn.Linear fwd+bwd, Fp8Linear fwd+bwd, Fp8Linear no-grad forward.
+
+    Two inputs alternate, as in the GPU benchmark, so the quantizers' sibling-share cache never skips a step's work.
+    """
+    from jetrl_precision import Fp8Linear, get_recipe
+
+    r = get_recipe("jet_fp8")
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n, bias=False, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(_data((n, k), 1, 0.02, dtype))
+    f8 = Fp8Linear.from_linear(lin, r.train_fprop, r.train_backward, gemm_backend=backend)
+    xs = [_data((m, k), 2 + i, dtype=dtype).requires_grad_(True) for i in range(2)]
+    dys = [_data((m, n), 4 + i, 1e-3, dtype) for i in range(2)]
+    i = [0]
+
+    def nxt():
+        i[0] ^= 1
+        return i[0]
+
+    def run(mod):
+        j = nxt()
+        lin.weight.grad = None
+        xs[j].grad = None
+        mod(xs[j]).backward(dys[j])
+
+    def fwd_nograd():
+        with torch.no_grad():
+            return f8(xs[nxt()])
+
+    return {"nn.Linear fwd+bwd": lambda: run(lin), "Fp8Linear fwd+bwd": lambda: run(f8),
+            "Fp8Linear fwd no_grad": fwd_nograd, "_modules": (lin, f8, xs, dys)}
+
+
+def check_bytes(m: int, k: int, n: int) -> list[str]:
+    """Fp8Linear fwd+bwd on the simulated CUDA path (stubs computing the kernels' results) against the CPU
+    reference path (reference quantizer + emulated GEMM): y, dX and dW must be equal bit for bit."""
+    from jetrl_precision import Fp8Linear, get_recipe, mark_weights_updated
+
+    r = get_recipe("jet_fp8")
+    lin = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(_data((n, k), 1, 0.02))
+    x = _data((m, k), 2)
+    dy = _data((m, n), 4, 1e-3)
+    out = {}
+    for label, backend, ctx in (("reference", "emulated", contextlib.nullcontext()), ("simulated", "torch", simulated_cuda(check=True))):
+        with ctx:
+            mark_weights_updated()
+            layer = Fp8Linear.from_linear(lin, r.train_fprop, r.train_backward, gemm_backend=backend)
+            res = []
+            for _ in range(2):  # the second step runs on the cached weight and the built plan
+                xx = x.clone().requires_grad_(True)
+                lin.weight.grad = None
+                y = layer(xx)
+                y.backward(dy)
+                res.append((y.detach(), xx.grad, lin.weight.grad))
+            with torch.no_grad():
+                res.append((layer(x), None, None))
+        out[label] = res
+    problems = []
+    for i, (got, want) in enumerate(zip(out["simulated"], out["reference"])):
+        for what, g, w in zip(("y", "dX", "dW"), got, want):
+            if w is None:
+                continue
+            if g.dtype != w.dtype or g.shape != w.shape or not torch.equal(g.view(-1).view(torch.int16), w.view(-1).view(torch.int16)):
+                problems.append(f"M={m} K={k} N={n} step {i} {what}: simulated CUDA path differs from the reference")
+    return problems
+
+
+def measure(shapes: list[tuple[int, int, int]], top: int = 0) -> list[dict]:
+    rows = []
+    for m, k, n in shapes:
+        steps = linear_steps(m, k, n)
+        with simulated_cuda(check=False):
+            for label, step in steps.items():
+                if label.startswith("_"):
+                    continue
+                counts = count_host_work(step)
+                # With no-op stubs an FP8 step's wall time is host work only; nn.Linear's includes its CPU matmuls.
+                us = round(cpu_us(step), 1) if label.startswith("Fp8") else None
+                row = {"shape": f"M={m} K={k} N={n}", "step": label, **counts.summary(), "cpu_us": us,
+                       "launch_names": counts.launch_names}
+                if top:
+                    row["top_python"] = dict(list(counts.python_functions.items())[:top])
+                    row["aten_names"] = counts.aten_names
+                rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="256x512x768,200x384x640", help="MxKxN, comma-separated")
+    ap.add_argument("--check", action="store_true", help="also check the simulated path's bytes against the reference")
+    ap.add_argument("--json", help="write the rows (and check problems) here")
+    ap.add_argument("--top", type=int, default=0, help="also list the N most-called Python functions per step")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    rows = measure(shapes, a.top)
+    cols = ("python_calls", "builtin_calls", "torch_calls", "aten_ops", "allocations", "launches", "cpu_us")
+    print(f"{'shape':22s} {'step':24s} " + " ".join(f"{c:>13s}" for c in cols))
+    for r in rows:
+        print(f"{r['shape']:22s} {r['step']:24s} " + " ".join(f"{'-' if r[c] is None else r[c]:>13}" for c in cols))
+        if a.top:
+            print("    launches: " + ", ".join(f"{k} x{v}" for k, v in r["launch_names"].items()))
+            print("    aten: " + ", ".join(f"{k} x{v}" for k, v in r["aten_names"].items()))
+            print("    python: " + ", ".join(f"{k} x{v}" for k, v in r["top_python"].items()))
+    problems = []
+    if a.check:
+        for m, k, n in shapes:
+            problems += check_bytes(m, k, n)
+        print("check: " + ("bytes equal to the reference path" if not problems else "\n  ".join(["FAILED"] + problems)))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows, "check_problems": problems if a.check else None}, indent=1) + "\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
