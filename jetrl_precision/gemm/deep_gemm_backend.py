@@ -27,9 +27,9 @@ import torch
 
 from ..formats import QuantizedTensor
 from ..kernels.layout import pad_operands
-from .dispatch import GemmBackend, PreparedGemm, register_backend
+from .dispatch import NOT_INSTALLED, GemmBackend, PreparedGemm, register_backend
 
-__all__ = ["deep_gemm_gemm_nt", "deep_gemm_wgrad_1d1d", "import_deep_gemm", "DeepGemmPreparedGemm"]
+__all__ = ["deep_gemm_gemm_nt", "deep_gemm_wgrad_1d1d", "import_deep_gemm", "missing_reason", "DeepGemmPreparedGemm"]
 
 logger = logging.getLogger(__name__)
 _module: list[ModuleType | None] = []
@@ -46,18 +46,37 @@ def import_deep_gemm() -> ModuleType | None:
     try:
         import deep_gemm as mod  # type: ignore[no-redef]
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
-        errors.append(f"import deep_gemm: {type(e).__name__}: {e}")
+        errors.append(("deep_gemm", e))
         try:
             from vllm.third_party import deep_gemm as mod  # type: ignore[no-redef]
         except Exception as e2:  # noqa: BLE001
-            errors.append(f"import vllm.third_party.deep_gemm: {type(e2).__name__}: {e2}")
+            errors.append(("vllm.third_party.deep_gemm", e2))
             mod = None
     if mod is not None and not hasattr(mod, "fp8_gemm_nt"):
-        errors.append(f"{mod.__name__} has no fp8_gemm_nt (DeepGEMM older than 2.0?)")
+        errors.append((mod.__name__, AttributeError("no fp8_gemm_nt (DeepGEMM older than 2.0?)")))
         mod = None
     _module.append(mod)
-    _import_error.append("; ".join(errors))
+    if mod is None:
+        absent = all(_not_found(what, e) for what, e in errors)
+        detail = ("neither deep_gemm nor vLLM's copy imports" if absent
+                  else "; ".join(f"import {what}: {type(e).__name__}: {e}" for what, e in errors))
+        _import_error.append(f"{NOT_INSTALLED} ({detail}): build a wheel with examples/scripts/build_deep_gemm.sh, "
+                             "see docs/performance.md")
+    else:
+        _import_error.append("")
     return mod
+
+
+def _not_found(what: str, e: Exception) -> bool:
+    """The import failed because the module is not there (not because a build of it is broken)."""
+    if isinstance(e, ModuleNotFoundError):
+        return e.name is None or what.startswith(e.name) or e.name.startswith(what.split(".")[0])
+    return isinstance(e, ImportError) and "cannot import name 'deep_gemm'" in str(e)
+
+
+def missing_reason() -> str | None:
+    """None when deep_gemm imports; else one line: what failed and how to get DeepGEMM."""
+    return None if import_deep_gemm() is not None else _import_error[0]
 
 
 _kw_support: dict[str, bool] = {}
@@ -211,7 +230,7 @@ class DeepGemmPreparedGemm(PreparedGemm):
 def _module_or_raise() -> ModuleType:
     dg = import_deep_gemm()
     if dg is None:
-        raise RuntimeError(f"deep_gemm is not importable: {_import_error[0]}")
+        raise RuntimeError(_import_error[0])
     return dg
 
 
@@ -223,9 +242,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     cap = torch.cuda.get_device_capability(device)
     if cap[0] != 9:
         return f"this backend drives DeepGEMM's sm90 kernels; this GPU is sm{cap[0]}{cap[1]}"
-    if import_deep_gemm() is None:
-        return f"DeepGEMM is not installed ({_import_error[0]}); build it from github.com/deepseek-ai/DeepGEMM or install vLLM"
-    return None
+    return missing_reason()
 
 
 register_backend(GemmBackend("deep_gemm", deep_gemm_gemm_nt, unavailable_reason, DeepGemmPreparedGemm))

@@ -83,6 +83,8 @@ AUTO_ORDER_CUDA = ("deep_gemm", "torch", "triton")
 # compiled per shape at first use, minutes of engine start-up); benchmarks/results/runs/2026-12-01_*vllm-gpu*.json.
 AUTO_ORDER_CUDA_ROLLOUT = ("torch", "deep_gemm", "triton")
 _logged_choices: set[tuple[str, str]] = set()
+# How the deep_gemm backend's unavailable reason starts when DeepGEMM is simply not installed.
+NOT_INSTALLED = "DeepGEMM is not installed"
 
 
 def register_backend(backend: GemmBackend) -> None:
@@ -120,7 +122,10 @@ def resolve_backend(name: str, device: torch.device | str, role: str = "train") 
             reason = _REGISTRY[cand].unavailable_reason(device)
             if reason is None:
                 skipped = "".join(f"; {k} skipped: {v}" for k, v in reasons.items())  # e.g. DeepGEMM not installed
-                _log_choice(cand, device, f"auto picked {cand!r} on {device} for {role}{skipped}")
+                # A faster backend that would run here but is not installed (DeepGEMM on sm90) is a warning: the
+                # run is slower than it could be, and the line says how to fix that.
+                absent = any(v.startswith(NOT_INSTALLED) for v in reasons.values())
+                _log_choice(cand, device, f"auto picked {cand!r} on {device} for {role}{skipped}", warn=absent)
                 return cand
             reasons[cand] = reason
         why = "; ".join(f"{k}: {v}" for k, v in reasons.items()) or f"no FP8 tensor cores on {device.type}"
