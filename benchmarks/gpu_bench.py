@@ -10,6 +10,7 @@ Sections (each guarded, so one failure does not lose the rest; one module each i
   gemm      TFLOP/s per backend at Llama-3.1-8B shapes x M, BF16 F.linear in the same run, correctness
   linear    FP8 linear fwd+bwd vs nn.Linear BF16 at M=8192, kernel breakdown, saved-activation bytes
   stack     4-layer Llama-3.1-8B-shaped decoder: fwd+bwd+AdamW step, tokens/s and peak memory
+  reference the same stack's forward under no_grad at 16K and 32K tokens (the reference / old-logprob pass)
   decode    the same stack's forward at M=64 and 256 tokens (one position each), eager and CUDA graph
 Timing (`gpu_sections/timing.py`): triton.testing.do_bench medians (L2 flushed before each repeat); ratios are
 within this run. The GEMM section times each GEMM at the power cap instead (`bench_sustained`: a CUDA graph of
@@ -37,17 +38,21 @@ from gpu_sections.gemm import section_gemm  # noqa: E402
 from gpu_sections.host import section_host  # noqa: E402
 from gpu_sections.linear import section_linear  # noqa: E402
 from gpu_sections.quant import section_quant  # noqa: E402
-from gpu_sections.stack import section_decode, section_stack  # noqa: E402
+from gpu_sections.stack import section_decode, section_reference, section_stack  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
-    ap.add_argument("--sections", default="env,copy,quant,host,gemm,linear,stack,decode")
+    ap.add_argument("--sections", default="env,copy,quant,host,gemm,linear,stack,reference,decode")
     ap.add_argument("--stack-batch", type=int, default=16)
     ap.add_argument("--stack-steps", type=int, default=4)
     ap.add_argument("--stack-backends", default="auto", help="GEMM backends of the jet_fp8 stack/decode variants, e.g. auto,torch")
     ap.add_argument("--gemm-backends", default="torch,triton,deep_gemm", help="backends timed in the gemm section (if available)")
+    ap.add_argument("--linear-backends", default="auto,torch,triton",
+                    help="backends of the linear section (auto first, then those present that auto is not)")
+    ap.add_argument("--reference-batches", default="4,8", type=lambda s: [int(v) for v in s.split(",")],
+                    help="batches of 4096 tokens the reference section's forward takes")
     args = ap.parse_args()
     timing.set_command(
         "PYTHONUNBUFFERED=1 python3 benchmarks/gpu_bench.py " + " ".join(sys.argv[1:]).replace(os.environ.get("OUT", "\0"), "$OUT")
@@ -75,6 +80,10 @@ def main():
                 section_stack(args)
             elif sec == "decode":
                 section_decode(args)
+            elif sec == "reference":
+                section_reference(args)
+            else:
+                raise ValueError(f"unknown section {sec!r}")
         except Exception as e:  # noqa: BLE001 - keep going, record the failure
             errors[sec] = f"{type(e).__name__}: {e}"
             traceback.print_exc()

@@ -58,6 +58,8 @@ class Target:
     unit: str  # "%" or "x"
     goal: float | None  # None: reported, no target
     value: Callable[[list], tuple[float | None, str]]
+    at_most: bool = False  # the goal is a ceiling (host time, memory), not a floor
+    record: str = ""  # the record name it reads (for the goals that summary records carry)
 
 
 def _quant_row(label, name, shape):
@@ -106,6 +108,34 @@ def _ratio_row(label, name, shape):
     return Target(label, "x", None, value)
 
 
+def _summary_row(label, name, backend, goal, field="value", at_most=False, where=None):
+    """A goal read from one summary record of the training-speed sections (linear, stack, reference)."""
+    def value(records):
+        hits = [r for r in records if r.get("name") == name and r.get("backend") == backend and (where is None or where(r))]
+        if not hits or hits[-1].get(field) is None:
+            return None, ""
+        return hits[-1][field], f"{name} {backend} {field} ({hits[-1]['shape']})"
+    return Target(label, "x", goal, value, at_most, name)
+
+
+TRAIN_TARGETS = (
+    _summary_row("FP8 linear fwd+bwd vs BF16, eager, M=8192, 4 layers, torch", "linear_fwd_bwd_eager_ratio", "torch", 1.45),
+    _summary_row("FP8 linear fwd+bwd vs BF16, eager, M=8192, 4 layers, deep_gemm", "linear_fwd_bwd_eager_ratio", "deep_gemm", 1.6),
+    _summary_row("  slowest projection, torch", "linear_fwd_bwd_eager_ratio", "torch", 1.2, "min_layer_ratio"),
+    _summary_row("  slowest projection, deep_gemm", "linear_fwd_bwd_eager_ratio", "deep_gemm", 1.2, "min_layer_ratio"),
+    _summary_row("  host time per step over BF16's (geomean), torch", "linear_fwd_bwd_eager_ratio", "torch", 1.3,
+                 "host_ratio_vs_bf16", at_most=True),
+    _summary_row("  host time per step over BF16's (geomean), deep_gemm", "linear_fwd_bwd_eager_ratio", "deep_gemm", 1.3,
+                 "host_ratio_vs_bf16", at_most=True),
+    _summary_row("4-layer stack train step tokens/s vs BF16, torch", "stack_train_step_ratio", "torch", 1.5),
+    _summary_row("  peak memory over BF16's, torch", "stack_train_step_ratio", "torch", 1.0, "peak_ratio_vs_bf16", at_most=True),
+    _summary_row("4-layer stack train step tokens/s vs BF16, deep_gemm", "stack_train_step_ratio", "deep_gemm", 1.5),
+    _summary_row("reference forward (no grad, 16K tokens) vs BF16, torch", "reference_forward_ratio", "torch", 1.8,
+                 where=lambda r: r.get("tokens") == 16384),
+    _summary_row("reference forward (no grad, 16K tokens) vs BF16, deep_gemm", "reference_forward_ratio", "deep_gemm", 1.8,
+                 where=lambda r: r.get("tokens") == 16384),
+)
+
 TARGETS = (
     _quant_row("quantizer 1x128 (x, dY), % of copy", "quant_1x128", "16384x14336"),
     _quant_row("quantizer 128x1 written transposed (dY^T), % of copy", "quant_128x1_transposed", "16384x14336"),
@@ -119,7 +149,7 @@ TARGETS = (
     _linear_row("FP8 linear fwd+bwd vs BF16, M=8192, 4 layers, CUDA graph (auto)", "graph"),
     _ratio_row("4-layer stack fwd+bwd+AdamW tokens/s vs BF16 (auto)", "stack_train_tokens_per_s", "4 layers, batch 16 x seq 4096"),
     _ratio_row("decode forward, M=64, CUDA graph, vs BF16 (auto)", "decode_forward_us", "M=64 4 layers cuda-graph"),
-)
+) + TRAIN_TARGETS
 
 
 def targets_table(records) -> str:
@@ -128,12 +158,13 @@ def targets_table(records) -> str:
     for t in TARGETS:
         label, unit, goal = t.label, t.unit, t.goal
         v, src = t.value(records)
-        goal_s = "-" if goal is None else (f">= {goal:.0f}%" if unit == "%" else f">= {goal:.1f}x")
+        sign = "<=" if t.at_most else ">="
+        goal_s = "-" if goal is None else (f"{sign} {goal:.0f}%" if unit == "%" else f"{sign} {goal:.2f}x")
         if v is None:
             lines.append(f"| {label} | {goal_s} | not measured in this run | - | |")
             continue
         v_s = f"{v:.0f}%" if unit == "%" else f"{v:.3f}x"
-        met = "-" if goal is None else ("yes" if v >= goal else "no")
+        met = "-" if goal is None else ("yes" if (v <= goal if t.at_most else v >= goal) else "no")
         lines.append(f"| {label} | {goal_s} | {v_s} | {met} | {src} |")
     return "\n".join(lines)
 

@@ -155,6 +155,26 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
+# The training-side speed goals (issue: actor update and reference forward at the paper's speed, eager). Read from
+# the summary records the linear, stack and reference sections write; torch-backend figures first, since those are
+# what a pip install gives (DeepGEMM has to be built: examples/scripts/build_deep_gemm.sh).
+METRICS += (
+    Metric("linear_fwd_bwd_eager_ratio_torch", "x bf16",
+           "FP8 linear forward+backward over nn.Linear BF16, eager, M = 8192, geomean of the 4 Llama-3.1-8B projections, "
+           "weights cached, torch backend (cuBLASLt blockwise: what a pip install gives)",
+           _field("linear_fwd_bwd_eager_ratio", backend="torch")),
+    Metric("linear_fwd_bwd_eager_ratio_deep_gemm", "x bf16", "the same with the deep_gemm backend (DeepGEMM built from source)",
+           _field("linear_fwd_bwd_eager_ratio", backend="deep_gemm")),
+    Metric("stack_train_step_ratio", "x bf16",
+           "4-layer Llama-3.1-8B-shaped stack, forward+backward+AdamW tokens/s over BF16, eager, batch 16 x 4096 tokens, "
+           "torch backend",
+           _field("stack_train_step_ratio", backend="torch")),
+    Metric("reference_forward_ratio", "x bf16",
+           "the same stack's no-grad forward (reference / old-logprob pass) over BF16, 16,384 tokens per call, weights "
+           "cached, torch backend",
+           _field("reference_forward_ratio", backend="torch", where=lambda r: r.get("tokens") == 16384)),
+)
+
 VLLM_8B = "Llama-3.1-8B shape, 8 layers, {} prompts x 256 + 1024 new tokens, {}"
 VLLM_SMOL = "SmolLM2-135M-Instruct bf16, 16 chat prompts x <=1024 tokens, T=1, default"
 VLLM_SYNC = "Llama-3.1-8B shape, 32 layers, colocated in-process engine"

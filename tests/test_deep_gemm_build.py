@@ -133,6 +133,11 @@ def test_build_flow_unpacks_patches_builds_and_installs(tmp_path):
     installed = log.read_text()
     assert f"--target {target}" in installed and str(wheels[0]) in installed and "--no-deps" in installed
     assert "no GPU here, smoke test skipped" in r.stdout
+    env = (target / "deep_gemm_env.sh").read_text()
+    assert f"export CUDA_HOME='{tmp_path / 'cuda'}'" in env and str(target) in env
+    check = subprocess.run(["bash", "-c", f"source {target / 'deep_gemm_env.sh'}; source {target / 'deep_gemm_env.sh'}; "
+                            "echo $PYTHONPATH"], capture_output=True, text=True, env={"PATH": os.environ["PATH"]})
+    assert check.stdout.strip() == str(target), "sourcing the env file twice adds the folder once"
     assert (work / "deepgemm-src" / "setup.py").exists(), "--work keeps the unpacked source"
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from jetrl_precision import Fp8Linear, get_recipe
 from jetrl_precision.gemm import available_backends, gemm_nt
 from jetrl_precision.kernels import quant
-from host_profile import loop_us  # benchmarks/ is on sys.path: gpu_bench.py runs as a script from there
+from host_profile import busy_us, loop_us  # benchmarks/ is on sys.path: gpu_bench.py runs as a script from there
 
 from .timing import data, rec, rel_err
 
@@ -39,9 +39,18 @@ def section_host(args):
     f8 = Fp8Linear.from_linear(lin, r.train_fprop, r.train_backward)
     xs = [data(64, 4096, seed=18 + i) for i in range(2)]
     cyc = itertools.cycle(range(2))
+    from jetrl_precision.kernels import launch
+
+    kq = quant._quant_1x128_kernel
+    qbuf, sbuf = torch.empty_like(x, dtype=torch.float8_e4m3fn), torch.empty_strided((64, 32), (1, 64), device="cuda")
+    jit_args = (x, qbuf, sbuf, 64, 4096, 4096, 1, 4096, 1, 1, 64)
     items = {
         "F.linear bf16": lambda: F.linear(x, w),
         "quantize_1x128 launch": lambda: quant.quantize_1x128(x),
+        # The same kernel launch, preallocated outputs: through Triton's kernel[grid] and through the launcher
+        # (direct after the first call: launch.direct_launch_status()).
+        "1x128 kernel[grid] only": lambda: kq[(4, 32)](*jit_args, BLOCK_R=16, POW2=False, num_warps=4),
+        "1x128 TritonLauncher only": lambda: quant._kern_1x128((4, 32), *jit_args, BLOCK_R=16, POW2=False, num_warps=4),
         "F.scaled_mm direct": lambda: F.scaled_mm(xq.data, wq.data.t(), xq.scale, one, sb, block, output_dtype=torch.bfloat16),
         "torch._scaled_mm direct": lambda: torch._scaled_mm(xq.data, wq.data.t(), scale_a=xq.scale, scale_b=sb, out_dtype=torch.bfloat16),
         "gemm_nt torch": lambda: gemm_nt(xq, wq, torch.bfloat16, "torch"),
@@ -88,11 +97,18 @@ def section_host(args):
     # the Python + launch time an eager o_proj step at M=8192 (~1 ms of GPU work) cannot hide.
     xg = [data(64, 4096, seed=20 + i).requires_grad_(True) for i in range(2)]
     dyg = data(64, 4096, seed=22)
+    print(f"  direct Triton launches: {launch.direct_launch_status()}")
+    rec("triton_direct_launch", "process", "host", int(launch.direct_launch_status()[0]), "bool",
+        note=launch.direct_launch_status()[1])
+    pure = {}
     for name, fn in {"nn.Linear fwd+bwd": lambda: lin(xg[next(cyc)]).backward(dyg),
                      "Fp8Linear fwd+bwd": lambda: f8(xg[next(cyc)]).backward(dyg)}.items():
         us = host_us(fn, n=200)
-        print(f"  {name:28s} {us:7.1f}")
+        pure[name] = busy_us(fn, n=40)  # enqueued behind a sleep kernel: host work only
+        print(f"  {name:28s} {us:7.1f}   behind a sleep kernel {pure[name]:7.1f}")
         rec("host_us_per_call", f"M=64 K=N=4096 {name}", "host", round(us, 1), "us")
+        rec("host_us_per_call", f"M=64 K=N=4096 {name} behind a sleep kernel", "host", round(pure[name], 1), "us",
+            host_ratio_vs_bf16=round(pure[name] / pure["nn.Linear fwd+bwd"], 3))
     with torch.no_grad():
         # Where the Fp8Linear host time goes (cProfile inflates the totals; the ranking is what matters).
         import cProfile

@@ -258,11 +258,22 @@ WHEEL=$(ls -t "$WHEEL_DIR"/deep_gemm-*.whl 2>/dev/null | head -n 1)
 say "wheel: $WHEEL"
 [[ $INSTALL == 0 && -z "$TARGET" ]] && { say "done: pip install --no-deps $WHEEL"; exit 0; }
 
+# DeepGEMM compiles its kernels at run time with nvcc from CUDA_HOME (else it guesses from `which nvcc`, which a
+# wrapper script in /usr/local/bin gets wrong): the environment to run it in is written next to the install.
 if [[ -n "$TARGET" ]]; then
   "$PY" -m pip install -q --no-deps --upgrade --target "$TARGET" "$WHEEL" || die "pip install --target $TARGET failed"
   export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
+  ENV_FILE=$TARGET/deep_gemm_env.sh
+  mkdir -p "$TARGET"
+  {
+    echo "# written by examples/scripts/build_deep_gemm.sh: source it before running with the deep_gemm backend"
+    echo "export CUDA_HOME='$CUDA_HOME'"
+    echo "case \":\${PYTHONPATH:-}:\" in *':$TARGET:'*) ;; *) export PYTHONPATH='$TARGET'\${PYTHONPATH:+:\$PYTHONPATH} ;; esac"
+  } > "$ENV_FILE"
+  say "installed into $TARGET; run with: source $ENV_FILE"
 else
   "$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL" || die "pip install $WHEEL failed"
+  say "installed; run with CUDA_HOME=$CUDA_HOME set (DeepGEMM compiles its kernels with its nvcc)"
 fi
 [[ $SMOKE == 1 ]] || { say "installed (smoke test skipped)"; exit 0; }
 [[ "$HASGPU" == 1 ]] || { say "installed; no GPU here, smoke test skipped"; exit 0; }
