@@ -190,7 +190,8 @@ def test_device_scripts_parse_and_name_known_sections():
         r = subprocess.run(["bash", "-n", str(BENCH / script)], capture_output=True, text=True)
         assert r.returncode == 0, f"{script}: {r.stderr}"
     doc = (BENCH / "gpu_bench.py").read_text()
-    known = set(re.findall(r"^  (\w+) {2,}", doc, re.M))
+    block = doc[doc.index("Sections ("):doc.index("Timing (")]
+    known = set(re.findall(r"^  ([a-z]+) +\S", block, re.M))
     for script in ("gpu_train_speed.sh", "gpu_all.sh"):
         default = re.search(r"SECTIONS=\$\{SECTIONS:-([\w,]+)\}", (BENCH / script).read_text()).group(1)
         assert set(default.split(",")) <= known, (script, set(default.split(",")) - known)
