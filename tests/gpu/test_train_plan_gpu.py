@@ -144,9 +144,11 @@ def test_planned_step_under_a_cuda_graph():
         yg.backward(dy)
     finally:
         impl.share_results = True
-    _same(yg.detach(), want[0], "graph y")
-    _same(xg.grad, want[1], "graph dX")
-    _same(w.grad, want[2], "graph dW")
+    # Same operands and calls; cuBLASLt may pick another algorithm on the capture stream, which can move an fp32 sum
+    # by an ulp and so flip the bf16 rounding of an output: at most one bf16 ulp (2^-8 relative) per element.
+    for what, got, ref in (("y", yg.detach(), want[0]), ("dX", xg.grad, want[1]), ("dW", w.grad, want[2])):
+        err = float((got.double() - ref.double()).norm() / ref.double().norm())
+        assert err <= 2.0**-8, f"graph {what}: relative error {err:.2e} above one bf16 rounding"
 
 
 def test_scaled_mm_v2_shortcut_equals_f_scaled_mm():
