@@ -7,7 +7,9 @@ engine actually instantiated), never from a config alone, and it is plain data s
 engine can build it in its own process and ship it back as a dict.
 
 `check_subgraph(rollout, train_fwd)` proves the Jet-RL property: every op the rollout runs
-exists in the training forward with identical quantization on every edge.
+exists in the training forward with identical quantization on every edge, and every FP8 op of
+the training forward is in the rollout with its input and weight edges (a graph that omits
+them proves nothing).
 """
 
 from __future__ import annotations

@@ -19,7 +19,10 @@ from pathlib import Path
 __all__ = [
     "MANIFEST",
     "CheckpointError",
+    "checkpoint_files",
+    "hash_files",
     "write_manifest",
+    "manifest_entries",
     "verify_manifest",
     "read_latest",
     "write_latest",
@@ -51,30 +54,56 @@ def _fsync_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_manifest(tag_dir: Path) -> dict[str, dict]:
-    """Hash every file under `tag_dir` into `tag_dir/CHECKSUMS.json`; returns the entries."""
+def checkpoint_files(tag_dir: Path) -> list[str]:
+    """Paths (relative to `tag_dir`) of every file a manifest covers."""
     tag_dir = Path(tag_dir)
-    files = sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
-    if not files:
+    return sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def hash_files(tag_dir: Path, rels: list[str]) -> dict[str, dict]:
+    """Manifest entries ({"sha256", "bytes"}) of these files: ranks each hash their share of a checkpoint."""
+    tag_dir = Path(tag_dir)
+    return {rel: {"sha256": _sha256(tag_dir / rel), "bytes": (tag_dir / rel).stat().st_size} for rel in rels}
+
+
+def write_manifest(tag_dir: Path, entries: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Write `tag_dir/CHECKSUMS.json` from `entries` (default: hash every file here); returns the entries."""
+    tag_dir = Path(tag_dir)
+    if entries is None:
+        entries = hash_files(tag_dir, checkpoint_files(tag_dir))
+    if not entries:
         raise CheckpointError(f"checkpoint folder {tag_dir} is empty after saving: the save failed (see the log above)")
-    entries = {str(p.relative_to(tag_dir)): {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
-    _fsync_write(tag_dir / MANIFEST, json.dumps({"algorithm": "sha256", "files": entries}, indent=1))
+    _fsync_write(tag_dir / MANIFEST, json.dumps({"algorithm": "sha256", "files": dict(sorted(entries.items()))}, indent=1))
     return entries
 
 
-def verify_manifest(tag_dir: Path) -> list[str] | None:
-    """Every way the files under `tag_dir` differ from its manifest (empty: verified), or None without a manifest."""
-    tag_dir = Path(tag_dir)
-    manifest = tag_dir / MANIFEST
+def manifest_entries(tag_dir: Path) -> dict[str, dict] | None:
+    """The manifest's entries, None without one; an unreadable manifest raises CheckpointError."""
+    manifest = Path(tag_dir) / MANIFEST
     if not manifest.is_file():
         return None
     try:
         entries = json.loads(manifest.read_text())["files"]
+        if not isinstance(entries, dict):
+            raise TypeError("'files' is not a mapping")
+        return entries
     except (OSError, ValueError, KeyError, TypeError) as e:
-        return [f"{manifest} is unreadable ({type(e).__name__}: {e})"]
+        raise CheckpointError(f"{manifest} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def verify_manifest(tag_dir: Path, rels: list[str] | None = None) -> list[str] | None:
+    """Every way the files under `tag_dir` (or just `rels`) differ from its manifest (empty: verified),
+    or None without a manifest."""
+    tag_dir = Path(tag_dir)
+    try:
+        entries = manifest_entries(tag_dir)
+    except CheckpointError as e:
+        return [str(e)]
+    if entries is None:
+        return None
     problems = []
-    for rel, want in entries.items():
-        p = tag_dir / rel
+    for rel in entries if rels is None else rels:
+        want, p = entries[rel], tag_dir / rel
         if not p.is_file():
             problems.append(f"{p} is missing")
         elif p.stat().st_size != want["bytes"]:

@@ -25,7 +25,8 @@ from torch import nn
 from openrlhf.config import ConfigError
 
 from .checkpoint import (
-    MANIFEST, CheckpointError, folder_bytes, read_latest, stale_tags, step_tags, verify_manifest, write_latest, write_manifest,
+    MANIFEST, CheckpointError, checkpoint_files, folder_bytes, hash_files, manifest_entries, read_latest, stale_tags, step_tags,
+    verify_manifest, write_latest, write_manifest,
 )
 
 __all__ = ["StrategyConfig", "DeepspeedStrategy"]
@@ -280,8 +281,12 @@ class DeepspeedStrategy:
             extra(staging)
             self.barrier()
 
+        # Every rank hashes a share of the files (a large checkpoint hashes in 1/world of the time).
+        files = self.broadcast_object(checkpoint_files(staging) if self.is_rank_0 else None)
+        entries = {k: v for part in self.all_gather_object(hash_files(staging, files[self.rank :: self.world_size])) for k, v in part.items()}
+
         def publish() -> None:
-            write_manifest(staging)
+            write_manifest(staging, entries)
             final, old = ckpt_dir / tag, ckpt_dir / f"{tag}.replaced"
             if final.exists():  # the same step saved again (a final save after the last periodic one)
                 shutil.rmtree(old, ignore_errors=True)
@@ -311,43 +316,43 @@ class DeepspeedStrategy:
         box: dict[str, Any] = {}
         pointer = "latest_universal" if self.cfg.load_universal else "latest"
 
-        def verify() -> None:
+        def other(tag: str) -> str:  # only on failure: hashing every other checkpoint costs time
+            good = next((t for t in reversed(step_tags(ckpt_dir)) if t != tag and verify_manifest(ckpt_dir / t) == []), None)
+            if good is None:
+                return "no other checkpoint there verifies"
+            return f"the newest other checkpoint that verifies is {good}: `echo {good} > {ckpt_dir / 'latest'}` to resume from it"
+
+        def locate() -> None:
             tag = read_latest(ckpt_dir, pointer)
-            box["tag"] = tag
-            if tag is None:
-                plain = read_latest(ckpt_dir) if self.cfg.load_universal else None
-                if plain is not None:
-                    raise CheckpointError(
-                        f"--ds.use_universal_ckpt: {ckpt_dir} has no latest_universal, only a regular checkpoint ({plain}). "
-                        f"Convert it first: python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt_dir / plain} "
-                        f"--output_folder {ckpt_dir / (plain + '_universal')} (or drop --ds.use_universal_ckpt)"
-                    )
-                return
-
-            def other() -> str:  # only on failure: hashing every other checkpoint costs time
-                good = next((t for t in reversed(step_tags(ckpt_dir)) if t != tag and verify_manifest(ckpt_dir / t) == []), None)
-                if good is None:
-                    return "no other checkpoint there verifies"
-                return f"the newest other checkpoint that verifies is {good}: `echo {good} > {ckpt_dir / 'latest'}` to resume from it"
-
-            if not (ckpt_dir / tag).is_dir():
+            if tag is None and self.cfg.load_universal and (plain := read_latest(ckpt_dir)) is not None:
+                raise CheckpointError(
+                    f"--ds.use_universal_ckpt: {ckpt_dir} has no latest_universal, only a regular checkpoint ({plain}). "
+                    f"Convert it first: python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt_dir / plain} "
+                    f"--output_folder {ckpt_dir / (plain + '_universal')} (or drop --ds.use_universal_ckpt)"
+                )
+            if tag is not None and not (ckpt_dir / tag).is_dir():
                 raise CheckpointError(
                     f"{ckpt_dir / pointer} names {tag}, but {ckpt_dir / tag} does not exist (moved or deleted); "
-                    f"{other()}, or drop --ckpt.load_enable to start fresh"
+                    f"{other(tag)}, or drop --ckpt.load_enable to start fresh"
                 )
-            problems = verify_manifest(ckpt_dir / tag)
-            if problems is None:
-                logger.warning("checkpoint %s has no %s (written by another tool or version): loading it unverified", ckpt_dir / tag, MANIFEST)
-            elif problems:
-                raise CheckpointError(
-                    f"checkpoint {ckpt_dir / tag} is corrupt: {'; '.join(problems[:4])}. Refusing to resume from it; "
-                    f"{other()}, or drop --ckpt.load_enable to start fresh"
-                )
+            box["tag"] = tag
+            box["files"] = None if tag is None else sorted(manifest_entries(ckpt_dir / tag) or {}) or None
 
-        self._rank0_outcome(verify)
-        tag = self.broadcast_object(box.get("tag"))
+        self._rank0_outcome(locate)
+        tag, files = self.broadcast_object((box.get("tag"), box.get("files")))
         if tag is None:
             return None
+        if files is None:
+            if self.is_rank_0:
+                logger.warning("checkpoint %s has no %s (written by another tool or version): loading it unverified", ckpt_dir / tag, MANIFEST)
+        else:  # every rank verifies a share of the files
+            problems = [p for part in self.all_gather_object(verify_manifest(ckpt_dir / tag, files[self.rank :: self.world_size])) for p in part]
+            if problems:
+                msg = self.broadcast_object(
+                    f"checkpoint {ckpt_dir / tag} is corrupt: {'; '.join(problems[:4])}. Refusing to resume from it; "
+                    f"{other(tag)}, or drop --ckpt.load_enable to start fresh" if self.is_rank_0 else None
+                )
+                raise CheckpointError(msg)
         path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise CheckpointError(f"checkpoint {ckpt_dir / tag} could not be loaded (see DeepSpeed's log above)")
