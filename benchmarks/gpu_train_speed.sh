@@ -10,7 +10,8 @@
 #
 # .dg/deepgemm-src.tar.gz comes from benchmarks/deep_gemm_pack.sh (the machine has no network). Without it the run
 # measures the torch backend only. Knobs: SECTIONS, PYTEST_K (PYTEST_K=skip: no tests), DG_TIMEOUT, TEST_TIMEOUT.
-# Writes to $OUT: deep_gemm_build.txt, pytest.txt, gpu_bench.log, gpu_bench.json (after every section).
+# Writes to $OUT: deep_gemm_build.txt, pytest_direct_launch.txt, pytest.txt, gpu_bench.log, gpu_bench.json (after
+# every section).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-.}
@@ -40,6 +41,16 @@ else
   echo "deep_gemm: no .dg/deepgemm-src.tar.gz carried (benchmarks/deep_gemm_pack.sh makes it); torch backend only"
 fi
 echo "[$(( $(date +%s) - START )) s]"
+
+# ---- direct Triton launches first: if their bytes or their use are wrong, measure without them ----------------------
+if timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_train_plan_gpu.py -k direct_launches \
+     > "$OUT/pytest_direct_launch.txt" 2>&1; then
+  echo "direct Triton launches: checked"
+else
+  export JETRL_TRITON_DIRECT_LAUNCH=0
+  echo "direct Triton launches: FAILED their test (pytest_direct_launch.txt); measuring with JETRL_TRITON_DIRECT_LAUNCH=0"
+  tail -n 5 "$OUT/pytest_direct_launch.txt"
+fi
 
 # ---- the GPU tests of what changed ---------------------------------------------------------------------------------
 if [[ "${PYTEST_K:-}" != skip ]]; then
