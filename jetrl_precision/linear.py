@@ -252,8 +252,8 @@ class Fp8Linear(nn.Linear):
         return self._quantized_weight_entry(self.weight if weight is None else weight)[1]
 
     def _quantized_weight_entry(self, weight: torch.Tensor) -> tuple:
-        # `_cache_key`, inlined: this runs in every forward.
-        key = None if hasattr(weight, "ds_id") else (weight.data_ptr(), weight._version, weight.shape, weight.dtype, _current_generation[0])
+        """(cache key or None, Q(W), {backend: prepared GEMM operands}): the cached entry while the weight is unchanged."""
+        key = self._cache_key(weight)
         cached = self._wq_cache
         if key is not None and cached is not None and cached[0] == key:
             return cached
@@ -330,13 +330,14 @@ class Fp8Linear(nn.Linear):
         if x.numel() == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
         plan = self._plan(x.device)
-        if not torch.is_grad_enabled() or not (x.requires_grad or self.weight.requires_grad):
+        weight, bias = self.weight, self.bias
+        if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
             # Rollout / reference / logprob passes: the same math without autograd's bookkeeping.
             if x.dim() == 2:
-                return _fprop(self, plan, x, self.weight, self.bias, x.dtype)[0]
-            y = _fprop(self, plan, x.reshape(-1, x.shape[-1]), self.weight, self.bias, x.dtype)[0]
+                return _fprop(self, plan, x, weight, bias, x.dtype)[0]
+            y = _fprop(self, plan, x.reshape(-1, x.shape[-1]), weight, bias, x.dtype)[0]
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        return _Fp8LinearFunction.apply(x, self.weight, self.bias, self, plan)
+        return _Fp8LinearFunction.apply(x, weight, bias, self, plan)
 
     def extra_repr(self) -> str:
         bw = self.backward_spec
