@@ -525,10 +525,72 @@ def check_bytes(m: int, k: int, n: int) -> list[str]:
     return problems
 
 
-def measure(shapes: list[tuple[int, int, int]], top: int = 0) -> list[dict]:
+def _decoder_layer(fp8_backend: str | None):
+    """One small Llama decoder layer (head dim 128), bf16; jet_fp8 with the fused SwiGLU MLP when a backend is given."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_sections.llama_stack import MLP, Stack
+
+    from jetrl_precision import convert_to_fp8, get_recipe
+    from jetrl_precision.swiglu import fuse_swiglu
+
+    torch.manual_seed(0)
+    model = Stack(n_layers=1, h=512, i=1024, nh=4, nkv=2).to(torch.bfloat16)
+    for p in model.parameters():
+        if p.dim() == 2:
+            nn.init.normal_(p, std=0.02)
+    if fp8_backend is not None:
+        convert_to_fp8(model, dataclasses.replace(get_recipe("jet_fp8"), gemm_backend=fp8_backend), fuse_swiglu=False)
+        fuse_swiglu(model, classes=[MLP])  # what convert_to_fp8 does for HF Llama MLPs
+    return model
+
+
+def layer_steps(tokens: int = 256) -> dict[str, Callable]:
+    """{label: step} for one Llama decoder layer (benchmarks/gpu_sections/llama_stack.py, head dim 128, small widths):
+    fwd+bwd in bf16 and in jet_fp8 (fused SwiGLU MLP, as convert_to_fp8 installs it). The layer's bf16 ops
+    (attention, norms, RoPE) run for real on CPU; the counts include their host work too."""
+    build = lambda fp8: _decoder_layer("torch" if fp8 else None)  # noqa: E731
+    xs = [_data((tokens, 512), 6 + i).view(1, tokens, 512).requires_grad_(True) for i in range(2)]
+    i = [0]
+
+    def step(model, params):
+        i[0] ^= 1
+        x = xs[i[0]]
+        x.grad = None
+        for p in params:
+            p.grad = None
+        model(x).float().pow(2).mean().backward()
+
+    bf16, fp8 = build(False), build(True)
+    pb, pf = list(bf16.parameters()), list(fp8.parameters())
+    return {"decoder layer fwd+bwd bf16": lambda: step(bf16, pb), "decoder layer fwd+bwd jet_fp8": lambda: step(fp8, pf)}
+
+
+def check_layer_bytes(tokens: int = 200) -> list[str]:
+    """A jet_fp8 decoder layer's fwd+bwd on the simulated CUDA path against the CPU reference path, bit for bit:
+    output, input gradient and every weight gradient (sibling sharing and the fused SwiGLU quantization included)."""
+    from jetrl_precision import mark_weights_updated
+
+    x = _data((tokens, 512), 9).view(1, tokens, 512)
+    out = {}
+    for label, backend, ctx in (("reference", "emulated", contextlib.nullcontext()), ("simulated", "torch", simulated_cuda(check=True))):
+        with ctx:
+            mark_weights_updated()
+            model = _decoder_layer(backend)
+            xx = x.clone().requires_grad_(True)
+            y = model(xx)
+            y.float().pow(2).mean().backward()
+            out[label] = {"y": y.detach(), "dX": xx.grad, **{n: p.grad for n, p in model.named_parameters()}}
+    return [f"decoder layer ({tokens} tokens) {k}: simulated CUDA path differs from the reference"
+            for k, want in out["reference"].items() if not torch.equal(out["simulated"][k], want)]
+
+
+def measure(shapes: list[tuple[int, int, int]], top: int = 0, layer_tokens: int = 0) -> list[dict]:
     rows = []
-    for m, k, n in shapes:
-        steps = linear_steps(m, k, n)
+    work = [(f"M={m} K={k} N={n}", lambda m=m, k=k, n=n: linear_steps(m, k, n)) for m, k, n in shapes]
+    if layer_tokens:
+        work.append((f"{layer_tokens} tokens, hidden 512, MLP 1024", lambda: layer_steps(layer_tokens)))
+    for shape, make in work:
+        steps = make()
         with simulated_cuda(check=False):
             for label, step in steps.items():
                 if label.startswith("_"):
@@ -536,7 +598,7 @@ def measure(shapes: list[tuple[int, int, int]], top: int = 0) -> list[dict]:
                 counts = count_host_work(step)
                 # With no-op stubs an FP8 step's wall time is host work only; nn.Linear's includes its CPU matmuls.
                 us = round(cpu_us(step), 1) if label.startswith("Fp8") else None
-                row = {"shape": f"M={m} K={k} N={n}", "step": label, **counts.summary(), "cpu_us": us,
+                row = {"shape": shape, "step": label, **counts.summary(), "cpu_us": us,
                        "launch_names": counts.launch_names}
                 if top:
                     row["top_python"] = dict(list(counts.python_functions.items())[:top])
@@ -551,14 +613,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="also check the simulated path's bytes against the reference")
     ap.add_argument("--json", help="write the rows (and check problems) here")
     ap.add_argument("--top", type=int, default=0, help="also list the N most-called Python functions per step")
+    ap.add_argument("--layer-tokens", type=int, default=256, help="also count one Llama decoder layer's step (0: no)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    rows = measure(shapes, a.top)
+    rows = measure(shapes, a.top, a.layer_tokens)
     cols = ("python_calls", "builtin_calls", "torch_calls", "aten_ops", "allocations", "launches", "cpu_us")
-    print(f"{'shape':22s} {'step':24s} " + " ".join(f"{c:>13s}" for c in cols))
+    print(f"{'shape':32s} {'step':30s} " + " ".join(f"{c:>13s}" for c in cols))
     for r in rows:
-        print(f"{r['shape']:22s} {r['step']:24s} " + " ".join(f"{'-' if r[c] is None else r[c]:>13}" for c in cols))
+        print(f"{r['shape']:32s} {r['step']:30s} " + " ".join(f"{'-' if r[c] is None else r[c]:>13}" for c in cols))
         if a.top:
             print("    launches: " + ", ".join(f"{k} x{v}" for k, v in r["launch_names"].items()))
             print("    aten: " + ", ".join(f"{k} x{v}" for k, v in r["aten_names"].items()))
@@ -567,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.check:
         for m, k, n in shapes:
             problems += check_bytes(m, k, n)
+        if a.layer_tokens:
+            problems += check_layer_bytes()
         print("check: " + ("bytes equal to the reference path" if not problems else "\n  ".join(["FAILED"] + problems)))
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "check_problems": problems if a.check else None}, indent=1) + "\n")
