@@ -102,6 +102,10 @@ def test_planned_step_equals_unplanned_calls(backend, shape):
     reason = available_backends("cuda")[backend]
     if reason is not None:
         pytest.skip(f"{backend}: {reason}")
+    if backend == "deep_gemm" and shape[0] % 128:
+        # DeepGEMM compiles a kernel per (N, K) at first use (seconds each): two shapes cover its prepared path; the
+        # ragged-M shapes exercise the same call and the torch backend runs them all.
+        pytest.skip("deep_gemm: covered by the aligned shapes (JIT compile time)")
     m, k, n = shape
     lin, layer = _layers(n, k, backend)
     x = outlier_data(m, k, seed=1)
