@@ -9,7 +9,9 @@
 #   python benchmarks/headline.py        # linear_fwd_bwd_eager_ratio_{torch,deep_gemm}, stack_train_step_ratio, ...
 #
 # .dg/deepgemm-src.tar.gz comes from benchmarks/deep_gemm_pack.sh (the machine has no network). Without it the run
-# measures the torch backend only. Knobs: SECTIONS, PYTEST_K (PYTEST_K=skip: no tests), DG_TIMEOUT, TEST_TIMEOUT.
+# measures the torch backend only. The direct-launch test runs first (it decides how the benchmark launches), the
+# other GPU tests last, in the time left (TEST_RESERVE_S, 150 s, is kept for them). Knobs: SECTIONS, PYTEST_K
+# (PYTEST_K=skip: no tests after the benchmark), DG_TIMEOUT, BUDGET_S (570).
 # Writes to $OUT: deep_gemm_build.txt, pytest_direct_launch.txt, pytest.txt, gpu_bench.log, gpu_bench.json (after
 # every section).
 set -u
@@ -52,20 +54,21 @@ else
   tail -n 5 "$OUT/pytest_direct_launch.txt"
 fi
 
+# ---- measurements: each section writes gpu_bench.json as it finishes ---------------------------------------------
+SECTIONS=${SECTIONS:-env,linear,stack,reference,host}
+timeout "$(( $(left) - ${TEST_RESERVE_S:-150} ))" python3 benchmarks/gpu_bench.py --sections "$SECTIONS" --linear-backends auto,torch \
+  --stack-backends auto,torch --reference-batches 4,8 --out "$OUT/gpu_bench.json" > "$OUT/gpu_bench.log" 2>&1
+echo "gpu_bench rc=$? [$(( $(date +%s) - START )) s]"
+grep -E "eager geomean|tok/s|Reference|x\)|section|errors|^\| " "$OUT/gpu_bench.log" | grep -v -i warn | tail -n 60
+
 # ---- the GPU tests of what changed ---------------------------------------------------------------------------------
 if [[ "${PYTEST_K:-}" != skip ]]; then
   # The Triton GEMM backend's autotuning and DeepGEMM's per-shape JIT are what take time here: the first is left out
   # (not what is measured), the second is shared with the benchmark through DG_JIT_CACHE_DIR.
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rfs tests/gpu/test_train_plan_gpu.py \
+  timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -rfs tests/gpu/test_train_plan_gpu.py \
     tests/gpu/test_cast_transpose.py tests/gpu/test_linear_gpu.py \
     -k "${PYTEST_K:-not triton}" > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$OUT/pytest.txt" | tail -n 12
   echo "[$(( $(date +%s) - START )) s]"
 fi
 
-# ---- measurements: each section writes gpu_bench.json as it finishes ---------------------------------------------
-SECTIONS=${SECTIONS:-env,linear,stack,reference,host}
-timeout "$(left)" python3 benchmarks/gpu_bench.py --sections "$SECTIONS" --linear-backends auto,torch \
-  --stack-backends auto,torch --reference-batches 4,8 --out "$OUT/gpu_bench.json" > "$OUT/gpu_bench.log" 2>&1
-echo "gpu_bench rc=$? [$(( $(date +%s) - START )) s]"
-grep -E "eager geomean|tok/s|Reference|x\)|section|errors|^\| " "$OUT/gpu_bench.log" | grep -v -i warn | tail -n 60
