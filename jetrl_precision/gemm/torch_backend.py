@@ -136,7 +136,9 @@ class TorchPreparedGemm(PreparedGemm):
     def __init__(self, device: torch.device) -> None:
         super().__init__("torch")
         self.mm = prepared_scaled_mm(device)
-        self.mm_1x128 = prepared_scaled_mm_1x128(device)
+        # A torch without F.scaled_mm has no 1x128 x 1x128 entry point: WGrad then goes through torch_gemm_nt, which
+        # says what is missing when it is called.
+        self.mm_1x128 = prepared_scaled_mm_1x128(device) if scaling_types() is not None else None
 
     def weight(self, w: QuantizedTensor) -> object:
         n, k = w.shape
@@ -154,8 +156,8 @@ class TorchPreparedGemm(PreparedGemm):
     def nt(self, a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
         ad, bd = a.data, b.data
         if (
-            a.block != (1, 128) or b.block != (1, 128) or ad.shape[0] % 4 or ad.shape[1] % 128 or bd.shape[0] % 128
-            or not ad.is_contiguous() or not bd.is_contiguous()
+            self.mm_1x128 is None or a.block != (1, 128) or b.block != (1, 128) or ad.shape[0] % 4 or ad.shape[1] % 128
+            or bd.shape[0] % 128 or not ad.is_contiguous() or not bd.is_contiguous()
         ):
             return torch_gemm_nt(a, b, out_dtype)
         return self.mm_1x128(ad, bd.t(), mn_major(a.scale), mn_major(b.scale), out_dtype)
