@@ -102,7 +102,7 @@ class SpeedPlan:
             "--rollout.micro_batch_size", str(self.rollout_micro), "--train.batch_size", str(self.prompts * self.n),
             "--train.micro_batch_size", str(math.gcd(self.train_micro, self.prompts * self.n)), "--train.max_steps", str(self.steps),
             "--actor.adam.lr", str(self.lr), "--ds.zero_stage", str(self.zero_stage),
-            "--vllm.gpu_memory_utilization", str(self.gpu_mem), "--precision.gemm_backend", self.gemm_backend,
+            "--vllm.gpu_memory_utilization", str(self.gpu_mem), "--precision.gemm_backend", self.gemm_backend, *SLEEP,
         ]
 
     def shape(self, model_cfg: dict, params: int) -> str:
@@ -146,6 +146,10 @@ class LearnPlan:
         ]
         if not self.tiny:  # SmolLM2-Instruct: a chat turn; the tiny char model has no chat template
             argv += ["--data.apply_chat_template", "--data.input_template", WORD_TEMPLATE]
+        if not self.concurrent:
+            # Side by side, a sleeping engine would give memory back while a neighbour's vLLM profiles its own
+            # start-up, which vLLM refuses ("Error in memory profiling"); the speed runs measure sleep and wake.
+            argv += SLEEP
         return argv
 
     @property
@@ -158,8 +162,8 @@ class LearnPlan:
 
 
 COMMON = ["--algo.advantage.estimator", "group_norm", "--algo.kl.use_loss", "--algo.kl.estimator", "k3",
-          "--rollout.engine", "vllm", "--vllm.enable_sleep", "--train.colocate_all", "--train.eval_prompts", "0",
-          "--ckpt.save_steps", "0"]
+          "--rollout.engine", "vllm", "--train.colocate_all", "--train.eval_prompts", "0", "--ckpt.save_steps", "0"]
+SLEEP = ["--vllm.enable_sleep"]  # the engine gives its GPU memory back while training runs
 
 
 def recipe_argv(recipe: str) -> list[str]:
@@ -281,6 +285,16 @@ def finish(job: dict, timeout: float) -> dict:
     return res
 
 
+def wait_engine_ready(job: dict, timeout: float) -> None:
+    """Until the run's vLLM engine is up (its log says so), it exits, or `timeout` passes. vLLM sizes its KV cache
+    from the free memory it sees while it profiles its start-up, so two engines must not profile at the same time."""
+    t0 = time.time()
+    while time.time() - t0 < timeout and job["proc"].poll() is None:
+        if "vLLM engine ready" in (job["out"] / "log.txt").read_text(errors="replace"):
+            return
+        time.sleep(2.0)
+
+
 def run_recipes(part: str, recipes: list[str], argv_for, out: Path, timeout: float, concurrent: bool, meta: dict, deadline: float) -> list[dict]:
     """Run each recipe (one after another, or side by side), write `<out>/<part>_<recipe>.json` as each ends."""
     results = []
@@ -292,6 +306,8 @@ def run_recipes(part: str, recipes: list[str], argv_for, out: Path, timeout: flo
             continue
         jobs = {}
         for i, r in enumerate(batch):
+            if jobs:  # side by side: the next engine starts once the previous one is up (see wait_engine_ready)
+                wait_engine_ready(jobs[batch[i - 1]], min(300.0, deadline - time.time()))
             _log(f"{part} {r}: starting")
             jobs[r] = start([*argv_for(r), *COMMON, *recipe_argv(r)], out / part / r, 29500 + 10 * RECIPES.index(r) + i)
         for r, job in jobs.items():

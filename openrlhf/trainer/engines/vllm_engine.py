@@ -376,6 +376,7 @@ class VLLMEngine(RolloutEngine):
 
     def wake_up(self) -> None:
         if self._sleeping:
+            self._release_cached_blocks()
             self.llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
             self._sleeping = False
             self._weights_awake = True
@@ -388,8 +389,16 @@ class VLLMEngine(RolloutEngine):
         # A sleeping engine's weights live on the CPU: bring back only them before installing a sync,
         # so the KV cache is not allocated while training still holds its memory.
         if self._sleeping and not self._weights_awake:
+            self._release_cached_blocks()
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
+
+    @staticmethod
+    def _release_cached_blocks() -> None:
+        # The engine maps its memory outside torch's caching allocator: blocks the colocated trainer freed
+        # (activations, logits) but torch still holds would otherwise stand beside the engine's weights and KV cache.
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
