@@ -385,6 +385,13 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def usable(res: dict) -> bool:
+    """A run that finished, or one stopped at its time limit after enough steps (speed: a timed step after the
+    warm-up; learn: one step). Runs that failed otherwise are left out: something is wrong with them."""
+    need = 2 if res["part"] == "speed" else 1
+    return len(res["steps"]) >= need and (res["rc"] == 0 or res["timed_out"])
+
+
 def timed_steps(res: dict) -> list[dict]:
     """The steps a speed figure averages: all but the first (warm-up), or the only one."""
     steps = res["steps"]
@@ -420,7 +427,7 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
         recs.append({"name": name, "shape": shape, "backend": backend, "value": value, "unit": unit, "ratio_vs_bf16": ratio,
                      "command": command, "date": date, "device": device, "gpus": 1, **extra})
 
-    ok = [r for r in results if r["rc"] == 0 and r["steps"]]
+    ok = [r for r in results if usable(r)]
     speed = {r["recipe"]: r for r in ok if r["part"] == "speed"}
     base = speed.get("bf16")
     bp = phase_means(base) if base else None
@@ -428,6 +435,7 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
         ph, steps = phase_means(r), timed_steps(r)
         plan = r["plan"]
         extra = {"layers": plan["layers"], "params": r["params"], "gemm_backend": plan["gemm_backend"], "steps_timed": len(steps),
+                 "completed": r["rc"] == 0,
                  "per_step_s": [s["perf/step_s"] for s in r["steps"]], "phases_s": {k: round(v, 4) for k, v in ph.items()},
                  "precision_check": precision_line(r),
                  "digest_checked_tensors": sum(s.get("sync/checked_tensors", 0.0) for s in r["steps"]), "wall_s": r["wall_s"]}
@@ -449,12 +457,13 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
             "mean |dlogp|", kl_k3=_mean([s.get("rollout_train_mismatch/kl_k3") for s in steps]))
     learn = {r["recipe"]: r for r in ok if r["part"] == "learn"}
     curves = {recipe: [s["rollout/reward"] for s in r["steps"]] for recipe, r in learn.items()}
-    final = {recipe: last_quarter(c) for recipe, c in curves.items()}
+    common = min((len(c) for c in curves.values()), default=0)  # a run cut short: compare the same steps
+    final = {recipe: last_quarter(c[:common]) for recipe, c in curves.items()}
     for recipe, r in learn.items():
         steps = r["steps"]
         mism = [s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps]
         evals = [(s["step"], s["eval/pass1"]) for s in steps if "eval/pass1" in s]
-        extra = {"reward_curve": curves[recipe], "mismatch_curve": mism, "kl_k3_curve": [s.get("rollout_train_mismatch/kl_k3") for s in steps],
+        extra = {"reward_curve": curves[recipe], "mismatch_curve": mism, "completed": r["rc"] == 0, "steps_compared": common, "kl_k3_curve": [s.get("rollout_train_mismatch/kl_k3") for s in steps],
                  "eval_pass1": evals, "steps": len(steps), "wall_s": r["wall_s"],
                  "precision_check": precision_line(r)}
         b = final.get("bf16")
@@ -474,7 +483,7 @@ def plot_phases(results: list[dict], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in results if r["part"] == "speed" and r["rc"] == 0 and r["steps"]]
+    runs = [r for r in results if r["part"] == "speed" and usable(r)]
     if not runs:
         return None
     runs.sort(key=lambda r: RECIPES.index(r["recipe"]))
@@ -507,7 +516,7 @@ def plot_learning(results: list[dict], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = sorted((r for r in results if r["part"] == "learn" and r["rc"] == 0 and r["steps"]), key=lambda r: RECIPES.index(r["recipe"]))
+    runs = sorted((r for r in results if r["part"] == "learn" and usable(r)), key=lambda r: RECIPES.index(r["recipe"]))
     if not runs:
         return None
     fig, (ax_r, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
@@ -541,9 +550,9 @@ def table(results: list[dict]) -> str:
         cols = [label for label, _ in PHASES] + ["other", "step"]
         lines += ["| recipe | " + " | ".join(cols) + " | vs bf16 | peak alloc GiB | awake / asleep device GiB | mismatch |",
                   "|---" * (len(cols) + 5) + "|"]
-        base = next((phase_means(r)["step"] for r in speed if r["recipe"] == "bf16" and r["rc"] == 0 and r["steps"]), None)
+        base = next((phase_means(r)["step"] for r in speed if r["recipe"] == "bf16" and usable(r)), None)
         for r in speed:
-            if r["rc"] != 0 or not r["steps"]:
+            if not usable(r):
                 lines.append(f"| {r['recipe']} | FAILED (rc {r['rc']}{', timed out' if r['timed_out'] else ''}) |")
                 continue
             p, last = phase_means(r), r["steps"][-1]
@@ -557,7 +566,7 @@ def table(results: list[dict]) -> str:
         lines += ["", "| recipe | steps | first reward | last-quarter reward | mismatch (mean over steps) | held-out pass@1 (last) |",
                   "|---|---|---|---|---|---|"]
         for r in learn:
-            if r["rc"] != 0 or not r["steps"]:
+            if not usable(r):
                 lines.append(f"| {r['recipe']} | FAILED (rc {r['rc']}{', timed out' if r['timed_out'] else ''}) |")
                 continue
             rw = [s["rollout/reward"] for s in r["steps"]]
