@@ -18,7 +18,8 @@ memory (`memory/*`) to `<run>/metrics.jsonl`, which this script reads.
   string-match reward (math-verify on random text would time the checker, not the step). Step 1 warms up (CUDA
   graphs, kernel autotuning); later steps are averaged.
 - learn: SmolLM2-135M-Instruct on generated arithmetic word problems with the math-verify reward; on a GPU the three
-  recipes train side by side (a 135M model leaves the GPU mostly idle; only the curves are compared, not times).
+  recipes train side by side (a 135M model leaves the GPU mostly idle; only the curves are compared, not times),
+  their engines started one after another and kept awake (see `wait_engine_ready`).
 - report: run records in benchmarks/results/runs (benchmarks/headline.py format; `e2e_grpo_step_s` feeds
   `e2e_grpo_step_ratio_1gpu`, `grpo_reward_gap_vs_bf16_pp` feeds `grpo_reward_gap_jet_fp8_vs_bf16_pct`), the
   phase-split and learning plots in docs/, and a markdown table.
@@ -63,9 +64,6 @@ PHASES = (
     ("actor update", ("perf/train_s",)),
     ("weight sync + digest", ("perf/weight_sync_s",)),
 )
-GiB = float(1 << 30)
-
-
 def _log(msg: str) -> None:
     print(f"[grpo_vllm {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 

@@ -24,7 +24,8 @@
 # A call on a fresh machine (the previous one was given back) starts again from 1.
 # Knobs: RECIPES (speed, default "bf16 jet_fp8"), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64), GEMM_BACKEND
 # (torch: cuBLASLt blockwise on both sides; auto would JIT-build vLLM's vendored DeepGEMM inside the run),
-# LEARN_STEPS (24), BUDGET (seconds a call may spend, 570).
+# LEARN_STEPS (24), BUDGET (seconds a call may spend, 570); TINY=1 runs the speed and learn stages on CPU with tiny
+# models (a dry run of the stages here: STAGE_TMP=/tmp/dry TINY=1 OUT=/tmp/dry bash benchmarks/h200_grpo.sh speed learn).
 # Every call leaves $OUT/grpo_res.tgz with all results so far (JSON, metrics, logs; no weights). Here:
 #   mkdir -p /tmp/grpo && tar xzf <files_at>/grpo_res.tgz -C /tmp/grpo
 #   python benchmarks/grpo_vllm_gpu.py report --from /tmp/grpo/res && python benchmarks/headline.py
@@ -41,6 +42,7 @@ GGUF_PIN="gguf==0.19.0"
 MiB=$((1 << 20))
 
 left() { echo $((BUDGET - SECONDS)); }
+enough() { [ "$(left)" -ge "$1" ] || { echo "$2: only $(left) s of the call's budget left; run it in the next call" >&2; return 1; }; }
 
 stage_prepare() {  # here, not on the device
   local shared main
@@ -55,7 +57,7 @@ stage_prepare() {  # here, not on the device
   # shellcheck disable=SC2086
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat -d .gw $GW_PINS || return 1
   python3 -m pip wheel -q --no-deps -w .gw deepspeed==0.19.8 || return 1
-  local xzs=$T/smollm2.gguf.xz gguf_whl
+  local xzs=$T/smollm2.gguf.xz
   if [ ! -s "$xzs" ]; then
     if [ -f "$main/.smol0/part" ] && [ -f "$main/.smol2/part" ]; then
       cat "$main/.smol0/part" "$main/.smol1/part" "$main/.smol2/part" > "$xzs"
@@ -115,14 +117,15 @@ stage_install() {
 }
 
 stage_speed() {
-  timeout "$(left)" python3 benchmarks/grpo_vllm_gpu.py speed --recipes ${RECIPES:-bf16 jet_fp8} --layers "${LAYERS:-8}" \
+  enough 120 speed || return 1
+  timeout "$(left)" python3 benchmarks/grpo_vllm_gpu.py speed ${TINY:+--tiny} --recipes ${RECIPES:-bf16 jet_fp8} --layers "${LAYERS:-8}" \
     --steps "${STEPS:-3}" --prompts "${PROMPTS:-64}" --gemm_backend "${GEMM_BACKEND:-torch}" --out "$RES" --workdir "$T/grpo_work" \
     --deadline "$(($(left) - 15))" 2>&1 | grep "^\[grpo_vllm\|rror" | tail -20
   python3 benchmarks/grpo_vllm_gpu.py report --table_only --from "$RES"
 }
 
 stage_smollm2() {
-  if [ ! -f "$T/smol_hf/config.json" ]; then
+  if [ ! -f "$T/smol_hf/tokenizer.json" ]; then  # written last by prepare_smollm2.py
     [ -f "$T/gs0part" ] && [ -f "$T/gs1part" ] && [ -f "$T/gs2part" ] || { echo "smollm2: a .gs part is missing: calls 1-3 carry them" >&2; return 1; }
     mkdir -p "$T/gguf" && cat "$T/gs0part" "$T/gs1part" "$T/gs2part" | xz -d > "$T/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
     [ -d "$T/site/gguf" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$T/site" "$T"/gw/gguf-*.whl || return 1
@@ -131,7 +134,8 @@ stage_smollm2() {
 }
 
 stage_learn() {
-  timeout "$(left)" python3 benchmarks/grpo_vllm_gpu.py learn --model "$T/smol_hf" --learn_steps "${LEARN_STEPS:-24}" \
+  enough 120 learn || return 1
+  timeout "$(left)" python3 benchmarks/grpo_vllm_gpu.py learn ${TINY:+--tiny} --model "$T/smol_hf" --learn_steps "${LEARN_STEPS:-24}" \
     --gemm_backend "${GEMM_BACKEND:-torch}" --out "$RES" --workdir "$T/grpo_work" --deadline "$(($(left) - 15))" 2>&1 \
     | grep "^\[grpo_vllm\|rror" | tail -20
   python3 benchmarks/grpo_vllm_gpu.py report --table_only --from "$RES"
