@@ -272,6 +272,8 @@ def finish(job: dict, timeout: float) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     job["log"].close()
+    for f in [*out.glob("*.safetensors"), *out.glob("*.bin")]:  # the run's final model export: not a result, GBs at 8B
+        f.unlink()
     steps = []
     if (out / "metrics.jsonl").exists():
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -148,5 +148,5 @@ for s in "$@"; do
   "stage_$s" || echo "stage $s FAILED"
 done
 if [ -n "${OUT:-}" ] && [ -d "$T/grpo/res" ]; then
-  tar czf "$OUT/grpo_res.tgz" -C "$T/grpo" res && ls -la "$OUT"
+  tar czf "$OUT/grpo_res.tgz" --exclude='*.safetensors' --exclude='*.bin' -C "$T/grpo" res && ls -la "$OUT"
 fi

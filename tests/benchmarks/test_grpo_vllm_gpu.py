@@ -44,6 +44,7 @@ def test_every_recipe_trains_two_steps_with_the_checks_a_user_run_has(tiny_run):
     for (part, recipe), res in results.items():
         assert res["rc"] == 0 and not res["timed_out"] and [s["step"] for s in res["steps"]] == [1, 2], (part, recipe, res.get("log_tail"))
         assert res["engine"] == "vllm"
+        assert not list((d / "out" / part / recipe).glob("*.safetensors"))  # the final export is not a result
         cmd = json.loads((d / "out" / part / recipe / "cmd.json").read_text())
         assert cmd[cmd.index("--num_gpus") + 1] == "1" and "openrlhf/cli/train_ppo_ray.py" in cmd[cmd.index("--num_gpus") + 4]
         assert {"--vllm.enable_sleep", "--train.colocate_all"} <= set(cmd) and cmd[cmd.index("--rollout.engine") + 1] == "vllm"
