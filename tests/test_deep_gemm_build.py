@@ -22,6 +22,7 @@ FAKE_PYTHON = """#!/usr/bin/env bash
 if [[ "$1" == -c && "$2" == *torch.version.cuda* ]]; then echo "3.12.3 2.11.0+cu130 {torch_cuda} 0"; exit 0; fi
 if [[ "$1" == -c && "$2" == *"import nvidia"* ]]; then exit 1; fi
 if [[ "$1" == -c && "$2" == *wheel.bdist_wheel* ]]; then exit 0; fi
+if [[ "$1" == -m && "$2" == pip && "$3" == --version ]]; then echo "pip 25.0"; exit 0; fi
 if [[ "$1" == -m && "$2" == pip && "$3" == wheel ]]; then
   shift 3; out=""
   while [[ $# -gt 0 ]]; do [[ "$1" == -w ]] && out=$2; shift; done

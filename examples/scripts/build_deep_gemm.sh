@@ -87,6 +87,7 @@ if command -v "$PY" >/dev/null 2>&1 && PYINFO=$("$PY" -c 'import sys, torch; pri
   [[ "$TORCHCUDA" != None ]] && check ok "torch built with CUDA $TORCHCUDA" || check missing "a CUDA build of torch ($PY has torch $TORCHVER, built without CUDA)"
   "$PY" -c 'import setuptools, packaging.version, wheel.bdist_wheel' 2>/dev/null && check ok "setuptools, packaging, wheel" \
     || check missing "setuptools, packaging and wheel importable by $PY (pip install setuptools packaging wheel)"
+  "$PY" -m pip --version >/dev/null 2>&1 && check ok "pip" || check missing "pip for $PY (python -m ensurepip)"
 else
   check missing "$PY runs and imports torch"
   HASGPU=0
@@ -111,7 +112,7 @@ fi
 WHEEL_DIR=$(realpath -m "$WHEEL_DIR")
 say "plan"
 echo "   source:  ${SOURCE:-clone $REPO_URL at $REF (with submodules)}"
-echo "   build:   $PY -m pip wheel --no-build-isolation --no-deps -w $WHEEL_DIR <source>"
+echo "   build:   $PY -m pip wheel --no-index --no-build-isolation --no-deps -w $WHEEL_DIR <source>"
 echo "            (DG_FORCE_BUILD=1, DG_USE_LOCAL_VERSION=0, -std=${DG_CXX_STD:-c++20}, static libstdc++ ${DG_STATIC_LIBSTDCXX:-1}, std::regex patch ${DG_PATCH_REGEX:-1})"
 [[ $INSTALL == 1 ]] && echo "   install: $PY -m pip install --no-deps --force-reinstall <wheel>"
 [[ -n "$TARGET" ]] && echo "   install: $PY -m pip install --no-deps --target $TARGET <wheel>; then PYTHONPATH=$TARGET"
@@ -251,7 +252,7 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p "$WHEEL_DIR" || die "cannot create --wheel-dir $WHEEL_DIR"
 LOG=$WHEEL_DIR/deep_gemm_build.log
 say "building (log: $LOG)"
-( cd "$SRC" && "$PY" -m pip wheel -v --no-build-isolation --no-deps --no-cache-dir -w "$WHEEL_DIR" . ) >"$LOG" 2>&1 \
+( cd "$SRC" && "$PY" -m pip wheel -v --no-index --no-build-isolation --no-deps --no-cache-dir -w "$WHEEL_DIR" . ) >"$LOG" 2>&1 \
   || { grep -nE "error|Error" "$LOG" | tail -n 20 >&2 || true; die "build failed; full log in $LOG"; }
 WHEEL=$(ls -t "$WHEEL_DIR"/deep_gemm-*.whl 2>/dev/null | head -n 1)
 [[ -n "$WHEEL" ]] || die "pip wheel finished but left no deep_gemm-*.whl in $WHEEL_DIR (log: $LOG)"
@@ -261,7 +262,7 @@ say "wheel: $WHEEL"
 # DeepGEMM compiles its kernels at run time with nvcc from CUDA_HOME (else it guesses from `which nvcc`, which a
 # wrapper script in /usr/local/bin gets wrong): the environment to run it in is written next to the install.
 if [[ -n "$TARGET" ]]; then
-  "$PY" -m pip install -q --no-deps --upgrade --target "$TARGET" "$WHEEL" || die "pip install --target $TARGET failed"
+  "$PY" -m pip install -q --no-index --no-deps --upgrade --target "$TARGET" "$WHEEL" || die "pip install --target $TARGET failed"
   export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
   ENV_FILE=$TARGET/deep_gemm_env.sh
   mkdir -p "$TARGET"
@@ -272,7 +273,7 @@ if [[ -n "$TARGET" ]]; then
   } > "$ENV_FILE"
   say "installed into $TARGET; run with: source $ENV_FILE"
 else
-  "$PY" -m pip install -q --no-deps --force-reinstall "$WHEEL" || die "pip install $WHEEL failed"
+  "$PY" -m pip install -q --no-index --no-deps --force-reinstall "$WHEEL" || die "pip install $WHEEL failed"
   say "installed; run with CUDA_HOME=$CUDA_HOME set (DeepGEMM compiles its kernels with its nvcc)"
 fi
 [[ $SMOKE == 1 ]] || { say "installed (smoke test skipped)"; exit 0; }
