@@ -249,6 +249,15 @@ def run_env() -> dict[str, str]:
     return env
 
 
+def free_port() -> int:
+    """A port nothing listens on now, for the launcher's rendezvous (a fixed one collides with other jobs on the host)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def start(argv: list[str], out: Path, port: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [*launcher(), "--num_gpus", "1", "--master_port", str(port), str(ROOT / "openrlhf/cli/train_ppo_ray.py"), *argv,
@@ -309,7 +318,7 @@ def run_recipes(part: str, recipes: list[str], argv_for, out: Path, timeout: flo
             if jobs:  # side by side: the next engine starts once the previous one is up (see wait_engine_ready)
                 wait_engine_ready(jobs[batch[i - 1]], min(300.0, deadline - time.time()))
             _log(f"{part} {r}: starting")
-            jobs[r] = start([*argv_for(r), *COMMON, *recipe_argv(r)], out / part / r, 29500 + 10 * RECIPES.index(r) + i)
+            jobs[r] = start([*argv_for(r), *COMMON, *recipe_argv(r)], out / part / r, free_port())
         for r, job in jobs.items():
             res = {"part": part, "recipe": r, **meta, **finish(job, min(timeout, deadline - job["t0"]))}
             ok = res["rc"] == 0 and res["steps"]
