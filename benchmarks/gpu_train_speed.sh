@@ -44,7 +44,8 @@ else
 fi
 echo "[$(( $(date +%s) - START )) s]"
 
-# ---- direct Triton launches first: if their bytes or their use are wrong, measure without them ----------------------
+# ---- direct Triton launches first (opt-in): if their bytes or their use are wrong, measure without them ------------
+export JETRL_TRITON_DIRECT_LAUNCH=1
 if timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_train_plan_gpu.py -k direct_launches \
      > "$OUT/pytest_direct_launch.txt" 2>&1; then
   echo "direct Triton launches: checked"

@@ -218,14 +218,15 @@ def test_status_off_outside_the_checked_versions(monkeypatch):
     monkeypatch.setattr(launch, "_status", {})
     monkeypatch.setattr(launch, "_triton_version", lambda: (3, 9))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("JETRL_TRITON_DIRECT_LAUNCH", "1")
     ok, why = launch.direct_launch_status()
     assert not ok and "3.9 is outside the checked versions" in why
     monkeypatch.setattr(launch, "_status", {})
     monkeypatch.setattr(launch, "_triton_version", lambda: (3, 6))
-    monkeypatch.setenv("JETRL_TRITON_DIRECT_LAUNCH", "0")
-    assert launch.direct_launch_status() == (False, "disabled by JETRL_TRITON_DIRECT_LAUNCH=0")
+    monkeypatch.delenv("JETRL_TRITON_DIRECT_LAUNCH", raising=False)
+    assert launch.direct_launch_status() == (False, "off unless JETRL_TRITON_DIRECT_LAUNCH=1")  # opt-in by default
     monkeypatch.setattr(launch, "_status", {})
-    monkeypatch.delenv("JETRL_TRITON_DIRECT_LAUNCH")
+    monkeypatch.setenv("JETRL_TRITON_DIRECT_LAUNCH", "1")
     assert launch.direct_launch_status() == (True, "triton 3.6")
 
 
