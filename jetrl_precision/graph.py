@@ -27,6 +27,7 @@ from typing import Any, Iterable, Literal, Sequence
 import torch
 from torch import nn
 
+from .batch_invariant import InvariantLinear, numerics_of
 from .formats import Granularity
 from .linear import Fp8Linear
 from .recipe import BackwardSpec, DType, FpropSpec, PrecisionRecipe, TensorSpec, get_recipe
@@ -139,7 +140,7 @@ class Violation:
     field: str
     expected: str
     found: str
-    kind: str = "mismatch"  # mismatch | missing_node | missing_edge | extra_edge | dangling_edge | empty_graph | shape | backend
+    kind: str = "mismatch"  # mismatch | missing_node | missing_edge | extra_edge | dangling_edge | empty_graph | shape | backend | numerics
     severity: str = "error"
 
     def __str__(self) -> str:
@@ -377,7 +378,11 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
         raise TypeError(f"build_precision_graph reads a live nn.Module, got {type(model).__name__}")
     from .ops import kernel_name
 
-    g = PrecisionGraph(phase, recipe.name, meta={"recipe_unified": recipe.unified, "source": type(model).__name__})
+    numerics = numerics_of(model)
+    g = PrecisionGraph(phase, recipe.name, meta={
+        "recipe_unified": recipe.unified, "source": type(model).__name__,
+        "numerics": numerics.mode, "numerics_detail": numerics.detail(),
+    })
     for fqn, m in model.named_modules():
         if isinstance(m, Fp8Linear):
             hp = _dtype_name(m.weight.dtype)
@@ -388,7 +393,8 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
             )
         elif isinstance(m, nn.Linear):
             hp = _dtype_name(m.weight.dtype)
-            add_linear(g, fqn, m.in_features, m.out_features, FpropSpec(), None, hp_dtype=hp, backend=None)
+            backend = "fp64" if isinstance(m, InvariantLinear) else None  # float64-accumulating (batch-invariant)
+            add_linear(g, fqn, m.in_features, m.out_features, FpropSpec(), None, hp_dtype=hp, backend=backend)
         elif isinstance(m, nn.Embedding):
             name = canonical_name(fqn)
             g.add_node(name, "embedding", num_embeddings=m.num_embeddings, dim=m.embedding_dim)
@@ -484,6 +490,13 @@ def compare_graphs(sub: PrecisionGraph, sup: PrecisionGraph) -> list[Violation]:
             "build the training side with phase='train_fwd'"
         )
     out: list[Violation] = []
+    # Batch-invariant numerics on one side only cannot give identical bits ("numerics" in meta; absent = ordinary).
+    modes = sub.meta.get("numerics", "ordinary"), sup.meta.get("numerics", "ordinary")
+    if modes[0] != modes[1]:
+        out.append(Violation(
+            "<graph>", "", "numerics", f"{modes[1]} ({sup.meta.get('numerics_detail', '?')})",
+            f"{modes[0]} ({sub.meta.get('numerics_detail', '?')})", "numerics",
+        ))
     if not sub.nodes:
         out.append(Violation("<graph>", "", "nodes", f"the ops the {sub.phase} engine runs", "an empty graph", "empty_graph"))
     sup_edges: dict[tuple[str, str], Edge] = {(e.dst, e.role): e for e in sup.edges}

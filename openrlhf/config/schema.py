@@ -477,6 +477,18 @@ class PrecisionConfig:
         "auto", "FP8 GEMM backend (auto: the recipe's choice, then the fastest available)"
     )
     strict: bool = opt(False, "refuse off-policy recipes (the rollout graph must be a subgraph of train fwd)")
+    bitwise: bool = opt(
+        False,
+        "batch-invariant numerics in the policy's forward and the transformers engine, so the engine's logprobs are "
+        "the trainer's bit for bit; a step whose sample check proves it skips the old-logprob recompute "
+        "(CPU only today; see docs/precision.md, Bitwise mode)",
+    )
+    bitwise_check_samples: int = opt(
+        2,
+        "with --precision.bitwise: sequences per rank recomputed each step to prove the engine's logprobs exact "
+        "(0: never use them, recompute every sequence)",
+        ge=0,
+    )
 
     def load_recipe(self):
         """The `jetrl_precision.PrecisionRecipe`, with --precision.gemm_backend applied when not auto."""
@@ -535,6 +547,15 @@ class PPOConfig:
         if self.reward.remote_url:
             return "remote"
         return "model" if self.reward.model_name_or_path else "math"
+
+    @property
+    def policy_attn_implementation(self) -> str:
+        """The policy's and the transformers engine's attention: the batch-invariant one with --precision.bitwise."""
+        if self.precision.bitwise:
+            from jetrl_precision.batch_invariant import INVARIANT_ATTENTION  # lazy: keeps the config free of torch
+
+            return INVARIANT_ATTENTION
+        return self.ds.attn_implementation
 
     @property
     def packing(self) -> bool:

@@ -16,9 +16,16 @@ from .fields import BOUNDS, ConfigError
 from .flags import FlagSpec, default_str, flag_specs, get_field
 from .schema import GROUP_ESTIMATORS, PPOConfig, PrecisionConfig, RewardConfig
 
-__all__ = ["validate", "parse_probs"]
+__all__ = ["validate", "parse_probs", "VLLM_BITWISE_MISSING"]
 
 logger = logging.getLogger(__name__)
+
+# Why the vLLM engine cannot run --precision.bitwise (docs/precision.md, "What vLLM's batch-invariant mode covers").
+VLLM_BITWISE_MISSING = (
+    "--precision.bitwise needs the transformers engine (--rollout.engine hf or auto): vLLM's batch-invariant mode "
+    "(VLLM_BATCH_INVARIANT=1) makes an engine's output independent of its batch on CUDA only, does not cover the "
+    "jetrl_fp8 linear method, and does not make decode equal the trainer's forward"
+)
 
 
 def _alias_note(dest: str) -> str:
@@ -169,6 +176,36 @@ def _rule_errors(cfg: PPOConfig) -> list[str]:
             f"--ds.zero_stage {cfg.ds.zero_stage} it would do nothing: add --ds.zero_stage 3 or drop --ds.zpg"
         )
     errors += _precision_errors(cfg.precision)
+    if cfg.precision.bitwise:
+        errors += _bitwise_errors(cfg)
+    return errors
+
+
+def _bitwise_errors(cfg: PPOConfig) -> list[str]:
+    """--precision.bitwise needs an on-policy recipe, the transformers engine and the batch-invariant kernels;
+    the device is checked before the first step (preflight)."""
+    p, errors = cfg.precision, []
+    try:
+        recipe = p.load_recipe()
+    except Exception:  # reported by _precision_errors
+        return []
+    if recipe.off_policy:
+        errors.append(
+            f"--precision.bitwise needs an on-policy recipe: {recipe.name} samples from other numerics than it trains "
+            "by design; use bf16 or jet_fp8 (--fp8_unified)"
+        )
+    if p.gemm_backend not in ("auto", "emulated"):
+        errors.append(
+            f"--precision.bitwise: the {p.gemm_backend} FP8 GEMM is not batch-invariant (its tiling depends on the row "
+            "count); only emulated is: drop --precision.gemm_backend"
+        )
+    if cfg.ds.attn_implementation not in ("sdpa", "jetrl_invariant"):
+        errors.append(
+            f"--precision.bitwise runs the batch-invariant attention (jetrl_invariant), not "
+            f"--ds.attn_implementation {cfg.ds.attn_implementation}: drop --ds.attn_implementation"
+        )
+    if cfg.rollout.engine == "vllm":
+        errors.append(VLLM_BITWISE_MISSING)
     return errors
 
 

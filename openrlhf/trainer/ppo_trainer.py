@@ -11,6 +11,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -31,6 +32,7 @@ from jetrl_precision import (
     format_violations,
     mismatch_metrics,
 )
+from jetrl_precision.batch_invariant import make_batch_invariant
 from jetrl_precision.weight_sync import WeightSyncError, compare_digests, iter_sync_tensors, sync_tensor_digest
 from openrlhf.config import ActorConfig, ConfigError, CriticConfig
 from openrlhf.datasets.prompts_dataset import PromptDataset, blend_prompt_records
@@ -41,6 +43,7 @@ from openrlhf.utils.deepspeed import DeepspeedStrategy
 
 from .engines.base import RolloutEngine, SamplingConfig
 from .health import TrainingDivergedError, check_optimizer_step, nonfinite_parameters
+from .ppo_utils.bitwise import EngineLogprobProof
 from .ppo_utils.experience_maker import AdvantageSettings, Experience, ExperienceMaker, RewardFn
 from .ppo_utils.reward_shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty
 
@@ -186,6 +189,7 @@ class PPOTrainer:
         self.converter = Fp8Converter(self.recipe, side="train")  # actor, reference and critic alike
         self.engine_factory = engine_factory
         self._remote_ref, self._remote_critic, self._remote_reward_fn = ref, critic, reward_fn
+        self.weights_verified = False  # the last sync's digest check passed (part of --precision.bitwise's proof)
         self.global_step = 0  # completed rollout->train iterations
         self.episode = 0
         self.rollout_index = 0  # next rollout within the episode (data position)
@@ -241,8 +245,14 @@ class PPOTrainer:
 
         # ---- models (converted after from_pretrained, before deepspeed.initialize) ----------
         with st.model_init_context(train=True):
-            policy = load_causal_lm(cfg.actor.model_name_or_path, st.dtype, cfg.ds.attn_implementation, cfg.ds.experts_implementation)
+            policy = load_causal_lm(cfg.actor.model_name_or_path, st.dtype, cfg.policy_attn_implementation, cfg.ds.experts_implementation)
         self.converter.convert(policy)
+        self.proof = None
+        if cfg.precision.bitwise:  # the policy's forward runs the engine's batch-invariant numerics
+            make_batch_invariant(policy)
+            self.proof = EngineLogprobProof(
+                cfg.precision.bitwise_check_samples, lambda v, op: st.all_reduce(float(v), op).item(), rank=st.rank, seed=cfg.train.seed
+            )
         self.actor = Actor(policy, packing=cfg.packing)
         if cfg.actor.gradient_checkpointing_enable:
             self.actor.gradient_checkpointing_enable(reentrant=cfg.actor.gradient_checkpointing_reentrant)
@@ -365,6 +375,7 @@ class PPOTrainer:
         """Send the actor's weights to the engine (FP8 bytes for FP8 layers), then compare digests
         of a sample of tensors on both sides."""
         t0 = time.perf_counter()
+        self.weights_verified = False
         fp8 = self.recipe.syncs_fp8_weights
         digests: dict[str, str] = {}
         nbytes = 0
@@ -381,6 +392,7 @@ class PPOTrainer:
         sync_s = time.perf_counter() - t0
         # Raises WeightSyncError naming the tensors whose engine bytes differ from what was sent.
         compare_digests(digests, self.engine.weight_digests(sorted(digests)))
+        self.weights_verified = bool(digests)
         return {"sync/seconds": sync_s, "sync/bytes": float(nbytes), "sync/checked_tensors": float(len(digests))}
 
     # =========================================================================================
@@ -532,6 +544,9 @@ class PPOTrainer:
             reward_transform=self.reward_norm,
             max_tokens=cfg.rollout_max_tokens_per_gpu if cfg.train.dynamic_batch_enable else None,
             all_reduce_max=lambda k: int(st.all_reduce(float(k), "max").item()),
+            old_logprobs=None if self.proof is None else functools.partial(
+                self.proof, step=self.global_step, weights_verified=self.weights_verified
+            ),
         )
         self.actor_engine.eval()
         exp = maker.make(samples, prompts, labels, scores=scores, rewards=rewards)
@@ -539,6 +554,8 @@ class PPOTrainer:
         mem.end_phase("experience")
 
         metrics = self._experience_metrics(exp)
+        if exp.proof is not None:
+            metrics.update(exp.proof.metrics(self.proof.fallbacks))
         metrics.update(roll_stats)
         agent_logs = [s.extra.get("extra_logs") or {} for s in samples]
         for key in sorted({k for d in agent_logs for k in d}):
@@ -568,8 +585,14 @@ class PPOTrainer:
     def _experience_metrics(self, exp: Experience) -> dict[str, float]:
         st = self.strategy
         mask = exp.action_mask
-        # Mismatch: the engine's own logprobs vs the trainer's recompute, over all ranks' tokens.
-        parts = st.all_gather_object((exp.rollout_logprobs, exp.old_logprobs, mask))
+        # Mismatch: the engine's own logprobs vs the trainer's recompute, over all ranks' tokens; where the engine's
+        # logprobs were proven exact and used (--precision.bitwise), over the recomputed sample only.
+        measured = mask
+        if exp.proof is not None and exp.proof.held:
+            measured = torch.zeros_like(mask)
+            rows = list(exp.proof.rows)
+            measured[rows] = mask[rows]
+        parts = st.all_gather_object((exp.rollout_logprobs, exp.old_logprobs, measured))
         width = max(p[0].shape[1] for p in parts)
         pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]))  # noqa: E731
         rl, ol, mk = (torch.cat([pad(p[i]) for p in parts]) for i in range(3))

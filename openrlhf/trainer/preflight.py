@@ -96,12 +96,19 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
                 "size, and reads whole weights from each rank for the weight sync and the HF export. Shard with "
                 "--ds.zero_stage 3 instead"
             )
-    uses_vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and _has("vllm"))
+    uses_vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and not cfg.precision.bitwise and _has("vllm"))
     if uses_vllm and cfg.vllm.tensor_parallel_size > 1:
         errors.append(
             f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}: vLLM engines split across devices are not "
             "supported yet: the digest check after every weight sync reads each layer's FP8 bytes from one engine worker, "
             "and tensor parallelism spreads them over several; use --vllm.tensor_parallel_size 1 with more --vllm.num_engines"
+        )
+    if cfg.precision.bitwise and cuda:
+        from jetrl_precision.batch_invariant import CUDA_MISSING_KERNELS
+
+        errors.append(
+            f"--precision.bitwise runs on CPU only: the GPU lacks batch-invariant kernels for {', '.join(CUDA_MISSING_KERNELS)} "
+            "(docs/precision.md, Bitwise mode); drop --precision.bitwise or hide the GPU (CUDA_VISIBLE_DEVICES=)"
         )
     if "flash_attention" in ds.attn_implementation and not (cuda and _has("flash_attn")):
         errors.append(

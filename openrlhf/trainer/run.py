@@ -26,7 +26,7 @@ logger = logging.getLogger("openrlhf")
 
 def make_engine_factory(cfg: PPOConfig, strategy: DeepspeedStrategy) -> Callable[[PrecisionRecipe], RolloutEngine]:
     """The colocated rollout engine for this rank: vLLM when asked for (or available under auto), else transformers."""
-    kind = engine_kind(cfg.rollout.engine)
+    kind = engine_kind(cfg.rollout.engine, cfg.precision.bitwise)
 
     def factory(recipe: PrecisionRecipe) -> RolloutEngine:
         return build_engine(cfg, kind, recipe, rank=strategy.rank, dtype=strategy.dtype, device=strategy.device)

@@ -6,24 +6,33 @@ Both launch modes go through here: the SPMD trainer builds its colocated engine 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import torch
 
 from jetrl_precision import PrecisionRecipe
+from jetrl_precision.batch_invariant import BitwiseUnavailable
 from openrlhf.config import PPOConfig, RolloutConfig
+from openrlhf.config.validation import VLLM_BITWISE_MISSING
 
 from .base import RolloutEngine, SamplingConfig
 
 __all__ = ["EngineKind", "engine_kind", "default_sampling", "build_engine"]
 
+logger = logging.getLogger(__name__)
+
 EngineKind = Literal["vllm", "hf"]
 
 
-def engine_kind(choice: str) -> EngineKind:
-    """vllm or hf, as `--rollout.engine` asks (auto: vllm when it and our vLLM engine import)."""
+def engine_kind(choice: str, bitwise: bool = False) -> EngineKind:
+    """vllm or hf, as `--rollout.engine` asks (auto: vllm when it and our vLLM engine import; the transformers
+    engine with --precision.bitwise, the only engine with batch-invariant numerics)."""
     if choice != "auto":
-        return choice  # type: ignore[return-value]  # validated: vllm or hf
+        return choice  # type: ignore[return-value]  # validated: vllm or hf (and hf with --precision.bitwise)
+    if bitwise:
+        logger.info("--rollout.engine auto: the transformers engine (--precision.bitwise needs its batch-invariant numerics)")
+        return "hf"
     try:
         import vllm  # noqa: F401
 
@@ -54,6 +63,8 @@ def build_engine(
     """One rollout engine of `kind` for engine/trainer rank `rank`; `dtype`/`device` are the
     transformers engine's (vLLM picks its own from `--vllm.dtype` and `--ds.param_dtype`)."""
     if kind == "vllm":
+        if cfg.precision.bitwise:  # validation refuses this too; an engine built directly must not run ordinary numerics
+            raise BitwiseUnavailable(VLLM_BITWISE_MISSING)
         from .vllm_engine import VLLMEngine
 
         return VLLMEngine.from_config(
@@ -63,4 +74,7 @@ def build_engine(
         )
     from .hf_engine import HFEngine
 
-    return HFEngine(cfg.actor.model_name_or_path, recipe, dtype=dtype, device=device, attn_implementation=cfg.ds.attn_implementation)
+    return HFEngine(
+        cfg.actor.model_name_or_path, recipe, dtype=dtype, device=device, attn_implementation=cfg.policy_attn_implementation,
+        batch_invariant=cfg.precision.bitwise,
+    )

@@ -4,6 +4,10 @@ It holds its own copy of the policy, converted with the recipe's *rollout* flow,
 the very same FP8 modules as the trainer. Synced FP8 layers are installed as bytes
 (`Fp8Linear.install_quantized_weight`), never re-quantized; high-precision tensors are
 copied (for `fp8_rollout` the engine then quantizes them itself, like VeRL's vLLM path).
+
+Its log-probs come from the same function as the trainer's recompute (`log_probs_from_logits`), so
+with `batch_invariant=True` (the policy's batch-invariant numerics, --precision.bitwise) they are
+the trainer's bit for bit.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ import logging
 from typing import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from jetrl_precision import PrecisionRecipe, QuantizedTensor, build_precision_graph, convert_to_fp8, fp8_linears
+from jetrl_precision.batch_invariant import make_batch_invariant
 from jetrl_precision.graph import canonical_name
 from jetrl_precision.weight_sync import SyncTensor, sync_tensor_digest
+
+from openrlhf.models.utils import log_probs_from_logits
 
 from .base import RolloutEngine, RolloutSample, SamplingConfig
 
@@ -37,7 +43,10 @@ class HFEngine(RolloutEngine):
         device: torch.device | str = "cpu",
         attn_implementation: str = "sdpa",
         generate_batch_size: int = 64,
+        batch_invariant: bool = False,
     ) -> None:
+        """`batch_invariant`: run the batch-invariant numerics (`jetrl_precision.batch_invariant`); needs
+        `attn_implementation="jetrl_invariant"`, and raises BitwiseUnavailable where the kernels are missing."""
         from openrlhf.models.actor import load_causal_lm
 
         self.recipe = recipe
@@ -46,6 +55,8 @@ class HFEngine(RolloutEngine):
         self.model = load_causal_lm(model_path, dtype, attn_implementation).to(self.device).eval()
         self.model.requires_grad_(False)
         convert_to_fp8(self.model, recipe, side="rollout")
+        if batch_invariant:
+            make_batch_invariant(self.model)
         self._fp8 = {canonical_name(n) + ".weight": m for n, m in fp8_linears(self.model).items()}
         self._params = {canonical_name(n): p for n, p in self.model.named_parameters(remove_duplicate=False)}
         cfg = self.model.config
@@ -87,11 +98,11 @@ class HFEngine(RolloutEngine):
             return_dict_in_generate=True,
         )
         new = out.sequences[:, width:].cpu()
-        # Raw logits -> logprobs of the full-vocab, temperature-scaled distribution: exactly what
-        # the trainer recomputes (top-p renormalisation would bias the IS ratio).
+        # Raw logits -> logprobs of the full-vocab, temperature-scaled distribution, by the trainer's own
+        # function (top-p renormalisation would bias the IS ratio).
         temp = 1.0 if greedy else s.temperature
-        logits = torch.stack(out.logits, dim=1).float().cpu() / temp
-        lps = F.log_softmax(logits, dim=-1).gather(-1, new[:, : logits.shape[1], None]).squeeze(-1)
+        logits = torch.stack(out.logits, dim=1).cpu()
+        lps = log_probs_from_logits(logits, new[:, : logits.shape[1]], temperature=temp)
         samples = []
         for i, p in enumerate(prompts):
             toks = new[i].tolist()

@@ -2,14 +2,16 @@
 
 Order (as in OpenRLHF): rollout -> rewards -> old logprobs recomputed by the actor ->
 reference logprobs -> values (gae) -> advantages/returns. The engine's own logprobs are kept
-as `rollout_logprobs`: they feed the rollout-train mismatch metrics and IS correction.
+as `rollout_logprobs`: they feed the rollout-train mismatch metrics and IS correction. With
+--precision.bitwise an `old_logprobs` hook (`bitwise.EngineLogprobProof`) may take the engine's
+logprobs as the old ones, on steps where a sample recompute proves them exact.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -41,6 +43,7 @@ class Experience:
     scores: torch.Tensor | None = None  # [B] raw task reward, for logging
     kl: torch.Tensor | None = None  # [B, R] KL(actor || ref) estimate, for logging / reward shaping
     timings: dict[str, float] = field(default_factory=dict)
+    proof: Any = None  # bitwise.ProofResult when an old_logprobs hook decided where the old logprobs came from
 
     @property
     def num_actions(self) -> int:
@@ -129,10 +132,13 @@ class ExperienceMaker:
         reward_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         max_tokens: int | None = None,
         all_reduce_max: Callable[[int], int] = lambda k: k,
+        old_logprobs: Callable[[Experience, Callable[[Experience], torch.Tensor]], tuple[torch.Tensor, Any]] | None = None,
     ) -> None:
         """`max_tokens`: forwards bounded by tokens (--rollout.max_tokens_per_gpu, dynamic batching)
-        rather than by `micro_batch_size`; `all_reduce_max` makes every rank run as many."""
+        rather than by `micro_batch_size`; `all_reduce_max` makes every rank run as many.
+        `old_logprobs(exp, recompute) -> (old logprobs, proof)` replaces the plain recompute (--precision.bitwise)."""
         self.max_tokens, self.all_reduce_max = max_tokens, all_reduce_max
+        self.old_logprobs = old_logprobs
         self.actor, self.ref, self.critic = actor, ref, critic
         self.reward_fn, self.tokenizer, self.s = reward_fn, tokenizer, settings
         self.micro_batch_size, self.device = micro_batch_size, torch.device(device)
@@ -177,7 +183,11 @@ class ExperienceMaker:
         rewards = scores if rewards is None else rewards
         exp.rewards = self.reward_transform(rewards) if self.reward_transform is not None else rewards
         t1 = time.perf_counter()
-        exp.old_logprobs = self._forward(self.actor, exp, temperature=self.s.temperature)
+        recompute = lambda e: self._forward(self.actor, e, temperature=self.s.temperature)  # noqa: E731
+        if self.old_logprobs is None:
+            exp.old_logprobs = recompute(exp)
+        else:
+            exp.old_logprobs, exp.proof = self.old_logprobs(exp, recompute)
         t2 = time.perf_counter()
         if self.ref is not None:
             exp.ref_logprobs = self._forward(self.ref, exp, temperature=self.s.temperature)
