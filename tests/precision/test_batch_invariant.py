@@ -1,0 +1,125 @@
+"""Batch-invariant numerics (jetrl_precision.batch_invariant): the float64 linear, the conversion, the
+numerics the precision graph records and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from precision_testutil import gamma, outlier_data, tiny_causal_lm, unit_roundoff
+from jetrl_precision import build_precision_graph, check_subgraph, convert_to_fp8, get_recipe
+from jetrl_precision import batch_invariant as bi
+from jetrl_precision.batch_invariant import BitwiseUnavailable, InvariantLinear, make_batch_invariant, numerics_of
+
+
+def _invariant_model(recipe: str = "jet_fp8", dtype=torch.float32):
+    from openrlhf.models.invariant_attention import register_invariant_attention
+
+    model = tiny_causal_lm(dtype=dtype)
+    model.set_attn_implementation(register_invariant_attention())
+    return make_batch_invariant(convert_to_fp8(model, get_recipe(recipe), side="train"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_invariant_linear_rows_do_not_depend_on_the_batch(dtype):
+    """Each row's bits are the same whether it runs alone, in a small batch or in a large one."""
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(576, 300, bias=True).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(outlier_data((300, 576), generator=g, dtype=dtype))
+    layer = InvariantLinear.from_linear(lin)
+    x = outlier_data((257, 576), generator=g, dtype=dtype)
+    with torch.no_grad():
+        full = layer(x)
+        for rows in ([0], [5, 6, 7], list(range(100, 257))):
+            assert torch.equal(layer(x[rows]), full[rows]), rows
+        assert torch.equal(layer(x.view(257, 1, 576)).view(257, 300), full)  # a decode-shaped [B, 1, K] call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_invariant_linear_is_the_rounded_float64_product(dtype):
+    """|y - (x W^T + b)| <= the one rounding to the dtype (u|y|/(1-u)) + the float64 sum's worst case (any order)."""
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(384, 64).to(dtype)
+    layer = InvariantLinear.from_linear(lin)
+    x = outlier_data((33, 384), generator=g, dtype=dtype)
+    with torch.no_grad():
+        y = layer(x).double()
+    x64, w64, b64 = x.double(), lin.weight.double(), lin.bias.double()
+    exact = x64 @ w64.t() + b64
+    sum64 = gamma(385, torch.float64) * (x64.abs() @ w64.abs().t() + b64.abs())
+    u = unit_roundoff(dtype)
+    bound = u / (1 - u) * y.abs() + sum64 + 1e-300
+    assert ((y - exact).abs() <= bound).all()
+
+
+def test_invariant_linear_adopts_the_parameters_and_backpropagates():
+    g = torch.Generator().manual_seed(2)
+    lin = nn.Linear(256, 96)
+    layer = InvariantLinear.from_linear(lin)
+    assert layer.weight is lin.weight and layer.bias is lin.bias
+    x = outlier_data((20, 256), generator=g).requires_grad_(True)
+    gy = torch.randn(20, 96, generator=g)
+    layer(x).backward(gy)
+    # The backward is the ordinary fp32 one: compare against float64 with the matmul worst case.
+    x64, w64, gy64 = x.detach().double(), lin.weight.detach().double(), gy.double()
+    for got, exact, k, bound_terms in (
+        (x.grad, gy64 @ w64, 96, gy64.abs() @ w64.abs()),
+        (lin.weight.grad, gy64.t() @ x64, 20, gy64.abs().t() @ x64.abs()),
+    ):
+        assert ((got.double() - exact).abs() <= gamma(k) * bound_terms + 1e-300).all()
+    assert torch.allclose(lin.bias.grad.double(), gy64.sum(0), rtol=0, atol=float(gamma(20) * gy64.abs().sum(0).max()))
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "jet_fp8"])
+def test_make_batch_invariant_converts_every_ordinary_linear(recipe):
+    model = _invariant_model(recipe)
+    assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    assert isinstance(model.lm_head, InvariantLinear)
+    report = numerics_of(model)
+    assert report.batch_invariant and report.mode == "batch_invariant"
+    assert report.attention == "jetrl_invariant" and report.linear == "fp64"
+    assert report.fp8_gemm == ("emulated" if recipe == "jet_fp8" else "-")
+
+
+def test_numerics_of_names_what_is_not_batch_invariant():
+    model = convert_to_fp8(tiny_causal_lm(), get_recipe("jet_fp8"))  # eager attention, ordinary lm_head
+    report = numerics_of(model)
+    assert not report.batch_invariant
+    assert "attention eager" in report.detail() and "ordinary linear(s) (e.g. lm_head)" in report.detail()
+
+
+def test_make_batch_invariant_refuses_an_ordinary_attention():
+    with pytest.raises(BitwiseUnavailable, match="attention eager.*jetrl_invariant"):
+        make_batch_invariant(convert_to_fp8(tiny_causal_lm(), get_recipe("jet_fp8")))
+
+
+def test_make_batch_invariant_refuses_a_device_without_the_kernels(monkeypatch):
+    monkeypatch.setattr(bi, "_params_device", lambda model: torch.device("cuda", 0))
+    with pytest.raises(BitwiseUnavailable) as e:
+        make_batch_invariant(tiny_causal_lm())
+    msg = str(e.value)
+    assert "CPU only" in msg and "\n" not in msg
+    assert all(k in msg for k in bi.CUDA_MISSING_KERNELS)
+
+
+def test_graph_records_the_numerics_and_refuses_one_sided_invariance():
+    jet = get_recipe("jet_fp8")
+    train = build_precision_graph(_invariant_model(), jet, "train_fwd")
+    assert train.meta["numerics"] == "batch_invariant"
+    assert "attention=jetrl_invariant linear=fp64 fp8_gemm=emulated" in train.meta["numerics_detail"]
+    assert {e.attrs.backend for e in train.edges_into("lm_head").values()} == {"fp64"}
+    rollout_ok = build_precision_graph(_invariant_model(), jet, "rollout")
+    assert check_subgraph(rollout_ok, train) == []
+    ordinary = build_precision_graph(convert_to_fp8(tiny_causal_lm(), jet, side="rollout"), jet, "rollout")
+    assert ordinary.meta["numerics"] == "ordinary"
+    violations = check_subgraph(ordinary, train)
+    assert [v.kind for v in violations] == ["numerics"]
+    assert "batch_invariant" in violations[0].expected and "attention eager" in violations[0].found
+    # Graphs from engines that do not report numerics (older plugins) count as ordinary.
+    legacy = build_precision_graph(convert_to_fp8(tiny_causal_lm(), jet, side="rollout"), jet, "rollout")
+    legacy.meta.pop("numerics")
+    ordinary_train = build_precision_graph(convert_to_fp8(tiny_causal_lm(), jet), jet, "train_fwd")
+    assert check_subgraph(legacy, ordinary_train) == []
+    assert [v.kind for v in check_subgraph(legacy, train)] == ["numerics"]
