@@ -51,11 +51,14 @@ def main() -> None:
     p.add_argument("--recipe", default="jet_fp8", choices=["jet_fp8", "bf16"])
     p.add_argument("--max_new_tokens", type=int, default=16)
     p.add_argument("--steps", type=int, default=6, help="measured steps per trainer (after one warm-up step)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time without OpenMP spin-waits)")
     p.add_argument("--record", action="store_true", help="write a run record to benchmarks/results/runs")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
     import torch
+
+    torch.set_num_threads(a.threads)
 
     from openrlhf.config import parse_config
     from openrlhf.datasets.synthetic import make_arithmetic_records, write_jsonl
