@@ -232,6 +232,23 @@ def test_precision_check_refuses_an_engine_without_the_batch_invariant_numerics(
         _trainer(task, tmp_path, "jet_fp8", engine_factory=ordinary)
 
 
+@pytest.mark.integration
+@pytest.mark.slow
+def test_two_ranks_zero3_decide_together(task, tmp_path):
+    """Under ZeRO-3 every forward is collective: both ranks check their own sample and take the same branch."""
+    from _rl_helpers import metrics, run
+
+    model, data = task
+    out = tmp_path / "z3"
+    args = grpo_args(model, data, out, "jet_fp8", 2, ["--ds.zero_stage", "3", "--precision.bitwise", "--ckpt.save_steps", "-1"])
+    run(["deepspeed", "--num_gpus", "2", "--master_port", "29733", "openrlhf/cli/train_ppo_ray.py", *args], timeout=900)
+    hist = metrics(out)
+    assert len(hist) == 2
+    for m in hist:
+        assert m["bitwise/engine_logprobs_used"] == 1.0 and m["bitwise/proof_sequences"] == 4  # 2 per rank
+        assert m["bitwise/proof_mismatched_tokens"] == 0 and m["rollout_train_mismatch/num_tokens"] == m["bitwise/proof_tokens"] > 0
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("extra,needles", [
     (["--precision.recipe", "fp8_rollout"], ["needs an on-policy recipe", "fp8_rollout"]),
