@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from jetrl_precision import BackendUnavailable, RecipeError
+    from jetrl_precision.batch_invariant import BitwiseUnavailable
     from openrlhf.datasets.prompts_dataset import PromptDataError
     from openrlhf.rewards.remote import RewardFunctionError, RewardServerError
     from openrlhf.trainer.health import TrainingDivergedError
@@ -77,8 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logger.warning("--vllm.num_engines is ignored under a distributed launcher: SPMD mode, one engine per rank")
             train(cfg)
     except (
-        FileNotFoundError, KeyError, RecipeError, BackendUnavailable, PrecisionCheckError, WeightSyncError, ConfigError, RayActorDiedError,
-        RayActorStartError, PromptDataError, CheckpointError, TrainingDivergedError, RewardFunctionError, RewardServerError,
+        FileNotFoundError, KeyError, RecipeError, BackendUnavailable, BitwiseUnavailable, PrecisionCheckError, WeightSyncError,
+        ConfigError, RayActorDiedError, RayActorStartError, PromptDataError, CheckpointError, TrainingDivergedError,
+        RewardFunctionError, RewardServerError,
     ) as e:
         # Problems with the user's inputs, setup or data, and a run that diverged: one clear message, no traceback.
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
