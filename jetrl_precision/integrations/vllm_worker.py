@@ -293,7 +293,11 @@ def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
     first = next((jetrl_method_of(m) for m in model.modules() if jetrl_method_of(m) is not None), None)
     if first is not None and not recipe:
         recipe = first.settings.recipe.name
-    g = PrecisionGraph("rollout", recipe or "none", meta={"source": f"vllm:{type(model).__name__}", "linear_methods": ",".join(methods)})
+    # vLLM's attention, norms and GEMM tiling depend on the batch: never batch-invariant numerics (see the bitwise mode).
+    g = PrecisionGraph("rollout", recipe or "none", meta={
+        "source": f"vllm:{type(model).__name__}", "linear_methods": ",".join(methods),
+        "numerics": "ordinary", "numerics_detail": "vLLM kernels (attention, norms and GEMM tiling depend on the batch)",
+    })
     for fqn, m in model.named_modules():
         name = canonical_name(fqn)
         if isinstance(m, LinearBase):
