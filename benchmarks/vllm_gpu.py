@@ -196,10 +196,9 @@ class _nullctx:
 def job_host(a: argparse.Namespace) -> dict:
     """Host time per call: the calls are only enqueued while the GPU is held busy by a spin kernel, so the
     time measured is the Python + launch cost alone, whatever the GPU time of the call."""
-    import statistics
-
     import torch
     import torch.nn.functional as F
+    from host_probe_engine import host_us  # benchmarks/: the GPU held busy while the calls queue
 
     from jetrl_precision import get_recipe, quantize_fp8
     from jetrl_precision.gemm import resolve_backend
@@ -208,20 +207,6 @@ def job_host(a: argparse.Namespace) -> dict:
     recipe = get_recipe("jet_fp8")
     backend = resolve_backend(a.gemm_backend or "auto", "cuda")
     shapes = {"qkv_proj": (4096, 6144), "o_proj": (4096, 4096), "gate_up_proj": (4096, 28672), "down_proj": (14336, 4096)}
-
-    def host_us(fn, reps: int = 100) -> float:
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(7):
-            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU spin: the launches below only queue behind it
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            times.append((time.perf_counter() - t0) / reps * 1e6)
-            torch.cuda.synchronize()
-        return statistics.median(times)
 
     rows = []
     for proj, (k, n) in shapes.items():
@@ -362,38 +347,28 @@ def run_throughput(a: argparse.Namespace, out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for r, m in combos if (p := out / f"throughput_{r}_{m}.json").exists()]
 
 
+def _run_one(job: str, out_json: Path, args: list[str], timeout: float) -> list[dict]:
+    """One job in its own process, waited for; its result (or nothing, with its .log kept)."""
+    _wait({out_json.stem: _spawn(job, out_json, args)}, timeout)
+    return [json.loads(out_json.read_text())] if out_json.exists() else []
+
+
 def run_warm(a: argparse.Namespace, out: Path) -> list[dict]:
     model = make_model_dir(out / f"llama8b_l{a.layers}", a.layers)
-    res = []
-    for r in a.recipes:
-        p = _spawn("throughput", out / f"warm_{r}.json", ["--model", str(model), "--recipe", r, "--mode", "default", "--layers", str(a.layers),
-                                                            "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--start-only",
-                                                            "--gpu-mem", str(a.gpu_mem), "--kv-gib", str(a.kv_gib)])
-        _wait({f"warm-{r}": p}, a.timeout)
-        f = out / f"warm_{r}.json"
-        if f.exists():
-            res.append(json.loads(f.read_text()))
-    return res
+    return [res for r in a.recipes for res in _run_one("throughput", out / f"warm_{r}.json", [
+        "--model", str(model), "--recipe", r, "--mode", "default", "--layers", str(a.layers), "--prompt-len", str(a.prompt_len),
+        "--new-tokens", str(a.new_tokens), "--start-only", "--gpu-mem", str(a.gpu_mem), "--kv-gib", str(a.kv_gib)], a.timeout)]
 
 
 def run_sync(a: argparse.Namespace, out: Path) -> list[dict]:
     model = make_model_dir(out / f"llama8b_l{a.sync_layers}_config", a.sync_layers, weights=False)
-    res = []
-    for r in a.recipes:
-        p = _spawn("sync", out / f"sync_{r}.json", ["--model", str(model), "--recipe", r, "--layers", str(a.sync_layers), "--mode", "eager",
-                                                   "--gpu-mem", str(a.gpu_mem), "--kv-gib", "4", "--syncs", str(a.syncs)])
-        _wait({f"sync-{r}": p}, a.timeout)
-        f = out / f"sync_{r}.json"
-        if f.exists():
-            res.append(json.loads(f.read_text()))
-    return res
+    return [res for r in a.recipes for res in _run_one("sync", out / f"sync_{r}.json", [
+        "--model", str(model), "--recipe", r, "--layers", str(a.sync_layers), "--mode", "eager", "--gpu-mem", str(a.gpu_mem),
+        "--kv-gib", "4", "--syncs", str(a.syncs)], a.timeout)]
 
 
 def run_host(a: argparse.Namespace, out: Path) -> list[dict]:
-    p = _spawn("host", out / "host.json", ["--host-m", *map(str, a.host_m)])
-    _wait({"host": p}, a.timeout)
-    f = out / "host.json"
-    return [json.loads(f.read_text())] if f.exists() else []
+    return _run_one("host", out / "host.json", ["--host-m", *map(str, a.host_m)], a.timeout)
 
 
 def summarize(results: list[dict]) -> str:
