@@ -108,7 +108,7 @@ def _run(argv):
 
 
 RUNS = ["train_dapo_ray_hybrid_engine.sh", "train_ppo_ray_hybrid_engine.sh", "train_prorlv2_math_hybrid_engine.sh",
-        "train_reinforce_baseline_hybrid_engine.sh"]
+        "train_reinforce_baseline_hybrid_engine.sh", "train_ppo_with_reward_fn.sh", "train_ppo_ray_slurm.sh"]
 
 
 @pytest.mark.slow
