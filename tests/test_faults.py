@@ -497,3 +497,20 @@ def test_resume_after_the_dataset_shrank_is_refused(tiny_task, tmp_path):
     rc, err = cli(model, small, out, "--ckpt.load_enable", steps=5)
     one_line_error(rc, err, "trained on 64 prompts, this run's dataset has 32", "Resume with the same data")
     assert _snapshot(actor) == before
+
+
+def test_a_stale_extension_build_lock_is_named(tmp_path, monkeypatch, caplog):
+    """A killed DeepSpeed JIT build leaves torch's lock file; the next --ds.adam_offload run would wait forever."""
+    from openrlhf.utils.deepspeed.strategy import _announce_extension_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with caplog.at_level("INFO", logger="openrlhf.utils.deepspeed.strategy"):
+        _announce_extension_build("cpu_adam")
+    assert "building it on first use" in caplog.text
+    lock = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="openrlhf.utils.deepspeed.strategy"):
+        _announce_extension_build("cpu_adam")
+    assert str(lock) in caplog.text and "delete that file" in caplog.text

@@ -100,11 +100,20 @@ def shrink(argv: list[str], w: dict, out) -> list[str]:
     return result + ["--rollout.engine", "hf", "--train.max_steps", "4", "--ckpt.save_steps", "-1", "--fp8_unified"]
 
 
-def _run(argv):
+def _run(argv, extensions_dir):
     import subprocess
 
-    env = {**ENV, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    return subprocess.run([PY, "-m", "openrlhf.cli.train_ppo_ray", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    # DeepSpeed JIT-builds CPUAdam (--ds.adam_offload) into the torch extensions cache under a file
+    # lock that a killed build leaves behind, after which every later build waits forever. A
+    # private cache keeps this test independent of whatever else ran on the machine.
+    env = {**ENV, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "TORCH_EXTENSIONS_DIR": str(extensions_dir)}
+    try:
+        return subprocess.run([PY, "-m", "openrlhf.cli.train_ppo_ray", *argv], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:]
+        pytest.fail(f"run did not finish in 600 s; stderr tail:\n{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}")
 
 
 RUNS = ["train_dapo_ray_hybrid_engine.sh", "train_ppo_ray_hybrid_engine.sh", "train_prorlv2_math_hybrid_engine.sh",
@@ -116,7 +125,7 @@ RUNS = ["train_dapo_ray_hybrid_engine.sh", "train_ppo_ray_hybrid_engine.sh", "tr
 def test_script_runs_two_steps(name, world, tmp_path):
     out = tmp_path / "out"
     argv = shrink(SCRIPTS[name], world, out)
-    proc = _run(argv)
+    proc = _run(argv, world["dir"] / "torch_extensions")
     assert proc.returncode == 0, proc.stderr[-3000:]
     hist = metrics(out)
     assert [h["step"] for h in hist] == [1, 2], hist
@@ -140,11 +149,11 @@ def test_script_runs_two_steps(name, world, tmp_path):
 ])
 def test_refused_scripts_stop_with_one_line(name, needle, world, tmp_path):
     argv = shrink(SCRIPTS[name], world, tmp_path / "o")
-    proc = _run(argv)
+    proc = _run(argv, world["dir"] / "torch_extensions")
     assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_ring_attention_is_refused_naming_what_is_missing(world, tmp_path):
     argv = shrink(SCRIPTS["train_reinforce_baseline_hybrid_engine.sh"], world, tmp_path / "o") + ["--ds.ring_attn_size", "2", "--ds.ring_attn_head_stride", "2"]
-    proc = _run(argv)
+    proc = _run(argv, world["dir"] / "torch_extensions")
     assert proc.returncode == 2 and "ring-flash-attn" in proc.stderr and "CUDA" in proc.stderr, proc.stderr[-2000:]

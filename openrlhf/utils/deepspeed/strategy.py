@@ -223,6 +223,7 @@ class DeepspeedStrategy:
         if self.cfg.adam_offload:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+            _announce_extension_build("cpu_adam")
             return DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         # torch AdamW everywhere else: no JIT-built op needed on CPU; fused on CUDA.
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=torch.cuda.is_available())
@@ -386,3 +387,21 @@ class DeepspeedStrategy:
                 tokenizer.save_pretrained(out_dir)
             (out_dir / "jetrl_export.json").write_text(json.dumps({"note": "bf16/fp32 master weights; apply the recipe on load"}))
         self.barrier()
+
+
+def _announce_extension_build(name: str) -> None:
+    """Say what DeepSpeed's JIT build of op `name` is about to do, before it goes quiet.
+
+    torch builds extensions under a lock file; a build killed part-way leaves the file behind and
+    every later build then waits on it forever without a word. Naming the file turns that silent
+    hang into a one-line fix.
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    locks = sorted(root.glob(f"*/{name}/lock"))
+    if locks:
+        logger.warning("DeepSpeed op %s: build lock %s exists; unless another build is running now, a killed build "
+                       "left it and this run will wait on it forever: delete that file", name, locks[0])
+    elif not any(root.glob(f"*/{name}/{name}.so")):
+        logger.info("DeepSpeed op %s: building it on first use into %s (about 30 s on 2 cores)", name, root)
