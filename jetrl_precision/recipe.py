@@ -35,7 +35,7 @@ __all__ = [
     "get_recipe",
 ]
 
-GEMM_BACKENDS = ("auto", "emulated", "torch", "triton", "deep_gemm")
+GEMM_BACKENDS = ("auto", "emulated", "torch", "triton", "deep_gemm", "triton_invariant")
 
 
 class RecipeError(ValueError):

@@ -82,6 +82,8 @@ AUTO_ORDER_CUDA = ("deep_gemm", "torch", "triton")
 # For a rollout engine: decode GEMMs have M = batch size, where cuBLASLt beats DeepGEMM (whose kernels are also
 # compiled per shape at first use, minutes of engine start-up); benchmarks/results/runs/2026-12-01_*vllm-gpu*.json.
 AUTO_ORDER_CUDA_ROLLOUT = ("torch", "deep_gemm", "triton")
+# `triton_invariant` (batch-invariant, swap-AB for decode) is in neither order: it is chosen by name, until the
+# H200 shows it faster than cuBLASLt at decode sizes (benchmarks/decode_gemm_triton.py).
 _logged_choices: set[tuple[str, str]] = set()
 # How the deep_gemm backend's unavailable reason starts when DeepGEMM is simply not installed.
 NOT_INSTALLED = "DeepGEMM is not installed"
@@ -172,7 +174,8 @@ def _ensure_registered() -> None:
 
     # Each hardware backend module registers itself on import. A module that fails to import
     # (a broken optional dependency, say) leaves a placeholder that says why, never a crash.
-    for name, module in (("torch", "torch_backend"), ("triton", "triton_backend"), ("deep_gemm", "deep_gemm_backend")):
+    for name, module in (("torch", "torch_backend"), ("triton", "triton_backend"), ("deep_gemm", "deep_gemm_backend"),
+                         ("triton_invariant", "triton_invariant_backend")):
         try:
             importlib.import_module(f"{__package__}.{module}")
         except Exception as e:  # noqa: BLE001

@@ -473,7 +473,7 @@ class PrecisionConfig:
         "precision recipe: bf16, fp8_rollout, jet_fp8, or a path to a .yaml/.json recipe",
         const_aliases={"--fp8_unified": "jet_fp8"},
     )
-    gemm_backend: Literal["auto", "emulated", "torch", "triton", "deep_gemm"] = opt(
+    gemm_backend: Literal["auto", "emulated", "torch", "triton", "deep_gemm", "triton_invariant"] = opt(
         "auto", "FP8 GEMM backend (auto: the recipe's choice, then the fastest available)"
     )
     strict: bool = opt(False, "refuse off-policy recipes (the rollout graph must be a subgraph of train fwd)")

@@ -1,0 +1,310 @@
+"""Batch-invariant GEMMs for decode-sized M: out[M, N] = A[M, K] @ B[N, K]^T, row m's bits independent of M.
+
+Two kernels share one tiling:
+- `fp8_gemm_nt_invariant`: A e4m3 1x128-scaled (scale (M, ceil(K/128))), B e4m3 128x128- or 1x128-scaled;
+- `bf16_gemm_nt_invariant`: bf16/fp16 A and B, unscaled (lm_head and other high-precision linears).
+
+Why a row's result cannot depend on M (or on the rows beside it):
+- the configuration (`InvariantConfig`: tile sizes, warps, stages, split-K) is a function of (N, K, dtype)
+  only (`invariant_config`); M sets nothing but the number of M tiles in the grid;
+- the M tile is fixed per configuration, never sized to the batch: the tile size along M is the MMA
+  instruction's N (wgmma m64nXk32 on sm90), and a different instruction shape is a different accumulation
+  datapath, which is what batch-invariance forbids;
+- each output element is one fixed sequence over K: per 128-wide K group one `tl.dot` from zero, then
+  acc = fma(dot, sa[m] * sb, acc) in fp32, groups in increasing order (FP8); `tl.dot(b, a, acc)` over fixed
+  BLOCK_K steps (BF16). Split-K ranges are fixed by K alone and their fp32 partials are summed by
+  `_sum_splits_kernel` in split order (not torch.sum, whose reduction strategy depends on the shape);
+- neither M nor any stride that follows M (an MN-major scale's, the split workspace's) is specialized on
+  (`do_not_specialize`), so M = 1 and M = 4096 run the same compiled code.
+
+Why it is fast at decode sizes (swap-AB): the weight rows N sit on the MMA's wide side (64 per warpgroup) and
+the batch on the narrow side, so a program streams a BLOCK_N x K slab of the weight once. Programs of one
+weight slab for different M tiles are launched next to each other (M is grid axis 0), so beyond one M tile
+they read the slab from L2, not HBM. Edges: rows past M or N are clamped onto valid memory (wrapped indices)
+and masked on store; a partial last K group is masked to zero. No padding copies.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "InvariantConfig",
+    "invariant_config",
+    "candidate_configs",
+    "fp8_gemm_nt_invariant",
+    "bf16_gemm_nt_invariant",
+]
+
+_FP8_GROUP = 128  # the scale group along K: one tl.dot per group in the FP8 kernel
+# Programs the default split-K aims for: two waves of an H200's 132 SMs. A constant (not the device's SM
+# count) so the configuration, and with it the bits, are the same on any GPU.
+_TARGET_PROGRAMS = 264
+
+
+@dataclass(frozen=True)
+class InvariantConfig:
+    """One tiling of the invariant GEMMs. Pick it from (N, K, dtype) only (see the module docstring)."""
+
+    block_n: int = 64  # weight rows per program: the MMA's M side (64 per warpgroup)
+    block_m: int = 64  # batch rows per program: the MMA's N side, fixed whatever M is
+    split_k: int = 1  # K ranges summed in fixed order; the effective count is derived from K alone
+    num_warps: int = 4
+    num_stages: int = 4
+    block_k: int = 128  # BF16 kernel's K step; the FP8 kernel always steps one 128-wide scale group
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_m", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"InvariantConfig.{name} must be a power of two >= 16, got {v}")
+        if self.split_k < 1:
+            raise ValueError(f"InvariantConfig.split_k must be >= 1, got {self.split_k}")
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(x, 1).bit_length() - 1)
+
+
+def invariant_config(n: int, k: int, dtype: torch.dtype) -> InvariantConfig:
+    """The default configuration for a weight [N, K] of `dtype` (e4m3, bf16 or fp16). M is not an argument.
+
+    Split-K only when the weight has too few 64-row slabs to fill the GPU, in powers of two, keeping at least
+    four K steps per split (the partials cost an fp32 write and a second launch).
+    """
+    block_k = _FP8_GROUP if dtype == torch.float8_e4m3fn else 64
+    slabs = -(-n // 64)
+    steps = -(-k // block_k)
+    split = 1
+    if slabs < _TARGET_PROGRAMS // 2:
+        split = min(_pow2_floor(_TARGET_PROGRAMS // slabs), _pow2_floor(max(steps // 4, 1)), 8)
+    return InvariantConfig(block_n=64, block_m=64, split_k=split, num_warps=4, num_stages=4, block_k=block_k)
+
+
+def candidate_configs(n: int, k: int, dtype: torch.dtype) -> list[InvariantConfig]:
+    """Configurations worth timing for a weight [N, K] (benchmarks/decode_gemm_triton.py tunes over them).
+
+    Every one is M-independent by construction: none is derived from M."""
+    base = invariant_config(n, k, dtype)
+    out = {base}
+    for bn in (64, 128):
+        for bm in (16, 32, 64):
+            for split in (1, 2, 4, 8):
+                for stages in (3, 4):
+                    out.add(InvariantConfig(bn, bm, split, 4 if bn == 64 else 8, stages, base.block_k))
+    return sorted(out, key=lambda c: (c != base, c.block_n, c.block_m, c.split_k, c.num_stages))
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["M", "s_sag", "s_ws"])
+def _fp8_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr,
+    M, N, K, GROUPS_PER_SPLIT,
+    s_am, s_ak, s_sam, s_sag, s_bn, s_bk, s_sbn, s_sbg, s_ws, s_cm, s_cn,
+    B_BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NUM_STAGES: tl.constexpr, EMULATE_MMA: tl.constexpr,
+):
+    pid_m = tl.program_id(0)  # fastest axis: the M tiles of one weight slab run together and share it in L2
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    # Wrapped indices keep every load in bounds and unmasked along M and N; the store masks them.
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    rk = tl.arange(0, 128)
+    g0 = pid_k * GROUPS_PER_SPLIT
+    g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, (K + 127) // 128)
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * s_bn + (g0 * 128 + rk)[None, :] * s_bk
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * s_am + (g0 * 128 + rk)[None, :] * s_ak
+    sa_ptrs = sa_ptr + rm * s_sam
+    if B_BLOCK_N == 128:
+        sb_ptrs = sb_ptr + ((pid_n * BLOCK_N) // 128) * s_sbn  # BLOCK_N divides 128: one scale per slab and group
+    else:
+        sb_ptrs = sb_ptr + rn * s_sbn
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for g in tl.range(g0, g1, num_stages=NUM_STAGES):
+        if EVEN_K:
+            b = tl.load(b_ptrs)
+            a = tl.load(a_ptrs)
+        else:
+            k_ok = g * 128 + rk < K
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        sa = tl.load(sa_ptrs + g * s_sag)
+        sb = tl.load(sb_ptrs + g * s_sbg)
+        if B_BLOCK_N == 128:
+            s = tl.broadcast_to(sb * sa[None, :], (BLOCK_N, BLOCK_M))
+        else:
+            s = sb[:, None] * sa[None, :]
+        if EMULATE_MMA:
+            # CPU interpreter (see _interpreted): 128 e4m3 products span < 53 bits, so this float64 sum is exact
+            # in any order and the group's dot is the exact value rounded once, wherever the row sits.
+            d = tl.dot(b.to(tl.float32).to(tl.float64), tl.trans(a.to(tl.float32).to(tl.float64))).to(tl.float32)
+        else:
+            d = tl.dot(b, tl.trans(a))
+        # An explicit FMA, so no compiler contraction choice can differ between builds of the kernel.
+        acc = tl.math.fma(d, s, acc)
+        b_ptrs += 128 * s_bk
+        a_ptrs += 128 * s_ak
+    _store_tile(acc, c_ptr, pid_k * s_ws, pid_m, pid_n, M, N, s_cm, s_cn, BLOCK_N, BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["M", "s_ws"])
+def _bf16_kernel(
+    a_ptr, b_ptr, c_ptr,
+    M, N, K, STEPS_PER_SPLIT,
+    s_am, s_ak, s_bn, s_bk, s_ws, s_cm, s_cn,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, EMULATE_MMA: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    rk = tl.arange(0, BLOCK_K)
+    t0 = pid_k * STEPS_PER_SPLIT
+    t1 = tl.minimum(t0 + STEPS_PER_SPLIT, (K + BLOCK_K - 1) // BLOCK_K)
+    b_ptrs = b_ptr + rn[:, None].to(tl.int64) * s_bn + (t0 * BLOCK_K + rk)[None, :] * s_bk
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * s_am + (t0 * BLOCK_K + rk)[None, :] * s_ak
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for t in tl.range(t0, t1, num_stages=NUM_STAGES):
+        if EVEN_K:
+            b = tl.load(b_ptrs)
+            a = tl.load(a_ptrs)
+        else:
+            k_ok = t * BLOCK_K + rk < K
+            b = tl.load(b_ptrs, mask=k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        if EMULATE_MMA:  # CPU interpreter (see _interpreted): each step's dot in float64, rounded once
+            acc += tl.dot(b.to(tl.float32).to(tl.float64), tl.trans(a.to(tl.float32).to(tl.float64))).to(tl.float32)
+        else:
+            acc = tl.dot(b, tl.trans(a), acc)
+        b_ptrs += BLOCK_K * s_bk
+        a_ptrs += BLOCK_K * s_ak
+    _store_tile(acc, c_ptr, pid_k * s_ws, pid_m, pid_n, M, N, s_cm, s_cn, BLOCK_N, BLOCK_M)
+
+
+@triton.jit
+def _store_tile(acc, c_ptr, offset, pid_m, pid_n, M, N, s_cm, s_cn, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] into out[M, N] (or a split's fp32 partial at `offset`), rounded once."""
+    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ptrs = c_ptr + offset + om[None, :].to(tl.int64) * s_cm + on[:, None] * s_cn
+    tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(on[:, None] < N) & (om[None, :] < M))
+
+
+@triton.jit
+def _sum_splits_kernel(ws_ptr, c_ptr, TOTAL, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """c = ((p0 + p1) + p2) + ... per element, then one rounding to c's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < TOTAL
+    acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(ws_ptr + s * TOTAL + offs, mask=ok, other=0.0)
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+# ---- launches ---------------------------------------------------------------------------------
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _splits(steps: int, split_k: int) -> tuple[int, int]:
+    """(steps per split, number of splits) from the K step count and the configured split: K alone decides."""
+    per = -(-steps // max(1, min(split_k, steps)))
+    return per, -(-steps // per)
+
+
+def _output(m: int, n: int, splits: int, out_dtype: torch.dtype, device: torch.device):
+    """(the kernel's destination, its per-split stride, the final output)."""
+    out = torch.empty((m, n), dtype=out_dtype, device=device)
+    if splits == 1:
+        return out, 0, out
+    ws = torch.empty((splits, m, n), dtype=torch.float32, device=device)
+    return ws, ws.stride(0), out
+
+
+def _finish(dest: torch.Tensor, out: torch.Tensor, splits: int) -> torch.Tensor:
+    if splits > 1:
+        total, block = out.numel(), 1024
+        _sum_splits_kernel[(triton.cdiv(total, block),)](dest, out, total, SPLIT=splits, BLOCK=block)
+    return out
+
+
+def _interpreted() -> bool:
+    """Whether kernels run in Triton's CPU interpreter. Its tl.dot is numpy's matmul, which multiplies bf16 tiles
+    as their raw uint16 bits and whose fp32 sums depend on a row's position in the tile (BLAS blocking), unlike
+    an MMA; there the kernels form each K step's dot in float64 instead (EMULATE_MMA), so the interpreter tests
+    check everything around the MMA (indexing, masks, scales, split-K, the fixed order) against a dot that is
+    position-independent as the hardware's is."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_common(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, who: str) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"{who}: needs A [M, K] and B [N, K] with the same K, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"{who}: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    if a.device != b.device:
+        raise ValueError(f"{who}: A is on {a.device} and B on {b.device}; move both to one device")
+
+
+def fp8_gemm_nt_invariant(
+    a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_block_n: int, out_dtype: torch.dtype,
+    config: InvariantConfig | None = None,
+) -> torch.Tensor:
+    """a e4m3 [M, K] with sa (M, ceil(K/128)); b e4m3 [N, K] with sb (ceil(N/128) or N, ceil(K/128)) for
+    `b_block_n` 128 or 1. Any strides. `config` defaults to `invariant_config(N, K, e4m3)`."""
+    _check_common(a, b, out_dtype, "fp8_gemm_nt_invariant")
+    if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_gemm_nt_invariant: A and B must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
+    if b_block_n not in (1, 128):
+        raise ValueError(f"fp8_gemm_nt_invariant: B must be 128x128- or 1x128-scaled, got a {b_block_n}-row block")
+    m, k = a.shape
+    n = b.shape[0]
+    cfg = config or invariant_config(n, k, torch.float8_e4m3fn)
+    if b_block_n == 128 and cfg.block_n > 128:
+        raise ValueError(f"fp8_gemm_nt_invariant: block_n {cfg.block_n} > 128 cannot read one 128x128 scale per slab")
+    if m == 0:
+        return torch.empty((0, n), dtype=out_dtype, device=a.device)
+    per, splits = _splits(-(-k // _FP8_GROUP), cfg.split_k)
+    dest, s_ws, out = _output(m, n, splits, out_dtype, a.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
+    _fp8_kernel[grid](
+        a, sa, b, sb, dest, m, n, k, per,
+        a.stride(0), a.stride(1), sa.stride(0), sa.stride(1), b.stride(0), b.stride(1), sb.stride(0), sb.stride(1),
+        s_ws, n, 1,
+        B_BLOCK_N=b_block_n, EVEN_K=k % _FP8_GROUP == 0, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+        NUM_STAGES=cfg.num_stages, EMULATE_MMA=_interpreted(), num_warps=cfg.num_warps,
+    )
+    return _finish(dest, out, splits)
+
+
+def bf16_gemm_nt_invariant(
+    a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None, config: InvariantConfig | None = None,
+) -> torch.Tensor:
+    """a [M, K] @ b[N, K]^T for bf16/fp16 operands of one dtype, fp32 accumulation, one rounding to `out_dtype`
+    (default a's dtype). `config` defaults to `invariant_config(N, K, dtype)`."""
+    out_dtype = out_dtype or a.dtype
+    _check_common(a, b, out_dtype, "bf16_gemm_nt_invariant")
+    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
+        raise ValueError(f"bf16_gemm_nt_invariant: A and B must both be bf16 or both fp16, got {a.dtype} and {b.dtype}")
+    m, k = a.shape
+    n = b.shape[0]
+    cfg = config or invariant_config(n, k, a.dtype)
+    if m == 0:
+        return torch.empty((0, n), dtype=out_dtype, device=a.device)
+    per, splits = _splits(-(-k // cfg.block_k), cfg.split_k)
+    dest, s_ws, out = _output(m, n, splits, out_dtype, a.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
+    _bf16_kernel[grid](
+        a, b, dest, m, n, k, per,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), s_ws, n, 1,
+        EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        NUM_STAGES=cfg.num_stages, EMULATE_MMA=_interpreted(), num_warps=cfg.num_warps,
+    )
+    return _finish(dest, out, splits)
