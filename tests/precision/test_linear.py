@@ -266,12 +266,12 @@ def test_auto_resolves_to_emulated_on_cpu():
     assert resolve_backend("emulated", "cpu") == "emulated"
     avail = available_backends("cpu")
     assert avail["emulated"] is None
-    for name in ("torch", "triton", "deep_gemm"):
+    for name in ("torch", "triton", "deep_gemm", "triton_invariant"):
         assert isinstance(avail[name], str) and avail[name], f"{name} must say why it is unavailable on CPU"
     assert make_fp8(make_linear(128, 128)).resolved_backend == "emulated"
 
 
-@pytest.mark.parametrize("name", ["torch", "triton", "deep_gemm"])
+@pytest.mark.parametrize("name", ["torch", "triton", "deep_gemm", "triton_invariant"])
 def test_gpu_backends_on_cpu_raise_clearly(name):
     with pytest.raises(BackendUnavailable, match=rf"'{name}' cannot run on cpu: .+auto"):
         resolve_backend(name, "cpu")
