@@ -1,93 +1,50 @@
-"""Prototype: a decode-sized block-scaled FP8 GEMM in Triton that streams the weight at memory speed.
+"""Decode-sized GEMMs under CUDA graphs: the batch-invariant Triton kernel (`triton_invariant`) against BF16 and cuBLASLt.
 
-    python benchmarks/decode_gemm_triton.py [--out results.json]
+    python benchmarks/decode_gemm_triton.py --out $OUT/decode_gemm_invariant.json [--m 1 16 64 128 256]
+        [--models 8b smollm2] [--budget 420] [--no-tune]
 
-At decode sizes (M = batch, 1..256) a layer's GEMM is a weight read: FP8 halves the bytes, so it should take
-about half of BF16's time. The vendor block-scaled kernels (cuBLASLt, vLLM's CUTLASS) stream FP8 weights at
-1.2-1.4 TB/s on the H200 where BF16 reaches 3.2 TB/s (benchmarks/decode_gemm_probe.py), which erases the gain.
-This kernel reads each weight byte once: one program per (N tile, K split, M tile covering the whole batch),
-a 128-wide K group per step (one A scale per row, one B scale per tile), fp32 accumulation; split-K partials
-go to an fp32 workspace summed in a fixed order, so the result is deterministic and independent of M's tiling
-(the property the bitwise mode needs). It sweeps a few configurations per shape and prints the best against
-BF16 F.linear and cuBLASLt, each timed under a CUDA graph. It is not wired into the engine.
+For each projection of Llama-3.1-8B (qkv, o, gate_up, down) and SmolLM2-135M (qkv, o, gate_up, down) and each M,
+it times one GEMM, each under a CUDA graph (no host cost): BF16 `F.linear`; cuBLASLt blockwise (the torch backend's
+prepared `scaled_mm`, what the jetrl_fp8 engine runs by default); and `fp8_gemm_nt_invariant` with its default
+configuration (`invariant_config`, what the backend runs) and with the tuned one. The quantizer's launch, which
+both FP8 paths add per call, is timed on its own. The lm_heads run BF16 `F.linear` against `bf16_gemm_nt_invariant`.
+
+The tuning is M-independent by construction: a shape's candidates (`candidate_configs(N, K, dtype)`) are each
+timed at every M and the one with the least total time over the Ms wins, so one configuration serves every batch
+size, as batch invariance requires. The best configuration per M is recorded too, to show what that costs.
+Before timing, each candidate is checked: its rows for the smallest M equal the same rows of the largest M bit
+for bit, and its error against an fp32 product is below 5e-3 relative; a candidate failing either is recorded,
+not timed. Tuning stops at --budget seconds (what is left runs the defaults only) and says so.
+
+Records follow benchmarks/headline.py (name, shape, backend, value, unit, ratio_vs_bf16, command, date, device);
+put them under benchmarks/results/runs/ with `headline.write_run`.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+__all__ = ["graph_us", "main"]
 
-@triton.jit
-def _decode_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K,
-    s_am, s_ak, s_asm, s_asg, s_bn, s_bk, s_bsn, s_bsg, s_cs, s_cm, s_cn, GROUPS_PER_SPLIT,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, 128)
-    m_ok = rm < M
-    n_ok = rn < N
-    nb = (pid_n * BLOCK_N) // 128  # BLOCK_N divides 128: the tile lies in one 128-row weight block
-    g0 = pid_k * GROUPS_PER_SPLIT
-    g1 = tl.minimum(g0 + GROUPS_PER_SPLIT, tl.cdiv(K, 128))
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in tl.range(g0, g1, num_stages=NUM_STAGES):
-        kk = g * 128 + rk
-        a = tl.load(a_ptr + rm[:, None] * s_am + kk[None, :] * s_ak, mask=m_ok[:, None], other=0.0)
-        b = tl.load(b_ptr + rn[:, None] * s_bn + kk[None, :] * s_bk, mask=n_ok[:, None], other=0.0)
-        part = tl.dot(a, tl.trans(b))
-        sa = tl.load(as_ptr + rm * s_asm + g * s_asg, mask=m_ok, other=0.0)
-        sb = tl.load(bs_ptr + nb * s_bsn + g * s_bsg)
-        acc += part * (sa[:, None] * sb)
-    c = c_ptr + pid_k * s_cs + rm[:, None] * s_cm + rn[None, :] * s_cn
-    if SPLIT_K == 1:
-        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-    else:
-        tl.store(c, acc, mask=m_ok[:, None] & n_ok[None, :])
-
-
-def decode_gemm(aq, bq, out_dtype=torch.bfloat16, block_m=None, block_n=64, split_k=4, num_warps=4, num_stages=3):
-    """aq: QuantizedTensor [M, K] 1x128; bq: QuantizedTensor [N, K] 128x128 (N, K multiples of 128)."""
-    a, sa, b, sb = aq.data, aq.scale, bq.data, bq.scale
-    m, k = a.shape
-    n = b.shape[0]
-    groups = -(-k // 128)
-    per_split = -(-groups // split_k)
-    block_m = block_m or min(128, max(16, triton.next_power_of_2(m)))
-    grid = (-(-n // block_n), split_k, -(-m // block_m))
-    if split_k == 1:
-        c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-        cs = 0
-    else:
-        c = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
-        cs = c.stride(0)
-    _decode_gemm_kernel[grid](
-        a, sa, b, sb, c, m, n, k,
-        a.stride(0), a.stride(1), sa.stride(0), sa.stride(1), b.stride(0), b.stride(1), sb.stride(0), sb.stride(1),
-        cs, c.stride(-2), c.stride(-1), per_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, NUM_STAGES=num_stages,
-        num_warps=num_warps,
-    )
-    if split_k == 1:
-        return c
-    return c.sum(0).to(out_dtype)  # a fixed-order reduction over the splits
+MODELS = {
+    "8b": ("Llama-3.1-8B", {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+           (128256, 4096)),
+    "smollm2": ("SmolLM2-135M", {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)},
+                (49152, 576)),
+}
 
 
 def graph_us(fn, reps: int = 50) -> float:
+    """Median µs per call of `fn` over 5 replays of a CUDA graph holding `reps` calls."""
     fn()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
@@ -113,65 +70,144 @@ def graph_us(fn, reps: int = 50) -> float:
     return sorted(ts)[2]
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _check(run, ms: list[int], ref: torch.Tensor) -> str | None:
+    """None if `run` (M -> output; the inputs of smaller M are the first rows of larger ones) is right and
+    batch-invariant, else why not."""
+    m_lo, m_hi = min(ms), max(ms)
+    big, small = run(m_hi), run(m_lo)
+    if not torch.equal(_bits(small), _bits(big[:m_lo])):
+        return f"rows of M={m_lo} differ from the same rows at M={m_hi}"
+    err = float((big.float() - ref).norm() / ref.norm())
+    return None if err < 5e-3 else f"relative error {err:.2e} against the fp32 product"
+
+
+def _cfg_dict(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in ("block_n", "block_m", "split_k", "num_warps", "num_stages", "block_k")}
+
+
 def main() -> None:
     import torch.nn.functional as F
 
     from jetrl_precision import quantize_fp8
     from jetrl_precision.gemm import resolve_backend, torch_backend
+    from jetrl_precision.kernels import invariant_gemm as ig
     from jetrl_precision.kernels import quant
     from jetrl_precision.kernels.layout import row_major_padded_t
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--m", type=int, nargs="+", default=[64, 256])
-    a_ = ap.parse_args()
-    resolve_backend("torch", "cuda")
+    ap.add_argument("--out", required=True, help="JSON file for the records")
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128, 256])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds of tuning before the rest runs defaults only")
+    ap.add_argument("--no-tune", dest="tune", action="store_false")
+    a = ap.parse_args()
+    resolve_backend("torch", "cuda")  # fails with one line where cuBLASLt blockwise cannot run
+    resolve_backend("triton_invariant", "cuda")
     mm = torch_backend.prepared_scaled_mm("cuda")
-    def configs(m):
-        if m <= 64:
-            return [(max(16, triton.next_power_of_2(m)), bn, sk, 4, st) for bn in (64, 128) for sk in (1, 4, 8) for st in (3, 4)]
-        # larger batches: one M tile for the whole batch reads each weight byte once; more warps hold its accumulator
-        return [(bm, bn, sk, w, st) for bm in (128, 256) for bn in (32, 64, 128) for sk in (1, 2, 4) for w in (4, 8) for st in (3, 4)
-                if not (bm == 256 and bn == 128)]
-    rows = []
+    ms = sorted(set(a.m))
+    t_start = time.time()
+    device = torch.cuda.get_device_name()
+    base = {"command": "python " + " ".join(["benchmarks/decode_gemm_triton.py", *sys.argv[1:]]),
+            "date": datetime.date.today().isoformat(), "device": device, "unit": "us", "name": "decode_gemm_us"}
+    records: list[dict] = []
     g = torch.Generator(device="cuda").manual_seed(0)
-    for proj, (k, n) in {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}.items():
-        w = torch.randn(n, k, device="cuda", generator=g).bfloat16() * 0.02
-        wq = quantize_fp8(w, (128, 128))
-        wt, sbp = wq.data.t(), row_major_padded_t(wq.scale)
-        for m in a_.m:
-            x = (torch.randn(m, k, device="cuda", generator=g) * torch.exp(torch.randn(m, 1, device="cuda", generator=g))).bfloat16()
-            xq = quant.quantize_1x128(x, False)  # the engine's quantizer: same bytes, MN-major scales as cuBLASLt reads them
-            ref = (xq.dequantize(torch.float32) @ wq.dequantize(torch.float32).t())
-            cub = mm(xq.data, wt, xq.scale, sbp, torch.bfloat16)
-            row = {"proj": proj, "m": m, "bf16_us": graph_us(lambda: F.linear(x, w)),
-                   "cublaslt_us": graph_us(lambda: mm(xq.data, wt, xq.scale, sbp, torch.bfloat16)),
-                   "cublaslt_rel_err": float((cub.float() - ref).norm() / ref.norm())}
-            best = None
-            for bm, bn, sk, nw, st in configs(m):
-                kw = dict(block_m=bm, block_n=bn, split_k=sk, num_warps=nw, num_stages=st)
-                try:
-                    out = decode_gemm(xq, wq, **kw)
-                    err = float((out.float() - ref).norm() / ref.norm())
-                    if not err < 5e-3:
-                        row.setdefault("wrong", []).append([kw, err])
-                        continue
-                    us = graph_us(lambda: decode_gemm(xq, wq, **kw))
-                except Exception as e:  # noqa: BLE001 - a configuration that does not compile is skipped, and said
-                    row.setdefault("failed", []).append([kw, f"{type(e).__name__}: {str(e)[:100]}"])
-                    continue
-                if best is None or us < best[0]:
-                    best = (us, kw, err)
-            if best:
-                row.update(triton_us=best[0], config=best[1], triton_rel_err=best[2], weight_tb_s=n * k / best[0] / 1e6)
-            row["bf16_weight_tb_s"] = 2 * n * k / row["bf16_us"] / 1e6
-            rows.append(row)
-            print(json.dumps({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in row.items() if kk not in ("wrong", "failed")}),
-                  "wrong:", len(row.get("wrong", [])), "failed:", len(row.get("failed", [])), (row.get("failed") or [[""]])[0][-1], flush=True)
-    if a_.out:
-        Path(a_.out).write_text(json.dumps(rows, indent=1))
-    tot = {key: sum(r.get(key, float("nan")) for r in rows if r["m"] == m) for m in a_.m for key in ("bf16_us", "cublaslt_us", "triton_us")}
-    print("per-layer sums (last M):", {k: round(v, 1) for k, v in tot.items()})
+
+    def rec(shape: str, backend: str, us: float, bf16_us: float, **extra) -> None:
+        records.append(dict(base, shape=shape, backend=backend, value=round(us, 3),
+                            ratio_vs_bf16=round(bf16_us / us, 4) if backend != "bf16" else None, **extra))
+
+    def tune(label: str, n: int, k: int, dtype, make_run, ref, bf16_us) -> None:
+        """Time the default configuration and (budget allowing) every candidate at every M; record them."""
+        default = ig.invariant_config(n, k, dtype)
+        cands = ig.candidate_configs(n, k, dtype) if a.tune and time.time() - t_start < a.budget else [default]
+        if a.tune and len(cands) == 1:
+            print(f"  {label}: tuning budget spent; default configuration only", flush=True)
+        times, rejected = {}, []
+        for cfg in cands:
+            run = make_run(cfg)
+            try:
+                why = _check(run, ms, ref)
+                if why is None:
+                    times[cfg] = {m: graph_us(lambda run=run, m=m: run(m)) for m in ms}
+            except Exception as e:  # noqa: BLE001 - a configuration that does not compile is recorded, not fatal
+                why = f"{type(e).__name__}: {str(e)[:120]}"
+            if why is not None:
+                rejected.append([_cfg_dict(cfg), why])
+        if default not in times:
+            raise SystemExit(f"{label}: the default configuration failed: {rejected}")
+        best = min(times, key=lambda c: sum(times[c].values()))
+        for m in ms:
+            shape = f"{label} M={m} cuda-graph"
+            rec(shape, "triton_invariant/default", times[default][m], bf16_us[m], config=_cfg_dict(default))
+            per_m = min(times, key=lambda c: times[c][m])
+            rec(shape, "triton_invariant/tuned", times[best][m], bf16_us[m], config=_cfg_dict(best),
+                candidates=len(times), best_for_this_m_us=round(times[per_m][m], 3), best_for_this_m=_cfg_dict(per_m))
+        if rejected:
+            records.append(dict(base, name="decode_gemm_rejected_configs", shape=label, backend="triton_invariant",
+                                value=len(rejected), unit="configs", ratio_vs_bf16=None, rejected=rejected))
+        tot = {key: sum(v for v in d.values()) for key, d in (("default", times[default]), ("tuned", times[best]))}
+        print(f"  {label}: default {tot['default']:.1f} us, tuned {tot['tuned']:.1f} us summed over M "
+              f"({len(times)} configs timed, {len(rejected)} rejected) best {_cfg_dict(best)}", flush=True)
+
+    for model in a.models:
+        name, projs, (vocab, hidden) = MODELS[model]
+        for proj, (n, k) in projs.items():
+            label = f"{proj} {name}"
+            w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+            wq = quantize_fp8(w, (128, 128))
+            wt, sbp = wq.data.t(), row_major_padded_t(wq.scale)
+            # Each M's rows are the first rows of the largest M's, so a configuration's invariance can be checked.
+            x_all = (torch.randn(max(ms), k, device="cuda", generator=g)
+                     * torch.exp(torch.randn(max(ms), 1, device="cuda", generator=g))).bfloat16()
+            xs = {m: x_all[:m] for m in ms}
+            xqs = {m: quant.quantize_1x128(xs[m], False) for m in ms}
+            bf16_us = {}
+            for m in ms:
+                x = xs[m]
+                shape = f"{label} M={m} cuda-graph"
+                bf16_us[m] = graph_us(lambda: F.linear(x, w))
+                rec(shape, "bf16", bf16_us[m], bf16_us[m])
+                mp = -(-m // 4) * 4  # cuBLASLt needs M % 4 == 0 for these scales: the engine pads likewise
+                xqp = quant.quantize_1x128(x, False, rows_alloc=mp)
+                rec(shape, "scaled_mm/cublaslt", graph_us(lambda: mm(xqp.data, wt, xqp.scale, sbp, torch.bfloat16)), bf16_us[m])
+                records.append(dict(base, name="quantize_1x128_us", shape=shape, backend="triton",
+                                    value=round(graph_us(lambda: quant.quantize_1x128(x, False)), 3), ratio_vs_bf16=None))
+            ref_big = xqs[max(ms)].dequantize(torch.float32) @ wq.dequantize(torch.float32).t()
+
+            def fp8_run(cfg, xqs=xqs, wq=wq):
+                return lambda m: ig.fp8_gemm_nt_invariant(
+                    xqs[m].data, xqs[m].scale, wq.data, wq.scale, 128, torch.bfloat16, cfg)
+
+            tune(label, n, k, torch.float8_e4m3fn, fp8_run, ref_big, bf16_us)
+        # lm_head: BF16 against its invariant twin.
+        label = f"lm_head {name}"
+        w = (torch.randn(vocab, hidden, device="cuda", generator=g) * 0.02).bfloat16()
+        x_all = torch.randn(max(ms), hidden, device="cuda", generator=g).bfloat16()
+        xs = {m: x_all[:m] for m in ms}
+        bf16_us = {}
+        for m in ms:
+            bf16_us[m] = graph_us(lambda m=m: F.linear(xs[m], w))
+            rec(f"{label} M={m} cuda-graph", "bf16", bf16_us[m], bf16_us[m])
+        ref_big = xs[max(ms)].float() @ w.float().t()
+        tune(label, vocab, hidden, torch.bfloat16, lambda cfg: lambda m: ig.bf16_gemm_nt_invariant(xs[m], w, config=cfg),
+             ref_big, bf16_us)
+        Path(a.out).write_text(json.dumps(records, indent=1))  # after each model: a timeout keeps what was done
+
+    Path(a.out).write_text(json.dumps(records, indent=1))
+    print(f"{len(records)} records -> {a.out} in {time.time() - t_start:.0f} s")
+    # One line per (model, M): the sum over a layer's four projections, µs.
+    for model in a.models:
+        name = MODELS[model][0]
+        for m in ms:
+            sums = {}
+            for r in records:
+                if r["name"] == "decode_gemm_us" and r["shape"].endswith(f"{name} M={m} cuda-graph") and not r["shape"].startswith("lm_head"):
+                    sums[r["backend"]] = sums.get(r["backend"], 0.0) + r["value"]
+            print(f"{name} M={m} layer sum: " + ", ".join(f"{b} {v:.1f}" for b, v in sums.items()), flush=True)
 
 
 if __name__ == "__main__":
