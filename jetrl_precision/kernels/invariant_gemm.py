@@ -127,7 +127,9 @@ def _fp8_kernel(
         sb_ptrs = sb_ptr + ((pid_n * BLOCK_N) // 128) * s_sbn  # BLOCK_N divides 128: one scale per slab and group
     else:
         sb_ptrs = sb_ptr + rn * s_sbn
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # tl.full, not tl.zeros: the latter is a library @jit function, which Triton's interpreter can only run when
+    # triton itself was imported under TRITON_INTERPRET=1 (the CPU tests import it both ways).
+    acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     for g in tl.range(g0, g1, num_stages=NUM_STAGES):
         if EVEN_K:
             b = tl.load(b_ptrs)
@@ -173,7 +175,7 @@ def _bf16_kernel(
     t1 = tl.minimum(t0 + STEPS_PER_SPLIT, (K + BLOCK_K - 1) // BLOCK_K)
     b_ptrs = b_ptr + rn[:, None].to(tl.int64) * s_bn + (t0 * BLOCK_K + rk)[None, :] * s_bk
     a_ptrs = a_ptr + rm[:, None].to(tl.int64) * s_am + (t0 * BLOCK_K + rk)[None, :] * s_ak
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.full((BLOCK_N, BLOCK_M), 0.0, tl.float32)
     for t in tl.range(t0, t1, num_stages=NUM_STAGES):
         if EVEN_K:
             b = tl.load(b_ptrs)
