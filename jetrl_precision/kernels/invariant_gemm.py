@@ -26,6 +26,7 @@ and masked on store; a partial last K group is masked to zero. No padding copies
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -73,6 +74,7 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(x, 1).bit_length() - 1)
 
 
+@functools.lru_cache(maxsize=None)  # a handful of (N, K) per model, asked on every call
 def invariant_config(n: int, k: int, dtype: torch.dtype) -> InvariantConfig:
     """The default configuration for a weight [N, K] of `dtype` (e4m3, bf16 or fp16). M is not an argument.
 
