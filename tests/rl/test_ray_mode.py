@@ -97,6 +97,38 @@ def test_layout_refuses_impossible_colocation_naming_the_flag(flags, message):
         _plan(*flags)
 
 
+def test_gpu_placement_rules_hold_without_a_gpu():
+    """What decides devices on a GPU cluster, checked as data: the CUDA_VISIBLE_DEVICES an actor runs
+    with, how an engine actor runs vLLM, and a layout that needs more GPUs than the cluster has."""
+    from openrlhf.trainer.ray.engine_actor import engine_placement
+    from openrlhf.trainer.ray.launcher import check_gpu_fit
+    from openrlhf.trainer.ray.utils import visible_devices_for
+
+    assert visible_devices_for(["1"], "1") is None  # Ray's own isolation: the actor sees exactly its GPU
+    assert visible_devices_for(["1"], "0,1") == "1"  # every GPU visible (NOSET): narrowed, so cuda:0 is its GPU
+    assert visible_devices_for([3, 2], None) == "3,2"
+    assert visible_devices_for([], "0,1") is None  # an actor without GPUs (a TP engine's shell) keeps what it has
+
+    # TP 1 on a GPU: vLLM inside the actor's process, so the sync group, the FP8 install, the digests and
+    # the precision graph all run where the engine lives; TP > 1: vLLM's Ray executor; CPU: VLLMEngine's defaults
+    assert engine_placement(1, on_gpu=True) == ({"distributed_executor_backend": "uni"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    assert engine_placement(2, on_gpu=True) == ({"distributed_executor_backend": "ray"}, {})
+    assert engine_placement(1, on_gpu=False) == ({}, {})
+
+    # the 2-GPU layouts: policy on one GPU and the engine on the other, or both colocated on each GPU
+    separate = _plan("--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0")
+    assert separate.groups == {"policy": 1, "engines": 1} and separate.devices == 2
+    check_gpu_fit(separate, 2.0)
+    colocated = _plan("--vllm.num_engines", "2", "--actor.num_gpus_per_node", "2", "--train.colocate_all", "--vllm.enable_sleep",
+                      "--algo.kl.init_coef", "0.01", "--ref.num_gpus_per_node", "2")
+    assert colocated.groups == {"policy": 2} and colocated.devices == 2 and set(colocated.slots) == {"policy", "engines", "ref"}
+    check_gpu_fit(colocated, 2.0)
+    # a KL term adds a reference group: 3 GPUs; refused at once, naming the group and the flags that fix it
+    with_ref = _plan("--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01")
+    with pytest.raises(ConfigError, match=r"(?s)needs 3 GPUs and the cluster has 2:.*ref: 1 GPU\(s\).*colocate_actor_ref"):
+        check_gpu_fit(with_ref, 2.0)
+
+
 def test_launch_rule_ray_only_with_engines_and_without_a_launcher():
     from openrlhf.cli.train_ppo_ray import use_ray_mode
 
@@ -236,6 +268,9 @@ def test_engine_actor_killed_mid_rollout_names_it_then_resume(task, tmp_path, ra
     assert resumed["steps"] == 4 and resumed["mode"] == "ray"
     assert [h["step"] for h in metrics(out)] == [3, 4]  # continued from the checkpoint, not from scratch
     assert (ckpt / "latest").read_text().strip() == "global_step4"
+    layout = json.loads((out / "ray_layout.json").read_text())  # where the resumed run's actors ran
+    assert layout["sync_backend"] == "gloo" and layout["roles"] == {"policy": 2, "engines": 1}
+    assert [p["pid"] for p in layout["placement"]["policy"]] != [layout["placement"]["engines"][0]["pid"]] * 2
 
 
 # ---- the precision check covers every engine ----------------------------------------------------------

@@ -27,20 +27,37 @@ import torch
 from ..engines.base import RolloutEngine, RolloutSample, SamplingConfig
 from ..engines.factory import build_engine
 from .errors import EngineDiedError
-from .utils import call, free_port, node_ip
+from .utils import call, device_info, free_port, node_ip, pin_assigned_gpus
 
-__all__ = ["EngineActor", "RemoteEngine", "EngineHandles"]
+__all__ = ["EngineActor", "RemoteEngine", "EngineHandles", "engine_placement"]
 
 logger = logging.getLogger(__name__)
 
 
-def _build_engine(cfg, kind: str, index: int) -> RolloutEngine:
-    # TP workers are Ray actors in this engine's placement-group bundles.
-    tp_kwargs = {"distributed_executor_backend": "ray"} if cfg.vllm.tensor_parallel_size > 1 else None
+def engine_placement(tensor_parallel_size: int, on_gpu: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """vLLM engine kwargs and environment for an engine actor.
+
+    TP > 1: the TP workers are Ray actors in this engine's placement-group bundles. TP 1 on a GPU:
+    vLLM runs inside the actor's own process (executor "uni", no engine-core subprocess), so the
+    worker that joins the weight-sync group, installs FP8 bytes and answers digests and the precision
+    graph is this process, on the GPU Ray gave the actor, with our `jetrl_fp8` method registered in
+    it (a spawned engine core would need the project pip-installed for vLLM's plugin entry point).
+    """
+    if tensor_parallel_size > 1:
+        return {"distributed_executor_backend": "ray"}, {}
+    if on_gpu:
+        return {"distributed_executor_backend": "uni"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return {}, {}
+
+
+def _build_engine(cfg, kind: str, index: int, engine_kwargs: dict[str, Any] | None = None) -> RolloutEngine:
+    on_gpu = torch.cuda.is_available()
+    kwargs, env = engine_placement(cfg.vllm.tensor_parallel_size, on_gpu)
+    os.environ.update(env)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.ds.param_dtype]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     return build_engine(
-        cfg, kind, cfg.precision.load_recipe(), rank=index, dtype=dtype, device=device, vllm_engine_kwargs=tp_kwargs
+        cfg, kind, cfg.precision.load_recipe(), rank=index, dtype=dtype, device="cuda" if on_gpu else "cpu",
+        vllm_engine_kwargs={**kwargs, **(engine_kwargs or {})} or None,
     )
 
 
@@ -49,17 +66,19 @@ class EngineActor:
     answers while a rollout runs; every engine call holds one lock, so the engine itself only
     ever sees one call at a time."""
 
-    def __init__(self, cfg, engine_id: str, index: int, kind: str) -> None:
+    def __init__(self, cfg, engine_id: str, index: int, kind: str, engine_kwargs: dict[str, Any] | None = None) -> None:
+        """`engine_kwargs`: extra vLLM engine arguments (benchmarks: dummy weights, no tokenizer)."""
         from openrlhf.utils.logging_utils import setup_logging
 
         setup_logging(0)
+        pin_assigned_gpus()
         self.engine_id, self.index, self.kind = engine_id, index, kind
         self._lock = threading.Lock()
         self._busy: str | None = None
         self._calls: dict[str, int] = {}
         self._group = None  # the weight-sync group, for engines without their own transport
         with self._using("init"):
-            self.engine = _build_engine(cfg, kind, index)
+            self.engine = _build_engine(cfg, kind, index, engine_kwargs)
 
     @contextlib.contextmanager
     def _using(self, what: str):
@@ -73,7 +92,7 @@ class EngineActor:
 
     # ---- introspection (lock-free) --------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        return {"engine_id": self.engine_id, "name": self.engine.name, "node_ip": node_ip(), "pid": os.getpid()}
+        return {"engine_id": self.engine_id, "name": self.engine.name, **device_info()}
 
     def status(self) -> dict[str, Any]:
         return {"busy": self._busy, "calls": dict(self._calls)}

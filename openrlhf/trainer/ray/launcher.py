@@ -17,11 +17,13 @@ bundle fits. Colocation puts roles in the same bundles, each taking a share of i
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
 import uuid
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from openrlhf.config import ConfigError
@@ -33,7 +35,7 @@ from .model_actors import CriticActor, RefActor, RewardActor
 from .policy_actor import PolicyActor, RoleHandles
 from .utils import actor_env, call, init_ray, on_gpu_cluster
 
-__all__ = ["run_ray", "RayLayout", "RayActorGroup", "plan_layout"]
+__all__ = ["run_ray", "RayLayout", "RayActorGroup", "plan_layout", "check_gpu_fit"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,33 @@ class RayLayout:
 
     def world(self, role: str) -> int:
         return len(self.slots.get(role, ()))
+
+    @property
+    def devices(self) -> int:
+        """GPUs the layout takes on a GPU cluster: one per bundle."""
+        return sum(self.groups.values())
+
+
+_GROUP_FLAGS = {
+    "policy": "--actor.num_nodes x --actor.num_gpus_per_node",
+    "engines": "--vllm.num_engines x --vllm.tensor_parallel_size",
+    "ref": "--ref.num_nodes x --ref.num_gpus_per_node (only when the KL term needs a reference: --algo.kl.init_coef 0 "
+           "without --algo.kl.use_loss drops it; --train.colocate_actor_ref shares the policy's GPUs)",
+    "critic": "--critic.num_nodes x --critic.num_gpus_per_node",
+    "reward": "--reward.num_nodes x --reward.num_gpus_per_node (--train.colocate_critic_reward shares the critic's)",
+}
+
+
+def check_gpu_fit(layout: RayLayout, cluster_gpus: float) -> None:
+    """ConfigError before anything is placed when the layout needs more GPUs than the cluster has
+    (placing it would otherwise wait for GPUs that never come)."""
+    if layout.devices <= cluster_gpus:
+        return
+    parts = "\n".join(f"  - {g}: {n} GPU(s), {_GROUP_FLAGS.get(g, g)}" for g, n in layout.groups.items())
+    raise ConfigError(
+        f"this Ray layout needs {layout.devices} GPUs and the cluster has {cluster_gpus:g}:\n{parts}\n"
+        "Lower a group's size, colocate groups (--train.colocate_all, --train.colocate_actor_ref), or add nodes."
+    )
 
 
 def _size(cfg_section) -> int:
@@ -160,6 +189,7 @@ class _Launcher:
         self.pgs: dict[str, Any] = {}
         self.groups: dict[str, RayActorGroup] = {}
         self.timeout_s = 1800.0
+        self.placement: dict[str, list[dict]] = {}  # role -> each actor's info() (node, GPU ids)
 
     # -- placement groups
     def _bundle_cpu(self) -> float:
@@ -173,6 +203,8 @@ class _Launcher:
     def create_placement_groups(self) -> None:
         from ray.util.placement_group import placement_group
 
+        if self.on_gpu:
+            check_gpu_fit(self.layout, self.ray.cluster_resources().get("GPU", 0.0))
         cpu = self._bundle_cpu()
         for name, n in self.layout.groups.items():
             bundle = {"GPU": 1.0, "CPU": cpu} if self.on_gpu else {"CPU": cpu}
@@ -263,8 +295,10 @@ class _Launcher:
             g = self.groups.get(role)
             if g is not None:
                 t0 = time.perf_counter()
-                g.call_all("info", during=f"{role} start-up", timeout=self.timeout_s)
-                logger.info("%s ready: %s (%.1f s)", role, ", ".join(g.ids), time.perf_counter() - t0)
+                infos = g.call_all("info", during=f"{role} start-up", timeout=self.timeout_s)
+                self.placement[role] = infos
+                where = ", ".join(f"{i} (GPU {','.join(x.get('gpu_ids') or ['-'])})" for i, x in zip(g.ids, infos)) if self.on_gpu else ", ".join(g.ids)
+                logger.info("%s ready: %s (%.1f s)", role, where, time.perf_counter() - t0)
 
     def cleanup(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -330,14 +364,25 @@ class _Launcher:
             reward_ids=tuple(self.groups["reward"].ids) if "reward" in self.groups else (),
             timeout_s=self.timeout_s,
         )
+        self._write_layout(backend)
         master = call(policy.actors[0].address.remote(), policy.ids[0], "policy start-up", RayActorDiedError, self.timeout_s)
         logger.info("Ray layout ready in %.1f s: %s; starting %d policy ranks", time.perf_counter() - t0,
                     {r: len(s) for r, s in self.layout.slots.items()}, len(policy.actors))
         futures = [a.run.remote(*master, roles, evaluate) for a in policy.actors]
         results = self._wait_policy(futures, policy.ids)
         summary = dict(results[0])
-        summary.update(mode="ray", engines=list(engines.ids), layout={r: len(s) for r, s in self.layout.slots.items()})
+        summary.update(mode="ray", engines=list(engines.ids), layout={r: len(s) for r, s in self.layout.slots.items()},
+                       sync_backend=backend, placement=self.placement)
         return summary
+
+    def _write_layout(self, backend: str) -> None:
+        """<output_dir>/ray_layout.json: the groups, the weight-sync backend and where every actor runs
+        (node, GPU ids), for whoever reads the run afterwards."""
+        out = Path(self.cfg.ckpt.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {"groups": self.layout.groups, "roles": {r: len(s) for r, s in self.layout.slots.items()}, "on_gpu": self.on_gpu,
+               "sync_backend": backend, "placement": self.placement}
+        (out / "ray_layout.json").write_text(json.dumps(doc, indent=1, default=str))
 
     def _wait_policy(self, futures: list, ids: list[str]) -> list:
         """Wait for every rank; on the first failure, give the others a moment to fail too (an engine

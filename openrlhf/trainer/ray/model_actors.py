@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from .errors import RayActorDiedError
-from .utils import call, free_port, node_ip
+from .utils import call, device_info, free_port, node_ip, pin_assigned_gpus
 
 __all__ = ["RefActor", "RewardActor", "CriticActor", "RemoteRef", "RemoteReward", "RemoteCritic"]
 
@@ -42,13 +42,14 @@ class RefActor:
         from jetrl_precision import convert_to_fp8
         from openrlhf.models.actor import Actor, load_causal_lm
 
+        pin_assigned_gpus()
         self.actor_id = actor_id
         model = load_causal_lm(cfg.ref_model_path, _dtype(cfg), cfg.ds.attn_implementation)
         convert_to_fp8(model, cfg.precision.load_recipe(), side="train")
         self.model = Actor(model).requires_grad_(False).eval().to(_device())
 
     def info(self) -> dict[str, Any]:
-        return {"actor_id": self.actor_id, "node_ip": node_ip(), "pid": os.getpid()}
+        return {"actor_id": self.actor_id, **device_info()}
 
     @torch.no_grad()
     def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int, temperature: float = 1.0) -> torch.Tensor:
@@ -75,6 +76,7 @@ class RewardActor:
     def __init__(self, cfg, actor_id: str) -> None:
         from openrlhf.trainer.reward import build_reward_fn
 
+        pin_assigned_gpus()
         self.actor_id = actor_id
         self.fn = build_reward_fn(
             cfg.reward_source, remote_url=cfg.reward.remote_url, model_path=cfg.reward.model_name_or_path,
@@ -82,7 +84,7 @@ class RewardActor:
         )
 
     def info(self) -> dict[str, Any]:
-        return {"actor_id": self.actor_id, "node_ip": node_ip(), "pid": os.getpid()}
+        return {"actor_id": self.actor_id, **device_info()}
 
     def score(self, prompts: list[str], responses: list[str], labels: list[str | None]) -> list[float]:
         return self.fn(prompts, responses, labels)
@@ -103,11 +105,12 @@ class CriticActor:
     """One rank of the critic's DeepSpeed group (its own world, paired with policy rank `rank`)."""
 
     def __init__(self, cfg, actor_id: str, rank: int, world_size: int, local_rank: int) -> None:
+        pin_assigned_gpus()
         self.cfg, self.actor_id = cfg, actor_id
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
 
     def info(self) -> dict[str, Any]:
-        return {"actor_id": self.actor_id, "node_ip": node_ip(), "pid": os.getpid()}
+        return {"actor_id": self.actor_id, **device_info()}
 
     def address(self) -> tuple[str, int]:
         ip = node_ip()

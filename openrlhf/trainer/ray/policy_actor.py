@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from .engine_actor import EngineHandles, RemoteEngine
-from .utils import free_port, node_ip
+from .utils import device_info, free_port, node_ip, pin_assigned_gpus
 
 __all__ = ["PolicyActor", "RoleHandles"]
 
@@ -37,10 +37,11 @@ class RoleHandles:
 
 class PolicyActor:
     def __init__(self, cfg, rank: int, world_size: int, local_rank: int) -> None:
+        pin_assigned_gpus()  # this rank's GPU is cuda:0 (LOCAL_RANK 0 on GPU clusters)
         self.cfg, self.rank, self.world_size, self.local_rank = cfg, rank, world_size, local_rank
 
     def info(self) -> dict[str, Any]:
-        return {"rank": self.rank, "node_ip": node_ip(), "pid": os.getpid()}
+        return {"rank": self.rank, **device_info()}
 
     def address(self) -> tuple[str, int]:
         """Rank 0: where the policy group's process group rendezvous (this node, a free port)."""

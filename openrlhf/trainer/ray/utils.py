@@ -7,7 +7,7 @@ import os
 import socket
 from typing import Any
 
-__all__ = ["init_ray", "actor_env", "node_ip", "free_port", "call", "on_gpu_cluster"]
+__all__ = ["init_ray", "actor_env", "node_ip", "free_port", "call", "on_gpu_cluster", "visible_devices_for", "pin_assigned_gpus", "device_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,11 @@ def init_ray() -> bool:
         ray.init(address=addr, log_to_driver=True)
         return False
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True)
-    if not _has_cuda():
-        # CPU machines: keep all traffic on loopback (VLLM_HOST_IP too), as the CPU CI does.
-        kwargs["_node_ip_address"] = os.environ.get("VLLM_HOST_IP", "127.0.0.1")
+    # A local instance lives on this machine only: VLLM_HOST_IP pins its address (loopback on machines
+    # without an outside network); CPU machines use loopback by default, as the CPU CI does.
+    host = os.environ.get("VLLM_HOST_IP") or (None if _has_cuda() else "127.0.0.1")
+    if host:
+        kwargs["_node_ip_address"] = host
     logger.info("no running Ray cluster found: starting a local one")
     ray.init(**kwargs)
     return True
@@ -74,6 +76,45 @@ def actor_env(on_gpu: bool) -> dict[str, str]:
         env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
+
+
+def visible_devices_for(assigned: list, visible: str | None) -> str | None:
+    """The CUDA_VISIBLE_DEVICES an actor should run with so that Ray's GPUs for it are devices 0..k-1,
+    or None when it already does. Ray normally sets exactly that; with
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES (or a runtime_env that sets the variable) the actor
+    would see every GPU, and code that uses device 0 / LOCAL_RANK 0 would land on another actor's GPU."""
+    ids = [str(i) for i in assigned]
+    if not ids:
+        return None
+    return None if visible is not None and visible.split(",") == ids else ",".join(ids)
+
+
+def pin_assigned_gpus() -> list[str]:
+    """Narrow this actor's CUDA_VISIBLE_DEVICES to the GPUs Ray assigned it (call before CUDA is
+    initialized, first thing in an actor's constructor). Returns the assigned ids."""
+    import ray
+
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    narrowed = visible_devices_for(ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if narrowed is not None:
+        logger.info("CUDA_VISIBLE_DEVICES %s -> %s (the GPUs Ray assigned this actor)", os.environ.get("CUDA_VISIBLE_DEVICES"), narrowed)
+        os.environ["CUDA_VISIBLE_DEVICES"] = narrowed
+    return ids
+
+
+def device_info() -> dict[str, Any]:
+    """Where this actor runs: node, pid, Ray's GPU ids and the device torch uses (for logs and tests)."""
+    import ray
+
+    info: dict[str, Any] = {"node_ip": node_ip(), "pid": os.getpid(), "gpu_ids": [str(i) for i in ray.get_gpu_ids()],
+                            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    if _has_cuda():
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info["cuda_device"] = torch.cuda.current_device()
+        info["cuda_uuid"] = str(getattr(props, "uuid", ""))
+    return info
 
 
 def node_ip() -> str:
