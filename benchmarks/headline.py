@@ -222,6 +222,24 @@ METRICS += (
 )
 
 
+METRICS += (
+    Metric("ray_2gpu_step_ratio", "x bf16",
+           "GRPO step time in Ray mode on 2 GPUs, bf16 over jet_fp8: policy (+ reference) on GPU 0, a separate vLLM engine on "
+           "GPU 1, FP8 bytes + scales broadcast over NCCL and the digest check after every step; Llama-3.1-8B-shaped model "
+           "(layer count, rollout size and vLLM mode in the record)",
+           _field("ray_grpo_step_s", backend="jet_fp8", field="ratio_vs_bf16", where=lambda r: r.get("variant") == "ray2")),
+    Metric("ray_nccl_sync_seconds_8b", "s",
+           "jet_fp8 weight sync from a trainer on one GPU into a vLLM engine actor on another over NCCL (quantize, broadcast, "
+           "install), 32-layer Llama-3.1-8B shape, mean of the syncs after the first; bytes and bf16's time in the record",
+           _field("ray_nccl_sync_seconds", backend="jet_fp8", where=lambda r: r.get("layers") == 32 and r.get("sync_backend") == "nccl"),
+           digits=2),
+    Metric("ray_1to2gpu_step_speedup_jet_fp8", "x 1 GPU",
+           "jet_fp8 GRPO step time on 1 GPU (engine colocated in the trainer's process) over Ray on 2 GPUs (separate engine), "
+           "same model and rollout plan",
+           _field("ray_scaling_step_speedup", backend="jet_fp8", where=lambda r: r.get("variant") == "ray2")),
+)
+
+
 def _round(v: float, digits: int) -> float:
     if v == 0 or not math.isfinite(v):
         return v

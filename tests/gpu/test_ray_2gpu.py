@@ -1,0 +1,194 @@
+"""Ray mode on 2 GPUs for real: policy rank(s), vLLM engine actors, NCCL between them.
+
+- separate engine: `python -m openrlhf.cli.train_ppo_ray --fp8_unified --vllm.num_engines 1
+  --actor.num_gpus_per_node 1`: the policy on one GPU, the engine on the other (different device
+  UUIDs), the weight-sync group over NCCL, the FP8 bytes + scales of every step's sync counted
+  against the trainer's own model, the digest check after every sync, and the precision check
+  answered from inside the remote engine;
+- colocated: `--train.colocate_all --vllm.enable_sleep`, 2 policy ranks and 2 engines sharing the
+  2 GPUs, the engines asleep while training runs, weights over gloo;
+- a layout that needs 3 GPUs is refused at once, naming the reference group;
+- an engine actor killed mid-rollout: `EngineDiedError` naming it, and `--ckpt.load_enable`
+  continues from the last checkpoint.
+
+The model is a 2-layer Llama with head_dim 64 (FlashAttention-3 on sm90 has no head_dim 32 kernel),
+built in the test. Engines run eager (no compile: the test measures nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.integration]
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA GPUs", allow_module_level=True)
+if torch.cuda.device_count() < 2:
+    pytest.skip(f"needs 2 GPUs (the policy on one, the vLLM engine on the other); this machine has {torch.cuda.device_count()}",
+                allow_module_level=True)
+_missing = [m for m in ("ray", "vllm", "deepspeed") if importlib.util.find_spec(m) is None]
+if _missing:
+    pytest.skip(f"needs {', '.join(_missing)} (benchmarks/h200x2_ray.sh install carries them)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import grpo_vllm_gpu as g  # noqa: E402
+
+ENV = {**g.run_env(), "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+for _k in ("WORLD_SIZE", "LOCAL_RANK", "RANK", "RAY_ADDRESS"):
+    ENV.pop(_k, None)
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ray2gpu")
+    plan = g.SpeedPlan(layers=2, prompts=8, n=4, new_tokens=32, steps=2, rollout_micro=8, train_micro=8, gpu_mem=0.25,
+                       gemm_backend="torch", tiny=True)
+    model, data, reward = g.speed_inputs(d, plan)
+    return plan, model, data, reward
+
+
+def _argv(task, out: Path, extra: list[str], steps: int = 2) -> list[str]:
+    plan, model, data, reward = task
+    plan = dataclasses.replace(plan, steps=steps)
+    argv = [a for a in plan.argv(model, data, reward) if a != "--vllm.enable_sleep"]
+    return [*argv, "--algo.advantage.estimator", "group_norm", "--rollout.engine", "vllm", "--vllm.enforce_eager",
+            "--train.eval_prompts", "0", "--fp8_unified", "--ckpt.output_dir", str(out), *extra]
+
+
+def _cli(argv: list[str], timeout: float = 480) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "openrlhf.cli.train_ppo_ray", *argv], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _expected_sync_bytes(model: Path) -> int:
+    from transformers import AutoModelForCausalLM
+
+    from jetrl_precision import convert_to_fp8, get_recipe
+    from jetrl_precision.weight_sync import sync_nbytes
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16)
+    convert_to_fp8(m, get_recipe("jet_fp8"), side="train")
+    return sync_nbytes(m, fp8=True)
+
+
+def test_separate_engine_on_its_own_gpu_gets_fp8_bytes_over_nccl(task, tmp_path):
+    out = tmp_path / "sep"
+    p = _cli(_argv(task, out, ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0"]))
+    assert p.returncode == 0, p.stderr[-4000:]
+    layout = json.loads((out / "ray_layout.json").read_text())
+    assert layout["on_gpu"] and layout["sync_backend"] == "nccl" and layout["roles"] == {"policy": 1, "engines": 1}
+    (pol,), (eng,) = layout["placement"]["policy"], layout["placement"]["engines"]
+    assert pol["gpu_ids"] != eng["gpu_ids"] and pol["cuda_uuid"] != eng["cuda_uuid"], (pol, eng)
+    assert pol["cuda_visible_devices"] == ",".join(pol["gpu_ids"]) and pol["cuda_device"] == 0  # cuda:0 is Ray's GPU for it
+    steps = _metrics(out)
+    assert [s["step"] for s in steps] == [1, 2]
+    sent = _expected_sync_bytes(task[1])
+    for s in steps:
+        assert s["sync/checked_tensors"] >= 1, s  # the digest check after every sync
+        assert s["sync/bytes"] == sent, (s["sync/bytes"], sent)  # e4m3 bytes + fp32 scales + bf16 rest, as the trainer holds them
+        assert s["sync/seconds"] > 0 and s["perf/weight_sync_s"] >= s["sync/seconds"]
+    summary = json.loads((out / "summary.json").read_text())
+    report = summary["precision_report"]
+    assert "[vllm-engine-0]" in report and "precision check: OK" in report, report[:2000]  # the graph came from the remote engine
+    mism = [s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps]
+    assert all(0 <= m < 0.5 for m in mism), mism
+
+
+def test_colocated_engines_sleep_while_training_and_sync_over_gloo(task, tmp_path):
+    out = tmp_path / "colo"
+    p = _cli(_argv(task, out, ["--vllm.num_engines", "2", "--actor.num_gpus_per_node", "2", "--train.colocate_all",
+                               "--vllm.enable_sleep", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2"]))
+    assert p.returncode == 0, p.stderr[-4000:]
+    layout = json.loads((out / "ray_layout.json").read_text())
+    assert layout["sync_backend"] == "gloo" and layout["groups"] == {"policy": 2}
+    policy = [tuple(x["gpu_ids"]) for x in layout["placement"]["policy"]]
+    engines = [tuple(x["gpu_ids"]) for x in layout["placement"]["engines"]]
+    assert len(set(policy)) == 2 and sorted(engines) == sorted(policy), (policy, engines)  # engine i shares rank i's GPU
+    steps = _metrics(out)
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["sync/checked_tensors"] >= 1 and s["perf/engine_wake_s"] > 0 and s["perf/engine_sleep_s"] > 0, s
+        if "memory/train_engine_asleep_device_used_gib" in s and "memory/rollout_engine_awake_device_used_gib" in s:
+            assert s["memory/train_engine_asleep_device_used_gib"] < s["memory/rollout_engine_awake_device_used_gib"] + 1.0, s
+
+
+def test_layout_needing_more_gpus_than_the_machine_has_is_refused_at_once(task, tmp_path):
+    t0 = time.time()
+    p = _cli(_argv(task, tmp_path / "ref", ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01"]),
+             timeout=180)
+    assert p.returncode == 1 and "needs 3 GPUs and the cluster has 2" in p.stderr and "colocate_actor_ref" in p.stderr, p.stderr[-2000:]
+    assert time.time() - t0 < 120  # not the placement group's 600 s wait
+
+
+# ---- last: this one drives Ray in the test's own process ---------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ENV["PYTHONPATH"]}})
+    yield ray
+    ray.shutdown()
+
+
+def _kill_in_generate(ray, suffix: str, min_calls: int, result: dict, timeout: float = 400.0) -> None:
+    deadline, handle = time.time() + timeout, None
+    while time.time() < deadline:
+        if handle is None:
+            names = [n for n in ray.util.list_named_actors() if n.endswith(suffix)]
+            if not names:
+                time.sleep(0.2)
+                continue
+            handle = ray.get_actor(names[0])
+        try:
+            st = ray.get(handle.status.remote(), timeout=10)
+        except Exception:
+            time.sleep(0.1)
+            continue
+        if st["busy"] == "generate" and st["calls"].get("generate", 0) >= min_calls:
+            ray.kill(handle, no_restart=True)
+            result["killed_at_call"] = st["calls"]["generate"]
+            return
+        time.sleep(0.005)
+
+
+def test_killed_engine_is_named_and_the_run_resumes_from_its_checkpoint(task, tmp_path, ray_local):
+    from openrlhf.config import parse_config
+    from openrlhf.trainer.ray import EngineDiedError, run_ray
+
+    out = tmp_path / "kill"
+    os.environ.update({k: v for k, v in ENV.items() if k.startswith(("VLLM_", "NCCL_", "TORCH_", "NVSHMEM_"))})
+    cfg = parse_config(_argv(task, out, ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0",
+                                         "--ckpt.save_steps", "1"], steps=4))
+    killed: dict = {}
+    killer = threading.Thread(target=_kill_in_generate, args=(ray_local, "-vllm-engine-0", 3, killed), daemon=True)
+    killer.start()
+    with pytest.raises(EngineDiedError) as info:
+        run_ray(cfg, evaluate=False)
+    killer.join(timeout=30)
+    err = info.value
+    assert killed.get("killed_at_call", 0) >= 3, killed  # step 3's rollout, after the step-2 checkpoint
+    assert err.engine_id == "vllm-engine-0" and err.during.startswith("generate") and "--ckpt.load_enable" in str(err), str(err)
+    ckpt = out / "checkpoints_ppo" / "actor"
+    assert (ckpt / "latest").read_text().strip() == "global_step2"
+    resumed = run_ray(dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, load_enable=True)), evaluate=False)
+    assert resumed["steps"] == 4 and resumed["sync_backend"] == "nccl"
+    assert [s["step"] for s in _metrics(out)] == [3, 4]
+    assert (ckpt / "latest").read_text().strip() == "global_step4"
