@@ -9,11 +9,13 @@
 #   .vc0 .vc1        vLLM 0.26 and the 33 wheels its LLM path needs (../shared/tools/vllm-gpu/prepare.sh, reused if present)
 #   .rx0 .rx1 .rx2   one xz stream split to fill the room beside .vc0 and .vc1, the rest in .rx2:
 #                    Ray 2.60.0 (its 79 MB wheel without the Java jars and the dashboard's web client, which Python
-#                    actors never load), Ray's dependencies, DeepSpeed 0.19.8 (a pure-Python wheel built here) and the
-#                    small wheels DeepSpeed and math-verify import
-# What the image has: torch 2.11, Triton, transformers, numpy, no vLLM, Ray or DeepSpeed (../shared/ENVIRONMENT.md).
-# Which of Ray's dependencies (click, jsonschema and its four, msgpack, protobuf, pyyaml, requests and its four) the
-# image has is recorded nowhere, so all travel, and `install` adds only those the image has no distribution of.
+#                    actors never load: 23 MB with xz), DeepSpeed 0.19.8 (a pure-Python wheel built here) and the small
+#                    wheels Ray, DeepSpeed and math-verify need that the image lacks
+# What the image has (../shared/ENVIRONMENT.md and the device notes' package list of the image, read 2026-11-17):
+# torch 2.11, Triton, transformers, and of Ray's requirements click, filelock, msgpack, packaging, protobuf, pyyaml,
+# requests; of DeepSpeed's ninja, psutil, py-cpuinfo, einops; no vLLM, Ray, DeepSpeed, jsonschema (+ referencing,
+# jsonschema-specifications, rpds-py), hjson or math-verify. Those travel; `install` still adds a carried dependency
+# only when the machine has no installed distribution of it, so a changed image costs an install, not a shadowed copy.
 # Downloads here (pip, the registry's ordinary client; versions pinned below): `pip download --no-deps` of ray and the
 # small wheels for CPython 3.12 manylinux, `pip wheel --no-deps deepspeed` (sdist only on PyPI). They are kept in
 # $STAGE_TMP/rayx2_dl and reused.
@@ -51,13 +53,14 @@ WORK=$T/rayx2_work
 BUDGET=${BUDGET:-570}
 export PYTHONPATH=$T/site:$PWD PATH=$T/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0 \
        PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_HOST_IP=${VLLM_HOST_IP:-127.0.0.1}
+# NVLink multicast stays off on the lent machines (the device notes say why): every process and Ray actor inherits these
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+       NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 RAY_PIN="ray==2.60.0"
-# Ray's own requirements (install adds each only where the image lacks its module)
-RAY_DEPS="click==8.5.1 jsonschema==4.26.0 attrs==26.1.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
-          protobuf==7.36.2 pyyaml==6.0.4 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 charset-normalizer==3.5.3"
-# DeepSpeed's and math-verify's (as benchmarks/h200_grpo.sh carries them); msgpack serves Ray too
-GW_PINS="hjson==3.1.0 py-cpuinfo==9.0.0 ninja==1.13.2 msgpack==1.2.4 psutil==7.2.2 einops==0.8.2 math-verify==0.9.0
-         latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2"
+# Ray's requirements the image lacks
+RAY_DEPS="jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1"
+# DeepSpeed's and math-verify's the image lacks
+GW_PINS="hjson==3.1.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2"
 DS_PIN="deepspeed==0.19.8"
 STAGES="prepare unpack install gputest sync ray2 colo2 spmd1 report"
 MiB=$((1 << 20))
@@ -116,8 +119,13 @@ EOF
   r2=$(size .rx2/part)
   [ $((repo + r2)) -le "$LIMIT" ] || { echo "prepare: .rx2 would carry $(((repo + r2) / MiB)) MiB; too much for one call" >&2; return 1; }
   cat .rx0/part .rx1/part .rx2/part | cmp - "$xzs" || { echo "prepare: the parts do not rebuild the stream" >&2; return 1; }
+  # which parts make the stream, and their sizes: `install` checks that it has exactly these
+  local parts="rx0:$(size .rx0/part) rx1:$(size .rx1/part)"
+  if [ "$r2" -eq 0 ]; then rm -rf .rx2; else parts="$parts rx2:$r2"; fi
+  echo "$parts" > .rx0/parts
   rm -rf "$stage"
   for f in .vc0 .vc1 .rx0 .rx1 .rx2; do
+    [ -e "$f" ] || continue
     if [ -n "$(git status --porcelain --ignored=no -- "$f")" ]; then echo "prepare: $f is not git-ignored" >&2; return 1; fi
   done
   mib() { echo "$1" | awk -v m="$MiB" '{printf "%5.1f MiB", $1 / m}'; }
@@ -137,20 +145,35 @@ EOF
 
 stage_unpack() {  # copy what this call carries out of the checkout
   for d in vc0 vc1 rx0 rx1 rx2; do [ -f ".$d/part" ] && cp ".$d/part" "$T/${d}part" && echo "unpacked .$d"; done
+  [ -f .rx0/parts ] && cp .rx0/parts "$T/rxparts"
   return 0
 }
 
+rx_parts() {  # the stream's parts in order; fails naming what is missing or cut short
+  local missing="" files="" p n
+  [ -f "$T/rxparts" ] || { echo "install: $T/rxparts missing: run the call that carries .rx0 (unpack) first" >&2; return 1; }
+  for entry in $(cat "$T/rxparts"); do
+    p=${entry%%:*}; n=${entry#*:}
+    if [ ! -f "$T/${p}part" ]; then missing="$missing .$p"
+    elif [ "$(size "$T/${p}part")" != "$n" ]; then echo "install: $T/${p}part has $(size "$T/${p}part") bytes, prepare wrote $n" >&2; return 1
+    else files="$files $T/${p}part"; fi
+  done
+  [ -z "$missing" ] || { echo "install: missing$missing in $T: run the calls that carry them (unpack) first" >&2; return 1; }
+  echo "$files"
+}
+
 stage_install() {
-  local need=""
-  for p in vc0 vc1 rx0 rx1 rx2; do [ -f "$T/${p}part" ] || need="$need .$p"; done
+  local need="" files
+  for p in vc0 vc1; do [ -f "$T/${p}part" ] || need="$need .$p"; done
   if [ ! -d "$T/site/vllm" ]; then
-    [ -f "$T/vc0part" ] && [ -f "$T/vc1part" ] || { echo "install: missing$need in $T: run the calls that carry them (unpack) first" >&2; return 1; }
+    [ -z "$need" ] || { echo "install: missing$need in $T: run the calls that carry them (unpack) first" >&2; return 1; }
     cat "$T/vc0part" "$T/vc1part" | python3 -c "import sys,tarfile;tarfile.open(fileobj=sys.stdin.buffer,mode='r|xz').extractall('$T',filter='data')" \
       && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$T/site" "$T"/vllm-carry/*.whl || return 1
   fi
   if [ ! -d "$T/site/ray" ] || [ ! -d "$T/site/deepspeed" ]; then
-    [ -f "$T/rx0part" ] && [ -f "$T/rx1part" ] && [ -f "$T/rx2part" ] || { echo "install: missing$need in $T: run the calls that carry them (unpack) first" >&2; return 1; }
-    cat "$T/rx0part" "$T/rx1part" "$T/rx2part" | python3 -c "import sys,tarfile;tarfile.open(fileobj=sys.stdin.buffer,mode='r|xz').extractall('$T',filter='data')" || return 1
+    files=$(rx_parts) || return 1
+    # shellcheck disable=SC2086
+    cat $files | python3 -c "import sys,tarfile;tarfile.open(fileobj=sys.stdin.buffer,mode='r|xz').extractall('$T',filter='data')" || return 1
     # Ray and DeepSpeed always; a dependency only when the image has no installed distribution of it (its copy wins).
     python3 - "$T/rayx2-carry" > "$T/rayx2_wanted.txt" <<'EOF' || return 1
 import sys

@@ -231,7 +231,7 @@ METRICS += (
     Metric("ray_nccl_sync_seconds_8b", "s",
            "jet_fp8 weight sync from a trainer on one GPU into a vLLM engine actor on another over NCCL (quantize, broadcast, "
            "install), 32-layer Llama-3.1-8B shape, mean of the syncs after the first; bytes and bf16's time in the record",
-           _field("ray_nccl_sync_seconds", backend="jet_fp8", where=lambda r: r.get("layers") == 32 and r.get("sync_backend") == "nccl"),
+           _field("ray_sync_seconds", backend="jet_fp8", where=lambda r: r.get("layers") == 32 and r.get("sync_backend") == "nccl"),
            digits=2),
     Metric("ray_1to2gpu_step_speedup_jet_fp8", "x 1 GPU",
            "jet_fp8 GRPO step time on 1 GPU (engine colocated in the trainer's process) over Ray on 2 GPUs (separate engine), "

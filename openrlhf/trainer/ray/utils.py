@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 # Environment the actors need from the driver. A `ray start` cluster's workers do not see the
 # driver's shell, so these travel in each actor's runtime_env.
-_PASS_PREFIXES = ("HF_", "TRANSFORMERS_", "VLLM_", "DS_", "NCCL_", "TRITON_", "JETRL_", "TORCH_", "TOKENIZERS_")
+_PASS_PREFIXES = ("HF_", "TRANSFORMERS_", "VLLM_", "DS_", "NCCL_", "NVSHMEM_", "TRITON_", "JETRL_", "TORCH_", "TOKENIZERS_")
 _PASS_NAMES = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "WANDB_API_KEY", "WANDB_MODE")
 
 
