@@ -71,6 +71,7 @@ def test_prepare_splits_the_wheels_over_the_calls_under_the_limit(tmp_path):
     (repo / "code.bin").write_bytes(os.urandom(2 * MiB))  # the checkout travels with every call
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "checkout"], cwd=repo, check=True)
     for d, n in ((".vc0", 46137344), (".vc1", 44228160)):  # the vLLM kit's two parts, at their real sizes
         (repo / d).mkdir()
         with open(repo / d / "part", "wb") as f:
