@@ -23,19 +23,20 @@
 # On the device, back to back (the machine keeps /tmp for 30 s after a call; a call removes the ignored folders it does
 # not carry, so `unpack` copies what a call brings to /tmp first):
 #   1. kind nvidia-h200-x2, carry [".vc0", ".rx0"]   bash benchmarks/h200x2_ray.sh unpack
-#   2. carry [".vc1", ".rx1"]                        bash benchmarks/h200x2_ray.sh unpack
-#   3. carry [".rx2"]                                bash benchmarks/h200x2_ray.sh unpack install gputest
-#   4. no carry                                      bash benchmarks/h200x2_ray.sh sync ray2
-#   5. no carry                                      bash benchmarks/h200x2_ray.sh spmd1 colo2
-# (prepare prints the sequence it computed: when .rx2 comes out empty, call 2 runs `install gputest` and call 3 goes.)
+#   2. carry [".vc1", ".rx1"]                        bash benchmarks/h200x2_ray.sh unpack install gputest
+#   3. no carry                                      bash benchmarks/h200x2_ray.sh sync ray2
+#   4. no carry                                      bash benchmarks/h200x2_ray.sh spmd1 colo2
+# That is the sequence when the stream fits beside .vc0 and .vc1 (it does with a checkout of a few MiB); otherwise .rx2
+# holds the rest and call 3 carries it (`unpack install gputest`), one more call. prepare prints the sequence it made.
 # A call on a fresh machine (the previous one was given back) starts again from 1.
 # Stages:
 #   install  unpack vLLM, Ray, DeepSpeed into $STAGE_TMP/site; print versions and the GPUs torch sees
 #   gputest  tests/gpu/test_ray_2gpu.py (separate engine over NCCL, colocated sleep/wake, killed engine + resume, a
-#            3-GPU layout refused) and tests/gpu/test_digest_gpu.py
+#            3-GPU layout refused); GPUTEST_K selects tests (pytest -k) for a call that continues a cut-short one
 #   sync     NCCL weight sync between the GPUs, 32-layer Llama-3.1-8B shape, bf16 and jet_fp8 (ray_nccl_sync_seconds_8b)
 #   ray2     GRPO, Ray: policy (+ reference) on GPU 0, the vLLM engine on GPU 1, bf16 and jet_fp8 (ray_2gpu_step_ratio)
-#   colo2    GRPO, Ray: --train.colocate_all --vllm.enable_sleep, 2 policy ranks + 2 engines on the 2 GPUs
+#   colo2    GRPO, Ray: --train.colocate_all --vllm.enable_sleep, 2 policy ranks + 2 engines on the 2 GPUs (COLO2_RECIPES,
+#            default jet_fp8)
 #   spmd1    GRPO on one GPU, engine colocated in the trainer's process: the baseline of the 1 -> 2 GPU scaling
 #   report   the table of what ran so far
 # Knobs: RECIPES ("bf16 jet_fp8"), LAYERS (8), STEPS (3; step 1 warms up), PROMPTS (32), NEW_TOKENS (512), MODE (eager:
@@ -198,29 +199,33 @@ EOF
 stage_gputest() {
   enough 240 gputest || return 1
   mkdir -p "$RES/gputest"
-  timeout "$(($(left) - 10))" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_ray_2gpu.py tests/gpu/test_digest_gpu.py \
+  # shellcheck disable=SC2086
+  timeout "$(($(left) - 10))" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_ray_2gpu.py ${GPUTEST_K:+-k "$GPUTEST_K"} \
     --junitxml "$RES/gputest/junit.xml" 2>&1 | tee "$RES/gputest/pytest.txt" | tail -40
 }
 
-bench() {  # ray_gpu.py with the knobs, within what is left of the call
-  timeout "$(left)" python3 benchmarks/ray_gpu.py "$@" ${TINY:+--tiny} --recipes ${RECIPES:-bf16 jet_fp8} --out "$RES" --workdir "$WORK" \
+bench() {  # ray_gpu.py with the knobs, within what is left of the call; $1: the recipes
+  local recipes=$1
+  shift
+  # shellcheck disable=SC2086
+  timeout "$(left)" python3 benchmarks/ray_gpu.py "$@" ${TINY:+--tiny} --recipes $recipes --out "$RES" --workdir "$WORK" \
     --gemm_backend "${GEMM_BACKEND:-$([ -n "${TINY:-}" ] && echo auto || echo torch)}" --deadline "$(($(left) - 20))" 2>&1 \
     | grep "^\[ray_gpu\|rror" | tail -24
 }
 
 stage_sync() {
   enough 150 sync || return 1
-  bench sync --sync_layers "${SYNC_LAYERS:-32}"
+  bench "${RECIPES:-bf16 jet_fp8}" sync --sync_layers "${SYNC_LAYERS:-32}"
 }
 
-speed() {
+speed() {  # $1: the variant, $2: its recipes
   enough 150 "$1" || return 1
-  bench speed --variants "$1" --layers "${LAYERS:-8}" --steps "${STEPS:-3}" --prompts "${PROMPTS:-32}" --new_tokens "${NEW_TOKENS:-512}" \
+  bench "$2" speed --variants "$1" --layers "${LAYERS:-8}" --steps "${STEPS:-3}" --prompts "${PROMPTS:-32}" --new_tokens "${NEW_TOKENS:-512}" \
     --mode "${MODE:-eager}"
 }
-stage_ray2() { speed ray2; }
-stage_colo2() { speed colo2; }
-stage_spmd1() { speed spmd1; }
+stage_ray2() { speed ray2 "${RECIPES:-bf16 jet_fp8}"; }
+stage_colo2() { speed colo2 "${COLO2_RECIPES:-${RECIPES:-jet_fp8}}"; }  # a functional run of the variant: jet_fp8 unless asked
+stage_spmd1() { speed spmd1 "${RECIPES:-bf16 jet_fp8}"; }
 
 stage_report() {
   python3 benchmarks/ray_gpu.py report --table_only --from "$RES"

@@ -60,9 +60,9 @@ def task(tmp_path_factory):
     return plan, model, data, reward
 
 
-def _argv(task, out: Path, extra: list[str], steps: int = 2) -> list[str]:
+def _argv(task, out: Path, extra: list[str], steps: int = 2, new_tokens: int | None = None) -> list[str]:
     plan, model, data, reward = task
-    plan = dataclasses.replace(plan, steps=steps)
+    plan = dataclasses.replace(plan, steps=steps, new_tokens=new_tokens or plan.new_tokens)
     argv = [a for a in plan.argv(model, data, reward) if a != "--vllm.enable_sleep"]
     return [*argv, "--algo.advantage.estimator", "group_norm", "--rollout.engine", "vllm", "--vllm.enforce_eager",
             "--train.eval_prompts", "0", "--fp8_unified", "--ckpt.output_dir", str(out), *extra]
@@ -176,7 +176,7 @@ def test_killed_engine_is_named_and_the_run_resumes_from_its_checkpoint(task, tm
     out = tmp_path / "kill"
     os.environ.update({k: v for k, v in ENV.items() if k.startswith(("VLLM_", "NCCL_", "TORCH_", "NVSHMEM_"))})
     cfg = parse_config(_argv(task, out, ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0",
-                                         "--ckpt.save_steps", "1"], steps=4))
+                                         "--ckpt.save_steps", "1"], steps=4, new_tokens=128))  # a rollout long enough to catch
     killed: dict = {}
     killer = threading.Thread(target=_kill_in_generate, args=(ray_local, "-vllm-engine-0", 3, killed), daemon=True)
     killer.start()
@@ -184,11 +184,12 @@ def test_killed_engine_is_named_and_the_run_resumes_from_its_checkpoint(task, tm
         run_ray(cfg, evaluate=False)
     killer.join(timeout=30)
     err = info.value
-    assert killed.get("killed_at_call", 0) >= 3, killed  # step 3's rollout, after the step-2 checkpoint
+    at = killed.get("killed_at_call", 0)  # one rollout per step: call k is step k's, after step k-1's checkpoint
+    assert at in (3, 4), killed
     assert err.engine_id == "vllm-engine-0" and err.during.startswith("generate") and "--ckpt.load_enable" in str(err), str(err)
     ckpt = out / "checkpoints_ppo" / "actor"
-    assert (ckpt / "latest").read_text().strip() == "global_step2"
+    assert (ckpt / "latest").read_text().strip() == f"global_step{at - 1}"
     resumed = run_ray(dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, load_enable=True)), evaluate=False)
     assert resumed["steps"] == 4 and resumed["sync_backend"] == "nccl"
-    assert [s["step"] for s in _metrics(out)] == [3, 4]
+    assert [s["step"] for s in _metrics(out)] == list(range(at, 5))
     assert (ckpt / "latest").read_text().strip() == "global_step4"
