@@ -188,7 +188,7 @@ for whl in sorted(Path(sys.argv[1]).glob("*.whl")):
         have = None
     if name.lower() in ("ray", "deepspeed") or have is None:
         print(whl)
-    print(f"  {whl.name}: " + ("installed" if name.lower() in ("ray", "deepspeed") or have is None else f"the image has {have}"), file=sys.stderr)
+    print(f"  {whl.name}: " + ("installing" if name.lower() in ("ray", "deepspeed") or have is None else f"skipped, {have} is installed"), file=sys.stderr)
 EOF
     # shellcheck disable=SC2046
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$T/site" $(cat "$T/rayx2_wanted.txt") || return 1
