@@ -90,14 +90,6 @@ def _cfg_dict(cfg) -> dict:
 
 
 def main() -> None:
-    import torch.nn.functional as F
-
-    from jetrl_precision import quantize_fp8
-    from jetrl_precision.gemm import resolve_backend, torch_backend
-    from jetrl_precision.kernels import invariant_gemm as ig
-    from jetrl_precision.kernels import quant
-    from jetrl_precision.kernels.layout import row_major_padded_t
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file for the records")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128, 256])
@@ -105,6 +97,14 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=420.0, help="seconds of tuning before the rest runs defaults only")
     ap.add_argument("--no-tune", dest="tune", action="store_false")
     a = ap.parse_args()
+    import torch.nn.functional as F
+
+    from jetrl_precision import quantize_fp8
+    from jetrl_precision.gemm import resolve_backend, torch_backend
+    from jetrl_precision.kernels import invariant_gemm as ig  # needs triton: imported after --help
+    from jetrl_precision.kernels import quant
+    from jetrl_precision.kernels.layout import row_major_padded_t
+
     resolve_backend("torch", "cuda")  # fails with one line where cuBLASLt blockwise cannot run
     resolve_backend("triton_invariant", "cuda")
     mm = torch_backend.prepared_scaled_mm("cuda")

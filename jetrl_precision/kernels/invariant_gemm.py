@@ -7,9 +7,9 @@ Two kernels share one tiling:
 Why a row's result cannot depend on M (or on the rows beside it):
 - the configuration (`InvariantConfig`: tile sizes, warps, stages, split-K) is a function of (N, K, dtype)
   only (`invariant_config`); M sets nothing but the number of M tiles in the grid;
-- the M tile is fixed per configuration, never sized to the batch: the tile size along M is the MMA
-  instruction's N (wgmma m64nXk32 on sm90), and a different instruction shape is a different accumulation
-  datapath, which is what batch-invariance forbids;
+- the M tile is fixed per configuration, never sized to the batch: the M tile (with the warp layout) sets the
+  MMA instruction's N (wgmma m64nXk32 on sm90; tests/precision/test_invariant_gemm_sm90_compile.py), and a
+  different instruction shape is a different accumulation datapath, which batch invariance forbids;
 - each output element is one fixed sequence over K: per 128-wide K group one `tl.dot` from zero, then
   acc = fma(dot, sa[m] * sb, acc) in fp32, groups in increasing order (FP8); `tl.dot(b, a, acc)` over fixed
   BLOCK_K steps (BF16). Split-K ranges are fixed by K alone and their fp32 partials are summed by
@@ -93,15 +93,16 @@ def invariant_config(n: int, k: int, dtype: torch.dtype) -> InvariantConfig:
 def candidate_configs(n: int, k: int, dtype: torch.dtype) -> list[InvariantConfig]:
     """Configurations worth timing for a weight [N, K] (benchmarks/decode_gemm_triton.py tunes over them).
 
-    Every one is M-independent by construction: none is derived from M."""
+    Every one is M-independent by construction: none is derived from M. A wider M tile reads the weight fewer
+    times at large batches and wastes more MMA work at small ones; the tuner weighs that over all batch sizes."""
     base = invariant_config(n, k, dtype)
+    tiles = [(64, 16, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8),
+             (128, 16, 8), (128, 32, 8), (128, 64, 8), (128, 128, 8)]  # (block_n, block_m, warps)
     out = {base}
-    for bn in (64, 128):
-        for bm in (16, 32, 64):
-            for split in (1, 2, 4, 8):
-                for stages in (3, 4):
-                    out.add(InvariantConfig(bn, bm, split, 4 if bn == 64 else 8, stages, base.block_k))
-    return sorted(out, key=lambda c: (c != base, c.block_n, c.block_m, c.split_k, c.num_stages))
+    for bn, bm, warps in tiles:
+        for split in (1, 2, 4, 8):
+            out.add(InvariantConfig(bn, bm, split, warps, 3 if bm == 128 else 4, base.block_k))
+    return sorted(out, key=lambda c: (c != base, c.block_n, c.block_m, c.num_warps, c.split_k, c.num_stages))
 
 
 # ---- kernels ----------------------------------------------------------------------------------

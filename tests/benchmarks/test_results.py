@@ -183,6 +183,12 @@ def test_gpu_bench_imports_with_triton():
     assert out.returncode == 0 and "--sections" in out.stdout, out.stderr[-2000:]
 
 
+def test_decode_gemm_benchmark_parses_its_arguments():
+    """benchmarks/decode_gemm_triton.py runs in one device call: a typo in its argument parsing must show here."""
+    out = subprocess.run([sys.executable, "benchmarks/decode_gemm_triton.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "--budget" in out.stdout and "--out" in out.stdout, out.stderr[-2000:]
+
+
 def test_device_scripts_parse_and_name_known_sections():
     """The one-call GPU scripts are bash that must not fail on a typo after minutes of building: they parse, and the
     sections they ask gpu_bench for exist."""
