@@ -17,7 +17,7 @@ for bit, and its error against an fp32 product is below 5e-3 relative; a candida
 not timed. Tuning stops at --budget seconds (what is left runs the defaults only) and says so.
 
 Records follow benchmarks/headline.py (name, shape, backend, value, unit, ratio_vs_bf16, command, date, device);
-put them under benchmarks/results/runs/ with `headline.write_run`.
+`python benchmarks/decode_gemm_triton.py --record FILE` files a measured FILE under benchmarks/results/runs/.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 __all__ = ["graph_us", "main"]
 
@@ -91,12 +92,22 @@ def _cfg_dict(cfg) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="JSON file for the records")
+    ap.add_argument("--out", help="JSON file for the records")
+    ap.add_argument("--record", metavar="FILE", help="instead of measuring: file FILE's records (from --out) as a run "
+                    "under benchmarks/results/runs/")
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--budget", type=float, default=420.0, help="seconds of tuning before the rest runs defaults only")
     ap.add_argument("--no-tune", dest="tune", action="store_false")
     a = ap.parse_args()
+    if a.record:
+        from headline import write_run
+
+        records = json.loads(Path(a.record).read_text())
+        print(write_run(records, "decode-gemm-invariant", records[0]["date"]))
+        return
+    if not a.out:
+        ap.error("--out FILE is needed to measure")
     import torch.nn.functional as F
 
     from jetrl_precision import quantize_fp8
