@@ -157,9 +157,9 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, k, v, q_start, q_len, k_start, k_len, block_table, max_q_len, scale, paged):
+def _launch(q, k, v, q_start, q_len, k_start, k_len, block_table, max_q_len, scale, paged, zero_fill=False):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q) if zero_fill else torch.empty_like(q)
     n_seq, heads, dim = q_len.numel(), q.shape[1], q.shape[2]
     if n_seq == 0 or max_q_len <= 0:
         return out
@@ -223,6 +223,6 @@ def attention_segments(
 ) -> torch.Tensor:
     """The dense form with explicit per-sequence rows: queries q[q_start_s : q_start_s + q_len_s], keys
     k[k_start_s : k_start_s + k_len_s] (a padded batch flattened to [B * T, H, D] has gaps between sequences).
-    Rows of q outside every segment are left uninitialised in the output."""
+    Rows of q outside every segment (padding) come out as zeros."""
     _check_qkv(q, k, v, 3, "attention_segments")
-    return _launch(q, k, v, q_start, q_len, k_start, k_len, None, max_q_len, softmax_scale, False)
+    return _launch(q, k, v, q_start, q_len, k_start, k_len, None, max_q_len, softmax_scale, False, zero_fill=True)

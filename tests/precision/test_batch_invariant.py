@@ -95,13 +95,50 @@ def test_make_batch_invariant_refuses_an_ordinary_attention():
         make_batch_invariant(convert_to_fp8(tiny_causal_lm(), get_recipe("jet_fp8")))
 
 
-def test_make_batch_invariant_refuses_a_device_without_the_kernels(monkeypatch):
-    monkeypatch.setattr(bi, "_params_device", lambda model: torch.device("cuda", 0))
+def test_make_batch_invariant_refuses_cuda_without_triton(monkeypatch):
+    import jetrl_precision.kernels as kernels
+
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
     with pytest.raises(BitwiseUnavailable) as e:
-        make_batch_invariant(tiny_causal_lm())
+        make_batch_invariant(tiny_causal_lm(), device="cuda")
     msg = str(e.value)
-    assert "CPU only" in msg and "\n" not in msg
+    assert "on cuda need the Triton kernels: Triton is not installed" in msg and "\n" not in msg
+    with pytest.raises(BitwiseUnavailable, match="Triton kernels run on CUDA.*TRITON_INTERPRET"):
+        monkeypatch.setattr(kernels, "triton_available", lambda: True)
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        make_batch_invariant(tiny_causal_lm(), kernels="triton")  # CPU model, no interpreter
+    with pytest.raises(BitwiseUnavailable, match="on cuda the batch-invariant numerics are the Triton kernels"):
+        make_batch_invariant(tiny_causal_lm(), device="cuda", kernels="fp64")
+
+
+def test_make_batch_invariant_refuses_fp8_linears_on_cuda_without_the_invariant_gemm(monkeypatch):
+    """The Triton path converts norms and attention; FP8 linears on CUDA need the triton_invariant GEMM, and the
+    refusal names it and everything else still missing on CUDA, on one line."""
+    monkeypatch.setattr(bi, "_triton_missing", lambda device: None)
+    model = convert_to_fp8(tiny_causal_lm(), get_recipe("jet_fp8"))  # emulated on this CPU machine
+    with pytest.raises(BitwiseUnavailable) as e:
+        make_batch_invariant(model, device="cuda")
+    msg = str(e.value)
+    assert "\n" not in msg and "triton_invariant" in msg and "FP8 linears run emulated" in msg
     assert all(k in msg for k in bi.CUDA_MISSING_KERNELS)
+    # What it converted before refusing: every RMSNorm and the attention.
+    assert model.config._attn_implementation == bi.TRITON_ATTENTION
+    assert not bi._ordinary_norms(model) and any(isinstance(m, bi.InvariantRMSNorm) for m in model.modules())
+    assert model.model.norm.weight is not None
+
+
+def test_make_batch_invariant_refuses_a_norm_without_a_kernel(monkeypatch):
+    monkeypatch.setattr(bi, "_triton_missing", lambda device: None)
+
+    class GemmaLikeRMSNorm(nn.Module):  # weight * (1 + x/rms): not the Llama formula
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(4))
+
+    model = tiny_causal_lm()
+    model.model.layers[0].input_layernorm = GemmaLikeRMSNorm()
+    with pytest.raises(BitwiseUnavailable, match="no batch-invariant kernel for GemmaLikeRMSNorm"):
+        make_batch_invariant(model, device="cuda")
 
 
 def test_graph_records_the_numerics_and_refuses_one_sided_invariance():
