@@ -182,3 +182,69 @@ def assert_within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor | fl
             f"{what or 'values'}: {int(bad.sum())} of {err.numel()} outside the bound; worst at {idx}: "
             f"|{got.reshape(-1)[i].item()!r} - {ref.reshape(-1)[i].item()!r}| = {err.reshape(-1)[i].item():.3e} > bound {bound.reshape(-1)[i].item():.3e}"
         )
+
+
+# ---- batch-invariant kernels: exact bits, and the attention bound ---------------------------------------------------
+def float_bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits (torch.equal would call -0.0 and +0.0 equal)."""
+    return t.contiguous().view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    """Kind 1 (exact): the same shape, dtype and bits."""
+    assert a.shape == b.shape and a.dtype == b.dtype, what
+    diff = float_bits(a) != float_bits(b)
+    assert not diff.any(), f"{what}: {int(diff.sum())} of {diff.numel()} values differ in their bits"
+
+
+
+def _gamma_u(n, u):
+    return n * u / (1 - n * u)  # gamma_n for a unit roundoff u (tensors or floats)
+
+
+def attention_bound(q, k, v, scale, *, key_block: int, u_acc: float = 2.0**-24, drop_diagonal: bool = False):
+    """The float64 causal attention of one sequence ([L, H, D] / [L, Hkv, D]) and a worst-case bound on the kernel.
+
+    Let a_j = (q . k_j) scale log2(e), the exact exponent, out = sum_j w_j v_j with w = softmax. The kernel forms
+    t_j = fl(fl(q . k_j) c): |t_j - a_j| <= delta_j = (gamma_D(u_acc) sum|q k_j| c + 2u|a_j|)(1 + 4u) (c itself
+    rounded to fp32). Every exponent argument it forms (t_j - m, and m_old - m_new for each rescaling) is then
+    rounded once more, by at most u 2A with A = max |a| + max delta; exp2 is within e = 2 LIBM_ULPS u. So each
+    weight it uses is w_j (1 + eps_j), |eps_j| <= eta = exp(ln2 (delta + 2uA (1 + nb))) (1 + e)^(nb + 1)
+    (1 + u)^nb (1 + u_p) - 1 for nb key blocks (the rescalings, their products, p rounded to u_p for p @ v). With
+    the numerator and denominator sums (gamma_{K + 2nb}(u_acc)), |N / L - out| <= (2 eta + gamma (1 + eta))
+    sum_j w_j |v_j| / (1 - eta); then the division (u) and the rounding to the output dtype. (A GPU exp2 that
+    flushes results below 2^-126 to zero moves the output by less than 2^-126 K max|v|, far below these terms.)
+    `drop_diagonal` returns the reference of a wrong mask (each query blind to its own key), to show the bound
+    catches it."""
+    length, heads, dim = q.shape
+    groups = heads // k.shape[1]
+    u = 2.0**-24
+    u_out = unit_roundoff(q.dtype)
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    c = scale * math.log2(math.e)
+    a = torch.einsum("ihd,jhd->hij", q64, k64) * c
+    dev = q.device
+    visible = torch.ones(length, length, dtype=torch.bool, device=dev).tril()
+    if drop_diagonal:
+        visible &= ~torch.eye(length, dtype=torch.bool, device=dev)
+        visible[0, 0] = True
+    w = torch.softmax((a / math.log2(math.e)).masked_fill(~visible, -math.inf), -1)
+    out = torch.einsum("hij,jhd->ihd", w, v64)
+    if drop_diagonal:
+        return out, None
+    delta = (_gamma_u(dim, u_acc) * torch.einsum("ihd,jhd->hij", q64.abs(), k64.abs()) * c + 2 * u * a.abs()) * (1 + 4 * u)
+    delta = delta.masked_fill(~visible, 0)
+    big_a = (a.abs() + delta).masked_fill(~visible, 0).amax(-1) + delta.amax(-1)  # [h, i]
+    n_keys = torch.arange(1, length + 1, dtype=torch.float64, device=dev)
+    nb = torch.div(n_keys - 1, key_block, rounding_mode="floor") + 1
+    e = 2 * LIBM_ULPS * u
+    u_p = unit_roundoff(q.dtype) if q.dtype != torch.float32 else 0.0
+    arg = delta.amax(-1) + 2 * u * big_a * (1 + nb)
+    eta = torch.exp(math.log(2) * arg) * (1 + e) ** (nb + 1) * (1 + u) ** nb * (1 + u_p) - 1  # [h, i]
+    g_n = _gamma_u(n_keys + 2 * nb, u_acc)
+    vbar = torch.einsum("hij,jhd->ihd", w, v64.abs())
+    eta_t, g_t = eta.t()[:, :, None], g_n[:, None, None]
+    b1 = (2 * eta_t + g_t * (1 + eta_t)) * vbar / (1 - eta_t)
+    b2 = b1 + u * (out.abs() + b1)
+    bound = b2 + u_out * (out.abs() + b2)
+    return out, bound * (1 + 1e-9) + 1e-300

@@ -249,7 +249,7 @@ class PPOTrainer:
         self.converter.convert(policy)
         self.proof = None
         if cfg.precision.bitwise:  # the policy's forward runs the engine's batch-invariant numerics
-            make_batch_invariant(policy)
+            make_batch_invariant(policy, device=st.device)  # converted before DeepSpeed moves it there
             self.proof = EngineLogprobProof(
                 cfg.precision.bitwise_check_samples, lambda v, op: st.all_reduce(float(v), op).item(), rank=st.rank, seed=cfg.train.seed
             )

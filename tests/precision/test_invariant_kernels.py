@@ -35,7 +35,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from precision_testutil import LIBM_ULPS, assert_within, gamma, log_softmax_bound, outlier_data, unit_roundoff  # noqa: E402
+from precision_testutil import (  # noqa: E402
+    assert_same_bits, assert_within, attention_bound, gamma, log_softmax_bound, outlier_data, unit_roundoff,
+)
 from jetrl_precision.kernels import invariant_attention as ia  # noqa: E402
 from jetrl_precision.kernels import invariant_norm as inorm  # noqa: E402
 from jetrl_precision.kernels import invariant_softmax as isoft  # noqa: E402
@@ -45,17 +47,6 @@ if not isinstance(inorm._rms_norm_kernel, InterpretedFunction):  # imported earl
 
 DTYPES = [torch.float32, torch.bfloat16]
 IDS = ["fp32", "bf16"]
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits (torch.equal would call -0.0 and +0.0 equal)."""
-    return t.contiguous().view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    assert a.shape == b.shape and a.dtype == b.dtype, what
-    diff = _bits(a) != _bits(b)
-    assert not diff.any(), f"{what}: {int(diff.sum())} of {diff.numel()} values differ in their bits"
 
 
 # ---- RMSNorm ------------------------------------------------------------------------------------------------------
@@ -165,54 +156,6 @@ def _cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 
 
-def _gamma_u(n, u):
-    return n * u / (1 - n * u)
-
-
-def attention_reference_and_bound(q, k, v, scale, *, u_acc=2.0**-24, drop_diagonal=False):
-    """The float64 causal attention of one sequence ([L, H, D] / [L, Hkv, D]) and a worst-case bound on the kernel.
-
-    Let a_j = (q . k_j) scale log2(e), the exact exponent, out = sum_j w_j v_j with w = softmax. The kernel forms
-    t_j = fl(fl(q . k_j) c): |t_j - a_j| <= delta_j = (gamma_D(u_acc) sum|q k_j| c + 2u|a_j|)(1 + 4u) (c itself
-    rounded to fp32). Every exponent argument it forms (t_j - m, and m_old - m_new for each rescaling) is then
-    rounded once more, by at most u 2A with A = max |a| + max delta; exp2 is within e = 2 LIBM_ULPS u. So each
-    weight it uses is w_j (1 + eps_j), |eps_j| <= eta = exp(ln2 (delta + 2uA (1 + nb))) (1 + e)^(nb + 1)
-    (1 + u)^nb (1 + u_p) - 1 for nb key blocks (the rescalings, their products, p rounded to u_p for p @ v). With
-    the numerator and denominator sums (gamma_{K + 2nb}(u_acc)), |N / L - out| <= (2 eta + gamma (1 + eta))
-    sum_j w_j |v_j| / (1 - eta); then the division (u) and the rounding to the output dtype."""
-    length, heads, dim = q.shape
-    groups = heads // k.shape[1]
-    u = 2.0**-24
-    u_out = unit_roundoff(q.dtype)
-    q64, k64, v64 = q.double(), k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
-    c = scale * math.log2(math.e)
-    a = torch.einsum("ihd,jhd->hij", q64, k64) * c
-    visible = torch.ones(length, length, dtype=torch.bool).tril()
-    if drop_diagonal:
-        visible &= ~torch.eye(length, dtype=torch.bool)
-        visible[0, 0] = True
-    w = torch.softmax((a / math.log2(math.e)).masked_fill(~visible, -math.inf), -1)
-    out = torch.einsum("hij,jhd->ihd", w, v64)
-    if drop_diagonal:
-        return out, None
-    delta = (_gamma_u(dim, u_acc) * torch.einsum("ihd,jhd->hij", q64.abs(), k64.abs()) * c + 2 * u * a.abs()) * (1 + 4 * u)
-    delta = delta.masked_fill(~visible, 0)
-    big_a = (a.abs() + delta).masked_fill(~visible, 0).amax(-1) + delta.amax(-1)  # [h, i]
-    n_keys = torch.arange(1, length + 1, dtype=torch.float64)
-    nb = torch.div(n_keys - 1, ia.KEY_BLOCK, rounding_mode="floor") + 1
-    e = 2 * LIBM_ULPS * u
-    u_p = unit_roundoff(q.dtype) if q.dtype != torch.float32 else 0.0
-    arg = delta.amax(-1) + 2 * u * big_a * (1 + nb)
-    eta = torch.exp(math.log(2) * arg) * (1 + e) ** (nb + 1) * (1 + u) ** nb * (1 + u_p) - 1  # [h, i]
-    g_n = _gamma_u(n_keys + 2 * nb, u_acc)
-    vbar = torch.einsum("hij,jhd->ihd", w, v64.abs())
-    eta_t, g_t = eta.t()[:, :, None], g_n[:, None, None]
-    b1 = (2 * eta_t + g_t * (1 + eta_t)) * vbar / (1 - eta_t)
-    b2 = b1 + u * (out.abs() + b1)
-    bound = b2 + u_out * (out.abs() + b2)
-    return out, bound * (1 + 1e-9) + 1e-300
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_attention_prefill_within_the_bound_of_float64(dtype):
     lens = [37, 70, 5]  # none a multiple of the key block (32) or the query tile (16)
@@ -223,10 +166,10 @@ def test_attention_prefill_within_the_bound_of_float64(dtype):
     caught = False
     for s, length in enumerate(lens):
         sl = slice(int(cu[s]), int(cu[s + 1]))
-        exact, bound = attention_reference_and_bound(q[sl], k[sl], v[sl], D**-0.5)
+        exact, bound = attention_bound(q[sl], k[sl], v[sl], D**-0.5, key_block=ia.KEY_BLOCK)
         assert_within(out[sl], exact, bound, f"sequence {s}")
         if length > 1:
-            wrong, _ = attention_reference_and_bound(q[sl], k[sl], v[sl], D**-0.5, drop_diagonal=True)
+            wrong, _ = attention_bound(q[sl], k[sl], v[sl], D**-0.5, key_block=ia.KEY_BLOCK, drop_diagonal=True)
             caught |= bool(((wrong - exact).abs() > bound).any())
     assert caught, "the bound must catch a mask that drops the query's own key"
 
