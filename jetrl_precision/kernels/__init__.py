@@ -9,6 +9,8 @@ Submodules (import them only where Triton is installed):
     fused  - silu_mul_quantize, rmsnorm_quantize
     gemm   - fp8_gemm_nt, the Triton GEMM behind the `triton` backend
     impl   - TritonQuantizeImpl, the object registered with ops
+    invariant_norm, invariant_softmax, invariant_attention - the batch-invariant RMSNorm, log-softmax and
+             attention of the bitwise mode (jetrl_precision.batch_invariant wires them into a model)
     layout - pure-torch scale-layout helpers used by the vendor GEMM backends
 """
 
