@@ -57,6 +57,9 @@ export PYTHONPATH=$T/site:$PWD PATH=$T/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLE
 # NVLink multicast stays off on the lent machines (the device notes say why): every process and Ray actor inherits these
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
        NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
+# Ray's memory monitor off: the lent machines' MemTotal starts near 31 GiB and grows as memory is used (the device
+# notes), so the monitor would read 8B-model loads as a node about to run out and kill actors
+export RAY_memory_monitor_refresh_ms=${RAY_memory_monitor_refresh_ms:-0}
 RAY_PIN="ray==2.60.0"
 # Ray's requirements the image lacks
 RAY_DEPS="jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1"
