@@ -6,8 +6,9 @@ has CPU torch and triton (TRITON_INTERPRET=1 is set by the fixture while the ker
     PYTHONPATH=$PWD python -m pytest -q tests/precision/test_invariant_gemm_interpret.py
 
 What they prove on CPU: the kernels' indexing, masking (N, K not multiples of 128), split-K and the fixed
-reduction against a float64 reference within a rounding bound derived from K (docs/testing.md, kind 2), and
-that a row's bits do not depend on M or on the rows beside it (kind 1). The interpreter's tl.dot is numpy's,
+reduction against a float64 reference within a rounding bound derived from K (docs/testing.md, kind 2), that a
+row's bits do not depend on M or on the rows beside it (kind 1), and that the vLLM forward (EngineLinear and its
+custom op) on this backend runs exactly the kernel. The interpreter's tl.dot is numpy's,
 whose sums depend on a row's position in the tile, so under the interpreter the kernels form each K step's dot
 in float64 (exact for e4m3 products); everything around it is the real kernel. The MMA's own invariance is the
 GPU tests' job (tests/gpu/test_invariant_gemm_gpu.py).
@@ -187,3 +188,26 @@ def test_configuration_ignores_m_and_edges(ig):
     with pytest.raises(ValueError, match="power of two"):
         ig.InvariantConfig(block_m=24)
     assert all(c.block_k == 128 for c in ig.candidate_configs(4096, 4096, E4M3))
+
+
+def test_engine_linear_on_this_backend_is_the_kernel_and_batch_invariant(ig):
+    """The vLLM forward (EngineLinear, and its custom op) with backend triton_invariant, SmolLM2's fused qkv_proj
+    (q 576 | k 192 | v 192 rows: partial block rows, so one kernel call per part): the kernel's bytes on the
+    reference quantizer's input, and a decode row's bytes equal the same row in a 140-row batch."""
+    from jetrl_precision import get_recipe
+    from jetrl_precision.integrations import vllm_plugin  # noqa: F401  (registers torch.ops.jetrl.fp8_linear)
+    from jetrl_precision.integrations.engine_linear import EngineLinear
+
+    parts, k = [576, 192, 192], 576
+    qs = [quantize_fp8(outlier_data((n, k), generator=_gen(20 + i)) * 0.02, (128, 128)) for i, n in enumerate(parts)]
+    weight, scale = torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs])
+    groups = [(n, q.scale.shape[0], 128) for n, q in zip(parts, qs)]
+    eng = EngineLinear(weight, scale, groups, 128, get_recipe("jet_fp8").rollout.input, "triton_invariant")
+    x = outlier_data((3, k), generator=_gen(30)).bfloat16()
+    y = eng(x)
+    xq = quantize_fp8(x, (1, 128))
+    direct = torch.cat([_fp8(ig, xq, q, torch.bfloat16) for q in qs], dim=-1)
+    assert y.is_contiguous() and torch.equal(_bits(y), _bits(direct))
+    op = torch.ops.jetrl.fp8_linear(x, weight, scale, *eng.op_args)
+    assert torch.equal(_bits(op), _bits(y)), "the custom op and the eager path must be one implementation"
+    _rows_alone_equal_rows_in_batch(eng, outlier_data((130, k), generator=_gen(31)).bfloat16(), sizes=(1, 130), batch=140)
