@@ -11,6 +11,8 @@ Asking where it cannot run (no CUDA, no Triton, pre-sm89) fails with one line sa
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..formats import QuantizedTensor
@@ -19,6 +21,8 @@ from .dispatch import GemmBackend, register_backend
 __all__ = ["NAME", "triton_invariant_gemm_nt", "unavailable_reason"]
 
 NAME = "triton_invariant"
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def triton_invariant_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -44,7 +48,11 @@ def unavailable_reason(device: torch.device) -> str | None:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
     except Exception as e:  # noqa: BLE001 - a broken triton install is "not available" too
-        return f"triton is not importable ({type(e).__name__}: {e}); pip install triton"
+        reason = f"triton is not importable ({type(e).__name__}: {e}); pip install triton"
+        if reason not in _warned:  # a CUDA machine without Triton is a broken install, not a CPU run: say so once
+            _warned.add(reason)
+            logger.warning("jetrl_precision GEMM: %s cannot run: %s", NAME, reason)
+        return reason
     cap = torch.cuda.get_device_capability(device)
     if cap < (8, 9):
         return f"FP8 tensor cores need sm89 or newer; this GPU is sm{cap[0]}{cap[1]}"

@@ -20,8 +20,11 @@ Why a row's result cannot depend on M (or on the rows beside it):
 Why it is fast at decode sizes (swap-AB): the weight rows N sit on the MMA's wide side (64 per warpgroup) and
 the batch on the narrow side, so a program streams a BLOCK_N x K slab of the weight once. Programs of one
 weight slab for different M tiles are launched next to each other (M is grid axis 0), so beyond one M tile
-they read the slab from L2, not HBM. Edges: rows past M or N are clamped onto valid memory (wrapped indices)
-and masked on store; a partial last K group is masked to zero. No padding copies.
+they read the slab from L2, not HBM. The price of invariance at training sizes: the split-K chosen for decode
+stays (an fp32 workspace of split x M x N), and each M tile re-reads the weight slab.
+
+Edges: rows past M or N are clamped onto valid memory (wrapped indices) and masked on store; a partial last K
+group is masked to zero. No padding copies.
 """
 
 from __future__ import annotations

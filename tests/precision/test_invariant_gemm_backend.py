@@ -33,12 +33,17 @@ def test_auto_never_picks_it():
     assert resolve_backend("auto", "cpu", role="rollout") == "emulated"
 
 
-def test_cuda_without_triton_names_triton(monkeypatch):
-    """On a CUDA machine whose Python has no (working) Triton the reason names it, not a later ImportError."""
+def test_cuda_without_triton_names_triton_and_warns_once(monkeypatch, caplog):
+    """On a CUDA machine whose Python has no (working) Triton the reason names it, not a later ImportError, and
+    the log says so once however often the backend is asked about."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    reason = tib.unavailable_reason(torch.device("cuda"))
-    assert reason is not None and reason.startswith("triton is not importable") and "pip install triton" in reason
+    monkeypatch.setattr(tib, "_warned", set())
+    with caplog.at_level("WARNING", logger=tib.__name__):
+        reasons = {tib.unavailable_reason(torch.device("cuda")) for _ in range(3)}
+    (reason,) = reasons
+    assert reason.startswith("triton is not importable") and "pip install triton" in reason
+    assert [r.getMessage() for r in caplog.records] == [f"jetrl_precision GEMM: {NAME} cannot run: {reason}"]
 
 
 def test_a_recipe_asking_for_it_stops_the_forward_in_one_line():
