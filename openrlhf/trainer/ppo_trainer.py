@@ -322,6 +322,7 @@ class PPOTrainer:
             if self.eval_dataset.num_dropped and st.is_rank_0:
                 logger.warning("%d eval prompts are longer than %d tokens (--data.max_len) and are skipped", self.eval_dataset.num_dropped, prompt_budget)
         self.best_eval: float | None = None
+        self._grad_norms: list[float] = []  # this step's actor updates (train/grad_norm)
         self.sync_weights()  # identical bytes before the first rollout, digest-checked
         self.precision_report = self.check_precision()
 
@@ -631,6 +632,11 @@ class PPOTrainer:
                         sums[k] = sums.get(k, 0.0) + v
                     count += 1
         out = {k: v / max(count, 1) for k, v in sums.items()}
+        out.pop("train/grad_norm", None)  # a per-update figure, not a per-micro-batch one
+        if norms := [n for n in self._grad_norms if math.isfinite(n)]:
+            out["train/grad_norm"] = sum(norms) / len(norms)
+            out["train/grad_norm_max"] = max(norms)
+        self._grad_norms.clear()
         out["train/lr"] = self.actor_engine.get_lr()[0]
         return out
 
@@ -685,6 +691,9 @@ class PPOTrainer:
         self.actor_engine.step()
         check_optimizer_step(self.actor_engine, "actor", self.global_step, skipped)
         if self.actor_engine.was_step_applied():
+            norm = self.actor_engine.get_global_grad_norm()  # before clipping; None without ZeRO's norm
+            if norm is not None:
+                self._grad_norms.append(float(norm))
             self.converter.post_optimizer_hook(self.actor.model)
             if self.ema is not None:
                 self.ema.update()
@@ -898,6 +907,10 @@ class PPOTrainer:
         pass1 = st.all_reduce(per_prompt.mean(-1).sum() if per_prompt.numel() else 0.0).item() / max(count, 1.0)
         passn = st.all_reduce(per_prompt.max(-1).values.sum() if per_prompt.numel() else 0.0).item() / max(count, 1.0)
         out = {"eval/pass1": pass1, f"eval/pass{e.n_samples_per_prompt}": passn}
+        if e.n_samples_per_prompt > 1:
+            # The spread over resamples: pass@1 of the k-th sample of every prompt, for each k.
+            per_k = st.all_reduce(per_prompt.sum(0) if per_prompt.numel() else torch.zeros(e.n_samples_per_prompt)) / max(count, 1.0)
+            out["eval/pass1_resample_std"] = per_k.float().std().item()
         if st.is_rank_0:
             logger.info("eval at step %d: pass1 %.4f, pass%d %.4f over %d prompts (%.1f s)", self.global_step, pass1,
                         e.n_samples_per_prompt, passn, int(count), time.perf_counter() - t0)

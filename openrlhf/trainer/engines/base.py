@@ -24,6 +24,7 @@ class SamplingConfig:
     n: int = 1  # samples per prompt
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # sample to max_new_tokens whatever the model emits (rollout-length studies)
 
 
 @dataclass

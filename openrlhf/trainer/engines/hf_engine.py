@@ -84,6 +84,8 @@ class HFEngine(RolloutEngine):
             mask[i, width - len(p) :] = 1
         greedy = s.temperature <= 0
         eos = [self.eos_token_id, *s.stop_token_ids] if self.eos_token_id is not None else list(s.stop_token_ids)
+        if s.ignore_eos:  # an empty list, not None: None would fall back to the model's generation config
+            eos = []
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
@@ -92,7 +94,7 @@ class HFEngine(RolloutEngine):
             top_p=None if greedy else s.top_p,
             top_k=None if greedy or s.top_k <= 0 else s.top_k,
             max_new_tokens=s.max_new_tokens,
-            eos_token_id=eos or None,
+            eos_token_id=eos if s.ignore_eos else (eos or None),
             pad_token_id=self.pad_token_id,
             output_logits=True,
             return_dict_in_generate=True,

@@ -255,6 +255,7 @@ class VLLMEngine(RolloutEngine):
             max_tokens=s.max_new_tokens,
             seed=s.seed,
             stop_token_ids=list(s.stop_token_ids) or None,
+            ignore_eos=s.ignore_eos,
             logprobs=0,  # the sampled token's own logprob
             detokenize=False,
         )
