@@ -240,6 +240,16 @@ METRICS += (
 )
 
 
+FIDELITY = ("GRPO on SmolLM2-135M-Instruct from one start, generated arithmetic word problems, math-verify reward, "
+            "vLLM engine: final held-out pass@1 of {} minus bf16's, in percentage points (spread in the record)")
+METRICS += (
+    Metric("grpo_eval_gap_jet_fp8_vs_bf16_pct", "pct points", FIDELITY.format("jet_fp8 (the unified flow)"),
+           _field("grpo_eval_gap_vs_bf16_pp", backend="jet_fp8"), digits=2),
+    Metric("grpo_eval_gap_fp8_rollout_vs_bf16_pct", "pct points", FIDELITY.format("fp8_rollout (BF16 training, FP8 rollout, no TIS)"),
+           _field("grpo_eval_gap_vs_bf16_pp", backend="fp8_rollout"), digits=2),
+)
+
+
 def _round(v: float, digits: int) -> float:
     if v == 0 or not math.isfinite(v):
         return v

@@ -423,14 +423,15 @@ class PPOTrainer:
     def _score(self, groups: list[list], prompts: list[str], labels: list) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(scores, rewards, stats): the task score (logged, and what dynamic filtering reads) and
         the reward the advantages see (length penalties applied)."""
-        cfg, n = self.cfg, self.cfg.rollout.n_samples_per_prompt
+        cfg = self.cfg
         samples = [s for g in groups for s in g]
         if self.agent is not None:
             scores = torch.tensor([s.extra["score"] for s in samples], dtype=torch.float32)
             rewards = torch.tensor([s.extra["reward"] for s in samples], dtype=torch.float32)
         else:
             responses = [self.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in samples]
-            raw = self.reward_fn([p for p in prompts for _ in range(n)], responses, [lab for lab in labels for _ in range(n)])
+            # Each prompt once per sample of its group (the evaluation samples --eval.n_samples_per_prompt, not --rollout's)
+            raw = self.reward_fn([p for p, g in zip(prompts, groups) for _ in g], responses, [lab for lab, g in zip(labels, groups) for _ in g])
             scores = torch.as_tensor(raw, dtype=torch.float32).reshape(len(samples))
             rewards = scores.clone()
         stats = {}

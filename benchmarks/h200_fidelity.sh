@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The accuracy study (docs/fidelity.md) on the lent H200, in stages that each fit one device call
+# (benchmarks/fidelity_gpu.py runs it). The kit is h200_grpo.sh's: vLLM 0.26, DeepSpeed + math-verify wheels and
+# SmolLM2-135M-Instruct's GGUF travel in the same git-ignored carry folders, unpacked and installed by its stages.
+#
+# Here, right before the calls (the checkout's root, the project's venv first on PATH):
+#   bash benchmarks/h200_fidelity.sh prepare       # = h200_grpo.sh prepare: .vc0 .vc1 .gw .gs0 .gs1 .gs2, sized to fit
+# On the device, back to back (the machine keeps /tmp for 30 s after a call; a call that does not carry an ignored
+# folder removes it, so `unpack` copies what a call brings to /tmp first):
+#   1. carry [".vc0", ".gs0"]          bash benchmarks/h200_fidelity.sh unpack                       ~15 s
+#   2. carry [".vc1", ".gw", ".gs1"]   bash benchmarks/h200_fidelity.sh unpack install               ~1.5 min
+#   3. carry [".gs2"]                  bash benchmarks/h200_fidelity.sh unpack smollm2 learn         ~9.5 min
+#   4. no carry                        bash benchmarks/h200_fidelity.sh mismatch long                ~9.5 min
+# A call on a fresh machine (the previous one was given back) starts again from 1; calls 3 and 4 may swap.
+# Knobs: STEPS (learn, 50), SEEDS ("0"), RUNS (learn runs, "bf16 jet_fp8 fp8_rollout fp8_rollout_tis"), LENGTHS
+# ("1024 4096 8192"), LONG_STEPS (10), LONG_TOKENS (4096), BUDGET (seconds a call may spend, 570). Each stage stops
+# its runs at the call's budget; a learning run cut short keeps its steps (metrics.jsonl is written step by step).
+# TINY=1 runs the stages on CPU with a tiny model (a dry run here:
+#   STAGE_TMP=/tmp/dry TINY=1 OUT=/tmp/dry bash benchmarks/h200_fidelity.sh mismatch learn long).
+# Every call leaves $OUT/fidelity_res.tgz with all results so far (JSON, metrics, logs; no weights). Here:
+#   mkdir -p /tmp/fid && tar xzf <files_at>/fidelity_res.tgz -C /tmp/fid
+#   python benchmarks/fidelity_gpu.py report --from /tmp/fid/res --device_name "NVIDIA H200" && python benchmarks/headline.py
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T=${STAGE_TMP:-/tmp}
+RES=$T/fidelity/res
+BUDGET=${BUDGET:-570}
+export PYTHONPATH=$T/site:$PWD PATH=$T/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
+       PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+left() { echo $((BUDGET - SECONDS)); }
+enough() { [ "$(left)" -ge "$1" ] || { echo "$2: only $(left) s of the call's budget left; run it in the next call" >&2; return 1; }; }
+kit() { env -u OUT STAGE_TMP="$T" bash benchmarks/h200_grpo.sh "$@"; }  # its stages and /tmp layout, no tarball of its own
+model() { if [ -n "${TINY:-}" ]; then echo --tiny; else echo --model "$T/smol_hf"; fi; }
+fidelity() {  # one part, cut at the call's budget (15 s kept for the tarball), then its table
+  local part=$1; shift
+  # shellcheck disable=SC2046
+  timeout "$(left)" python3 benchmarks/fidelity_gpu.py "$part" $(model) --out "$RES" --workdir "$T/fidelity_work" \
+    --deadline "$(($(left) - 15))" "$@" 2>&1 | grep "^\[fidelity\|rror" | tail -24
+  python3 benchmarks/fidelity_gpu.py report --table_only --from "$RES"
+}
+
+stage_prepare() { bash benchmarks/h200_grpo.sh prepare; }
+stage_unpack() { kit unpack; }
+stage_install() { kit install; }
+stage_smollm2() { kit smollm2; }
+
+stage_mismatch() {
+  enough 150 mismatch || return 1
+  # shellcheck disable=SC2086
+  fidelity mismatch --lengths ${LENGTHS:-1024 4096 8192}
+}
+
+stage_learn() {
+  enough 240 learn || return 1
+  # shellcheck disable=SC2086
+  fidelity learn --steps "${STEPS:-$([ -n "${TINY:-}" ] && echo 2 || echo 50)}" --seeds ${SEEDS:-0} --runs ${RUNS:-bf16 jet_fp8 fp8_rollout fp8_rollout_tis}
+}
+
+stage_long() {
+  enough 180 long || return 1
+  # shellcheck disable=SC2086
+  fidelity long --long_steps "${LONG_STEPS:-10}" --long_tokens "${LONG_TOKENS:-4096}" --seeds ${SEEDS:-0}
+}
+
+[ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
+[ "$1" = prepare ] || mkdir -p "$RES"
+for s in "$@"; do
+  echo "=== stage $s at ${SECONDS}s ($(date +%T))"
+  "stage_$s" || echo "stage $s FAILED"
+done
+if [ -n "${OUT:-}" ] && [ -d "$RES" ]; then
+  tar czf "$OUT/fidelity_res.tgz" --exclude='*.safetensors' --exclude='*.bin' -C "$T/fidelity" res && ls -la "$OUT"
+fi
