@@ -76,6 +76,8 @@ def test_learning_runs_log_what_the_study_compares(study):
         assert "--algo.advantage.is_correction_enable" not in cmd  # fp8_rollout here is the uncorrected baseline
         for s in res["steps"]:
             assert math.isfinite(s["train/grad_norm"]) and s["train/grad_norm_max"] >= s["train/grad_norm"] >= 0
+            if 0 < s["rollout/reward"] < 1:  # some group's rewards differ: GRPO advantages, so a policy gradient
+                assert s["train/grad_norm"] > 0, (part, name, s["step"])
             assert "rollout_train_mismatch/abs_logp_diff_mean" in s
         last = res["steps"][-1]
         assert 0 <= last["eval/pass1"] <= 1 and last["eval/pass1_resample_std"] >= 0
