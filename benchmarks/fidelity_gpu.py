@@ -75,6 +75,7 @@ class MismatchPlan:
     gpu_mem: float = 0.08
     kv_gib: float = 8.0  # fixed KV cache: engines starting together do not size theirs off each other
     recompute_micro: int = 2  # sequences per trainer forward
+    bitwise_max_tokens: int = 1024  # the bitwise row decodes with the transformers engine (no CUDA graphs): shorter rollouts
     timeout: float = 420.0
     tiny: bool = False
 
@@ -214,7 +215,7 @@ def mismatch_job(a: argparse.Namespace) -> dict:
     from transformers import AutoConfig, AutoTokenizer
 
     from jetrl_precision import PrecisionGraph, convert_to_fp8, get_recipe, mismatch_metrics
-    from jetrl_precision.batch_invariant import BitwiseUnavailable, make_batch_invariant
+    from jetrl_precision.batch_invariant import CUDA_INVARIANT_GEMM_BACKENDS, BitwiseUnavailable, make_batch_invariant
     from jetrl_precision.weight_sync import iter_sync_tensors
     from openrlhf.config.validation import VLLM_BITWISE_MISSING
     from openrlhf.models.actor import Actor, load_causal_lm
@@ -225,9 +226,10 @@ def mismatch_job(a: argparse.Namespace) -> dict:
     row = a.row
     bitwise = row.endswith("+bitwise")
     recipe = get_recipe(row.split("+")[0])
-    # The bitwise row needs the only batch-invariant FP8 GEMM (emulated: float64 accumulation).
-    recipe = dataclasses.replace(recipe, gemm_backend="emulated" if bitwise else plan.gemm_backend)
     on_gpu = torch.cuda.is_available()
+    # The bitwise row needs an M-invariant FP8 GEMM: float64 emulation on CPU, the fixed-tiling Triton kernel on CUDA.
+    invariant_gemm = sorted(CUDA_INVARIANT_GEMM_BACKENDS)[0] if on_gpu else "emulated"
+    recipe = dataclasses.replace(recipe, gemm_backend=invariant_gemm if bitwise else plan.gemm_backend)
     dtype, device = (torch.bfloat16, "cuda") if on_gpu else (torch.float32, "cpu")
     attn = "jetrl_invariant" if bitwise else "sdpa"
     engine_kind = "hf" if bitwise else plan.engine
@@ -235,7 +237,8 @@ def mismatch_job(a: argparse.Namespace) -> dict:
     prompts = chat_prompt_ids(tok, plan.prompts, seed=2, chat=tok.chat_template is not None)
     positions = getattr(AutoConfig.from_pretrained(a.model), "max_position_embeddings", 1 << 20)
     longest = max(map(len, prompts))
-    lengths = [min(length, positions - longest) for length in plan.lengths]  # the model's positions bound the longest
+    wanted = [n for n in plan.lengths if not (bitwise and on_gpu) or n <= plan.bitwise_max_tokens] or [min(plan.lengths)]
+    lengths = [min(n, positions - longest) for n in wanted]  # the model's positions bound the longest
     res = {"part": "mismatch", "row": row, "recipe": recipe.name, "bitwise": bitwise, "engine": engine_kind, "model": a.model,
            "mode": "default (torch.compile + CUDA graphs)" if engine_kind == "vllm" and on_gpu else engine_kind,
            "dtype": str(dtype).split(".")[-1], "prompts": plan.prompts, "n": plan.n, "bucket": plan.bucket}
@@ -268,7 +271,7 @@ def mismatch_job(a: argparse.Namespace) -> dict:
     actor = Actor(trainer)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     res["lengths"] = {}
-    for i, (asked, length) in enumerate(zip(plan.lengths, lengths)):
+    for i, (asked, length) in enumerate(zip(wanted, lengths)):
         t1 = time.perf_counter()
         sampling = SamplingConfig(max_new_tokens=length, temperature=1.0, n=plan.n, seed=11 + i, ignore_eos=True)
         samples = [s for group in engine.generate(prompts, sampling) for s in group]

@@ -144,3 +144,12 @@ def test_a_refused_bitwise_row_is_reported_with_its_reason(study, tmp_path):
     (run_file,) = (tmp_path / "runs").glob("*.json")
     (row,) = [r for r in json.loads(run_file.read_text()) if r["name"] == "fidelity_mismatch_row_available"]
     assert row["backend"] == "jet_fp8+bitwise" and row["value"] == 0 and row["reason"] == str(refused.value)
+
+
+def test_the_device_call_plan_parses_and_names_its_stages():
+    script = ROOT / "benchmarks" / "h200_fidelity.sh"
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = script.read_text()
+    for stage in ("prepare", "unpack", "install", "smollm2", "mismatch", "learn", "long"):
+        assert f"stage_{stage}()" in text, stage
