@@ -7,7 +7,9 @@ vLLM-CPU and transformers engine actors, reference / critic / reward actors.
 - killing the engine actor mid-rollout: EngineDiedError naming it; --ckpt.load_enable resumes;
 - a precision mismatch on one of two engines stops the run naming that engine;
 - gae: a critic group (own DeepSpeed world) and a reward-model actor, colocated;
-- the layout planner and the Ray/SPMD launch rule.
+- the layout planner and the Ray/SPMD launch rule;
+- the GPU placement rules as data (CUDA_VISIBLE_DEVICES narrowing, vLLM in the engine actor's process,
+  a layout needing more GPUs than the cluster has); tests/gpu/test_ray_2gpu.py runs them on 2 GPUs.
 """
 
 from __future__ import annotations
