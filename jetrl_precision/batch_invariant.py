@@ -73,12 +73,11 @@ TRITON_ATTENTION = "jetrl_invariant_triton"  # the Triton kernel shared with the
 INVARIANT_GEMM_BACKENDS = frozenset({"emulated", "triton_invariant"})
 # On CUDA the FP8 linears must run the fixed-tiling kernel; the float64 emulation is a CPU reference.
 CUDA_INVARIANT_GEMM_BACKENDS = frozenset({"triton_invariant"})
-# What --precision.bitwise still lacks on CUDA (docs/precision.md, "Bitwise mode on the H200"). The model-side
-# kernels (attention, RMSNorm, log-softmax) exist; a model with FP8 linears is refused until the GEMM is there.
+# What --precision.bitwise still lacks on CUDA (docs/precision.md, "Bitwise mode on the H200"); the preflight names
+# these. The kernels exist (attention, RMSNorm, log-softmax here; the FP8/BF16 GEMM in kernels.invariant_gemm).
 CUDA_MISSING_KERNELS = (
-    "the M-invariant FP8 block GEMM (gemm backend triton_invariant)",
-    "the vLLM engine side (these kernels registered in vLLM 0.26: RMSNorm CustomOp, attention backend, "
-    "jetrl_fp8 linear method on triton_invariant, log-softmax)",
+    "the vLLM 0.26 engine side (RMSNorm, rotary, attention backend, log-softmax and the jetrl_fp8 linear method on "
+    "these kernels)",
     "the trainer's log-probs through invariant_log_probs",
 )
 _NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x/rms, cast first
@@ -492,6 +491,8 @@ def make_batch_invariant(
       `emulated`.
     - triton: the same linears, Llama-family RMSNorm -> InvariantRMSNorm, the attention switched to
       `jetrl_invariant_triton` (registered here); FP8 linears need the `triton_invariant` GEMM on CUDA.
+    Converting is not the whole mode: on CUDA the preflight still refuses --precision.bitwise for
+    `CUDA_MISSING_KERNELS`.
 
     Raises BitwiseUnavailable, one line naming what is missing, when Triton is missing, the device has no such
     kernels, an FP8 GEMM backend or the attention is not batch-invariant, or a norm has no invariant kernel."""
@@ -530,8 +531,9 @@ def make_batch_invariant(
     fp8_bad = [b for b in report.fp8_gemm.split(",") if b != "-" and b not in gemm_ok]
     if fp8_bad:
         raise BitwiseUnavailable(
-            f"batch-invariant numerics on {dev.type} lack {CUDA_MISSING_KERNELS[0]}: the FP8 linears run "
-            f"{', '.join(fp8_bad)}; also still missing on CUDA: {'; '.join(CUDA_MISSING_KERNELS[1:])}"
+            f"the FP8 linears run the {', '.join(fp8_bad)} GEMM, whose tiling depends on the row count; batch-invariant "
+            f"numerics on {dev.type} need --precision.gemm_backend "
+            f"{' or '.join(sorted(gemm_ok))} (recipe field gemm_backend)"
         )
     if not report.batch_invariant:
         raise BitwiseUnavailable(f"the model is not batch-invariant after conversion: {', '.join(report.not_invariant)}")

@@ -194,10 +194,10 @@ def _bitwise_errors(cfg: PPOConfig) -> list[str]:
             f"--precision.bitwise needs an on-policy recipe: {recipe.name} samples from other numerics than it trains "
             "by design; use bf16 or jet_fp8 (--fp8_unified)"
         )
-    if p.gemm_backend not in ("auto", "emulated"):
+    if p.gemm_backend not in ("auto", "emulated", "triton_invariant"):
         errors.append(
             f"--precision.bitwise: the {p.gemm_backend} FP8 GEMM is not batch-invariant (its tiling depends on the row "
-            "count); only emulated is: drop --precision.gemm_backend"
+            "count); only emulated (CPU) and triton_invariant (CUDA) are: drop --precision.gemm_backend"
         )
     if cfg.ds.attn_implementation not in ("sdpa", "jetrl_invariant"):
         errors.append(

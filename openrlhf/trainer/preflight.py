@@ -107,7 +107,7 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
         from jetrl_precision.batch_invariant import CUDA_MISSING_KERNELS
 
         errors.append(
-            f"--precision.bitwise runs on CPU only: the GPU lacks batch-invariant kernels for {', '.join(CUDA_MISSING_KERNELS)} "
+            f"--precision.bitwise runs on CPU only: on the GPU it still lacks {'; '.join(CUDA_MISSING_KERNELS)} "
             "(docs/precision.md, Bitwise mode); drop --precision.bitwise or hide the GPU (CUDA_VISIBLE_DEVICES=)"
         )
     if "flash_attention" in ds.attn_implementation and not (cuda and _has("flash_attn")):
