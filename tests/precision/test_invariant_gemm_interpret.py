@@ -190,19 +190,26 @@ def test_configuration_ignores_m_and_edges(ig):
     assert all(c.block_k == 128 for c in ig.candidate_configs(4096, 4096, E4M3))
 
 
-def test_engine_linear_on_this_backend_is_the_kernel_and_batch_invariant(ig):
+def test_engine_linear_on_this_backend_is_the_kernel_and_the_trainers_rows(ig, monkeypatch):
     """The vLLM forward (EngineLinear, and its custom op) with backend triton_invariant, SmolLM2's fused qkv_proj
     (q 576 | k 192 | v 192 rows: partial block rows, so one kernel call per part): the kernel's bytes on the
-    reference quantizer's input, and a decode row's bytes equal the same row in a 140-row batch."""
-    from jetrl_precision import get_recipe
+    reference quantizer's input; a decode row's bytes equal the same row in a 140-row batch; and the engine's
+    rows equal the trainer's Fp8Linear forward of the whole batch on the same backend (what the bitwise mode
+    needs). The backend refuses CPUs, so the trainer's resolution is pointed at the same kernel here."""
+    from torch import nn
+
+    from jetrl_precision import Fp8Linear, get_recipe
+    from jetrl_precision.gemm import dispatch
     from jetrl_precision.integrations import vllm_plugin  # noqa: F401  (registers torch.ops.jetrl.fp8_linear)
     from jetrl_precision.integrations.engine_linear import EngineLinear
 
+    recipe = get_recipe("jet_fp8").replace(gemm_backend="triton_invariant")
     parts, k = [576, 192, 192], 576
-    qs = [quantize_fp8(outlier_data((n, k), generator=_gen(20 + i)) * 0.02, (128, 128)) for i, n in enumerate(parts)]
+    ws = [(outlier_data((n, k), generator=_gen(20 + i)) * 0.02).bfloat16() for i, n in enumerate(parts)]
+    qs = [quantize_fp8(w, (128, 128)) for w in ws]
     weight, scale = torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs])
     groups = [(n, q.scale.shape[0], 128) for n, q in zip(parts, qs)]
-    eng = EngineLinear(weight, scale, groups, 128, get_recipe("jet_fp8").rollout.input, "triton_invariant")
+    eng = EngineLinear(weight, scale, groups, 128, recipe.rollout.input, "triton_invariant")
     x = outlier_data((3, k), generator=_gen(30)).bfloat16()
     y = eng(x)
     xq = quantize_fp8(x, (1, 128))
@@ -210,4 +217,18 @@ def test_engine_linear_on_this_backend_is_the_kernel_and_batch_invariant(ig):
     assert y.is_contiguous() and torch.equal(_bits(y), _bits(direct))
     op = torch.ops.jetrl.fp8_linear(x, weight, scale, *eng.op_args)
     assert torch.equal(_bits(op), _bits(y)), "the custom op and the eager path must be one implementation"
-    _rows_alone_equal_rows_in_batch(eng, outlier_data((130, k), generator=_gen(31)).bfloat16(), sizes=(1, 130), batch=140)
+    batch = outlier_data((130, k), generator=_gen(31)).bfloat16()
+    _rows_alone_equal_rows_in_batch(eng, batch, sizes=(1, 130), batch=140)
+
+    dispatch._ensure_registered()
+    real = dispatch._REGISTRY["triton_invariant"]
+    monkeypatch.setitem(dispatch._REGISTRY, "triton_invariant", dispatch.GemmBackend(real.name, real.gemm_nt, lambda d: None))
+    trainers = []
+    for w in ws:
+        lin = nn.Linear(k, w.shape[0], bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        trainers.append(Fp8Linear.from_linear(lin, recipe.train_fprop, recipe.train_backward, gemm_backend="triton_invariant"))
+    with torch.no_grad():
+        full = torch.cat([t(batch) for t in trainers], dim=-1)
+    assert torch.equal(_bits(eng(batch[:1])), _bits(full[:1])), "a decode row must be the trainer's row"
