@@ -45,6 +45,7 @@ __all__ = [
     "candidate_configs",
     "fp8_gemm_nt_invariant",
     "bf16_gemm_nt_invariant",
+    "linear_invariant",
 ]
 
 _FP8_GROUP = 128  # the scale group along K: one tl.dot per group in the FP8 kernel
@@ -324,3 +325,16 @@ def bf16_gemm_nt_invariant(
         NUM_STAGES=cfg.num_stages, EMULATE_MMA=_interpreted(), num_warps=cfg.num_warps,
     )
     return _finish(dest, out, splits)
+
+
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for bf16/fp16 x [..., K] and weight [N, K], batch-invariant: each output row is
+    `bf16_gemm_nt_invariant`'s fp32 result plus the bias in fp32, rounded once to x's dtype (an elementwise
+    step, so the row still depends on nothing but itself)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if bias is None:
+        y = bf16_gemm_nt_invariant(x2, weight, x.dtype)
+    else:
+        y = (bf16_gemm_nt_invariant(x2, weight, torch.float32) + bias.float()).to(x.dtype)
+    return y.reshape(*lead, weight.shape[0])

@@ -172,6 +172,25 @@ def test_bf16_matches_float64_reference_and_is_batch_invariant(ig, n, k):
     _rows_alone_equal_rows_in_batch(lambda rows: ig.bf16_gemm_nt_invariant(rows, w), x, sizes=(1, 3, 130))
 
 
+def test_linear_invariant_is_f_linear_with_one_rounding(ig):
+    """N-D input and a bias: the fp32 GEMM plus the bias, rounded once to bf16 (within the fp32 bound plus one
+    bf16 ulp of the result, the interpreter's cast truncating), and a token's row is the same in any batch."""
+    k, n = 192, 200
+    w = (outlier_data((n, k), generator=_gen(40)) * 0.02).bfloat16()
+    bias = outlier_data((1, n), generator=_gen(41)).bfloat16()[0]
+    x = outlier_data((2, 9, k), generator=_gen(42)).bfloat16()
+    got = ig.linear_invariant(x, w, bias)
+    assert got.shape == (2, 9, n) and got.dtype == torch.bfloat16
+    x64, w64 = x.reshape(-1, k).double(), w.double()
+    ref = x64 @ w64.t() + bias.double()
+    fp32 = matmul_bound(x64, w64.t(), bias.double(), roundings=2)
+    bound = _out_rounding(fp32, ref, torch.bfloat16)
+    assert_within(got.reshape(-1, n), ref, bound, "linear_invariant")
+    with pytest.raises(AssertionError):  # the bound catches a dropped bias
+        assert_within(ig.linear_invariant(x, w).reshape(-1, n), ref, bound)
+    assert torch.equal(_bits(ig.linear_invariant(x[1, 4:5], w, bias)), _bits(got[1, 4:5]))
+
+
 def test_configuration_ignores_m_and_edges(ig):
     # The configuration is a function of (N, K, dtype) alone: its signature has no M to depend on.
     import inspect
