@@ -126,6 +126,19 @@ def test_bf16_within_bound_and_rows_do_not_depend_on_the_batch(ig, n, k):
     _rows_alone_equal_rows_in_batches(lambda rows: ig.bf16_gemm_nt_invariant(rows, w), k, seed=7)
 
 
+def test_linear_invariant_with_a_bias_keeps_rows_invariant(ig):
+    n, k = 49152, 576
+    w = (outlier_data(n, k, seed=8) * 0.02).bfloat16()
+    bias = outlier_data(1, n, seed=9)[0]
+    _rows_alone_equal_rows_in_batches(lambda rows: ig.linear_invariant(rows, w, bias), k, seed=10)
+    x = outlier_data(4, k, seed=12)
+    x64, w64, b64 = x.double(), w.double(), bias.double()
+    ref = x64 @ w64.t() + b64
+    # fp32: the MMA's K-term sum and the bias add; then one bf16 rounding of the result.
+    fp32 = _gamma(k + 2, U_BF16_MMA) * (x64.abs() @ w64.abs().t() + b64.abs())
+    _within(ig.linear_invariant(x, w, bias), ref, fp32 * (1 + 2.0**-8) + 2.0**-8 * ref.abs(), "linear_invariant")
+
+
 def _engine(parts: list[int], k: int):
     ws = [outlier_data(n, k, seed=11 + i) * 0.02 for i, n in enumerate(parts)]
     qs = [quantize_fp8(w, (128, 128)) for w in ws]
