@@ -163,6 +163,8 @@ def main() -> None:
         tot = {key: sum(v for v in d.values()) for key, d in (("default", times[default]), ("tuned", times[best]))}
         print(f"  {label}: default {tot['default']:.1f} us, tuned {tot['tuned']:.1f} us summed over M "
               f"({len(times)} configs timed, {len(rejected)} rejected) best {_cfg_dict(best)}", flush=True)
+        if best != default:
+            print(f"    TUNED[({n}, {k}, {str(dtype).removeprefix('torch.')!r})] = {best!r}", flush=True)
 
     for model in a.models:
         name, projs, (vocab, hidden) = MODELS[model]

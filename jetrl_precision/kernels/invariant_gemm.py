@@ -43,6 +43,7 @@ __all__ = [
     "InvariantConfig",
     "invariant_config",
     "candidate_configs",
+    "TUNED",
     "fp8_gemm_nt_invariant",
     "bf16_gemm_nt_invariant",
     "linear_invariant",
@@ -52,6 +53,10 @@ _FP8_GROUP = 128  # the scale group along K: one tl.dot per group in the FP8 ker
 # Programs the default split-K aims for: two waves of an H200's 132 SMs. A constant (not the device's SM
 # count) so the configuration, and with it the bits, are the same on any GPU.
 _TARGET_PROGRAMS = 264
+# Measured configurations by (N, K, dtype name), taken over the heuristic: benchmarks/decode_gemm_triton.py prints
+# an entry per shape. Edit it here, not at run time (invariant_config caches). Changing one changes that shape's
+# bits, on the engine and the trainer alike.
+TUNED: dict[tuple[int, int, str], "InvariantConfig"] = {}
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,9 @@ def invariant_config(n: int, k: int, dtype: torch.dtype) -> InvariantConfig:
     Split-K only when the weight has too few 64-row slabs to fill the GPU, in powers of two, keeping at least
     four K steps per split (the partials cost an fp32 write and a second launch).
     """
+    tuned = TUNED.get((n, k, str(dtype).removeprefix("torch.")))
+    if tuned is not None:
+        return tuned
     block_k = _FP8_GROUP if dtype == torch.float8_e4m3fn else 64
     slabs = -(-n // 64)
     steps = -(-k // block_k)
