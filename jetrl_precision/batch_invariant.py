@@ -62,6 +62,7 @@ __all__ = [
     "numerics_of",
     "register_triton_attention",
     "triton_attention",
+    "uses_triton_kernels",
 ]
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ CUDA_INVARIANT_GEMM_BACKENDS = frozenset({"triton_invariant"})
 CUDA_MISSING_KERNELS = (
     "the vLLM 0.26 engine side (RMSNorm, rotary, attention backend, log-softmax and the jetrl_fp8 linear method on "
     "these kernels)",
-    "the trainer's log-probs through invariant_log_probs",
+    "a run of the kernels' GPU tests on the H200 (tests/gpu/test_invariant_kernels_gpu.py)",
 )
 _NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x/rms, cast first
 # Rows per float64 block in InvariantLinear: bounds the float64 output to ~64 MiB whatever the batch.
@@ -407,6 +408,12 @@ class _LogProbFunction(torch.autograd.Function):
         g = -p * grad_out.unsqueeze(-1)
         g.scatter_add_(-1, labels.long().unsqueeze(-1), grad_out.unsqueeze(-1))
         return (g / t).to(logits.dtype), None, None
+
+
+def uses_triton_kernels(model: nn.Module) -> bool:
+    """Whether `make_batch_invariant` gave `model` the Triton kernels: then its log-probs must come from
+    `invariant_log_probs` too (the trainer's Actor and the transformers engine both ask this)."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == TRITON_ATTENTION
 
 
 def invariant_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from jetrl_precision.batch_invariant import invariant_log_probs, uses_triton_kernels
+
 from .packing import pack_batch, unpack_to_actions
 from .utils import log_probs_from_logits
 
@@ -56,6 +58,8 @@ class Actor(nn.Module):
         super().__init__()
         self.model = model
         self.packing = packing
+        # A model on the batch-invariant Triton kernels scores tokens with their log-softmax, as its engine does.
+        self._log_probs = invariant_log_probs if uses_triton_kernels(model) else log_probs_from_logits
 
     def forward(
         self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int, temperature: float = 1.0, return_entropy: bool = False
@@ -67,11 +71,11 @@ class Actor(nn.Module):
             out = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
             logits = out.logits[0, packed.logit_index]
             labels = packed.input_ids[0, packed.target_index]
-            logp = unpack_to_actions(log_probs_from_logits(logits, labels, temperature=temperature), packed)
+            logp = unpack_to_actions(self._log_probs(logits, labels, temperature=temperature), packed)
         else:
             out = self.model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
             logits = out.logits[:, -num_actions - 1 : -1]
-            logp = log_probs_from_logits(logits, sequences[:, -num_actions:], temperature=temperature)
+            logp = self._log_probs(logits, sequences[:, -num_actions:], temperature=temperature)
         if not return_entropy:
             return logp
         # logp stays the function the old/rollout log-probs were computed with (not a gather from logz),

@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 import torch
 
 from jetrl_precision import PrecisionRecipe, QuantizedTensor, build_precision_graph, convert_to_fp8, fp8_linears
-from jetrl_precision.batch_invariant import make_batch_invariant
+from jetrl_precision.batch_invariant import invariant_log_probs, make_batch_invariant, uses_triton_kernels
 from jetrl_precision.graph import canonical_name
 from jetrl_precision.weight_sync import SyncTensor, sync_tensor_digest
 
@@ -57,6 +57,7 @@ class HFEngine(RolloutEngine):
         convert_to_fp8(self.model, recipe, side="rollout")
         if batch_invariant:
             make_batch_invariant(self.model)
+        self._invariant_log_probs = uses_triton_kernels(self.model)  # then score on the device, as the trainer
         self._fp8 = {canonical_name(n) + ".weight": m for n, m in fp8_linears(self.model).items()}
         self._params = {canonical_name(n): p for n, p in self.model.named_parameters(remove_duplicate=False)}
         cfg = self.model.config
@@ -103,8 +104,12 @@ class HFEngine(RolloutEngine):
         # Raw logits -> logprobs of the full-vocab, temperature-scaled distribution, by the trainer's own
         # function (top-p renormalisation would bias the IS ratio).
         temp = 1.0 if greedy else s.temperature
-        logits = torch.stack(out.logits, dim=1).cpu()
-        lps = log_probs_from_logits(logits, new[:, : logits.shape[1]], temperature=temp)
+        if self._invariant_log_probs:  # the trainer's batch-invariant kernel, on the logits' device
+            logits = torch.stack(out.logits, dim=1)
+            lps = invariant_log_probs(logits, out.sequences[:, width : width + logits.shape[1]], temp).cpu()
+        else:
+            logits = torch.stack(out.logits, dim=1).cpu()
+            lps = log_probs_from_logits(logits, new[:, : logits.shape[1]], temperature=temp)
         samples = []
         for i, p in enumerate(prompts):
             toks = new[i].tolist()
