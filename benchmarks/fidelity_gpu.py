@@ -72,7 +72,7 @@ class MismatchPlan:
     bucket: int = 256  # position bucket width (tokens)
     engine: str = "vllm"  # vllm | hf; the bitwise row always runs the transformers engine
     gemm_backend: str = "torch"  # cuBLASLt blockwise on both sides (auto may JIT-build DeepGEMM for minutes in the engine)
-    gpu_mem: float = 0.08
+    gpu_mem: float = 0.12
     kv_gib: float = 8.0  # fixed KV cache: engines starting together do not size theirs off each other
     recompute_micro: int = 2  # sequences per trainer forward
     bitwise_max_tokens: int = 1024  # the bitwise row decodes with the transformers engine (no CUDA graphs): shorter rollouts
@@ -89,7 +89,7 @@ class LearnPlan:
     prompt_budget: int = 256  # prompt tokens; --data.max_len is this plus new_tokens
     problems_per_prompt: int = 1  # > 1: a prompt bundles several problems and asks for the sum (long answers)
     max_number: int = 30  # operands of the word problems
-    train_micro: int = 64
+    train_micro: int = 32  # four runs' trainers and engines share the GPU's memory
     rollout_micro: int = 128
     lr: float = 3e-6
     kl_coef: float = 0.001
@@ -98,7 +98,7 @@ class LearnPlan:
     eval_n: int = 8  # resamples per held-out prompt: pass@1 and its spread over resamples
     eval_temperature: float = 0.6
     engine: str = "vllm"
-    gpu_mem: float = 0.1
+    gpu_mem: float = 0.06  # 8.5 GB on an H200: SmolLM2 and 128 x 512 tokens of KV cache fit many times over
     gemm_backend: str = "torch"
     concurrent: bool = True
     timeout: float = 520.0
@@ -210,7 +210,7 @@ def position_stats(rollout_lp, train_lp, mask, width: int) -> dict:
     return out
 
 
-def mismatch_job(a: argparse.Namespace) -> dict:
+def mismatch_job(a: argparse.Namespace, save) -> dict:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
@@ -294,8 +294,9 @@ def mismatch_job(a: argparse.Namespace) -> dict:
         }
         _log(f"{row} {length} tokens: mean |dlogp| {overall['abs_logp_diff_mean']:.3e}, p99 {overall['abs_logp_diff_p99']:.3e}, "
              f"k3 {overall['kl_k3']:.3e} ({len(samples)} rollouts, generated in {gen_s:.1f} s)")
+        save({**res, "complete": False})  # a job stopped at the deadline keeps the lengths it finished
     engine.shutdown()
-    return res
+    return {**res, "complete": True}
 
 
 def cmd_mismatch(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
@@ -319,6 +320,7 @@ def cmd_mismatch(a: argparse.Namespace, out: Path, deadline: float) -> list[dict
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
+            _log(f"mismatch {row}: stopped at the time limit" + (" (the lengths it finished are kept)" if js.exists() else ""))
         if js.exists():
             results.append(json.loads(js.read_text()))
         else:  # a failure, not a refusal: keep the row with the log's tail so the report says why
@@ -488,7 +490,7 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
             rec("fidelity_mismatch_abs_logp_mean", shape, m["row"], o["abs_logp_diff_mean"], "mean |dlogp|",
                 o["abs_logp_diff_mean"] / b if b and m["row"] != "bf16" else None, rollout_tokens=int(asked),
                 p99=o["abs_logp_diff_p99"], kl_k3=o["kl_k3"], ratio_outside=o.get("ratio_outside_0.8_1.25"), tokens=L["tokens"],
-                by_position=L["by_position"], gemm_backends=m.get("gemm_backends"))
+                by_position=L["by_position"], gemm_backends=m.get("gemm_backends"), job_complete=m.get("complete", True))
     for part in ("learn", "long"):
         runs = [r for r in results if r["part"] == part and usable(r)]
         if not runs:
@@ -623,8 +625,8 @@ def table(results: list[dict]) -> str:
             st = r["steps"]
             rw = [s.get("rollout/reward") for s in st]
             k = max(1, math.ceil(len(rw) / 4))
-            fe = final_eval(r)
             g = gaps.get(r["run"], {})
+            fe = final_eval(r, g.get("step"))  # at the step the comparison uses (runs cut short may differ)
             gap = f"{g['gap_pp']:+.1f} ± {g['spread_pp']:.1f}" if g.get("gap_pp") is not None and g.get("spread_pp") is not None else (
                 f"{g['gap_pp']:+.1f}" if g.get("gap_pp") is not None else "-")
             mism, gn = _mean([s.get(MISMATCH_KEY) for s in st]), _mean([s.get("train/grad_norm") for s in st])
@@ -724,9 +726,10 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not carried to the lent GPU
     if a.what == "job":
-        res = mismatch_job(a)
-        res["date"] = time.strftime("%Y-%m-%d")
-        Path(a.json).write_text(json.dumps(res, indent=1))
+        def save(res: dict) -> None:
+            Path(a.json).write_text(json.dumps({**res, "date": time.strftime("%Y-%m-%d")}, indent=1))
+
+        save(mismatch_job(a, save))
         return
     if a.what == "report":
         if not a.from_dirs:

@@ -16,7 +16,8 @@
 # ("1024 4096 8192"), LONG_STEPS (10), LONG_TOKENS (4096), BUDGET (seconds a call may spend, 570). Each stage stops
 # its runs at the call's budget; a learning run cut short keeps its steps (metrics.jsonl is written step by step).
 # TINY=1 runs the stages on CPU with a tiny model (a dry run here:
-#   STAGE_TMP=/tmp/dry TINY=1 OUT=/tmp/dry bash benchmarks/h200_fidelity.sh mismatch learn long).
+#   mkdir -p /tmp/dry_fidelity && STAGE_TMP=/tmp/dry_fidelity BUDGET=1500 TINY=1 OUT=/tmp/dry_fidelity \
+#     bash benchmarks/h200_fidelity.sh mismatch learn long; about 10 minutes on 2 busy cores).
 # Every call leaves $OUT/fidelity_res.tgz with all results so far (JSON, metrics, logs; no weights). Here:
 #   mkdir -p /tmp/fid && tar xzf <files_at>/fidelity_res.tgz -C /tmp/fid
 #   python benchmarks/fidelity_gpu.py report --from /tmp/fid/res --device_name "NVIDIA H200" && python benchmarks/headline.py
