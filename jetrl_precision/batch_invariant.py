@@ -75,11 +75,13 @@ INVARIANT_GEMM_BACKENDS = frozenset({"emulated", "triton_invariant"})
 # On CUDA the FP8 linears must run the fixed-tiling kernel; the float64 emulation is a CPU reference.
 CUDA_INVARIANT_GEMM_BACKENDS = frozenset({"triton_invariant"})
 # What --precision.bitwise still lacks on CUDA (docs/precision.md, "Bitwise mode on the H200"); the preflight names
-# these. The kernels exist (attention, RMSNorm, log-softmax here; the FP8/BF16 GEMM in kernels.invariant_gemm).
+# these. The kernels exist (attention, RMSNorm, log-softmax here; the FP8/BF16 GEMM in kernels.invariant_gemm) and
+# the transformers path is wired (trainer and engine); what is left is vLLM's side and proof on the hardware.
 CUDA_MISSING_KERNELS = (
     "the vLLM 0.26 engine side (RMSNorm, rotary, attention backend, log-softmax and the jetrl_fp8 linear method on "
     "these kernels)",
-    "a run of the kernels' GPU tests on the H200 (tests/gpu/test_invariant_kernels_gpu.py)",
+    "a passing run of the kernels' GPU tests on the H200 (tests/gpu/test_invariant_kernels_gpu.py, "
+    "test_invariant_gemm_gpu.py)",
 )
 _NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x/rms, cast first
 # Rows per float64 block in InvariantLinear: bounds the float64 output to ~64 MiB whatever the batch.
@@ -120,13 +122,20 @@ def _fp64_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+_GEMM_DTYPES = (torch.bfloat16, torch.float16)  # what the batch-invariant Triton GEMM multiplies
+
+
 class _InvariantLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, triton_gemm: bool) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
         ctx.save_for_backward(x2, weight)
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        if triton_gemm and x2.dtype in _GEMM_DTYPES and weight.dtype == x2.dtype:
+            from .kernels.invariant_gemm import linear_invariant  # fixed tiling and K order whatever M
+
+            return linear_invariant(x2, weight, bias).reshape(*lead, weight.shape[0])
         return _fp64_linear(x2, weight, bias).reshape(*lead, weight.shape[0])
 
     @staticmethod
@@ -137,30 +146,44 @@ class _InvariantLinearFunction(torch.autograd.Function):
         grad_x = (gy @ weight.to(gy.dtype)).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
         grad_w = (gy.t() @ x2.to(gy.dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
         grad_b = gy.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 class InvariantLinear(nn.Linear):
-    """nn.Linear with a float64-accumulated forward, rounded once to the input dtype.
+    """nn.Linear whose forward gives each row the same bits whatever the batch.
 
-    Build it with `InvariantLinear.from_linear(linear)`: it adopts the same Parameter objects
-    (optimizers, ZeRO partitioning and checkpoints see no change), as `Fp8Linear` does."""
+    - `kernels="fp64"` (CPU): float64 accumulation, rounded once to the input dtype (invariant in practice);
+    - `kernels="triton"` (CUDA): bf16/fp16 weights run `kernels.invariant_gemm.linear_invariant` (tiling and K
+      order fixed by the weight's shape, fp32 accumulation, invariant by construction); fp32 weights keep fp64.
+    `backend` names which one it runs (the precision graph records it). Build it with
+    `InvariantLinear.from_linear(linear, kernels)`: it adopts the same Parameter objects (optimizers, ZeRO
+    partitioning and checkpoints see no change), as `Fp8Linear` does. The backward uses ordinary kernels."""
+
+    kernels: str = "fp64"
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "InvariantLinear":
+    def from_linear(cls, linear: nn.Linear, kernels: str = "fp64") -> "InvariantLinear":
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=False)
         new.weight = linear.weight
         new.bias = linear.bias
+        new.kernels = kernels
         for key in ("ds_id", "_z3_leaf"):
             if hasattr(linear, key):
                 setattr(new, key, getattr(linear, key))
         return new
 
+    @property
+    def backend(self) -> str:
+        return "triton_invariant" if self.kernels == "triton" and self.weight.dtype in _GEMM_DTYPES else "fp64"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"InvariantLinear: input last dim {x.shape[-1]} != in_features {self.in_features}")
-        return _InvariantLinearFunction.apply(x, self.weight, self.bias)
+        triton_gemm = self.backend == "triton_invariant"
+        if triton_gemm:
+            _require_triton(x, "InvariantLinear")
+        return _InvariantLinearFunction.apply(x, self.weight, self.bias, triton_gemm)
 
 
 # ---- CUDA: the Triton kernels ------------------------------------------------------------------
@@ -430,7 +453,7 @@ class NumericsReport:
 
     batch_invariant: bool
     attention: str
-    linear: str  # "fp64" when every high-precision linear is an InvariantLinear, else "ordinary"
+    linear: str  # the InvariantLinear backends ("fp64", "triton_invariant") when every high-precision linear is one, else "ordinary"
     fp8_gemm: str  # the FP8 GEMM backends, or "-" when there is no FP8 linear
     norm: str = "model"  # "triton" when the RMSNorms are InvariantRMSNorm, else the model's own
     not_invariant: tuple[str, ...] = ()
@@ -466,6 +489,7 @@ def numerics_of(model: nn.Module) -> NumericsReport:
     # An Fp8Linear with a high-precision operand multiplies in ordinary fp32 (jetrl_precision.linear._mm).
     unconverted = [m for m in model.modules() if isinstance(m, Fp8Linear) and not (m.fprop.input.is_fp8 and m.fprop.weight.is_fp8)]
     backends = sorted({m.resolved_backend for m in fp8})
+    linear = ",".join(sorted({m.backend for m in model.modules() if isinstance(m, InvariantLinear)})) or "fp64"
     bad = []
     if attn not in (INVARIANT_ATTENTION, TRITON_ATTENTION):
         bad.append(f"attention {attn}")
@@ -480,7 +504,7 @@ def numerics_of(model: nn.Module) -> NumericsReport:
         bad.append(f"{len(norms)} ordinary RMSNorm(s) (e.g. {norms[0]})")
     detail_norm = "triton" if any(isinstance(m, InvariantRMSNorm) for m in model.modules()) else "model"
     return NumericsReport(
-        batch_invariant=not bad, attention=attn, linear="ordinary" if plain or unconverted else "fp64",
+        batch_invariant=not bad, attention=attn, linear="ordinary" if plain or unconverted else linear,
         fp8_gemm=",".join(backends) or "-", norm=detail_norm, not_invariant=tuple(bad),
     )
 
@@ -525,7 +549,7 @@ def make_batch_invariant(
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
-                setattr(module, name, InvariantLinear.from_linear(child))
+                setattr(module, name, InvariantLinear.from_linear(child, kernels))
             elif kernels == "triton" and type(child).__name__ in _NORM_CLASSES:
                 setattr(module, name, InvariantRMSNorm.from_norm(child))
     report = numerics_of(model)
@@ -544,6 +568,6 @@ def make_batch_invariant(
         )
     if not report.batch_invariant:
         raise BitwiseUnavailable(f"the model is not batch-invariant after conversion: {', '.join(report.not_invariant)}")
-    if dev.type == "cuda" and report.linear == "fp64":
-        logger.info("batch-invariant numerics on cuda: the high-precision linears accumulate in float64 (InvariantLinear)")
+    if dev.type == "cuda" and "fp64" in report.linear:
+        logger.info("batch-invariant numerics on cuda: fp32 high-precision linears accumulate in float64 (InvariantLinear)")
     return model

@@ -393,7 +393,7 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
             )
         elif isinstance(m, nn.Linear):
             hp = _dtype_name(m.weight.dtype)
-            backend = "fp64" if isinstance(m, InvariantLinear) else None  # float64-accumulating (batch-invariant)
+            backend = m.backend if isinstance(m, InvariantLinear) else None  # batch-invariant: fp64 or triton_invariant
             add_linear(g, fqn, m.in_features, m.out_features, FpropSpec(), None, hp_dtype=hp, backend=backend)
         elif isinstance(m, nn.Embedding):
             name = canonical_name(fqn)

@@ -184,6 +184,7 @@ def test_tiny_llama_on_cuda_full_forward_equals_prefill_and_decode():
     model = make_batch_invariant(model.cuda().eval())
     report = numerics_of(model)
     assert report.batch_invariant and report.attention == TRITON_ATTENTION and report.norm == "triton", report.detail()
+    assert report.linear == "triton_invariant"  # the lm_head and every linear on the batch-invariant BF16 GEMM
     g = torch.Generator().manual_seed(40)
     width, real1 = 160, 97
     ids = torch.randint(0, 4096, (2, width), generator=g).cuda()

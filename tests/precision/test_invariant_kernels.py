@@ -264,6 +264,7 @@ def test_tiny_llama_full_forward_equals_token_by_token_decoding(dtype):
     make_batch_invariant(model, kernels="triton")
     report = numerics_of(model)
     assert report.batch_invariant and report.attention == TRITON_ATTENTION and report.norm == "triton", report.detail()
+    assert report.linear == ("triton_invariant" if dtype == torch.bfloat16 else "fp64")  # bf16: the invariant GEMM
     assert sum(isinstance(m, InvariantRMSNorm) for m in model.modules()) == 2 * 2 + 1
     g = torch.Generator().manual_seed(9)
     lens, width = [19, 12], 19
@@ -325,11 +326,13 @@ def test_triton_path_backward_matches_the_eager_model():
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), name
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "jet_fp8"])
-def test_engine_logprobs_are_the_trainers_on_the_triton_kernels(tmp_path, monkeypatch, recipe):
+@pytest.mark.parametrize(("recipe", "dtype"), [("bf16", torch.float32), ("jet_fp8", torch.float32), ("bf16", torch.bfloat16)],
+                         ids=["bf16-fp32", "jet_fp8-fp32", "bf16-bf16"])
+def test_engine_logprobs_are_the_trainers_on_the_triton_kernels(tmp_path, monkeypatch, recipe, dtype):
     """The transformers engine on the Triton kernels (KV-cached sampling, log-probs by invariant_log_probs on the
     device) against the trainer's Actor on the same kernels, padded and packed: every sampled token's log-prob
-    has the same bits. (On CPU the FP8 linears run the emulated GEMM; on CUDA they would run triton_invariant.)"""
+    has the same bits. (On CPU the FP8 linears run the emulated GEMM, on CUDA triton_invariant; a bf16 model's
+    lm_head runs the batch-invariant BF16 GEMM, an fp32 one float64.)"""
     pytest.importorskip("transformers")
     from precision_testutil import tiny_causal_lm
 
@@ -340,11 +343,11 @@ def test_engine_logprobs_are_the_trainers_on_the_triton_kernels(tmp_path, monkey
     from openrlhf.trainer.engines.base import SamplingConfig
     from openrlhf.trainer.ppo_utils.experience_maker import sample_after_sync
 
-    tiny_causal_lm(hidden=128, intermediate=256, heads=2, kv_heads=1, vocab=300, dtype=torch.float32).save_pretrained(tmp_path)
+    tiny_causal_lm(hidden=128, intermediate=256, heads=2, kv_heads=1, vocab=300, dtype=dtype).save_pretrained(tmp_path)
     r = get_recipe(recipe)
     monkeypatch.setattr(hf_engine, "make_batch_invariant", lambda m: make_batch_invariant(m, kernels="triton"))
-    engine = hf_engine.HFEngine(str(tmp_path), r, dtype=torch.float32, batch_invariant=True, generate_batch_size=3)
-    trainer = make_batch_invariant(convert_to_fp8(load_causal_lm(str(tmp_path), torch.float32, "sdpa"), r, side="train"), kernels="triton").eval()
+    engine = hf_engine.HFEngine(str(tmp_path), r, dtype=dtype, batch_invariant=True, generate_batch_size=3)
+    trainer = make_batch_invariant(convert_to_fp8(load_causal_lm(str(tmp_path), dtype, "sdpa"), r, side="train"), kernels="triton").eval()
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(4, 300, (int(n),), generator=g).tolist() for n in torch.randint(3, 10, (5,), generator=g)]
     exp = sample_after_sync(trainer, engine, r, prompts, SamplingConfig(max_new_tokens=8, temperature=0.9, n=1, seed=1), 0)
