@@ -270,7 +270,9 @@ class _Segments:
     max_q_len: int
 
 
-_segment_cache: list[tuple[tuple, _Segments]] = []  # the last layout: every layer of a forward shares it
+# The last layout (every layer of a forward shares it): (its mask or position ids, their version, the shapes, the
+# segments). The entry holds the tensor itself, so a freed tensor's id and memory cannot be mistaken for it.
+_segment_cache: list[tuple[torch.Tensor | None, int, tuple, _Segments]] = []
 
 
 def _runs(flags: list[bool]) -> list[tuple[int, int]]:
@@ -295,9 +297,11 @@ def _segments(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | 
     - otherwise each row is one sequence whose queries are its last Tq keys.
     Reading the mask or the position ids costs one host copy per layout (cached while it stays the same)."""
     src = attention_mask if attention_mask is not None else (position_ids if tq == tk else None)
-    key = (b, tq, tk, str(device), None if src is None else (id(src), src._version, src.data_ptr(), tuple(src.shape)))
-    if _segment_cache and _segment_cache[0][0] == key:
-        return _segment_cache[0][1]
+    key, version = (b, tq, tk, str(device)), -1 if src is None else src._version
+    if _segment_cache:
+        c_src, c_version, c_key, c_seg = _segment_cache[0]
+        if c_src is src and c_version == version and c_key == key:
+            return c_seg
     rows: list[tuple[int, int, int, int]] = []  # (q_start, q_len, k_start, k_len) per sequence
     if attention_mask is not None:
         mask = attention_mask.bool().cpu()
@@ -327,7 +331,7 @@ def _segments(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | 
     q_start, q_len, k_start, k_len = (list(c) for c in zip(*rows)) if rows else ([], [], [], [])
     as_t = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
     seg = _Segments(as_t(q_start), as_t(q_len), as_t(k_start), as_t(k_len), max(q_len, default=0))
-    _segment_cache[:] = [(key, seg)]
+    _segment_cache[:] = [(src, version, key, seg)]
     return seg
 
 

@@ -159,3 +159,30 @@ def test_graph_records_the_numerics_and_refuses_one_sided_invariance():
     ordinary_train = build_precision_graph(convert_to_fp8(tiny_causal_lm(), jet), jet, "train_fwd")
     assert check_subgraph(legacy, ordinary_train) == []
     assert [v.kind for v in check_subgraph(legacy, train)] == ["numerics"]
+
+
+def test_triton_attention_reads_padding_packing_and_cached_calls_into_segments():
+    """The transformers wrapper's layout logic (pure torch: runs without Triton): each call's per-sequence rows,
+    recomputed for every new or modified mask (never a stale layout from a freed tensor), bad masks refused."""
+    cpu = torch.device("cpu")
+    rows = lambda s: list(zip(s.q_start.tolist(), s.q_len.tolist(), s.k_start.tolist(), s.k_len.tolist()))  # noqa: E731
+    m = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    assert rows(bi._segments(m, None, 2, 4, 4, cpu)) == [(1, 3, 1, 3), (4, 4, 4, 4)]  # left padding
+    m = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0]])
+    assert rows(bi._segments(m, None, 2, 4, 4, cpu)) == [(0, 2, 0, 2), (5, 2, 5, 2)]  # right / both sides
+    m[0, 2] = 1  # modified in place: read again
+    assert rows(bi._segments(m, None, 2, 4, 4, cpu))[0] == (0, 3, 0, 3)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0]])  # packed: position ids restart
+    assert rows(bi._segments(None, pos, 1, 6, 6, cpu)) == [(0, 3, 0, 3), (3, 2, 3, 2), (5, 1, 5, 1)]
+    decode = torch.tensor([[0, 1, 1], [1, 1, 1]])  # one new token per row against a left-padded cache
+    seg = bi._segments(decode, None, 2, 1, 3, cpu)
+    assert rows(seg) == [(0, 1, 1, 2), (1, 1, 3, 3)] and seg.max_q_len == 1
+    allowed, real = bi._segment_mask(seg, 2, 1, 3, cpu)
+    assert allowed[:, 0, 0].tolist() == [[False, True, True], [True, True, True]] and real.all()
+    allowed, real = bi._segment_mask(bi._segments(torch.tensor([[0, 1, 1]]), None, 1, 3, 3, cpu), 1, 3, 3, cpu)
+    assert real.tolist() == [[False, True, True]]
+    assert allowed[0, 0].tolist() == [[False] * 3, [False, True, False], [False, True, True]]  # causal within the run
+    with pytest.raises(ValueError, match="row 0 of the padding mask has 2 runs"):
+        bi._segments(torch.tensor([[1, 0, 1]]), None, 1, 3, 3, cpu)
+    with pytest.raises(ValueError, match="needs left padding only"):
+        bi._segments(torch.tensor([[1, 1, 0]]), None, 1, 1, 3, cpu)
