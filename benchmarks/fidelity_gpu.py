@@ -98,7 +98,9 @@ class LearnPlan:
     eval_n: int = 8  # resamples per held-out prompt: pass@1 and its spread over resamples
     eval_temperature: float = 0.6
     engine: str = "vllm"
-    gpu_mem: float = 0.06  # 8.5 GB on an H200: SmolLM2 and 128 x 512 tokens of KV cache fit many times over
+    # 14 GB on an H200: SmolLM2 and its KV cache need ~2 GB; the rest is margin, since vLLM counts what neighbours
+    # allocate while it profiles its start-up as its own use
+    gpu_mem: float = 0.1
     gemm_backend: str = "torch"
     concurrent: bool = True
     timeout: float = 520.0
@@ -395,7 +397,7 @@ def learn_plan(a: argparse.Namespace, long: bool) -> LearnPlan:
     if long:
         return LearnPlan(steps=a.long_steps, prompts=8, n=4, new_tokens=a.long_tokens, prompt_budget=1024, problems_per_prompt=a.long_problems,
                          train_micro=8, rollout_micro=32, eval_every=a.long_eval_every, eval_prompts=32, eval_n=4, engine=engine,
-                         gpu_mem=0.12, concurrent=cuda(), timeout=a.run_timeout or LearnPlan.timeout)
+                         gpu_mem=0.15, concurrent=cuda(), timeout=a.run_timeout or LearnPlan.timeout)
     return LearnPlan(steps=a.steps or LearnPlan.steps, prompts=a.prompts, n=a.n, lr=a.lr, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
                      eval_n=a.eval_n, engine=engine, concurrent=cuda(), timeout=a.run_timeout or LearnPlan.timeout)
 
@@ -535,7 +537,7 @@ def plot_mismatch(results: list[dict], path: Path) -> Path | None:
         return None
     plt = _plt()
     lengths = sorted({int(k) for m in rows for k in m["lengths"]})
-    fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths) + 3.0, 7), squeeze=False)
     for j, asked in enumerate(lengths):
         for m in rows:
             L = m["lengths"].get(str(asked))
@@ -543,7 +545,8 @@ def plot_mismatch(results: list[dict], path: Path) -> Path | None:
                 continue
             bp = L["by_position"]
             c = COLORS.get(m["row"])
-            axes[0][j].plot(bp["start"], [max(v, 1e-9) for v in bp["abs_mean"]], "-", color=c, label=f"{m['row']} mean")
+            zero = " (exactly 0: drawn at the floor)" if not any(bp["abs_p99"]) else ""
+            axes[0][j].plot(bp["start"], [max(v, 1e-9) for v in bp["abs_mean"]], "-", color=c, label=f"{m['row']} mean{zero}")
             axes[0][j].plot(bp["start"], [max(v, 1e-9) for v in bp["abs_p99"]], ":", color=c, label=f"{m['row']} p99")
             axes[1][j].plot(bp["start"], [max(v, 1e-12) for v in bp["kl_k3"]], "-", color=c, label=m["row"])
         axes[0][j].set_title(f"{asked}-token rollouts", fontsize=10)
@@ -553,7 +556,7 @@ def plot_mismatch(results: list[dict], path: Path) -> Path | None:
             ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("|logp_engine - logp_trainer| (mean, p99)")
     axes[1][0].set_ylabel("k3 KL estimate")
-    axes[0][-1].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     missing = [m["row"] for m in results if m["part"] == "mismatch" and not m.get("available")]
     fig.suptitle(f"rollout-train mismatch by position: {Path(rows[0]['model']).name}, {rows[0]['mode']}"
                  + (f" (not available: {', '.join(missing)})" if missing else ""), fontsize=10)
@@ -587,6 +590,8 @@ def plot_learning(results: list[dict], part: str, path: Path) -> Path | None:
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
     axes[2].set_yscale("log")
+    for ax in axes[:2]:  # accuracies: 0 to 1
+        ax.set_ylim(-0.02, 1.02)
     axes[0].legend(fontsize=7)
     fig.suptitle(runs[0]["shape"], fontsize=8)
     fig.tight_layout()
