@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -87,10 +89,20 @@ def grpo_args(model: Path, data: Path, out: Path, recipe: str, steps: int, extra
     ]
 
 
+def free_port() -> int:
+    """A port no other process holds now: fixed launcher ports collide when test runs overlap on one machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run(cmd: list[str], timeout: int = 900, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd[:6])}... exited {proc.returncode}\n--- stderr tail ---\n{proc.stderr[-4000:]}")
+        # With several ranks the first failure is usually not at the end of stderr: show every rank's error lines.
+        errors = list(dict.fromkeys(line for line in proc.stderr.splitlines() if re.search(r"\w*(Error|Exception)\b", line)))
+        raise AssertionError(f"{' '.join(cmd[:6])}... exited {proc.returncode}\n--- error lines ---\n" + "\n".join(errors[:30])
+                             + f"\n--- stderr tail ---\n{proc.stderr[-4000:]}")
     return proc
 
 

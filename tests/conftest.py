@@ -7,6 +7,7 @@ The helpers live in tests/precision_testutil.py (import them from there, not fro
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,9 @@ from precision_testutil import outlier_data, seed_everything, sqnr_db, tiny_caus
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DeepSpeed JIT-builds its CPU ops into torch's extensions cache, keyed by name only: two virtualenvs on one
+# machine would rebuild each other's copy (and wait on each other's build lock). One cache per interpreter.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 @pytest.fixture(autouse=True)

@@ -236,12 +236,12 @@ def test_precision_check_refuses_an_engine_without_the_batch_invariant_numerics(
 @pytest.mark.slow
 def test_two_ranks_zero3_decide_together(task, tmp_path):
     """Under ZeRO-3 every forward is collective: both ranks check their own sample and take the same branch."""
-    from _rl_helpers import metrics, run
+    from _rl_helpers import free_port, metrics, run
 
     model, data = task
     out = tmp_path / "z3"
     args = grpo_args(model, data, out, "jet_fp8", 2, ["--ds.zero_stage", "3", "--precision.bitwise", "--ckpt.save_steps", "-1"])
-    run(["deepspeed", "--num_gpus", "2", "--master_port", "29733", "openrlhf/cli/train_ppo_ray.py", *args], timeout=900)
+    run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "openrlhf/cli/train_ppo_ray.py", *args], timeout=900)
     hist = metrics(out)
     assert len(hist) == 2
     for m in hist:

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from _rl_helpers import ENV, PY, REPO, grpo_args, metrics, run
+from _rl_helpers import ENV, PY, REPO, free_port, grpo_args, metrics, run
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +24,7 @@ def test_grpo_deepspeed_zero3_two_ranks_reward_rises(task, tmp_path, recipe):
     model, data = task
     out = tmp_path / recipe
     args = grpo_args(model, data, out, recipe, steps=20, extra=["--ds.zero_stage", "3", "--ckpt.save_steps", "-1"])
-    run(["deepspeed", "--num_gpus", "2", "--master_port", str(29600 + (recipe == "bf16")), "openrlhf/cli/train_ppo_ray.py", *args], timeout=1500)
+    run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "openrlhf/cli/train_ppo_ray.py", *args], timeout=1500)
     hist = metrics(out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 20 and summary["engine"] == "hf"
@@ -220,7 +220,7 @@ def test_torchrun_launch_two_ranks(task, tmp_path):
     model, data = task
     out = tmp_path / "torchrun"
     args = grpo_args(model, data, out, "jet_fp8", 2, ["--ds.zero_stage", "3", "--ckpt.save_steps", "-1"])
-    run(["torchrun", "--nproc_per_node", "2", "--master_port", "29655", "-m", "openrlhf.cli.train_ppo_ray", *args], timeout=600)
+    run(["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "openrlhf.cli.train_ppo_ray", *args], timeout=600)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2
     assert "precision check: OK" in summary["precision_report"]

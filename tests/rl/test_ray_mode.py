@@ -29,7 +29,7 @@ for _k, _v in dict(
 ).items():
     os.environ.setdefault(_k, _v)
 
-from _rl_helpers import ENV, PY, REPO, grpo_args, make_reward_model, metrics, run  # noqa: E402
+from _rl_helpers import ENV, PY, REPO, free_port, grpo_args, make_reward_model, metrics, run  # noqa: E402
 
 from openrlhf.config import ConfigError, parse_config  # noqa: E402
 
@@ -196,7 +196,7 @@ def test_ray_step_equals_spmd_step(task, tmp_path):
     spmd, ray_out = tmp_path / "spmd", tmp_path / "ray"
     t0 = time.time()
     # The same flags: under the deepspeed launcher (WORLD_SIZE set) they mean SPMD, --vllm.num_engines ignored.
-    run(["deepspeed", "--num_gpus", "2", "--master_port", "29671", "openrlhf/cli/train_ppo_ray.py", *grpo_args(model, data, spmd, "jet_fp8", 2, extra)])
+    run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "openrlhf/cli/train_ppo_ray.py", *grpo_args(model, data, spmd, "jet_fp8", 2, extra)])
     t1 = time.time()
     proc = run([PY, "-m", "openrlhf.cli.train_ppo_ray", *grpo_args(model, data, ray_out, "jet_fp8", 2, extra)])
     print(f"spmd {t1 - t0:.0f}s, ray {time.time() - t1:.0f}s")
