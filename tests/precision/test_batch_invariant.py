@@ -10,6 +10,7 @@ from torch import nn
 from precision_testutil import gamma, outlier_data, tiny_causal_lm, unit_roundoff
 from jetrl_precision import build_precision_graph, check_subgraph, convert_to_fp8, get_recipe
 from jetrl_precision import batch_invariant as bi
+from jetrl_precision.batch_invariant import attention as bi_attention, convert as bi_convert
 from jetrl_precision.batch_invariant import BitwiseUnavailable, InvariantLinear, make_batch_invariant, numerics_of
 
 
@@ -114,7 +115,7 @@ def test_make_batch_invariant_refuses_cuda_without_triton(monkeypatch):
 def test_make_batch_invariant_refuses_fp8_linears_on_cuda_without_the_invariant_gemm(monkeypatch):
     """The Triton path converts norms and attention; FP8 linears on CUDA need the triton_invariant GEMM, and the
     refusal names it, on one line."""
-    monkeypatch.setattr(bi, "_triton_missing", lambda device: None)
+    monkeypatch.setattr(bi_convert, "triton_missing", lambda device: None)
     model = convert_to_fp8(tiny_causal_lm(), get_recipe("jet_fp8"))  # emulated on this CPU machine
     with pytest.raises(BitwiseUnavailable) as e:
         make_batch_invariant(model, device="cuda")
@@ -122,12 +123,12 @@ def test_make_batch_invariant_refuses_fp8_linears_on_cuda_without_the_invariant_
     assert "\n" not in msg and "FP8 linears run the emulated GEMM" in msg and "--precision.gemm_backend triton_invariant" in msg
     # What it converted before refusing: every RMSNorm and the attention.
     assert model.config._attn_implementation == bi.TRITON_ATTENTION
-    assert not bi._ordinary_norms(model) and any(isinstance(m, bi.InvariantRMSNorm) for m in model.modules())
+    assert not bi_convert._ordinary_norms(model) and any(isinstance(m, bi.InvariantRMSNorm) for m in model.modules())
     assert model.model.norm.weight is not None
 
 
 def test_make_batch_invariant_refuses_a_norm_without_a_kernel(monkeypatch):
-    monkeypatch.setattr(bi, "_triton_missing", lambda device: None)
+    monkeypatch.setattr(bi_convert, "triton_missing", lambda device: None)
 
     class GemmaLikeRMSNorm(nn.Module):  # weight * (1 + x/rms): not the Llama formula
         def __init__(self):
@@ -167,22 +168,22 @@ def test_triton_attention_reads_padding_packing_and_cached_calls_into_segments()
     cpu = torch.device("cpu")
     rows = lambda s: list(zip(s.q_start.tolist(), s.q_len.tolist(), s.k_start.tolist(), s.k_len.tolist()))  # noqa: E731
     m = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-    assert rows(bi._segments(m, None, 2, 4, 4, cpu)) == [(1, 3, 1, 3), (4, 4, 4, 4)]  # left padding
+    assert rows(bi_attention._segments(m, None, 2, 4, 4, cpu)) == [(1, 3, 1, 3), (4, 4, 4, 4)]  # left padding
     m = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0]])
-    assert rows(bi._segments(m, None, 2, 4, 4, cpu)) == [(0, 2, 0, 2), (5, 2, 5, 2)]  # right / both sides
+    assert rows(bi_attention._segments(m, None, 2, 4, 4, cpu)) == [(0, 2, 0, 2), (5, 2, 5, 2)]  # right / both sides
     m[0, 2] = 1  # modified in place: read again
-    assert rows(bi._segments(m, None, 2, 4, 4, cpu))[0] == (0, 3, 0, 3)
+    assert rows(bi_attention._segments(m, None, 2, 4, 4, cpu))[0] == (0, 3, 0, 3)
     pos = torch.tensor([[0, 1, 2, 0, 1, 0]])  # packed: position ids restart
-    assert rows(bi._segments(None, pos, 1, 6, 6, cpu)) == [(0, 3, 0, 3), (3, 2, 3, 2), (5, 1, 5, 1)]
+    assert rows(bi_attention._segments(None, pos, 1, 6, 6, cpu)) == [(0, 3, 0, 3), (3, 2, 3, 2), (5, 1, 5, 1)]
     decode = torch.tensor([[0, 1, 1], [1, 1, 1]])  # one new token per row against a left-padded cache
-    seg = bi._segments(decode, None, 2, 1, 3, cpu)
+    seg = bi_attention._segments(decode, None, 2, 1, 3, cpu)
     assert rows(seg) == [(0, 1, 1, 2), (1, 1, 3, 3)] and seg.max_q_len == 1
-    allowed, real = bi._segment_mask(seg, 2, 1, 3, cpu)
+    allowed, real = bi_attention._segment_mask(seg, 2, 1, 3, cpu)
     assert allowed[:, 0, 0].tolist() == [[False, True, True], [True, True, True]] and real.all()
-    allowed, real = bi._segment_mask(bi._segments(torch.tensor([[0, 1, 1]]), None, 1, 3, 3, cpu), 1, 3, 3, cpu)
+    allowed, real = bi_attention._segment_mask(bi_attention._segments(torch.tensor([[0, 1, 1]]), None, 1, 3, 3, cpu), 1, 3, 3, cpu)
     assert real.tolist() == [[False, True, True]]
     assert allowed[0, 0].tolist() == [[False] * 3, [False, True, False], [False, True, True]]  # causal within the run
     with pytest.raises(ValueError, match="row 0 of the padding mask has 2 runs"):
-        bi._segments(torch.tensor([[1, 0, 1]]), None, 1, 3, 3, cpu)
+        bi_attention._segments(torch.tensor([[1, 0, 1]]), None, 1, 3, 3, cpu)
     with pytest.raises(ValueError, match="needs left padding only"):
-        bi._segments(torch.tensor([[1, 1, 0]]), None, 1, 1, 3, cpu)
+        bi_attention._segments(torch.tensor([[1, 1, 0]]), None, 1, 1, 3, cpu)

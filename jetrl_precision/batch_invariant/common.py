@@ -1,0 +1,58 @@
+"""What every part of the batch-invariant numerics shares: the names, the refusal, where Triton can run."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = [
+    "INVARIANT_ATTENTION",
+    "TRITON_ATTENTION",
+    "INVARIANT_GEMM_BACKENDS",
+    "CUDA_INVARIANT_GEMM_BACKENDS",
+    "CUDA_MISSING_KERNELS",
+    "BitwiseUnavailable",
+]
+
+INVARIANT_ATTENTION = "jetrl_invariant"  # float64 attention (CPU)
+TRITON_ATTENTION = "jetrl_invariant_triton"  # the Triton kernel shared with the engine (CUDA)
+# FP8 GEMM backends whose per-row result does not depend on M: float64 accumulation (emulated, invariant in
+# practice), and the fixed-tiling Triton GEMM (jetrl_precision/kernels/invariant_gemm.py).
+INVARIANT_GEMM_BACKENDS = frozenset({"emulated", "triton_invariant"})
+# On CUDA the FP8 linears must run the fixed-tiling kernel; the float64 emulation is a CPU reference.
+CUDA_INVARIANT_GEMM_BACKENDS = frozenset({"triton_invariant"})
+# What --precision.bitwise still lacks on CUDA (docs/precision.md, "Bitwise mode on the H200"); the preflight names
+# these. The kernels exist (attention, RMSNorm, log-softmax here; the FP8/BF16 GEMM in kernels.invariant_gemm) and
+# the transformers path is wired (trainer and engine); what is left is vLLM's side and proof on the hardware.
+CUDA_MISSING_KERNELS = (
+    "the vLLM 0.26 engine side (RMSNorm, rotary, attention backend, log-softmax and the jetrl_fp8 linear method on "
+    "these kernels)",
+    "a passing run of the kernels' GPU tests on the H200 (tests/gpu/test_invariant_kernels_gpu.py, "
+    "test_invariant_gemm_gpu.py)",
+)
+
+
+class BitwiseUnavailable(RuntimeError):
+    """Batch-invariant numerics cannot run here; the message names what is missing."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_missing(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on `device`, or None when they can."""
+    from ..kernels import triton_available
+
+    if not triton_available():
+        return "Triton is not installed (pip install triton)"
+    if device.type != "cuda" and not _interpreting():
+        return f"the Triton kernels run on CUDA (or on CPU under TRITON_INTERPRET=1), not on {device.type}"
+    return None
+
+
+def require_triton(t: torch.Tensor, what: str) -> None:
+    why = triton_missing(t.device)
+    if why:
+        raise BitwiseUnavailable(f"{what}: {why}")

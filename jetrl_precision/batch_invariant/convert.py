@@ -1,0 +1,148 @@
+"""Converting a model to batch-invariant numerics, and reading which numerics a live model runs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..linear import Fp8Linear
+from .attention import register_triton_attention
+from .common import (
+    CUDA_INVARIANT_GEMM_BACKENDS, INVARIANT_ATTENTION, INVARIANT_GEMM_BACKENDS, TRITON_ATTENTION, BitwiseUnavailable,
+    triton_missing,
+)
+from .linear import InvariantLinear
+from .norm import NORM_CLASSES, InvariantRMSNorm
+
+__all__ = ["NumericsReport", "make_batch_invariant", "numerics_of"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NumericsReport:
+    """Whether a live model runs batch-invariant numerics, and what says so (or not)."""
+
+    batch_invariant: bool
+    attention: str
+    linear: str  # the InvariantLinear backends ("fp64", "triton_invariant") when every high-precision linear is one, else "ordinary"
+    fp8_gemm: str  # the FP8 GEMM backends, or "-" when there is no FP8 linear
+    norm: str = "model"  # "triton" when the RMSNorms are InvariantRMSNorm, else the model's own
+    not_invariant: tuple[str, ...] = ()
+
+    @property
+    def mode(self) -> str:
+        return "batch_invariant" if self.batch_invariant else "ordinary"
+
+    def detail(self) -> str:
+        s = f"attention={self.attention} linear={self.linear} fp8_gemm={self.fp8_gemm}"
+        s += " norm=triton" if self.norm == "triton" else ""
+        return s if self.batch_invariant else f"{s} (not batch-invariant: {', '.join(self.not_invariant)})"
+
+
+def _params_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def _ordinary_norms(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm") and not isinstance(m, InvariantRMSNorm)]
+
+
+def numerics_of(model: nn.Module) -> NumericsReport:
+    """Read the numerics a live model runs: its attention implementation (HF `config._attn_implementation`),
+    its high-precision linears, its FP8 GEMM backends and, on CUDA, its RMSNorms."""
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "unknown"
+    device = _params_device(model)
+    plain = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.fprop.input.is_fp8 and m.fprop.weight.is_fp8]
+    # An Fp8Linear with a high-precision operand multiplies in ordinary fp32 (jetrl_precision.linear._mm).
+    unconverted = [m for m in model.modules() if isinstance(m, Fp8Linear) and not (m.fprop.input.is_fp8 and m.fprop.weight.is_fp8)]
+    backends = sorted({m.resolved_backend for m in fp8})
+    linear = ",".join(sorted({m.backend for m in model.modules() if isinstance(m, InvariantLinear)})) or "fp64"
+    bad = []
+    if attn not in (INVARIANT_ATTENTION, TRITON_ATTENTION):
+        bad.append(f"attention {attn}")
+    elif device.type == "cuda" and attn != TRITON_ATTENTION:
+        bad.append(f"attention {attn} on cuda")
+    if plain or unconverted:
+        bad.append(f"{len(plain) + len(unconverted)} ordinary linear(s)" + (f" (e.g. {plain[0]})" if plain else ""))
+    gemm_ok = CUDA_INVARIANT_GEMM_BACKENDS if device.type == "cuda" else INVARIANT_GEMM_BACKENDS
+    bad += [f"FP8 GEMM backend {b}" + (" on cuda" if device.type == "cuda" else "") for b in backends if b not in gemm_ok]
+    norms = _ordinary_norms(model)
+    if norms and (attn == TRITON_ATTENTION or device.type == "cuda"):  # CPU reduces a row alone; CUDA does not
+        bad.append(f"{len(norms)} ordinary RMSNorm(s) (e.g. {norms[0]})")
+    detail_norm = "triton" if any(isinstance(m, InvariantRMSNorm) for m in model.modules()) else "model"
+    return NumericsReport(
+        batch_invariant=not bad, attention=attn, linear="ordinary" if plain or unconverted else linear,
+        fp8_gemm=",".join(backends) or "-", norm=detail_norm, not_invariant=tuple(bad),
+    )
+
+
+def make_batch_invariant(
+    model: nn.Module, device: torch.device | str | None = None, *, kernels: str | None = None
+) -> nn.Module:
+    """Convert a model in place to batch-invariant numerics (after `convert_to_fp8`, before `deepspeed.initialize`),
+    then check that the whole model runs them.
+
+    `device`: where the model will run (default: where its parameters are; the trainer passes its device, since it
+    converts before DeepSpeed moves the model). `kernels`: "fp64" (CPU's, the default there) or "triton" (CUDA's,
+    the default there; on CPU only under TRITON_INTERPRET=1, for tests).
+    - fp64: plain nn.Linear -> InvariantLinear; the attention must already be `jetrl_invariant` and the FP8 GEMM
+      `emulated`.
+    - triton: the same linears, Llama-family RMSNorm -> InvariantRMSNorm, the attention switched to
+      `jetrl_invariant_triton` (registered here); FP8 linears need the `triton_invariant` GEMM on CUDA.
+    Converting is not the whole mode: on CUDA the preflight still refuses --precision.bitwise for
+    `CUDA_MISSING_KERNELS`.
+
+    Raises BitwiseUnavailable, one line naming what is missing, when Triton is missing, the device has no such
+    kernels, an FP8 GEMM backend or the attention is not batch-invariant, or a norm has no invariant kernel."""
+    dev = torch.device(device) if device is not None else _params_device(model)
+    if dev.type not in ("cpu", "cuda"):
+        raise BitwiseUnavailable(f"batch-invariant numerics run on CPU and CUDA, not on {dev.type}")
+    kernels = kernels or ("triton" if dev.type == "cuda" else "fp64")
+    if kernels not in ("fp64", "triton"):
+        raise ValueError(f"make_batch_invariant: kernels must be 'fp64' or 'triton', got {kernels!r}")
+    if kernels == "fp64" and dev.type == "cuda":
+        raise BitwiseUnavailable("on cuda the batch-invariant numerics are the Triton kernels (kernels='triton'), not fp64")
+    if kernels == "triton":
+        why = triton_missing(dev)
+        if why:
+            raise BitwiseUnavailable(f"batch-invariant numerics on {dev.type} need the Triton kernels: {why}")
+        odd = sorted({type(m).__name__ for m in model.modules()
+                      if type(m).__name__.endswith("RMSNorm") and type(m).__name__ not in NORM_CLASSES and not isinstance(m, InvariantRMSNorm)})
+        if odd:
+            raise BitwiseUnavailable(f"no batch-invariant kernel for {', '.join(odd)} (the Triton RMSNorm covers {', '.join(NORM_CLASSES)})")
+        if not hasattr(model, "set_attn_implementation"):
+            raise BitwiseUnavailable(f"{type(model).__name__} is not a transformers model: its attention cannot be switched to {TRITON_ATTENTION}")
+        model.set_attn_implementation(register_triton_attention())
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, InvariantLinear.from_linear(child, kernels))
+            elif kernels == "triton" and type(child).__name__ in NORM_CLASSES:
+                setattr(module, name, InvariantRMSNorm.from_norm(child))
+    report = numerics_of(model)
+    if kernels == "fp64" and not report.batch_invariant:
+        raise BitwiseUnavailable(
+            f"the model is not batch-invariant after conversion: {', '.join(report.not_invariant)}; load it with "
+            f"attn_implementation={INVARIANT_ATTENTION!r} and use the emulated FP8 GEMM backend"
+        )
+    gemm_ok = CUDA_INVARIANT_GEMM_BACKENDS if dev.type == "cuda" else INVARIANT_GEMM_BACKENDS
+    fp8_bad = [b for b in report.fp8_gemm.split(",") if b != "-" and b not in gemm_ok]
+    if fp8_bad:
+        raise BitwiseUnavailable(
+            f"the FP8 linears run the {', '.join(fp8_bad)} GEMM, whose tiling depends on the row count; batch-invariant "
+            f"numerics on {dev.type} need --precision.gemm_backend "
+            f"{' or '.join(sorted(gemm_ok))} (recipe field gemm_backend)"
+        )
+    if not report.batch_invariant:
+        raise BitwiseUnavailable(f"the model is not batch-invariant after conversion: {', '.join(report.not_invariant)}")
+    if dev.type == "cuda" and "fp64" in report.linear:
+        logger.info("batch-invariant numerics on cuda: fp32 high-precision linears accumulate in float64 (InvariantLinear)")
+    return model

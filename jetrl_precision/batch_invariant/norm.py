@@ -1,0 +1,65 @@
+"""`InvariantRMSNorm`: a Llama-family RMSNorm on the batch-invariant Triton kernel (`kernels.invariant_norm`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .common import require_triton
+
+__all__ = ["InvariantRMSNorm", "NORM_CLASSES"]
+
+NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x/rms, cast first
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from ..kernels.invariant_norm import rms_norm
+
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        # Nothing samples from the backward: transformers' formula in torch ops, differentiated by autograd.
+        from ..kernels.invariant_norm import rms_norm_reference
+
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xg = x.detach().requires_grad_(ctx.needs_input_grad[0])
+            wg = weight.detach().requires_grad_(ctx.needs_input_grad[1])
+            y = rms_norm_reference(xg, wg, ctx.eps)
+            inputs = [t for t in (xg, wg) if t.requires_grad]
+            grads = iter(torch.autograd.grad(y, inputs, grad_out)) if inputs else iter(())
+        return (next(grads) if ctx.needs_input_grad[0] else None), (next(grads) if ctx.needs_input_grad[1] else None), None
+
+
+class InvariantRMSNorm(nn.Module):
+    """A Llama-family RMSNorm whose forward is the batch-invariant Triton kernel (`kernels.invariant_norm`).
+
+    `InvariantRMSNorm.from_norm(norm)` adopts the same weight Parameter and epsilon; the rounding points are
+    transformers' (`weight * (x.float() * rsqrt(var + eps)).to(x.dtype)`), the backward is transformers' formula."""
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = float(eps)
+
+    @classmethod
+    def from_norm(cls, norm: nn.Module) -> "InvariantRMSNorm":
+        new = cls(norm.weight, norm.variance_epsilon)
+        for key in ("ds_id", "_z3_leaf"):
+            if hasattr(norm, key):
+                setattr(new, key, getattr(norm, key))
+        return new
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        require_triton(hidden_states, "InvariantRMSNorm")
+        return _RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
