@@ -770,10 +770,13 @@ class PPOTrainer:
         }
 
     def _require_finite(self, what: str) -> None:
-        for name, engine in (("actor", self.actor_engine), ("critic", None if self._remote_critic is not None else self.critic_engine)):
+        for name, engine in (("actor", self.actor_engine), ("critic", self.critic_engine)):
             if engine is None:
                 continue
-            bad = nonfinite_parameters(engine.module, self.strategy.all_reduce)
+            if engine is self._remote_critic:  # checked where it lives, over the critic's own group
+                bad = self._remote_critic.nonfinite_parameters()
+            else:
+                bad = nonfinite_parameters(engine.module, self.strategy.all_reduce)
             if bad:
                 raise TrainingDivergedError(
                     f"{what}: {name} parameters hold NaN/inf ({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}); "

@@ -337,6 +337,30 @@ def test_gae_with_critic_group_and_reward_model_actor(task, tmp_path, ray_local)
     assert AutoModelForCausalLM.from_pretrained(out) is not None
     assert AutoModelForSequenceClassification.from_pretrained(f"{out}_critic").score.weight.abs().sum() > 0
 
+    # A critic state that went bad (NaN saved as such, so its checksums agree) is refused at load, checked inside
+    # the critic group, and the last checkpoint stays as it was.
+    import torch
+
+    from openrlhf.trainer.health import TrainingDivergedError
+    from openrlhf.utils.deepspeed.checkpoint import write_manifest
+
+    critic = out / "checkpoints_ppo" / "critic"
+    tag = critic / (critic / "latest").read_text().strip()
+    for f in sorted(tag.glob("*states.pt")):  # the module's weights and the fp32 partitions ZeRO-2 restores them from
+        state = torch.load(f, map_location="cpu", weights_only=False)
+        with torch.no_grad():
+            if "module" in state:
+                state["module"][next(k for k in state["module"] if "q_proj.weight" in k)][0, 0] = float("nan")
+            else:
+                state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0].fill_(float("nan"))
+        torch.save(state, f)
+    write_manifest(tag)
+    before = {p.name: p.read_bytes() for p in tag.iterdir()}
+    with pytest.raises(TrainingDivergedError, match=r"critic parameters hold NaN/inf") as info:
+        run_ray(dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, load_enable=True)), evaluate=False)
+    assert "\n" not in str(info.value) and "loading" in str(info.value)
+    assert {p.name: p.read_bytes() for p in tag.iterdir()} == before
+
 
 def test_actor_that_fails_to_start_is_named_and_the_run_cleans_up(task, tmp_path, ray_local):
     from openrlhf.trainer.ray import run_ray

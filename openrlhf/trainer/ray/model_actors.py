@@ -145,6 +145,12 @@ class CriticActor:
         # The SPMD code path itself, run where the critic lives.
         return critic_micro_step(self.critic_engine, self.value_loss, self.converter, mb.to(self.strategy.device), global_tokens, scale)
 
+    def nonfinite_parameters(self) -> list[str]:
+        """The critic's NaN/inf parameters, agreed over the critic group (every critic rank must be asked at once)."""
+        from openrlhf.trainer.health import nonfinite_parameters
+
+        return nonfinite_parameters(self.critic_engine.module, self.strategy.all_reduce)
+
     def save_checkpoint(self, save_dir: str, tag: str, client_state: dict, save_latest: bool = True) -> Any:
         return self.critic_engine.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
@@ -189,6 +195,9 @@ class RemoteCritic:
 
     def eval(self) -> "RemoteCritic":
         return self
+
+    def nonfinite_parameters(self) -> list[str]:
+        return self._call(self._actor.nonfinite_parameters.remote(), "critic parameter check")
 
     def save_value_network(self, out_dir: str) -> None:
         """--critic.save_value_network: each policy rank drives its critic rank (ZeRO-3 gathers); critic rank 0 writes."""
