@@ -43,7 +43,8 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-import grpo_vllm_gpu as g  # noqa: E402  (benchmarks/grpo_vllm_gpu.py: model, data, plan, run helpers)
+import grpo_vllm_gpu as g  # noqa: E402  (benchmarks/grpo_vllm_gpu.py: model, data, plan, phases)
+import train_runs as runs  # noqa: E402  (benchmarks/train_runs.py: launching and collecting training runs)
 
 RECIPES = ("bf16", "jet_fp8")
 VARIANTS = ("ray2", "colo2", "spmd1")
@@ -84,10 +85,10 @@ def start_ray(argv: list[str], out: Path) -> dict:
     """`python -m openrlhf.cli.train_ppo_ray ...` in Ray mode (no launcher variables: it starts a local Ray)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "openrlhf.cli.train_ppo_ray", *argv, "--ckpt.output_dir", str(out)]
-    if not g._cuda():
+    if not runs.cuda():
         cmd += ["--ds.param_dtype", "fp32"]
     (out / "cmd.json").write_text(json.dumps(cmd, indent=1))
-    env = g.run_env()
+    env = runs.run_env()
     for k in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):  # Ray mode is chosen when no launcher set these
         env.pop(k, None)
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -98,8 +99,8 @@ def start_ray(argv: list[str], out: Path) -> dict:
 
 def run_one(variant: str, recipe: str, argv: list[str], out: Path, timeout: float) -> dict:
     argv = [*argv, *g.recipe_argv(recipe)]
-    job = g.start(argv, out, g.free_port()) if variant == "spmd1" else start_ray(argv, out)
-    res = g.finish(job, timeout)
+    job = runs.start(argv, out, runs.free_port()) if variant == "spmd1" else start_ray(argv, out)
+    res = runs.finish(job, timeout)
     layout = out / "ray_layout.json"
     res["layout"] = json.loads(layout.read_text()) if layout.exists() else None
     return res
@@ -222,7 +223,7 @@ def sync_config(model_dir: Path, data: Path, recipe: str, gemm_backend: str, gpu
             "--ckpt.output_dir", str(out), *g.recipe_argv(recipe)]
     if gemm_backend != "auto":
         argv += ["--precision.gemm_backend", gemm_backend]
-    if not g._cuda():
+    if not runs.cuda():
         argv += ["--ds.param_dtype", "fp32"]
     return parse_config(argv)
 
@@ -462,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     Path(a.workdir).mkdir(parents=True, exist_ok=True)
-    (out / "env.json").write_text(json.dumps({**g.env_info(), "ray": _version("ray")}, indent=1))
+    (out / "env.json").write_text(json.dumps({**runs.env_info(), "ray": _version("ray")}, indent=1))
     deadline = time.time() + (a.deadline or 1e9)
     if a.what in ("sync", "all"):
         cmd_sync(a, out, deadline)
