@@ -19,6 +19,14 @@ def _fp8_capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never, where this torch has no CUDA)."""
+    return _HAS_CUDA and torch.cuda.is_current_stream_capturing()
+
+
+_HAS_CUDA = torch.cuda.is_available()
+
+
 class _LastResult:
     """Remembers the last quantization of one input, so sibling layers reading the same tensor share it.
 
@@ -26,6 +34,10 @@ class _LastResult:
     one kernel and autograd saves one FP8 copy instead of three. A hit needs the same live storage
     (checked through a weak reference, so freed-and-reused memory never matches), offset, shape,
     strides, dtype, version counter (bumped by any in-place write) and options.
+
+    Nothing is kept or reused while a CUDA graph is being captured: a hit would leave the quantize kernel out
+    of the graph (a replay would read the bytes of the input seen at capture), and a kept result would live in
+    the graph's private memory pool, which replays overwrite.
     """
 
     def __init__(self) -> None:
@@ -39,14 +51,14 @@ class _LastResult:
 
     def get(self, x: torch.Tensor, extra: tuple) -> QuantizedTensor | None:
         key = self.key
-        if key is None or x.is_inference():
+        if key is None or x.is_inference() or _capturing():
             return None
         if self._key(x, x.untyped_storage(), extra) != key or self.ref.expired():
             return None
         return self.value
 
     def put(self, x: torch.Tensor, extra: tuple, value: QuantizedTensor) -> QuantizedTensor:
-        if x.is_inference():  # inference tensors have no version counter; never cache them
+        if x.is_inference() or _capturing():  # inference tensors have no version counter; never cache them
             self.key = self.ref = self.value = None
         else:
             st = x.untyped_storage()
@@ -55,7 +67,7 @@ class _LastResult:
 
     def lookup(self, x: torch.Tensor, extra: tuple, make, arg) -> QuantizedTensor:
         """The kept quantization of x if it is still valid, else `make(arg)`, kept: one storage lookup per call."""
-        if x.is_inference():
+        if x.is_inference() or _capturing():
             self.key = self.ref = self.value = None
             return make(arg)
         st = x.untyped_storage()

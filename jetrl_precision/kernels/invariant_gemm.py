@@ -56,7 +56,7 @@ _TARGET_PROGRAMS = 264
 # Measured configurations by (N, K, dtype name), taken over the heuristic: benchmarks/decode_gemm_triton.py prints
 # an entry per shape. Edit it here, not at run time (invariant_config caches). Changing one changes that shape's
 # bits, on the engine and the trainer alike.
-TUNED: dict[tuple[int, int, str], "InvariantConfig"] = {}
+TUNED: dict[tuple[int, int, str], "InvariantConfig"] = {}  # filled below the class
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,22 @@ class InvariantConfig:
                 raise ValueError(f"InvariantConfig.{name} must be a power of two >= 16, got {v}")
         if self.split_k < 1:
             raise ValueError(f"InvariantConfig.split_k must be >= 1, got {self.split_k}")
+
+
+# Llama-3.1-8B and SmolLM2-135M projections and lm_heads, tuned on an H200 (decode_gemm_invariant.json in
+# benchmarks/results/runs): one configuration per shape, the least time summed over M = 1, 16, 64, 128, 256.
+TUNED.update({
+    (6144, 4096, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=32, split_k=1, num_warps=4, num_stages=4, block_k=128),
+    (4096, 4096, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=32, split_k=2, num_warps=4, num_stages=4, block_k=128),
+    (28672, 4096, 'float8_e4m3fn'): InvariantConfig(block_n=128, block_m=32, split_k=1, num_warps=8, num_stages=4, block_k=128),
+    (4096, 14336, 'float8_e4m3fn'): InvariantConfig(block_n=128, block_m=64, split_k=4, num_warps=8, num_stages=4, block_k=128),
+    (128256, 4096, 'bfloat16'): InvariantConfig(block_n=128, block_m=64, split_k=1, num_warps=8, num_stages=4, block_k=64),
+    (960, 576, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=16, split_k=1, num_warps=4, num_stages=4, block_k=128),
+    (576, 576, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=16, split_k=1, num_warps=4, num_stages=4, block_k=128),
+    (3072, 576, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=32, split_k=1, num_warps=4, num_stages=4, block_k=128),
+    (576, 1536, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=16, split_k=1, num_warps=4, num_stages=4, block_k=128),
+    (49152, 576, 'bfloat16'): InvariantConfig(block_n=128, block_m=64, split_k=1, num_warps=8, num_stages=4, block_k=64),
+})
 
 
 def _pow2_floor(x: int) -> int:

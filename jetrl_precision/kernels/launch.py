@@ -115,6 +115,15 @@ def _disable(why: str) -> None:
 _runtime_knobs: list[Any] = []
 
 
+def _hook_active(hook: Any) -> bool:
+    """Whether a Triton launch hook would run. None runs nothing, and neither does an empty `HookChain`, which is
+    what newer Triton (3.6) keeps in its knobs instead of None."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if isinstance(calls, list) else True
+
+
 def _hooks_set() -> bool:
     """Whether a launch hook (a profiler such as proton) is installed: such launches go through kernel[grid]."""
     if not _runtime_knobs:
@@ -122,7 +131,7 @@ def _hooks_set() -> bool:
 
         _runtime_knobs.append(knobs.runtime)
     rt = _runtime_knobs[0]
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return _hook_active(rt.launch_enter_hook) or _hook_active(rt.launch_exit_hook)
 
 
 def _current_device() -> int:

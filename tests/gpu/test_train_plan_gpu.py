@@ -135,26 +135,43 @@ def test_planned_step_under_a_cuda_graph():
     eager_y = layer(x)
     eager_y.backward(dy)
     want = (eager_y.detach().clone(), x.grad.clone(), lin.weight.grad.clone())
-    impl = ops._impl_for(torch.device("cuda"))
-    impl.share_results = False  # the capture re-reads the warm-up input: no cache hit may skip its quantization
-    try:
-        w = nn.Parameter(lin.weight.detach().clone())
-        with torch.device("meta"):
-            over = nn.Linear(512, 1024, bias=False)
-        over.weight = w
-        graphed = torch.cuda.make_graphed_callables(
-            Fp8Linear.from_linear(over, RECIPE.train_fprop, RECIPE.train_backward, gemm_backend="torch"),
-            (x.detach().clone().requires_grad_(True),), num_warmup_iters=3)
-        xg = x.detach().clone().requires_grad_(True)
-        yg = graphed(xg)
-        yg.backward(dy)
-    finally:
-        impl.share_results = True
+    # The capture re-reads the warm-up input: the share cache must not let a hit skip its quantization.
+    w = nn.Parameter(lin.weight.detach().clone())
+    with torch.device("meta"):
+        over = nn.Linear(512, 1024, bias=False)
+    over.weight = w
+    graphed = torch.cuda.make_graphed_callables(
+        Fp8Linear.from_linear(over, RECIPE.train_fprop, RECIPE.train_backward, gemm_backend="torch"),
+        (x.detach().clone().requires_grad_(True),), num_warmup_iters=3)
+    xg = x.detach().clone().requires_grad_(True)
+    yg = graphed(xg)
+    yg.backward(dy)
     # Same operands and calls; cuBLASLt may pick another algorithm on the capture stream, which can move an fp32 sum
     # by an ulp and so flip the bf16 rounding of an output: at most one bf16 ulp (2^-8 relative) per element.
     for what, got, ref in (("y", yg.detach(), want[0]), ("dX", xg.grad, want[1]), ("dW", w.grad, want[2])):
         err = float((got.double() - ref.double()).norm() / ref.double().norm())
         assert err <= 2.0**-8, f"graph {what}: relative error {err:.2e} above one bf16 rounding"
+
+
+def test_shared_quantization_is_not_reused_across_a_graph_capture():
+    """A quantization kept from an eager call must not stand in for the kernel inside a capture (the replay would
+    read the bytes of the input seen at capture), nor may one made inside a capture serve a later eager call."""
+    impl = ops._impl_for(torch.device("cuda"))
+    assert impl is not None and impl.share_results
+    spec = RECIPE.train_fprop.input
+    x = outlier_data(256, 1024, seed=6)
+    ops.quantize(x, spec)  # kept: same storage, version and shape as the captured call below
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.quantize(x, spec)
+    eager = ops.quantize(x, spec)  # the capture ran no kernel: a kept capture result would hold no valid bytes yet
+    assert eager.data.data_ptr() != captured.data.data_ptr(), "an eager call reused the graph's buffer"
+    _same_qt(eager, quantize_fp8(x, (1, 128)), "eager right after the capture")
+    for seed in (7, 8):
+        x.copy_(outlier_data(256, 1024, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        _same_qt(captured, quantize_fp8(x, (1, 128)), f"replay with input seed {seed}")
 
 
 def test_scaled_mm_v2_shortcut_equals_f_scaled_mm():

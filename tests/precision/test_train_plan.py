@@ -191,6 +191,23 @@ def test_a_refused_direct_launch_falls_back_and_disables(direct, caplog):
     assert launch._status["enabled"] is False and "disabled" in caplog.text and "14 arguments" in caplog.text
 
 
+class _HookChain:
+    """Triton 3.6's knobs.runtime.launch_enter_hook: a chain of callables, never None."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __call__(self, *args):
+        for c in self.calls:
+            c(*args)
+
+
+@pytest.mark.parametrize("hook, active", [(None, False), (_HookChain([]), False), (_HookChain([print]), True),
+                                          (print, True)])
+def test_only_a_hook_that_would_run_turns_direct_launches_off(hook, active):
+    assert launch._hook_active(hook) is active
+
+
 def test_parameters_by_position_or_keyword_keep_their_order(direct):
     k = _Kernel()
     lau = launch.TritonLauncher(k, "k")
