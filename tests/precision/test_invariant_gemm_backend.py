@@ -15,7 +15,7 @@ import torch
 from precision_testutil import outlier_data
 from jetrl_precision import convert_to_fp8, get_recipe
 from jetrl_precision.gemm import BackendUnavailable, available_backends, resolve_backend
-from jetrl_precision.gemm import dispatch
+from jetrl_precision.gemm import _triton_common, dispatch
 from jetrl_precision.gemm import triton_invariant_backend as tib
 
 NAME = "triton_invariant"
@@ -38,8 +38,8 @@ def test_cuda_without_triton_names_triton_and_warns_once(monkeypatch, caplog):
     the log says so once however often the backend is asked about."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
-    monkeypatch.setattr(tib, "_warned", set())
-    with caplog.at_level("WARNING", logger=tib.__name__):
+    monkeypatch.setattr(_triton_common, "_warned", set())
+    with caplog.at_level("WARNING", logger=_triton_common.__name__):
         reasons = {tib.unavailable_reason(torch.device("cuda")) for _ in range(3)}
     (reason,) = reasons
     assert reason.startswith("triton is not importable") and "pip install triton" in reason
