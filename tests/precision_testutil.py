@@ -95,6 +95,21 @@ def tiny_causal_lm(
     return model_cls(cfg).to(dtype)
 
 
+def prefill_then_decode(model, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, prompt: int) -> torch.Tensor:
+    """The logits [B, T, V] of `ids` as generation computes them: one prefill of the first `prompt` tokens into a
+    transformers DynamicCache, then one token per step against the cache. A batch-invariant model gives its full
+    forward's bits here (`mask` and `pos` are the full forward's, left padding included)."""
+    import transformers
+
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        first = model(input_ids=ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=pos[:, :prompt],
+                      past_key_values=cache, use_cache=True).logits
+        steps = [model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1],
+                       past_key_values=cache, use_cache=True).logits[:, 0] for t in range(prompt, ids.shape[1])]
+    return torch.cat([first, torch.stack(steps, 1)], 1)
+
+
 # ---- rounding-error bounds (docs/testing.md says which test uses which) ----------------------------------
 # Every bound holds for ANY summation order (SIMD width, blocking, threads, FMA or not), so a test
 # that uses one passes on any x86 CPU/BLAS; it is derived from K, the dtype and the operations,

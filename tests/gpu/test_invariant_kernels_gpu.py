@@ -175,8 +175,8 @@ def test_chunked_prefill_and_batch_composition(shape):
 
 # ---- the model ---------------------------------------------------------------------------------------------------------
 def test_tiny_llama_on_cuda_full_forward_equals_prefill_and_decode():
-    transformers = pytest.importorskip("transformers")
-    from precision_testutil import tiny_causal_lm
+    pytest.importorskip("transformers")
+    from precision_testutil import prefill_then_decode, tiny_causal_lm
 
     from jetrl_precision.batch_invariant import TRITON_ATTENTION, invariant_log_probs, make_batch_invariant, numerics_of
 
@@ -197,13 +197,7 @@ def test_tiny_llama_on_cuda_full_forward_equals_prefill_and_decode():
                        position_ids=torch.cat([torch.arange(width), torch.arange(real1)])[None].cuda(), use_cache=False).logits[0]
         assert_same_bits(packed[:width], full[0], "packed vs padded, row 0")
         assert_same_bits(packed[width:], full[1, width - real1 :], "packed vs padded, row 1")
-        cache = transformers.DynamicCache(config=model.config)
-        prompt = 100
-        first = model(input_ids=ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=pos[:, :prompt],
-                      past_key_values=cache, use_cache=True).logits
-        steps = [model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1],
-                       past_key_values=cache, use_cache=True).logits[:, 0] for t in range(prompt, width)]
-        decoded = torch.cat([first, torch.stack(steps, 1)], 1)
+    decoded = prefill_then_decode(model, ids, mask, pos, prompt=100)
     assert_same_bits(decoded[0], full[0], "row 0: prefill + decode vs full forward")
     assert_same_bits(decoded[1, width - real1 :], full[1, width - real1 :], "row 1 (left-padded)")
     lp_full = invariant_log_probs(full[:, :-1], ids[:, 1:], 0.7)

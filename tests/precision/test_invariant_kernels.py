@@ -255,8 +255,8 @@ def test_attention_refuses_bad_shapes_in_one_line():
 def test_tiny_llama_full_forward_equals_token_by_token_decoding(dtype):
     """make_batch_invariant(kernels="triton"): a padded full forward, a packed one and a KV-cached decode (transformers'
     DynamicCache, one token per step) give the same logits and log-probs, bit for bit."""
-    transformers = pytest.importorskip("transformers")
-    from precision_testutil import tiny_causal_lm
+    pytest.importorskip("transformers")
+    from precision_testutil import prefill_then_decode, tiny_causal_lm
 
     from jetrl_precision.batch_invariant import InvariantRMSNorm, TRITON_ATTENTION, invariant_log_probs, make_batch_invariant, numerics_of
 
@@ -279,14 +279,8 @@ def test_tiny_llama_full_forward_equals_token_by_token_decoding(dtype):
         packed = model(input_ids=packed_ids, position_ids=packed_pos, use_cache=False).logits[0]
         assert_same_bits(packed[:19], full[0], "packed vs padded, row 0")
         assert_same_bits(packed[19:], full[1, width - 12 :], "packed vs padded, row 1")
-        # As generation runs it: a prefill of the (left-padded) prompts, then one token per step against the cache.
-        cache = transformers.DynamicCache(config=model.config)
-        prompt = 10
-        first = model(input_ids=ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=pos[:, :prompt],
-                      past_key_values=cache, use_cache=True).logits
-        steps = [model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1],
-                       past_key_values=cache, use_cache=True).logits[:, 0] for t in range(prompt, width)]
-        decoded = torch.cat([first, torch.stack(steps, 1)], 1)
+    # As generation runs it: a prefill of the (left-padded) prompts, then one token per step against the cache.
+    decoded = prefill_then_decode(model, ids, mask, pos, prompt=10)
     assert_same_bits(decoded[0], full[0], "row 0: prefill + decode vs full forward")
     assert_same_bits(decoded[1, width - 12 :], full[1, width - 12 :], "row 1 (left-padded): prefill + decode vs full forward")
     labels = ids[:, 1:]
