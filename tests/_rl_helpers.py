@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,6 +109,30 @@ def run(cmd: list[str], timeout: int = 900, check: bool = True) -> subprocess.Co
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_engine_mid_rollout(ray, suffix: str, min_calls: int, result: dict, timeout: float = 300.0) -> None:
+    """Poll the engine actor named `*suffix` (threaded: status answers during a rollout) and kill it inside a
+    generate once it has begun at least `min_calls` of them; `result["killed_at_call"]` says which. Run it in a
+    thread beside the Ray run it interrupts."""
+    deadline, handle = time.time() + timeout, None
+    while time.time() < deadline:
+        if handle is None:
+            names = [n for n in ray.util.list_named_actors() if n.endswith(suffix)]
+            if not names:
+                time.sleep(0.2)
+                continue
+            handle = ray.get_actor(names[0])
+        try:
+            st = ray.get(handle.status.remote(), timeout=10)
+        except Exception:  # the actor is starting or busy past the timeout: ask again
+            time.sleep(0.1)
+            continue
+        if st["busy"] == "generate" and st["calls"].get("generate", 0) >= min_calls:
+            ray.kill(handle, no_restart=True)
+            result["killed_at_call"] = st["calls"]["generate"]
+            return
+        time.sleep(0.005)
 
 
 PY = sys.executable

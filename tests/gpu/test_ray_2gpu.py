@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import grpo_vllm_gpu as g  # noqa: E402
+from _rl_helpers import kill_engine_mid_rollout  # noqa: E402
 
 ENV = {**g.run_env(), "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 for _k in ("WORLD_SIZE", "LOCAL_RANK", "RANK", "RAY_ADDRESS"):
@@ -148,27 +149,6 @@ def ray_local():
     ray.shutdown()
 
 
-def _kill_in_generate(ray, suffix: str, min_calls: int, result: dict, timeout: float = 400.0) -> None:
-    deadline, handle = time.time() + timeout, None
-    while time.time() < deadline:
-        if handle is None:
-            names = [n for n in ray.util.list_named_actors() if n.endswith(suffix)]
-            if not names:
-                time.sleep(0.2)
-                continue
-            handle = ray.get_actor(names[0])
-        try:
-            st = ray.get(handle.status.remote(), timeout=10)
-        except Exception:
-            time.sleep(0.1)
-            continue
-        if st["busy"] == "generate" and st["calls"].get("generate", 0) >= min_calls:
-            ray.kill(handle, no_restart=True)
-            result["killed_at_call"] = st["calls"]["generate"]
-            return
-        time.sleep(0.005)
-
-
 def test_killed_engine_is_named_and_the_run_resumes_from_its_checkpoint(task, tmp_path, ray_local):
     from openrlhf.config import parse_config
     from openrlhf.trainer.ray import EngineDiedError, run_ray
@@ -178,7 +158,8 @@ def test_killed_engine_is_named_and_the_run_resumes_from_its_checkpoint(task, tm
     cfg = parse_config(_argv(task, out, ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0",
                                          "--ckpt.save_steps", "1"], steps=4, new_tokens=128))  # a rollout long enough to catch
     killed: dict = {}
-    killer = threading.Thread(target=_kill_in_generate, args=(ray_local, "-vllm-engine-0", 3, killed), daemon=True)
+    killer = threading.Thread(target=kill_engine_mid_rollout, args=(ray_local, "-vllm-engine-0", 3, killed, 400.0),
+                              daemon=True)
     killer.start()
     with pytest.raises(EngineDiedError) as info:
         run_ray(cfg, evaluate=False)

@@ -29,7 +29,9 @@ for _k, _v in dict(
 ).items():
     os.environ.setdefault(_k, _v)
 
-from _rl_helpers import ENV, PY, REPO, free_port, grpo_args, make_reward_model, metrics, run  # noqa: E402
+from _rl_helpers import (  # noqa: E402
+    ENV, PY, REPO, free_port, grpo_args, kill_engine_mid_rollout, make_reward_model, metrics, run,
+)
 
 from openrlhf.config import ConfigError, parse_config  # noqa: E402
 
@@ -216,30 +218,6 @@ def test_ray_step_equals_spmd_step(task, tmp_path):
 
 
 # ---- fault handling -----------------------------------------------------------------------------------
-def _kill_engine_mid_rollout(ray, suffix: str, min_calls: int, result: dict, timeout: float = 300.0) -> None:
-    """Poll the engine actor (threaded: status answers during a rollout) and kill it inside a generate."""
-    deadline = time.time() + timeout
-    handle = None
-    while time.time() < deadline:
-        if handle is None:
-            names = [n for n in ray.util.list_named_actors() if n.endswith(suffix)]
-            if names:
-                handle = ray.get_actor(names[0])
-            else:
-                time.sleep(0.2)
-                continue
-        try:
-            st = ray.get(handle.status.remote(), timeout=10)
-        except Exception:
-            time.sleep(0.1)
-            continue
-        if st["busy"] == "generate" and st["calls"].get("generate", 0) >= min_calls:
-            ray.kill(handle, no_restart=True)
-            result["killed_at_call"] = st["calls"]["generate"]
-            return
-        time.sleep(0.005)
-
-
 @pytest.mark.slow
 def test_engine_actor_killed_mid_rollout_names_it_then_resume(task, tmp_path, ray_local):
     pytest.importorskip("vllm")
@@ -250,7 +228,7 @@ def test_engine_actor_killed_mid_rollout_names_it_then_resume(task, tmp_path, ra
                               "--rollout.engine", "vllm", "--ckpt.save_steps", "1"])
     killed: dict = {}
     # 2 ranks x 1 generate per step: call 5 is step 3's rollout, after the step-2 checkpoint.
-    killer = threading.Thread(target=_kill_engine_mid_rollout, args=(ray_local, "-vllm-engine-0", 5, killed), daemon=True)
+    killer = threading.Thread(target=kill_engine_mid_rollout, args=(ray_local, "-vllm-engine-0", 5, killed), daemon=True)
     t0 = time.time()
     killer.start()
     with pytest.raises(EngineDiedError) as info:
