@@ -12,9 +12,9 @@ The key of a repeat is stricter than Triton's specialization: every int/float/bo
 tensor by dtype and 16-byte alignment, the constexprs and launch options, and the current device. A repeat with
 the same key is a call Triton would have specialized identically, so it gets the same compiled kernel.
 Direct launches are off (every launch is `kernel[grid]`) when Triton's version is outside the checked range, when
-a launch hook is set (a profiler such as proton must see each launch), unless `JETRL_TRITON_DIRECT_LAUNCH=1`
-(opt-in: the GPU tests that compare their bytes with `kernel[grid]`'s have not run on a device yet), or after
-the first direct launch fails (logged once).
+a launch hook is set (a profiler such as proton must see each launch), with `JETRL_TRITON_DIRECT_LAUNCH=0`, or
+after the first direct launch fails (logged once). They are on by default for the Triton versions whose GPU test
+(same bytes as `kernel[grid]`, the direct path taken) passed on a device, and opt-in (`=1`) for the others.
 
 `override_launches(fn)` routes every launch of this module's launchers (and of the CUDA requantizer) to
 `fn(name, grid, args, meta)` instead of the GPU: the CPU host-cost proxy (`benchmarks/host_cost.py`) uses it to
@@ -37,12 +37,16 @@ __all__ = [
     "override_launches",
     "launch_override",
     "DIRECT_LAUNCH_VERSIONS",
+    "DEVICE_CHECKED_VERSIONS",
 ]
 
 logger = logging.getLogger(__name__)
 
 # Triton versions whose JITFunction.run ends in the launcher call reproduced here (read in their sources).
 DIRECT_LAUNCH_VERSIONS = ((3, 4), (3, 5), (3, 6))
+# Of those, the versions whose direct launches passed tests/gpu/test_train_plan_gpu.py on a GPU: on by default there,
+# opt-in (JETRL_TRITON_DIRECT_LAUNCH=1) elsewhere.
+DEVICE_CHECKED_VERSIONS = ((3, 6),)
 _MAX_KEYS = 256  # per kernel; varying token counts (packed batches) would otherwise grow the table without bound
 
 LaunchOverride = Callable[[str, tuple, tuple, dict], None]
@@ -88,9 +92,9 @@ def direct_launch_status() -> tuple[bool, str]:
         with _lock:
             if "enabled" not in _status:
                 ver = _triton_version()
-                if os.environ.get("JETRL_TRITON_DIRECT_LAUNCH", "0") != "1":
-                    # Opt-in until the GPU tests (tests/gpu/test_train_plan_gpu.py) have passed on a device.
-                    ok, why = False, "off unless JETRL_TRITON_DIRECT_LAUNCH=1"
+                env = os.environ.get("JETRL_TRITON_DIRECT_LAUNCH", "")
+                if env == "0":
+                    ok, why = False, "JETRL_TRITON_DIRECT_LAUNCH=0"
                 elif os.environ.get("TRITON_INTERPRET", "0") == "1":
                     ok, why = False, "TRITON_INTERPRET=1 (kernels run in the interpreter)"
                 elif ver is None:
@@ -98,6 +102,9 @@ def direct_launch_status() -> tuple[bool, str]:
                 elif ver not in DIRECT_LAUNCH_VERSIONS:
                     ok, why = False, (f"triton {ver[0]}.{ver[1]} is outside the checked versions "
                                       f"{', '.join(f'{a}.{b}' for a, b in DIRECT_LAUNCH_VERSIONS)}; launching through kernel[grid]")
+                elif ver not in DEVICE_CHECKED_VERSIONS and env != "1":
+                    ok, why = False, (f"triton {ver[0]}.{ver[1]}: its GPU test has not run on a device; "
+                                      "JETRL_TRITON_DIRECT_LAUNCH=1 turns direct launches on")
                 else:
                     ok, why = True, f"triton {ver[0]}.{ver[1]}"
                 _status["why"] = why

@@ -59,7 +59,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_direct_launches_are_taken_and_give_kernel_grid_bytes(case, monkeypatch):
-    monkeypatch.setenv("JETRL_TRITON_DIRECT_LAUNCH", "1")  # opt-in: this test is what would make it the default
+    monkeypatch.setenv("JETRL_TRITON_DIRECT_LAUNCH", "1")  # on for any checked version: this test is what checks it
     monkeypatch.setattr(launch, "_status", {})
     ok, why = launch.direct_launch_status()
     if launch._triton_version() not in launch.DIRECT_LAUNCH_VERSIONS:

@@ -81,7 +81,7 @@ def run(a: argparse.Namespace) -> dict:
     engine = VLLMEngine(
         a.model, recipe, dtype="bfloat16" if on_gpu else "float32", seed=0, gpu_memory_utilization=a.gpu_mem,
         max_model_len=min(a.new_tokens + 512, getattr(trainer_cfg, "max_position_embeddings", 1 << 20)), enforce_eager=a.mode == "eager",
-        engine_kwargs={"kv_cache_memory_bytes": int(a.kv_gib * (1 << 30))} if on_gpu else None,
+        engine_kwargs={"kv_cache_memory_bytes": int(a.kv_gib * (1 << 30))} if on_gpu else None, enable_sleep=on_gpu,
     )
     start_s = time.perf_counter() - t0
     graph = PrecisionGraph.from_dict(engine.precision_graph())
@@ -109,6 +109,13 @@ def run(a: argparse.Namespace) -> dict:
     out = engine.llm.generate([{"prompt_token_ids": fixed}], SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0), use_tqdm=False)[0]
     engine_fixed = [step[t].logprob for t, step in zip(fixed[len(prompts[0]) :], out.prompt_logprobs[len(prompts[0]) :])]
 
+    # Colocated training: the trainer's GEMMs run while the engine sleeps (its pool unmapped), then it wakes.
+    asleep_fixed = None
+    if engine.enable_sleep:
+        engine.sleep()
+        asleep_fixed = trainer_logprobs(trainer, [fixed], [len(prompts[0])])[0]
+        engine.wake_up()
+    woke = engine.generate(prompts[:2], SamplingConfig(max_new_tokens=16, temperature=1.0, n=1, seed=2))
     engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.syncs_fp8_weights))
     after_sync = digest_check(synced=True)
     engine.shutdown()
@@ -133,6 +140,8 @@ def run(a: argparse.Namespace) -> dict:
         "mismatch": metrics, "first_response": tok.decode(samples[0].response_ids[:120]),
         "fixed_engine_logprobs": engine_fixed, "fixed_trainer_logprobs": trainer_fixed,
         "fixed_engine_vs_trainer_mean_abs": sum(d_fixed) / len(d_fixed), "fixed_engine_vs_trainer_max_abs": max(d_fixed),
+        "slept": asleep_fixed is not None, "trainer_while_asleep_equal": asleep_fixed == trainer_fixed,
+        "tokens_after_wake": sum(len(g[0].response_ids) for g in woke),
         "date": time.strftime("%Y-%m-%d"),
     }
 

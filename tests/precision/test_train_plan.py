@@ -238,13 +238,20 @@ def test_status_off_outside_the_checked_versions(monkeypatch):
     monkeypatch.setenv("JETRL_TRITON_DIRECT_LAUNCH", "1")
     ok, why = launch.direct_launch_status()
     assert not ok and "3.9 is outside the checked versions" in why
-    monkeypatch.setattr(launch, "_status", {})
-    monkeypatch.setattr(launch, "_triton_version", lambda: (3, 6))
     monkeypatch.delenv("JETRL_TRITON_DIRECT_LAUNCH", raising=False)
-    assert launch.direct_launch_status() == (False, "off unless JETRL_TRITON_DIRECT_LAUNCH=1")  # opt-in by default
+    for ver, want in (((3, 6), True), ((3, 5), False)):  # on where the GPU test passed, opt-in where it has not run
+        monkeypatch.setattr(launch, "_status", {})
+        monkeypatch.setattr(launch, "_triton_version", lambda v=ver: v)
+        ok, why = launch.direct_launch_status()
+        assert ok is want, why
+    assert "JETRL_TRITON_DIRECT_LAUNCH=1 turns direct launches on" in why
     monkeypatch.setattr(launch, "_status", {})
     monkeypatch.setenv("JETRL_TRITON_DIRECT_LAUNCH", "1")
-    assert launch.direct_launch_status() == (True, "triton 3.6")
+    assert launch.direct_launch_status() == (True, "triton 3.5")
+    monkeypatch.setattr(launch, "_status", {})
+    monkeypatch.setattr(launch, "_triton_version", lambda: (3, 6))
+    monkeypatch.setenv("JETRL_TRITON_DIRECT_LAUNCH", "0")
+    assert launch.direct_launch_status() == (False, "JETRL_TRITON_DIRECT_LAUNCH=0")
 
 
 # ---- DeepGEMM absent: one clear line -----------------------------------------------------------------------------

@@ -371,6 +371,7 @@ class VLLMEngine(RolloutEngine):
             logger.debug("vLLM engine: sleep() is a no-op (needs a GPU and enable_sleep=True)")
             return
         if not self._sleeping:
+            self._drop_blas_workspaces()
             self.llm.sleep(level=1)
             self._sleeping = True
             self._weights_awake = False
@@ -393,6 +394,16 @@ class VLLMEngine(RolloutEngine):
             self._release_cached_blocks()
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
+
+    def _drop_blas_workspaces(self) -> None:
+        # torch caches one cuBLAS/cuBLASLt workspace per (handle, stream) and never frees it. One first allocated
+        # while the engine loaded (inside its sleep-mode memory pool: the FP8 GEMM backend's probe runs there) is
+        # unmapped by sleep, and the colocated trainer's next GEMM on that stream reads it:
+        # CUBLAS_STATUS_EXECUTION_FAILED. Dropped here, each side's next GEMM allocates a fresh one outside the pool.
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if self.in_process and clear is not None:
+            torch.cuda.synchronize()
+            clear()
 
     @staticmethod
     def _release_cached_blocks() -> None:
