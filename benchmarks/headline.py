@@ -212,7 +212,7 @@ METRICS += (
 
 METRICS += (
     Metric("e2e_grpo_step_ratio_1gpu", "x bf16",
-           "GRPO step time on 1 GPU, bf16 over jet_fp8: Llama-3.1-8B-shaped model (layer count in the record), 1024-token "
+           "GRPO speed-up on 1 GPU (bf16 step time over jet_fp8 step time): Llama-3.1-8B-shaped model (layer count in the record), 1024-token "
            "rollouts, n=4, vLLM engine colocated (default mode, asleep in training), ZeRO-2, FP8 sync + digest check every step",
            _field("e2e_grpo_step_s", backend="jet_fp8", field="ratio_vs_bf16", where=lambda r: r.get("gpus") == 1)),
     Metric("grpo_reward_gap_jet_fp8_vs_bf16_pct", "pct points",
@@ -224,7 +224,7 @@ METRICS += (
 
 METRICS += (
     Metric("ray_2gpu_step_ratio", "x bf16",
-           "GRPO step time in Ray mode on 2 GPUs, bf16 over jet_fp8: policy (+ reference) on GPU 0, a separate vLLM engine on "
+           "GRPO speed-up in Ray mode on 2 GPUs (bf16 step time over jet_fp8 step time): policy (+ reference) on GPU 0, a separate vLLM engine on "
            "GPU 1, FP8 bytes + scales broadcast over NCCL and the digest check after every step; Llama-3.1-8B-shaped model "
            "(layer count, rollout size and vLLM mode in the record)",
            _field("ray_grpo_step_s", backend="jet_fp8", field="ratio_vs_bf16", where=lambda r: r.get("variant") == "ray2")),
