@@ -34,6 +34,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -414,7 +415,7 @@ def plot_phases(results: list[dict], path: Path) -> Path | None:
         ax.text(i, p["step"] * 1.01, note, ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("seconds per GRPO step (mean after warm-up)")
     ax.set_ylim(0, max(p["step"] for p in ph) * 1.2)
-    ax.set_title(runs[0]["shape"], fontsize=7)
+    ax.set_title(textwrap.fill(runs[0]["shape"], 60), fontsize=7)  # long run descriptions would run off the figure
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -448,7 +449,7 @@ def plot_learning(results: list[dict], path: Path) -> Path | None:
     ax_m.set_ylabel("rollout vs trainer mean |dlogp| per token")
     ax_m.set_yscale("log")
     ax_m.legend(fontsize=7)
-    fig.suptitle(runs[0]["shape"], fontsize=7)
+    fig.suptitle(textwrap.fill(runs[0]["shape"], 90), fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
