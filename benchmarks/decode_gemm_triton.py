@@ -12,6 +12,9 @@ both FP8 paths add per call, is timed on its own. The lm_heads run BF16 `F.linea
 The tuning is M-independent by construction: a shape's candidates (`candidate_configs(N, K, dtype)`) are each
 timed at every M and the one with the least total time over the Ms wins, so one configuration serves every batch
 size, as batch invariance requires. The best configuration per M is recorded too, to show what that costs.
+Whether candidates that share a split-K (so one order of K ranges) but differ in tiling give identical bits is
+recorded per shape (`decode_gemm_tilings_same_bits`): where they do, the tiling could follow M after all, and the
+per-M best would be reachable without giving up invariance.
 Before timing, each candidate is checked: its rows for the smallest M equal the same rows of the largest M bit
 for bit, and its error against an fp32 product is below 5e-3 relative; a candidate failing either is recorded,
 not timed. Tuning stops at --budget seconds (what is left runs the defaults only) and says so.
@@ -138,16 +141,33 @@ def main() -> None:
         if a.tune and len(cands) == 1:
             print(f"  {label}: tuning budget spent; default configuration only", flush=True)
         times, rejected = {}, []
+        # Whether tilings that share a split-K give the same bits (per split: its first output and the configurations
+        # that differ from it). If they do, a tiling could follow M without breaking batch invariance.
+        first_out, differ = {}, {}
         for cfg in cands:
             run = make_run(cfg)
             try:
                 why = _check(run, ms, ref)
                 if why is None:
                     times[cfg] = {m: graph_us(lambda run=run, m=m: run(m)) for m in ms}
+                    out = _bits(run(max(ms)))
+                    split = ig._splits(-(-k // cfg.block_k), cfg.split_k)  # (K steps per split, splits)
+                    if split not in first_out:
+                        first_out[split], differ[split] = out, []
+                    elif not torch.equal(out, first_out[split]):
+                        differ[split].append(_cfg_dict(cfg))
             except Exception as e:  # noqa: BLE001 - a configuration that does not compile is recorded, not fatal
                 why = f"{type(e).__name__}: {str(e)[:120]}"
             if why is not None:
                 rejected.append([_cfg_dict(cfg), why])
+        del first_out
+        if len(times) > 1:
+            same = all(not d for d in differ.values())
+            records.append(dict(base, name="decode_gemm_tilings_same_bits", shape=label, backend="triton_invariant",
+                                value=int(same), unit="bool", ratio_vs_bf16=None, configs=len(times),
+                                differing_by_split={str(s): d for s, d in differ.items()}))
+            print(f"  {label}: tilings with one split-K give {'the same' if same else 'DIFFERENT'} bits "
+                  f"({len(times)} configs, {sum(map(len, differ.values()))} differ)", flush=True)
         if default not in times:
             raise SystemExit(f"{label}: the default configuration failed: {rejected}")
         best = min(times, key=lambda c: sum(times[c].values()))
