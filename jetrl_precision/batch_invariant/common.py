@@ -23,13 +23,14 @@ INVARIANT_GEMM_BACKENDS = frozenset({"emulated", "triton_invariant"})
 # On CUDA the FP8 linears must run the fixed-tiling kernel; the float64 emulation is a CPU reference.
 CUDA_INVARIANT_GEMM_BACKENDS = frozenset({"triton_invariant"})
 # What --precision.bitwise still lacks on CUDA (docs/precision.md, "Bitwise mode on the H200"); the preflight names
-# these. The kernels exist (attention, RMSNorm, log-softmax here; the FP8/BF16 GEMM in kernels.invariant_gemm) and
-# the transformers path is wired (trainer and engine); what is left is vLLM's side and proof on the hardware.
+# these. The kernels exist and pass their H200 tests (attention, RMSNorm, log-softmax here; the FP8/BF16 GEMM in
+# kernels.invariant_gemm), and the transformers path is wired (trainer and engine); what is left is vLLM's side and
+# the end-to-end proof on the hardware.
 CUDA_MISSING_KERNELS = (
     "the vLLM 0.26 engine side (RMSNorm, rotary, attention backend, log-softmax and the jetrl_fp8 linear method on "
     "these kernels)",
-    "a passing run of the kernels' GPU tests on the H200 (tests/gpu/test_invariant_kernels_gpu.py, "
-    "test_invariant_gemm_gpu.py)",
+    "a passing H200 run of the engine-against-trainer test with FP8 linears "
+    "(tests/gpu/test_invariant_kernels_gpu.py::test_engine_logprobs_are_the_trainers_on_cuda)",
 )
 
 

@@ -9,7 +9,9 @@ interpreter), now with the hardware's tl.dot, exp2 and reductions:
   their fp32 accumulation truncates instead of rounding to nearest);
 - a tiny Llama converted by make_batch_invariant on CUDA: a padded full forward, a packed one and a KV-cached
   prefill + decode give the same logits and log-probs (needs transformers; on the H200 it comes with the vLLM kit,
-  benchmarks/h200_vllm.sh install).
+  benchmarks/h200_vllm.sh install);
+- the transformers engine's sampled log-probs against the trainer's recompute, bf16 and jet_fp8 (FP8 linears on
+  `triton_invariant`): the same bits, as `--precision.bitwise` promises.
 """
 
 from __future__ import annotations
@@ -203,3 +205,39 @@ def test_tiny_llama_on_cuda_full_forward_equals_prefill_and_decode():
     lp_full = invariant_log_probs(full[:, :-1], ids[:, 1:], 0.7)
     lp_steps = torch.stack([invariant_log_probs(decoded[:, t], ids[:, t + 1], 0.7) for t in range(width - 1)], 1)
     assert_same_bits(lp_steps[0], lp_full[0], "log-probs, row 0")
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "jet_fp8"])
+def test_engine_logprobs_are_the_trainers_on_cuda(tmp_path, recipe):
+    """The bitwise mode's promise on the GPU, with the transformers engine: KV-cached sampling on the engine and the
+    trainer's padded and packed recompute, both on the invariant kernels (FP8 linears on `triton_invariant`, K = 576
+    with a partial last scale group), give every sampled token's log-prob the same bits."""
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    from precision_testutil import tiny_causal_lm
+
+    from jetrl_precision import convert_to_fp8, get_recipe
+    from jetrl_precision.batch_invariant import make_batch_invariant
+    from openrlhf.models.actor import Actor, load_causal_lm
+    from openrlhf.trainer.engines import hf_engine
+    from openrlhf.trainer.engines.base import SamplingConfig
+    from openrlhf.trainer.ppo_utils.experience_maker import sample_after_sync
+
+    tiny_causal_lm(hidden=576, intermediate=1536, layers=2, heads=9, kv_heads=3, vocab=4096,
+                   dtype=torch.bfloat16).save_pretrained(tmp_path)
+    r = dataclasses.replace(get_recipe(recipe), gemm_backend="triton_invariant")
+    engine = hf_engine.HFEngine(str(tmp_path), r, dtype=torch.bfloat16, batch_invariant=True, generate_batch_size=4,
+                                device="cuda")
+    trainer = convert_to_fp8(load_causal_lm(str(tmp_path), torch.bfloat16, "sdpa").cuda(), r, side="train")
+    trainer = make_batch_invariant(trainer).eval()
+    g = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(4, 4096, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (6,), generator=g)]
+    exp = sample_after_sync(trainer, engine, r, prompts, SamplingConfig(max_new_tokens=48, temperature=0.9, n=1, seed=1), 0)
+    mask, rollout = exp.action_mask.cpu().bool(), exp.rollout_logprobs.float().cpu()
+    assert mask.sum() >= 200
+    for packing in (False, True):
+        with torch.no_grad():
+            lp = Actor(trainer, packing=packing)(exp.sequences.cuda(), exp.attention_mask.cuda(), exp.num_actions,
+                                                 temperature=0.9).float().cpu()
+        assert_same_bits(lp[mask], rollout[mask], f"{recipe}, packing={packing}")
