@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +25,10 @@ def test_grpo_deepspeed_zero3_two_ranks_reward_rises(task, tmp_path, recipe):
     model, data = task
     out = tmp_path / recipe
     args = grpo_args(model, data, out, recipe, steps=20, extra=["--ds.zero_stage", "3", "--ckpt.save_steps", "-1"])
-    run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), "openrlhf/cli/train_ppo_ray.py", *args], timeout=1500)
+    port = free_port()
+    run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), "openrlhf/cli/train_ppo_ray.py", *args], timeout=1500)
+    # DeepSpeed's CPU allreduce buffers (one /dev/shm file per rank, named by the port) went with the ranks
+    assert not sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     hist = metrics(out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 20 and summary["engine"] == "hf"

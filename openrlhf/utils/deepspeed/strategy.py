@@ -28,6 +28,7 @@ from .checkpoint import (
     MANIFEST, CheckpointError, checkpoint_files, folder_bytes, hash_files, manifest_entries, read_latest, stale_tags, step_tags,
     verify_manifest, write_latest, write_manifest,
 )
+from .shm import release_shm_allreduce_names
 
 __all__ = ["StrategyConfig", "DeepspeedStrategy"]
 
@@ -80,6 +81,7 @@ class DeepspeedStrategy:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+            release_shm_allreduce_names()
         self.set_seed(self.cfg.seed)
         world = self.world_size
         per_step = self.cfg.micro_batch_size * world
