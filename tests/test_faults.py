@@ -8,6 +8,7 @@ subprocess, as a user would meet them (marked `integration`).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -501,14 +502,15 @@ def test_resume_after_the_dataset_shrank_is_refused(tiny_task, tmp_path):
 
 def test_a_stale_extension_build_lock_is_named(tmp_path, monkeypatch, caplog):
     """A killed DeepSpeed JIT build leaves torch's lock file; the next --ds.adam_offload run would wait forever."""
+    from torch.utils.cpp_extension import _get_build_directory
+
     from openrlhf.utils.deepspeed.strategy import _announce_extension_build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     with caplog.at_level("INFO", logger="openrlhf.utils.deepspeed.strategy"):
         _announce_extension_build("cpu_adam")
     assert "building it on first use" in caplog.text
-    lock = tmp_path / "py311_cpu" / "cpu_adam" / "lock"
-    lock.parent.mkdir(parents=True)
+    lock = Path(_get_build_directory("cpu_adam", verbose=False)) / "lock"  # where torch's build takes its lock
     lock.touch()
     caplog.clear()
     with caplog.at_level("INFO", logger="openrlhf.utils.deepspeed.strategy"):

@@ -80,6 +80,8 @@ class DeepspeedStrategy:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         if not dist.is_initialized():
+            if not torch.cuda.is_available():  # DeepSpeed's CPU accelerator loads its shared-memory allreduce op here
+                _announce_extension_build("deepspeed_shm_comm")
             deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
             release_shm_allreduce_names()
         self.set_seed(self.cfg.seed)
@@ -391,6 +393,15 @@ class DeepspeedStrategy:
         self.barrier()
 
 
+def _extension_build_dirs(name: str) -> list[Path]:
+    """Where torch JIT-builds op `name`: TORCH_EXTENSIONS_DIR/<name> as given, else a per-Python/accelerator
+    folder (py311_cpu, ...) under the default root."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return [Path(root) / name] if root else sorted(Path(get_default_build_root()).glob(f"*/{name}"))
+
+
 def _announce_extension_build(name: str) -> None:
     """Say what DeepSpeed's JIT build of op `name` is about to do, before it goes quiet.
 
@@ -398,12 +409,11 @@ def _announce_extension_build(name: str) -> None:
     every later build then waits on it forever without a word. Naming the file turns that silent
     hang into a one-line fix.
     """
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    locks = sorted(root.glob(f"*/{name}/lock"))
+    dirs = _extension_build_dirs(name)
+    locks = [d / "lock" for d in dirs if (d / "lock").exists()]
     if locks:
         logger.warning("DeepSpeed op %s: build lock %s exists; unless another build is running now, a killed build "
                        "left it and this run will wait on it forever: delete that file", name, locks[0])
-    elif not any(root.glob(f"*/{name}/{name}.so")):
-        logger.info("DeepSpeed op %s: building it on first use into %s (about 30 s on 2 cores)", name, root)
+    elif not any((d / f"{name}.so").exists() for d in dirs):
+        logger.info("DeepSpeed op %s: building it on first use into %s (tens of seconds on 2 cores)", name,
+                    os.environ.get("TORCH_EXTENSIONS_DIR") or "torch's extensions cache")
