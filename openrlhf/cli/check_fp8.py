@@ -33,6 +33,8 @@ from typing import Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from openrlhf.utils.process import exit_after_run  # noqa: E402
+
 __all__ = ["main", "run_check"]
 
 logger = logging.getLogger("openrlhf.check_fp8")
@@ -298,4 +300,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_run(main())

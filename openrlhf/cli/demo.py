@@ -15,9 +15,10 @@ import argparse
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
+
+from openrlhf.utils.process import exit_after_run
 
 __all__ = ["main"]
 
@@ -101,4 +102,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_run(main())

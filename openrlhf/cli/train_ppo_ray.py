@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a file by the deepspeed launcher: make t
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from openrlhf.config import ConfigError, PPOConfig, parse_config  # noqa: E402
+from openrlhf.utils.process import exit_after_run  # noqa: E402
 
 __all__ = ["main", "use_ray_mode"]
 
@@ -90,4 +91,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after_run(main())
