@@ -8,6 +8,7 @@ subprocess, as a user would meet them (marked `integration`).
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -363,11 +364,20 @@ def test_max_len_is_enforced(tiny_task, tmp_path):
     assert "54 of 64 prompts are longer than 5 tokens (--data.max_len 9 minus --rollout.max_new_tokens 4) and are skipped" in err
 
 
-def _saved_run(model, data, out):
+@pytest.fixture(scope="module")
+def saved_run_dir(tiny_task, tmp_path_factory):
+    """One 3-step run saving every step, two checkpoints kept; the tests resume from copies of it."""
+    model, data = tiny_task
+    out = tmp_path_factory.mktemp("saved") / "run"
     rc, err = cli(model, data, out, "--ckpt.save_steps", "1", "--ckpt.max_num", "2", steps=3)
     assert rc == 0, err[-3000:]
-    actor = out / "checkpoints_ppo" / "actor"
-    return actor
+    return out
+
+
+def _saved_run(saved_run_dir, out):
+    """This test's own copy of the saved run at `out`; returns its actor checkpoint folder."""
+    shutil.copytree(saved_run_dir, out)
+    return out / "checkpoints_ppo" / "actor"
 
 
 def _snapshot(folder):
@@ -376,10 +386,10 @@ def _snapshot(folder):
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_checkpoints_are_checksummed_rotated_and_verified(tiny_task, tmp_path):
+def test_checkpoints_are_checksummed_rotated_and_verified(tiny_task, saved_run_dir, tmp_path):
     model, data = tiny_task
     out = tmp_path / "run"
-    actor = _saved_run(model, data, out)
+    actor = _saved_run(saved_run_dir, out)
     from openrlhf.utils.deepspeed.checkpoint import MANIFEST, verify_manifest
 
     # Three saves, two kept, no partial folder left; `latest` names the newest; every kept one verifies.
@@ -438,10 +448,10 @@ def _rewrite_weight(actor, value: float):
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_a_nonfinite_checkpoint_is_refused_at_load(tiny_task, tmp_path):
+def test_a_nonfinite_checkpoint_is_refused_at_load(tiny_task, saved_run_dir, tmp_path):
     model, data = tiny_task
     out = tmp_path / "run"
-    actor = _saved_run(model, data, out)
+    actor = _saved_run(saved_run_dir, out)
     tag = _rewrite_weight(actor, float("nan"))  # saved that way: the checksums agree
     before = _snapshot(actor)
     rc, err = cli(model, data, out, "--ckpt.save_steps", "1", "--ckpt.load_enable", steps=5)
@@ -488,10 +498,10 @@ def test_an_overflowing_gradient_stops_training(dtype, stage, monkeypatch):
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_resume_after_the_dataset_shrank_is_refused(tiny_task, tmp_path):
+def test_resume_after_the_dataset_shrank_is_refused(tiny_task, saved_run_dir, tmp_path):
     model, data = tiny_task
     out = tmp_path / "run"
-    actor = _saved_run(model, data, out)
+    actor = _saved_run(saved_run_dir, out)
     small = tmp_path / "small.jsonl"
     small.write_text("".join(data.read_text().splitlines(True)[:32]))
     before = _snapshot(actor)
