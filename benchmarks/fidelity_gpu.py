@@ -47,6 +47,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from openrlhf.utils.process import exit_after_run  # noqa: E402
 from train_runs import cuda, env_info, finish, free_port, start, wait_engine_ready  # noqa: E402  benchmarks/
 
 ROWS = ("bf16", "fp8_rollout", "jet_fp8", "jet_fp8+bitwise")  # mismatch
@@ -758,3 +759,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_after_run(0)
