@@ -404,6 +404,12 @@ class VLLMConfig:
     gpu_memory_utilization: float = opt(
         0.95, "fraction of GPU memory vLLM may take", aliases=["--vllm_gpu_memory_utilization"], gt=0.0, le=1.0
     )
+    kv_cache_memory_gib: float | None = opt(
+        None,
+        "fixed KV-cache size per engine in GiB (GPU): vLLM then skips sizing the cache from a profile of free memory, "
+        "which fails when other processes on the same GPU allocate or free memory meanwhile (several runs side by side)",
+        gt=0.0,
+    )
     enable_sleep: bool = opt(
         False, "put engines to sleep during training (needs --train.colocate_all)", aliases=["--vllm_enable_sleep"]
     )

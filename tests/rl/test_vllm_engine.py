@@ -342,6 +342,33 @@ def test_prefix_caching_follows_the_flag_and_is_reset_by_every_sync(pool, model_
     assert eng.generate([prompt], greedy)[0][0].logprobs == after_sync.logprobs
 
 
+def test_kv_cache_memory_flag_fixes_the_gpu_cache_size_and_is_ignored_on_cpu(model_dir, monkeypatch, caplog):
+    """--vllm.kv_cache_memory_gib becomes vLLM's kv_cache_memory_bytes on a GPU (vLLM then skips the free-memory
+    profile that fails when neighbours on the GPU allocate or free meanwhile); vLLM-CPU sizes its cache from
+    VLLM_CPU_KVCACHE_SPACE, so there the flag is ignored with a warning. Only the constructor is replaced: what is
+    checked is what from_config hands it."""
+    from openrlhf.config import ConfigError, parse_config
+
+    argv = ["--actor.model_name_or_path", str(model_dir), "--data.prompt_dataset", "d.jsonl", "--vllm.kv_cache_memory_gib", "1.5"]
+    cfg = parse_config(argv, exit_on_error=False)
+    seen = {}
+    monkeypatch.setattr(VLLMEngine, "__init__", lambda self, *a, **kw: seen.update(kw))
+
+    def build(gpu: bool):
+        seen.clear()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        VLLMEngine.from_config(cfg.vllm, get_recipe("jet_fp8"), model_path=str(model_dir), sampling=SamplingConfig(),
+                               max_model_len=256, param_dtype="bf16", seed=0, engine_kwargs={"max_num_seqs": 8})
+        return seen["engine_kwargs"]
+
+    assert build(gpu=True) == {"kv_cache_memory_bytes": int(1.5 * (1 << 30)), "max_num_seqs": 8}
+    with caplog.at_level("WARNING"):
+        assert build(gpu=False) == {"max_num_seqs": 8}
+    assert "kv_cache_memory_gib is ignored" in caplog.text
+    with pytest.raises(ConfigError, match="kv_cache_memory_gib"):
+        parse_config(argv[:-1] + ["0"], exit_on_error=False)
+
+
 def test_sleep_and_wake_are_noops_on_cpu_and_a_second_in_process_engine_is_refused(pool, model_dir):
     engine = pool.get("plain", lambda: VLLMEngine(model_dir, "bf16", max_model_len=256, seed=0))
     engine.sleep()

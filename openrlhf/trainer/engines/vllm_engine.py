@@ -213,6 +213,11 @@ class VLLMEngine(RolloutEngine):
             # trainer shares; the KV cache itself is sized by VLLM_CPU_KVCACHE_SPACE.
             logger.warning("vLLM on CPU: --vllm.gpu_memory_utilization %.2f is a fraction of host RAM here; using 0.3", mem)
             mem = 0.3
+        if vllm.kv_cache_memory_gib is not None:
+            if torch.cuda.is_available():
+                engine_kwargs = {"kv_cache_memory_bytes": int(vllm.kv_cache_memory_gib * (1 << 30)), **(engine_kwargs or {})}
+            else:
+                logger.warning("vLLM on CPU: --vllm.kv_cache_memory_gib is ignored; VLLM_CPU_KVCACHE_SPACE sizes the KV cache")
         dtype = vllm.dtype
         if dtype == "auto":
             dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[param_dtype]
