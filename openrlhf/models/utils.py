@@ -47,19 +47,39 @@ def log_probs_from_logits(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     vocab = logits.shape[-1]
-    flat_logits = logits.reshape(-1, vocab)
-    flat_labels = labels.reshape(-1).long()
     chunk = max(1, _FP32_CHUNK_ELEMS // max(vocab, 1))
     parts = []
-    for start in range(0, flat_labels.numel(), chunk):
-        x = flat_logits[start : start + chunk].float()
-        if temperature != 1.0:
-            x = x / temperature
-        picked = x.gather(-1, flat_labels[start : start + chunk].unsqueeze(-1)).squeeze(-1)
-        parts.append(picked - torch.logsumexp(x, dim=-1))
+    for rows, row_labels in _row_blocks(logits, labels.long()):
+        for start in range(0, row_labels.numel(), chunk):
+            x = rows[start : start + chunk].float()
+            if temperature != 1.0:
+                x = x / temperature
+            picked = x.gather(-1, row_labels[start : start + chunk].unsqueeze(-1)).squeeze(-1)
+            parts.append(picked - torch.logsumexp(x, dim=-1))
     if not parts:
         return torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
     return torch.cat(parts).reshape(labels.shape)
+
+
+def _row_blocks(logits: torch.Tensor, labels: torch.Tensor):
+    """(logits [n, V], labels [n]) blocks covering every position in order, as views where possible.
+
+    The response slice of a [B, T, V] tensor (`logits[:, -A - 1 : -1]`) cannot be flattened without a copy of all its
+    logits (gigabytes for long rollouts), but each of its B rows can."""
+    flat = logits.view(-1, logits.shape[-1]) if _viewable(logits) else None
+    if flat is not None or logits.dim() <= 2:
+        yield (flat if flat is not None else logits.reshape(-1, logits.shape[-1])), labels.reshape(-1)
+        return
+    for i in range(logits.shape[0]):
+        yield from _row_blocks(logits[i], labels[i])
+
+
+def _viewable(t: torch.Tensor) -> bool:
+    try:
+        t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return False
+    return True
 
 
 def compute_approx_kl(

@@ -90,6 +90,35 @@ def test_log_probs_chunked_path_and_gradient(monkeypatch):
     assert_within(gfull, gref, bwd, "full gradient")
 
 
+def test_log_probs_of_a_response_slice_read_it_row_by_row(monkeypatch):
+    """The actor scores `logits[:, -A - 1 : -1]`, a slice that cannot be flattened without copying every logit
+    (gigabytes at 4k-token rollouts): it is read one sequence at a time, with the same values and gradient as a
+    contiguous copy, and no fp32 block larger than the chunk is made."""
+    g = torch.Generator().manual_seed(4)
+    full = (torch.randn(3, 9, 13, generator=g) * 3).requires_grad_(True)
+    labels = torch.randint(0, 13, (3, 5), generator=g)
+    sliced = full[:, -6:-1]
+    assert not mutils._viewable(sliced)
+    widest = []
+    real_float = torch.Tensor.float
+
+    def spy(t, *a, **k):
+        widest.append(t.shape[0] if t.dim() == 2 else -1)
+        return real_float(t, *a, **k)
+
+    # One token per chunk on both sides, so both run the same per-token arithmetic and must agree bit for bit.
+    monkeypatch.setattr(mutils, "_FP32_CHUNK_ELEMS", 13)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "float", spy)
+        got = log_probs_from_logits(sliced, labels, 0.8)
+    assert widest and max(widest) == 1
+    want = log_probs_from_logits(sliced.contiguous(), labels, 0.8)
+    assert torch.equal(got, want)
+    (g_got,) = torch.autograd.grad(got.sum(), full)
+    (g_want,) = torch.autograd.grad(want.sum(), full)
+    assert torch.equal(g_got, g_want) and g_got[:, :3].abs().sum() == 0 and g_got[:, -1].abs().sum() == 0
+
+
 def test_log_probs_bf16_input_upcast():
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(2, 4, 50, generator=g) * 5).bfloat16()
