@@ -92,7 +92,7 @@ class LearnPlan:
     max_number: int = 30  # operands of the word problems
     train_micro: int = 32  # four runs' trainers and engines share the GPU's memory
     rollout_micro: int = 128
-    lr: float = 3e-6
+    lr: float = 1e-5  # 3e-6 moved no recipe's reward in 50 steps on the H200
     kl_coef: float = 0.001
     eval_every: int = 10
     eval_prompts: int = 64
@@ -102,6 +102,9 @@ class LearnPlan:
     # 14 GB on an H200: SmolLM2 and its KV cache need ~2 GB; the rest is margin, since vLLM counts what neighbours
     # allocate while it profiles its start-up as its own use
     gpu_mem: float = 0.1
+    # A fixed KV cache: vLLM then does not size it from a profile of free memory, which fails when a neighbouring
+    # run allocates or frees meanwhile (runs start and finish side by side on one GPU).
+    kv_gib: float = 4.0
     gemm_backend: str = "torch"
     concurrent: bool = True
     timeout: float = 520.0
@@ -124,6 +127,8 @@ class LearnPlan:
             "--eval.dataset", str(heldout), "--eval.steps", str(self.eval_every), "--eval.n_samples_per_prompt", str(self.eval_n),
             "--eval.temperature", str(self.eval_temperature), "--ckpt.best_metric_key", "none", "--ckpt.save_steps", "0",
         ]
+        if not self.tiny and self.engine == "vllm":
+            argv += ["--vllm.kv_cache_memory_gib", str(self.kv_gib)]
         if not self.tiny:  # SmolLM2-Instruct: a chat turn; the tiny character model has no chat template
             argv += ["--data.apply_chat_template", "--data.input_template", BUNDLE if self.problems_per_prompt > 1 else ONE]
         if not self.concurrent and self.engine == "vllm":
@@ -257,7 +262,7 @@ def mismatch_job(a: argparse.Namespace, save) -> dict:
             from openrlhf.trainer.engines.vllm_engine import VLLMEngine
 
             engine = VLLMEngine(
-                a.model, recipe, dtype=res["dtype"], seed=0, gpu_memory_utilization=plan.gpu_mem, max_model_len=longest + max(lengths) + 8,
+                a.model, recipe, dtype=res["dtype"], seed=0, gpu_memory_utilization=plan.gpu_mem, max_model_len=longest + max(lengths),
                 engine_kwargs={"kv_cache_memory_bytes": int(plan.kv_gib * (1 << 30))} if on_gpu else None,
             )
         else:
@@ -396,9 +401,11 @@ def learn_plan(a: argparse.Namespace, long: bool) -> LearnPlan:
                          problems_per_prompt=2 if long else 1, max_number=5, train_micro=8, rollout_micro=8, eval_every=2 if not long else 1,
                          eval_prompts=4, eval_n=2, engine=engine, gemm_backend="auto", concurrent=True, timeout=600.0, tiny=True)
     if long:
+        # Micro-batches of 4 sequences: the trainer's logits of one are 4 x 5k tokens x 49k vocabulary (2 GB in bf16),
+        # and two runs share the GPU.
         return LearnPlan(steps=a.long_steps, prompts=8, n=4, new_tokens=a.long_tokens, prompt_budget=1024, problems_per_prompt=a.long_problems,
-                         train_micro=8, rollout_micro=32, eval_every=a.long_eval_every, eval_prompts=32, eval_n=4, engine=engine,
-                         gpu_mem=0.15, concurrent=cuda(), timeout=a.run_timeout or LearnPlan.timeout)
+                         train_micro=4, rollout_micro=4, eval_every=a.long_eval_every, eval_prompts=32, eval_n=4, engine=engine,
+                         gpu_mem=0.15, kv_gib=8.0, concurrent=cuda(), timeout=a.run_timeout or LearnPlan.timeout)
     return LearnPlan(steps=a.steps or LearnPlan.steps, prompts=a.prompts, n=a.n, lr=a.lr, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
                      eval_n=a.eval_n, engine=engine, concurrent=cuda(), timeout=a.run_timeout or LearnPlan.timeout)
 
@@ -469,6 +476,31 @@ def eval_gaps(runs: list[dict]) -> dict[str, dict]:
     return out
 
 
+def last_quarter(values: list) -> float | None:
+    xs = [x for x in values if x is not None]
+    return _mean(xs[-max(1, math.ceil(len(xs) / 4)):]) if xs else None
+
+
+def reward_gap_records(runs: list[dict], rec_fields: dict) -> list[dict]:
+    """Each recipe's mean training reward over the last quarter of the steps both it and bf16 ran (same seed), minus
+    bf16's, in percentage points, averaged over seeds: `grpo_reward_gap_vs_bf16_pp`, the end-to-end issue's learning
+    figure (the held-out gaps above are the accuracy study's)."""
+    base = {r["seed"]: r for r in runs if r["run"] == "bf16"}
+    gaps: dict[str, list[float]] = {}
+    for r in runs:
+        b = base.get(r["seed"])
+        if r["run"] == "bf16" or b is None:
+            continue
+        common = min(len(r["steps"]), len(b["steps"]))
+        mine = last_quarter([s.get("rollout/reward") for s in r["steps"][:common]])
+        ref = last_quarter([s.get("rollout/reward") for s in b["steps"][:common]])
+        if mine is not None and ref is not None:
+            gaps.setdefault(r["run"], []).append(100 * (mine - ref))
+    return [{"name": "grpo_reward_gap_vs_bf16_pp", "shape": runs[0]["shape"], "backend": run, "value": round(_mean(g), 2),
+             "unit": "pct points", "ratio_vs_bf16": None, "seeds": len(g), "spread_pp": round(_std(g), 2) if len(g) > 1 else None,
+             **rec_fields} for run, g in sorted(gaps.items())]
+
+
 def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
     recs: list[dict] = []
     device, date = env.get("device", "?"), env.get("date", time.strftime("%Y-%m-%d"))
@@ -513,6 +545,8 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
             rec(f"fidelity_{part}_response_length_mean", r["shape"], name, _mean(curves["response_length_curve"]), "tokens",
                 response_length_max=max((x for x in curves["response_length_curve"] if x is not None), default=None),
                 new_tokens_cap=r["plan"]["new_tokens"])
+        if part == "learn":
+            recs.extend(reward_gap_records(runs, rec_fields=dict(command=command, date=date, device=device, gpus=1)))
         for run, g in gaps.items():
             shape = runs[0]["shape"]
             rec(f"fidelity_{part}_eval_pass1_final", shape, run, round(g["pass1"], 4), "pass@1", at_step=g["step"], seeds=g["seeds"])
