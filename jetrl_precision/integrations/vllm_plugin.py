@@ -20,7 +20,8 @@ The recipe travels inside the HF config's `quantization_config` (see `engine_kwa
 worker process rebuilds exactly the trainer's recipe; the bare method name
 (`LLM(model, quantization="jetrl_fp8")`, `vllm serve --quantization jetrl_fp8`) means jet_fp8.
 `register()` is the entry point (`vllm.general_plugins: jetrl_fp8`); it is idempotent and a
-no-op without vLLM. This module imports no vLLM: the vLLM classes live in `vllm_quant`, which
+no-op without vLLM. It also registers the bitwise mode's attention backend as vLLM's CUSTOM one
+(`vllm_bitwise_attention`), which an engine uses only when asked for it. This module imports no vLLM: the vLLM classes live in `vllm_quant`, which
 `register()` imports. The forward itself is `engine_linear.EngineLinear`.
 """
 
@@ -217,4 +218,22 @@ def register() -> bool:
     if _CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(QUANT_NAME) is not JetFp8Config:
         register_quantization_config(QUANT_NAME)(JetFp8Config)
         logger.debug("jetrl_fp8: registered the vLLM quantization method")
+    _register_bitwise_attention()
     return True
+
+
+_attention_skip_logged = False
+
+
+def _register_bitwise_attention() -> None:
+    """Map vLLM's CUSTOM attention backend to the bitwise mode's (selected only by `attention_backend="CUSTOM"`);
+    a vLLM without the attention-backend registry gets one log line and no backend."""
+    global _attention_skip_logged
+    try:
+        from .vllm_bitwise_attention import register_bitwise_attention
+    except ImportError as e:
+        if not _attention_skip_logged:
+            logger.info("jetrl: this vLLM has no attention-backend registry (%s); the bitwise attention backend is unavailable", e)
+            _attention_skip_logged = True
+        return
+    register_bitwise_attention()

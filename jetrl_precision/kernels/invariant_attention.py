@@ -157,9 +157,15 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, k, v, q_start, q_len, k_start, k_len, block_table, max_q_len, scale, paged, zero_fill=False):
+def _launch(q, k, v, q_start, q_len, k_start, k_len, block_table, max_q_len, scale, paged, zero_fill=False, out=None):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    out = torch.zeros_like(q) if zero_fill else torch.empty_like(q)
+    if out is None:
+        out = torch.zeros_like(q) if zero_fill else torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(
+            f"attention out: a {tuple(q.shape)} {q.dtype} tensor on {q.device} with a contiguous last dim needed, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}"
+        )
     n_seq, heads, dim = q_len.numel(), q.shape[1], q.shape[2]
     if n_seq == 0 or max_q_len <= 0:
         return out
@@ -200,13 +206,15 @@ def varlen_attention(
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-    block_table: torch.Tensor, max_seqlen_q: int, softmax_scale: float | None = None,
+    block_table: torch.Tensor, max_seqlen_q: int, softmax_scale: float | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens against a paged KV cache that already holds them.
 
     q [Tq, H, D] (sequence s's queries are rows cu_seqlens_q[s]:cu_seqlens_q[s+1], the last tokens of its context);
     k_cache/v_cache [num_blocks, page, Hkv, D]; seq_lens [S] the context length (keys) of each sequence;
-    block_table [S, max_blocks] the physical block of each page. Decode is q_len 1; chunked prefill q_len > 1."""
+    block_table [S, max_blocks] the physical block of each page. Decode is q_len 1; chunked prefill q_len > 1.
+    `out` [Tq, H, D] (last dim contiguous) receives the rows in place, for callers whose output buffer is fixed
+    (an engine's CUDA graphs); rows outside every sequence are left as they are. Returns `out`."""
     _check_qkv(q, k_cache, v_cache, 4, "paged_attention")
     cu_q = cu_seqlens_q.long()
     if block_table.dim() != 2 or seq_lens.dim() != 1 or cu_q.numel() != seq_lens.numel() + 1 or block_table.shape[0] != seq_lens.numel():
@@ -214,7 +222,10 @@ def paged_attention(
             f"paged_attention: cu_seqlens_q [S + 1], seq_lens [S] and block_table [S, blocks] needed, got "
             f"{tuple(cu_q.shape)}, {tuple(seq_lens.shape)}, {tuple(block_table.shape)}"
         )
-    return _launch(q, k_cache, v_cache, cu_q[:-1], cu_q.diff(), seq_lens, seq_lens, block_table, max_seqlen_q, softmax_scale, True)
+    return _launch(
+        q, k_cache, v_cache, cu_q[:-1], cu_q.diff(), seq_lens, seq_lens, block_table, max_seqlen_q, softmax_scale, True,
+        out=out,
+    )
 
 
 def attention_segments(
