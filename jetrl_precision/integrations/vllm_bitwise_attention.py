@@ -70,6 +70,7 @@ class BitwiseAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
 class BitwiseAttentionImpl(TritonAttentionImpl):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.supports_quant_query_input = False  # the kernel reads the query in the model dtype
         unsupported = {
             "ALiBi": self.alibi_slopes is not None or getattr(self, "use_alibi_sqrt", False),
             "a sliding window": tuple(self.sliding_window) != (-1, -1),
