@@ -1,9 +1,10 @@
 """The `triton_invariant` backend: a batch-invariant, decode-fast block-scaled FP8 GEMM (kernels.invariant_gemm).
 
-Row m of the result has the same bits whatever M is and whichever rows run beside it: the kernel's tiling,
-split-K and reduction order depend on (N, K) only. That is what lets a rollout engine decoding a few rows and a
-trainer multiplying thousands produce identical outputs on a GPU (the bitwise mode). Its swap-AB tiling reads
-each weight byte once per M tile, so decode-sized GEMMs stream the FP8 weight near memory speed.
+Row m of the result has the same bits whatever M is and whichever rows run beside it: the kernel's split-K and
+reduction order depend on K only, and its tile (which follows N and M's bucket) does not change the bits. That is
+what lets a rollout engine decoding a few rows through a fused qkv or gate_up weight and a trainer multiplying
+thousands through the separate projections produce identical outputs on a GPU (the bitwise mode). Its swap-AB
+tiling reads each weight byte once per M tile, so decode-sized GEMMs stream the FP8 weight near memory speed.
 
 Never picked by `auto`: ask for it with `gemm_backend="triton_invariant"` (recipe or --precision.gemm_backend).
 Asking where it cannot run (no CUDA, no Triton, pre-sm89) fails with one line saying why.

@@ -1,27 +1,37 @@
 """Batch-invariant GEMMs for decode-sized M: out[M, N] = A[M, K] @ B[N, K]^T, row m's bits independent of M.
 
-Two kernels share one tiling:
+Two kernels share one configuration:
 - `fp8_gemm_nt_invariant`: A e4m3 1x128-scaled (scale (M, ceil(K/128))), B e4m3 128x128- or 1x128-scaled;
 - `bf16_gemm_nt_invariant`: bf16/fp16 A and B, unscaled (lm_head and other high-precision linears).
 
-Why a row's result cannot depend on M (or on the rows beside it):
-- the configuration (`InvariantConfig`: tile sizes, warps, stages, split-K) is a function of (N, K, dtype)
-  only (`invariant_config`); M sets nothing but the number of M tiles in the grid;
-- the M tile is fixed per configuration, never sized to the batch: the M tile (with the warp layout) sets the
-  MMA instruction's N (wgmma m64nXk32 on sm90; tests/precision/test_invariant_gemm_sm90_compile.py), and a
-  different instruction shape is a different accumulation datapath, which batch invariance forbids;
+A configuration (`InvariantConfig`) is two parts with different rules:
+- the numerics (`InvariantNumerics`: block_k, split_k) fix each output element's K order, so they set the bits.
+  They are a function of (K, dtype) only (`invariant_numerics`): not of M (batch invariance) and not of N, so a
+  fused projection (qkv with N = q + k + v rows, gate_up) gives each row the bits of the separate q, k, v, gate
+  and up GEMMs the trainer runs;
+- the tile (`InvariantTile`: block_n, block_m, warps, stages) only decides how the outputs are cut into programs,
+  so it is chosen from (N, K, dtype) and the M bucket (`invariant_tile`, buckets in `M_BUCKETS`).
+
+Why the tile does not change a row's bits:
 - each output element is one fixed sequence over K: per 128-wide K group one `tl.dot` from zero, then
   acc = fma(dot, sa[m] * sb, acc) in fp32, groups in increasing order (FP8); `tl.dot(b, a, acc)` over fixed
-  BLOCK_K steps (BF16). Split-K ranges are fixed by K alone and their fp32 partials are summed by
+  BLOCK_K steps (BF16). Split-K ranges follow from K and split_k alone and their fp32 partials are summed by
   `_sum_splits_kernel` in split order (not torch.sum, whose reduction strategy depends on the shape);
+- the MMA instruction follows the tile (wgmma m64n{BLOCK_M}k32 on sm90; tests/precision/test_invariant_gemm_sm90_compile.py),
+  and its result for one output element does not depend on the instruction's N or on the element's place in the
+  tile: on an H200 every tile of `candidate_tiles` gave identical bits under one numerics for the Llama-3.1-8B and
+  SmolLM2-135M projections and lm_heads (FP8 and BF16; docs/benchmarks.md has the record), and
+  tests/gpu/test_invariant_gemm_gpu.py re-checks it on every GPU run;
 - neither M nor any stride that follows M (an MN-major scale's, the split workspace's) is specialized on
-  (`do_not_specialize`), so M = 1 and M = 4096 run the same compiled code.
+  (`do_not_specialize`): within one bucket M = 1 and M = 16 run the same compiled code, and across buckets only
+  the tile's constexprs change.
 
 Why it is fast at decode sizes (swap-AB): the weight rows N sit on the MMA's wide side (64 per warpgroup) and
 the batch on the narrow side, so a program streams a BLOCK_N x K slab of the weight once. Programs of one
 weight slab for different M tiles are launched next to each other (M is grid axis 0), so beyond one M tile
-they read the slab from L2, not HBM. The price of invariance at training sizes: the split-K chosen for decode
-stays (an fp32 workspace of split x M x N), and each M tile re-reads the weight slab.
+they read the slab from L2, not HBM. The M tile grows with the bucket, so large batches keep the tensor cores
+busy. The price of invariance at training sizes: the split-K chosen for K stays (an fp32 workspace of
+split x M x N).
 
 Edges: rows past M or N are clamped onto valid memory (wrapped indices) and masked on store; a partial last K
 group is masked to zero. No padding copies.
@@ -29,6 +39,7 @@ group is masked to zero. No padding copies.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 from dataclasses import dataclass
@@ -40,97 +51,210 @@ import triton.language as tl
 from .launch import TritonLauncher
 
 __all__ = [
+    "InvariantNumerics",
+    "InvariantTile",
     "InvariantConfig",
+    "M_BUCKETS",
+    "m_bucket",
+    "invariant_numerics",
+    "invariant_tile",
     "invariant_config",
+    "candidate_numerics",
+    "candidate_tiles",
     "candidate_configs",
-    "TUNED",
+    "TUNED_NUMERICS",
+    "TUNED_TILES",
     "fp8_gemm_nt_invariant",
     "bf16_gemm_nt_invariant",
     "linear_invariant",
 ]
 
 _FP8_GROUP = 128  # the scale group along K: one tl.dot per group in the FP8 kernel
-# Programs the default split-K aims for: two waves of an H200's 132 SMs. A constant (not the device's SM
-# count) so the configuration, and with it the bits, are the same on any GPU.
-_TARGET_PROGRAMS = 264
-# Measured configurations by (N, K, dtype name), taken over the heuristic: benchmarks/decode_gemm_triton.py prints
-# an entry per shape. Edit it here, not at run time (invariant_config caches). Changing one changes that shape's
-# bits, on the engine and the trainer alike.
-TUNED: dict[tuple[int, int, str], "InvariantConfig"] = {}  # filled below the class
+# Lower bounds of the M buckets a tile is chosen for: 1-16, 17-32, 33-64, 65-128, 129-256, 257 and more.
+M_BUCKETS = (1, 17, 33, 65, 129, 257)
+# The default split-K aims for this many K elements per split (a power of two of splits, at most 8): enough K
+# steps per split to amortize the fp32 partials' write and the second launch.
+_K_PER_SPLIT = 4096
+
+
+def _check_pow2(owner: str, name: str, v: int) -> None:
+    if v < 16 or v & (v - 1):
+        raise ValueError(f"{owner}.{name} must be a power of two >= 16, got {v}")
+
+
+@dataclass(frozen=True)
+class InvariantNumerics:
+    """What sets the bits: the BF16 kernel's K step and the number of K ranges. Pick it from (K, dtype) only."""
+
+    block_k: int = 128  # BF16 kernel's K step; the FP8 kernel always steps one 128-wide scale group
+    split_k: int = 1  # K ranges summed in fixed order; the effective count is derived from K alone
+
+    def __post_init__(self) -> None:
+        _check_pow2("InvariantNumerics", "block_k", self.block_k)
+        if self.split_k < 1:
+            raise ValueError(f"InvariantNumerics.split_k must be >= 1, got {self.split_k}")
+
+
+@dataclass(frozen=True)
+class InvariantTile:
+    """How the outputs are cut into programs; free to follow N and the M bucket (see the module docstring)."""
+
+    block_n: int = 64  # weight rows per program: the MMA's M side (64 per warpgroup)
+    block_m: int = 64  # batch rows per program: the MMA's N side
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_m"):
+            _check_pow2("InvariantTile", name, getattr(self, name))
 
 
 @dataclass(frozen=True)
 class InvariantConfig:
-    """One tiling of the invariant GEMMs. Pick it from (N, K, dtype) only (see the module docstring)."""
+    """One launch's numerics and tile, flat (what the kernels and the benchmark records take)."""
 
-    block_n: int = 64  # weight rows per program: the MMA's M side (64 per warpgroup)
-    block_m: int = 64  # batch rows per program: the MMA's N side, fixed whatever M is
-    split_k: int = 1  # K ranges summed in fixed order; the effective count is derived from K alone
+    block_n: int = 64
+    block_m: int = 64
+    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    block_k: int = 128  # BF16 kernel's K step; the FP8 kernel always steps one 128-wide scale group
+    block_k: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_m", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"InvariantConfig.{name} must be a power of two >= 16, got {v}")
-        if self.split_k < 1:
-            raise ValueError(f"InvariantConfig.split_k must be >= 1, got {self.split_k}")
+        InvariantTile(self.block_n, self.block_m, self.num_warps, self.num_stages)
+        InvariantNumerics(self.block_k, self.split_k)
+
+    @classmethod
+    def of(cls, numerics: InvariantNumerics, tile: InvariantTile) -> "InvariantConfig":
+        return cls(tile.block_n, tile.block_m, numerics.split_k, tile.num_warps, tile.num_stages, numerics.block_k)
+
+    @property
+    def numerics(self) -> InvariantNumerics:
+        return InvariantNumerics(self.block_k, self.split_k)
+
+    @property
+    def tile(self) -> InvariantTile:
+        return InvariantTile(self.block_n, self.block_m, self.num_warps, self.num_stages)
 
 
-# Llama-3.1-8B and SmolLM2-135M projections and lm_heads, tuned on an H200 (decode_gemm_invariant.json in
-# benchmarks/results/runs): one configuration per shape, the least time summed over M = 1, 16, 64, 128, 256.
-TUNED.update({
-    (6144, 4096, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=32, split_k=1, num_warps=4, num_stages=4, block_k=128),
-    (4096, 4096, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=32, split_k=2, num_warps=4, num_stages=4, block_k=128),
-    (28672, 4096, 'float8_e4m3fn'): InvariantConfig(block_n=128, block_m=32, split_k=1, num_warps=8, num_stages=4, block_k=128),
-    (4096, 14336, 'float8_e4m3fn'): InvariantConfig(block_n=128, block_m=64, split_k=4, num_warps=8, num_stages=4, block_k=128),
-    (128256, 4096, 'bfloat16'): InvariantConfig(block_n=128, block_m=64, split_k=1, num_warps=8, num_stages=4, block_k=64),
-    (960, 576, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=16, split_k=1, num_warps=4, num_stages=4, block_k=128),
-    (576, 576, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=16, split_k=1, num_warps=4, num_stages=4, block_k=128),
-    (3072, 576, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=32, split_k=1, num_warps=4, num_stages=4, block_k=128),
-    (576, 1536, 'float8_e4m3fn'): InvariantConfig(block_n=64, block_m=16, split_k=1, num_warps=4, num_stages=4, block_k=128),
-    (49152, 576, 'bfloat16'): InvariantConfig(block_n=128, block_m=64, split_k=1, num_warps=8, num_stages=4, block_k=64),
-})
+def _t(block_n: int, block_m: int, num_warps: int, num_stages: int) -> InvariantTile:
+    return InvariantTile(block_n, block_m, num_warps, num_stages)
 
 
-def _pow2_floor(x: int) -> int:
-    return 1 << (max(x, 1).bit_length() - 1)
+# Measured tables, taken over the heuristics: benchmarks/decode_gemm_triton.py prints both from one device run.
+# Edit them here, not at run time (the lookups cache). A TUNED_NUMERICS entry sets the bits of every GEMM with
+# that K and dtype, on the engine and the trainer alike; a TUNED_TILES entry changes only speed.
+#
+# (K, dtype name) -> numerics. K = 4096 FP8 serves Llama-3.1-8B's qkv, o and gate_up: split 1, the split of
+# each of the three shapes' fastest single tiling summed over M = 1, 64, 256 on an H200, and of gate_up's
+# (the largest of them) fastest tile at every M; it also needs no fp32 workspace at training-sized M.
+TUNED_NUMERICS: dict[tuple[int, str], InvariantNumerics] = {
+    (4096, "float8_e4m3fn"): InvariantNumerics(block_k=128, split_k=1),
+    (14336, "float8_e4m3fn"): InvariantNumerics(block_k=128, split_k=4),
+    (576, "float8_e4m3fn"): InvariantNumerics(block_k=128, split_k=1),
+    (1536, "float8_e4m3fn"): InvariantNumerics(block_k=128, split_k=1),
+    (4096, "bfloat16"): InvariantNumerics(block_k=64, split_k=1),
+    (576, "bfloat16"): InvariantNumerics(block_k=64, split_k=1),
+}
+# (N, K, dtype name) -> {M bucket's lower bound: tile}; an M uses the entry of the largest bucket <= M (else the
+# smallest). Llama-3.1-8B and SmolLM2-135M projections and lm_heads, the fastest measured tile under the
+# numerics above at M = 1, 64, 256 on an H200.
+TUNED_TILES: dict[tuple[int, int, str], dict[int, InvariantTile]] = {
+    (6144, 4096, "float8_e4m3fn"): {1: _t(128, 32, 8, 4), 33: _t(64, 32, 4, 4), 129: _t(64, 128, 4, 3)},
+    (4096, 4096, "float8_e4m3fn"): {1: _t(64, 32, 4, 4)},
+    (28672, 4096, "float8_e4m3fn"): {1: _t(128, 16, 8, 4), 33: _t(64, 32, 4, 4), 129: _t(64, 128, 4, 3)},
+    (4096, 14336, "float8_e4m3fn"): {1: _t(128, 64, 8, 4), 33: _t(64, 64, 4, 4), 129: _t(128, 64, 8, 4)},
+    (128256, 4096, "bfloat16"): {1: _t(128, 64, 8, 4), 129: _t(128, 128, 8, 3)},
+    (960, 576, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 129: _t(64, 32, 4, 4)},
+    (576, 576, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 129: _t(64, 32, 4, 4)},
+    (3072, 576, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 33: _t(64, 32, 4, 4), 129: _t(64, 128, 4, 3)},
+    (576, 1536, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 129: _t(64, 32, 4, 4)},
+    (49152, 576, "bfloat16"): {1: _t(128, 16, 8, 4), 33: _t(64, 64, 4, 4), 129: _t(64, 128, 8, 3)},
+}
 
 
-@functools.lru_cache(maxsize=None)  # a handful of (N, K) per model, asked on every call
-def invariant_config(n: int, k: int, dtype: torch.dtype) -> InvariantConfig:
-    """The default configuration for a weight [N, K] of `dtype` (e4m3, bf16 or fp16). M is not an argument.
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
-    Split-K only when the weight has too few 64-row slabs to fill the GPU, in powers of two, keeping at least
-    four K steps per split (the partials cost an fp32 write and a second launch).
-    """
-    tuned = TUNED.get((n, k, str(dtype).removeprefix("torch.")))
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << (max(x, 1) - 1).bit_length()
+
+
+def m_bucket(m: int) -> int:
+    """The lower bound of M's bucket in `M_BUCKETS` (M = 0 counts as 1)."""
+    return M_BUCKETS[max(bisect.bisect_right(M_BUCKETS, m) - 1, 0)]
+
+
+@functools.lru_cache(maxsize=None)  # a handful of K per model, asked on every call
+def invariant_numerics(k: int, dtype: torch.dtype) -> InvariantNumerics:
+    """The numerics for a weight with K columns of `dtype` (e4m3, bf16 or fp16). Neither N nor M is an argument:
+    every GEMM with this K, fused or not, batch of 1 or of 16384, sums each output in the same order.
+
+    By default one split per `_K_PER_SPLIT` elements of K, rounded up to a power of two, at most 8."""
+    tuned = TUNED_NUMERICS.get((k, _dtype_name(dtype)))
     if tuned is not None:
         return tuned
     block_k = _FP8_GROUP if dtype == torch.float8_e4m3fn else 64
-    slabs = -(-n // 64)
-    steps = -(-k // block_k)
-    split = 1
-    if slabs < _TARGET_PROGRAMS // 2:
-        split = min(_pow2_floor(_TARGET_PROGRAMS // slabs), _pow2_floor(max(steps // 4, 1)), 8)
-    return InvariantConfig(block_n=64, block_m=64, split_k=split, num_warps=4, num_stages=4, block_k=block_k)
+    return InvariantNumerics(block_k=block_k, split_k=min(_pow2_ceil(-(-k // _K_PER_SPLIT)), 8))
+
+
+@functools.lru_cache(maxsize=None)
+def _tile_for_bucket(n: int, k: int, dtype: torch.dtype, bucket: int) -> InvariantTile:
+    table = TUNED_TILES.get((n, k, _dtype_name(dtype)))
+    if table:
+        keys = sorted(table)
+        return table[keys[max(bisect.bisect_right(keys, bucket) - 1, 0)]]
+    # The M tile covers the bucket up to 128 rows (a narrow MMA wastes no work on absent rows at decode sizes,
+    # a wide one re-reads the weight slab fewer times at large M); 128-row weight slabs with 8 warps only for
+    # the smallest M tiles of a tall weight, which still gives two waves of programs.
+    block_m = min(max(_pow2_ceil(bucket), 16), 128)
+    if block_m == 16 and n >= 128 * 264:
+        return InvariantTile(128, 16, 8, 4)
+    return InvariantTile(64, block_m, 4, 3 if block_m == 128 else 4)
+
+
+def invariant_tile(n: int, k: int, dtype: torch.dtype, m: int) -> InvariantTile:
+    """The tile for a weight [N, K] of `dtype` and a batch of M rows: `TUNED_TILES`, else a heuristic. Only
+    M's bucket (`m_bucket`) matters."""
+    return _tile_for_bucket(n, k, dtype, m_bucket(m))
+
+
+def invariant_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> InvariantConfig:
+    """What `fp8_gemm_nt_invariant` / `bf16_gemm_nt_invariant` run by default for A [M, K] and B [N, K]: the
+    numerics of (K, dtype) and the tile of (N, K, dtype, M's bucket)."""
+    return InvariantConfig.of(invariant_numerics(k, dtype), invariant_tile(n, k, dtype, m))
+
+
+def candidate_numerics(k: int, dtype: torch.dtype) -> list[InvariantNumerics]:
+    """Numerics worth timing for K (benchmarks/decode_gemm_triton.py): splits 1, 2, 4, 8 at the dtype's K step,
+    one per distinct effective split (`_splits`), the current choice first."""
+    base = invariant_numerics(k, dtype)
+    out, seen = [base], {_splits(-(-k // _step(base, dtype)), base.split_k)}
+    for split in (1, 2, 4, 8):
+        cand = InvariantNumerics(base.block_k, split)
+        eff = _splits(-(-k // _step(cand, dtype)), split)
+        if eff not in seen:
+            seen.add(eff)
+            out.append(cand)
+    return out
+
+
+def candidate_tiles(n: int, k: int, dtype: torch.dtype) -> list[InvariantTile]:
+    """Tiles worth timing for a weight [N, K] at any M (the benchmark picks one per M bucket)."""
+    tiles = [(64, 16, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8),
+             (128, 16, 8), (128, 32, 8), (128, 64, 8), (128, 128, 8)]  # (block_n, block_m, warps)
+    return [InvariantTile(bn, bm, warps, 3 if bm == 128 else 4) for bn, bm, warps in tiles]
 
 
 def candidate_configs(n: int, k: int, dtype: torch.dtype) -> list[InvariantConfig]:
-    """Configurations worth timing for a weight [N, K] (benchmarks/decode_gemm_triton.py tunes over them).
+    """Every candidate numerics with every candidate tile, the current numerics first."""
+    return [InvariantConfig.of(nu, t) for nu in candidate_numerics(k, dtype) for t in candidate_tiles(n, k, dtype)]
 
-    Every one is M-independent by construction: none is derived from M. A wider M tile reads the weight fewer
-    times at large batches and wastes more MMA work at small ones; the tuner weighs that over all batch sizes."""
-    base = invariant_config(n, k, dtype)
-    tiles = [(64, 16, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8),
-             (128, 16, 8), (128, 32, 8), (128, 64, 8), (128, 128, 8)]  # (block_n, block_m, warps)
-    out = {base}
-    for bn, bm, warps in tiles:
-        for split in (1, 2, 4, 8):
-            out.add(InvariantConfig(bn, bm, split, warps, 3 if bm == 128 else 4, base.block_k))
-    return sorted(out, key=lambda c: (c != base, c.block_n, c.block_m, c.num_warps, c.split_k, c.num_stages))
+
+def _step(numerics: InvariantNumerics, dtype: torch.dtype) -> int:
+    """K elements per K step: the FP8 kernel always steps one scale group."""
+    return _FP8_GROUP if dtype == torch.float8_e4m3fn else numerics.block_k
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -299,7 +423,8 @@ def fp8_gemm_nt_invariant(
     config: InvariantConfig | None = None,
 ) -> torch.Tensor:
     """a e4m3 [M, K] with sa (M, ceil(K/128)); b e4m3 [N, K] with sb (ceil(N/128) or N, ceil(K/128)) for
-    `b_block_n` 128 or 1. Any strides. `config` defaults to `invariant_config(N, K, e4m3)`."""
+    `b_block_n` 128 or 1. Any strides. `config` defaults to `invariant_config(N, K, e4m3, M)`: the numerics of
+    K, the tile of N and M's bucket."""
     _check_common(a, b, out_dtype, "fp8_gemm_nt_invariant")
     if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_gemm_nt_invariant: A and B must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
@@ -307,7 +432,7 @@ def fp8_gemm_nt_invariant(
         raise ValueError(f"fp8_gemm_nt_invariant: B must be 128x128- or 1x128-scaled, got a {b_block_n}-row block")
     m, k = a.shape
     n = b.shape[0]
-    cfg = config or invariant_config(n, k, torch.float8_e4m3fn)
+    cfg = config or invariant_config(n, k, torch.float8_e4m3fn, m)
     if b_block_n == 128 and cfg.block_n > 128:
         raise ValueError(f"fp8_gemm_nt_invariant: block_n {cfg.block_n} > 128 cannot read one 128x128 scale per slab")
     if m == 0:
@@ -329,14 +454,14 @@ def bf16_gemm_nt_invariant(
     a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None, config: InvariantConfig | None = None,
 ) -> torch.Tensor:
     """a [M, K] @ b[N, K]^T for bf16/fp16 operands of one dtype, fp32 accumulation, one rounding to `out_dtype`
-    (default a's dtype). `config` defaults to `invariant_config(N, K, dtype)`."""
+    (default a's dtype). `config` defaults to `invariant_config(N, K, dtype, M)`."""
     out_dtype = out_dtype or a.dtype
     _check_common(a, b, out_dtype, "bf16_gemm_nt_invariant")
     if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
         raise ValueError(f"bf16_gemm_nt_invariant: A and B must both be bf16 or both fp16, got {a.dtype} and {b.dtype}")
     m, k = a.shape
     n = b.shape[0]
-    cfg = config or invariant_config(n, k, a.dtype)
+    cfg = config or invariant_config(n, k, a.dtype, m)
     if m == 0:
         return torch.empty((0, n), dtype=out_dtype, device=a.device)
     per, splits = _splits(-(-k // cfg.block_k), cfg.split_k)
