@@ -7,8 +7,10 @@ has CPU torch and triton (TRITON_INTERPRET=1 is set by the fixture while the ker
 
 What they prove on CPU: the kernels' indexing, masking (N, K not multiples of 128), split-K and the fixed
 reduction against a float64 reference within a rounding bound derived from K (docs/testing.md, kind 2), that a
-row's bits do not depend on M or on the rows beside it (kind 1), and that the vLLM forward (EngineLinear and its
-custom op) on this backend runs exactly the kernel. The interpreter's tl.dot is numpy's,
+row's bits do not depend on M, on the rows beside it, or on the tile (which follows N and M's bucket), that a
+fused projection's columns are the separate projections' bits, that the numerics are a function of (K, dtype)
+alone (kind 1), and that the vLLM forward (EngineLinear and its custom op) on this backend runs exactly the
+kernel. The interpreter's tl.dot is numpy's,
 whose sums depend on a row's position in the tile, so under the interpreter the kernels form each K step's dot
 in float64 (exact for e4m3 products); everything around it is the real kernel. The MMA's own invariance is the
 GPU tests' job (tests/gpu/test_invariant_gemm_gpu.py).
@@ -146,17 +148,130 @@ INVARIANCE = {
 
 @pytest.mark.parametrize("shape", sorted(INVARIANCE))
 def test_fp8_rows_do_not_depend_on_the_batch(ig, shape):
+    """With the tile following M: each M runs the tile of the full weight's (N, K) and M's bucket, so the sizes
+    below run different tiles, and the rows must still be the same bits."""
     n_full, k, n = INVARIANCE[shape]
-    cfg = ig.invariant_config(n_full, k, E4M3)
     w = quantize_fp8(outlier_data((n, k), generator=_gen(7)) * 0.02, (128, 128))
     x = outlier_data((256, k), generator=_gen(8))
 
     def gemm(rows):
         xq = quantize_fp8(rows, (1, 128))
+        cfg = ig.invariant_config(n_full, k, E4M3, rows.shape[0])
         return ig.fp8_gemm_nt_invariant(xq.data, xq.scale, w.data, w.scale, 128, torch.bfloat16, cfg)
 
     sizes = (1, 130) if shape.startswith("llama") else (1, 3, 64, 130, 256)
-    _rows_alone_equal_rows_in_batch(gemm, x, sizes, batch=300 if shape.startswith("smol") else 140)
+    batch = 300 if shape.startswith("smol") else 140
+    assert len({ig.invariant_tile(n_full, k, E4M3, m) for m in (*sizes, batch)}) > 1, "the sizes must cross tiles"
+    _rows_alone_equal_rows_in_batch(gemm, x, sizes, batch=batch)
+
+
+# Tiles of different block_n, block_m, warps and stages (the candidates' extremes), one numerics each.
+TILE_SET = [(64, 16, 4, 4), (128, 32, 8, 4), (64, 128, 4, 3), (128, 64, 8, 4)]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, torch.bfloat16], ids=["fp8", "bf16"])
+def test_every_tile_gives_the_same_bits_at_every_m(ig, dtype):
+    """The rule the configuration split rests on: under one numerics (here a split K with a partial last step),
+    a row's bits are the same whichever tile runs it and whatever M is, so row i at M = 1 under the narrowest
+    tile equals row i at M = 70 under the widest. fp32 outputs: no final rounding hides a difference."""
+    n, k = 200, 1456
+    w = outlier_data((n, k), generator=_gen(50)) * 0.02
+    x = outlier_data((70, k), generator=_gen(51))
+    if dtype == E4M3:
+        wq = quantize_fp8(w, (128, 128))
+
+        def run(rows, cfg):
+            xq = quantize_fp8(rows, (1, 128))
+            return ig.fp8_gemm_nt_invariant(xq.data, xq.scale, wq.data, wq.scale, 128, torch.float32, cfg)
+    else:
+        wb = w.bfloat16()
+
+        def run(rows, cfg):
+            return ig.bf16_gemm_nt_invariant(rows.bfloat16(), wb, torch.float32, cfg)
+
+    numerics = ig.InvariantNumerics(block_k=128 if dtype == E4M3 else 64, split_k=3)
+    outs = {t: run(x, ig.InvariantConfig.of(numerics, ig.InvariantTile(*t))) for t in TILE_SET}
+    first = _bits(outs[TILE_SET[0]])
+    for t, out in outs.items():
+        assert torch.equal(_bits(out), first), f"tile {t} differs from tile {TILE_SET[0]} under {numerics}"
+    for m, t in ((1, TILE_SET[2]), (3, TILE_SET[1]), (17, TILE_SET[3])):
+        alone = run(x[:m], ig.InvariantConfig.of(numerics, ig.InvariantTile(*t)))
+        assert torch.equal(_bits(alone), first[:m]), f"M={m} under tile {t}"
+    other = run(x, ig.InvariantConfig.of(ig.InvariantNumerics(numerics.block_k, 1), ig.InvariantTile(*TILE_SET[0])))
+    assert not torch.equal(_bits(other), first), "another split must change some bits, or this test proves nothing"
+
+
+# Fused projections as the engine runs them and the parts the trainer runs: (parts' rows, K). FP8 parts are
+# 128-row aligned (one 128x128 scale grid for the fused weight); BF16 parts need not be.
+FUSED = {"fp8_qkv": ([256, 128, 128], 384, E4M3), "fp8_gate_up": ([256, 256], 256, E4M3),
+         "bf16_qkv": ([192, 64, 64], 320, torch.bfloat16), "bf16_gate_up": ([320, 320], 320, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("case", sorted(FUSED))
+def test_fused_projection_columns_are_the_separate_projections(ig, case):
+    """q, k, v (or gate, up) as separate GEMMs give, bit for bit, the column slices of the fused GEMM, at a
+    decode M and a larger one: the numerics do not depend on N, and the tile N chooses does not change bits.
+    The tile table gives the fused shape and its parts different tiles, as a measured table may."""
+    parts, k, dtype = FUSED[case]
+    name = str(dtype).removeprefix("torch.")
+    tiles = dict(ig.TUNED_TILES)
+    tiles[(sum(parts), k, name)] = {1: ig.InvariantTile(128, 16, 8, 4), 33: ig.InvariantTile(64, 128, 4, 3)}
+    for n in parts:
+        tiles[(n, k, name)] = {1: ig.InvariantTile(64, 32, 4, 4), 33: ig.InvariantTile(128, 64, 8, 4)}
+    ig._tile_for_bucket.cache_clear()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ig, "TUNED_TILES", tiles)
+            _check_fused(ig, parts, k, dtype, case)
+    finally:
+        ig._tile_for_bucket.cache_clear()  # no patched tile outlives the test
+
+
+def _check_fused(ig, parts, k, dtype, case):
+    ws = [outlier_data((n, k), generator=_gen(60 + i)) * 0.02 for i, n in enumerate(parts)]
+    x = outlier_data((70, k), generator=_gen(70))
+    if dtype == E4M3:
+        qs = [quantize_fp8(w, (128, 128)) for w in ws]
+        fused = quantize_fp8(torch.cat(ws), (128, 128))
+        assert torch.equal(_bits(fused.data), _bits(torch.cat([q.data for q in qs]))), "aligned parts quantize alike"
+        xq = quantize_fp8(x, (1, 128))
+
+        def run(m, w):
+            return ig.fp8_gemm_nt_invariant(xq.data[:m], xq.scale[:m], w.data, w.scale, 128, torch.float32)
+    else:
+        qs = [w.bfloat16() for w in ws]
+        fused = torch.cat(qs)
+        xb = x.bfloat16()
+
+        def run(m, w):
+            return ig.bf16_gemm_nt_invariant(xb[:m], w, torch.float32)
+
+    n_all = sum(parts)
+    for m in (2, 70):
+        assert ig.invariant_tile(n_all, k, dtype, m) != ig.invariant_tile(parts[0], k, dtype, m)
+        whole = run(m, fused)
+        cols = torch.split(whole, parts, dim=1)
+        for i, (col, q) in enumerate(zip(cols, qs)):
+            assert torch.equal(_bits(run(m, q)), _bits(col.contiguous())), f"{case} part {i} at M={m}"
+
+
+@pytest.mark.parametrize("dtype", [E4M3, torch.bfloat16, torch.float16], ids=["fp8", "bf16", "fp16"])
+def test_numerics_depend_on_k_and_dtype_only(ig, dtype):
+    """For every K (the tabled ones and others), the numerics of every (N, M) are `invariant_numerics(K, dtype)`:
+    fused and separate projections, decode and training batches sum each output in one order."""
+    import inspect
+
+    assert list(inspect.signature(ig.invariant_numerics).parameters) == ["k", "dtype"]
+    g = _gen(80)
+    ks = sorted({k for k, _ in ig.TUNED_NUMERICS} | {k for _, k, _ in ig.TUNED_TILES}
+                | {int(v) for v in torch.randint(16, 20000, (12,), generator=g)})
+    ns = sorted({n for n, _, _ in ig.TUNED_TILES} | {int(v) for v in torch.randint(1, 200000, (12,), generator=g)})
+    for k in ks:
+        nu = ig.invariant_numerics(k, dtype)
+        for n in ns:
+            for m in (1, 16, 17, 100, 256, 257, 8192):
+                assert ig.invariant_config(n, k, dtype, m).numerics == nu, (n, k, m)
+        assert all(c.numerics in ig.candidate_numerics(k, dtype) for c in ig.candidate_configs(300, k, dtype))
 
 
 @pytest.mark.parametrize("n,k", [(576, 576), (1000, 1536), (300, 200)], ids=["smol_o", "wide", "tiny_k"])
@@ -192,10 +307,13 @@ def test_linear_invariant_is_f_linear_with_one_rounding(ig):
 
 
 def test_configuration_ignores_m_and_edges(ig):
-    # The configuration is a function of (N, K, dtype) alone: its signature has no M to depend on.
-    import inspect
-
-    assert list(inspect.signature(ig.invariant_config).parameters) == ["n", "k", "dtype"]
+    # M picks only a tile, by bucket: every M of one bucket gets one configuration.
+    for lo, hi in zip(ig.M_BUCKETS, (*ig.M_BUCKETS[1:], 1 << 20)):
+        assert {ig.invariant_config(960, 576, E4M3, m) for m in (lo, hi - 1)} == {ig.invariant_config(960, 576, E4M3, lo)}
+        assert ig.m_bucket(lo) == ig.m_bucket(hi - 1) == lo
+    # A tabled shape reads its table: an M between tabled buckets takes the largest bucket below it.
+    table = ig.TUNED_TILES[(28672, 4096, "float8_e4m3fn")]
+    assert ig.invariant_tile(28672, 4096, E4M3, 20) == table[1] and ig.invariant_tile(28672, 4096, E4M3, 9000) == table[129]
     a, b = _operands(4, 192, 576, (128, 128), seed=1)
     assert ig.fp8_gemm_nt_invariant(a.data[:0], a.scale[:0], b.data, b.scale, 128, torch.bfloat16).shape == (0, 192)
     with pytest.raises(ValueError, match="block_n 256 > 128"):
@@ -207,6 +325,7 @@ def test_configuration_ignores_m_and_edges(ig):
     with pytest.raises(ValueError, match="power of two"):
         ig.InvariantConfig(block_m=24)
     assert all(c.block_k == 128 for c in ig.candidate_configs(4096, 4096, E4M3))
+    assert ig.candidate_configs(4096, 4096, E4M3)[0].numerics == ig.invariant_numerics(4096, E4M3)
 
 
 def test_engine_linear_on_this_backend_is_the_kernel_and_the_trainers_rows(ig, monkeypatch):
