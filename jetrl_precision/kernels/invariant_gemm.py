@@ -17,9 +17,9 @@ Why the tile does not change a row's bits:
   acc = fma(dot, sa[m] * sb, acc) in fp32, groups in increasing order (FP8); `tl.dot(b, a, acc)` over fixed
   BLOCK_K steps (BF16). Split-K ranges follow from K and split_k alone and their fp32 partials are summed by
   `_sum_splits_kernel` in split order (not torch.sum, whose reduction strategy depends on the shape);
-- the MMA instruction follows the tile (wgmma m64n{BLOCK_M}k32 on sm90; tests/precision/test_invariant_gemm_sm90_compile.py),
-  and its result for one output element does not depend on the instruction's N or on the element's place in the
-  tile: on an H200 every tile of `candidate_tiles` gave identical bits under one numerics for the Llama-3.1-8B and
+- the MMA instruction follows the tile (wgmma m64n{BLOCK_M}k32 on sm90: test_invariant_gemm_sm90_compile.py),
+  and its result for one output element depends neither on the instruction's N nor on the element's place in
+  the tile: on an H200 every tile of `candidate_tiles` gave identical bits under one numerics for the Llama-3.1-8B and
   SmolLM2-135M projections and lm_heads (FP8 and BF16; docs/benchmarks.md has the record), and
   tests/gpu/test_invariant_gemm_gpu.py re-checks it on every GPU run;
 - neither M nor any stride that follows M (an MN-major scale's, the split workspace's) is specialized on

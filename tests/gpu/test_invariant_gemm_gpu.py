@@ -5,7 +5,10 @@
   with shuffled, different neighbours (kind 1, exact by construction);
 - EngineLinear (the vLLM forward) on this backend gives the bytes of the kernel, of the custom op, and of the
   trainer's Fp8Linear on the same backend fed the whole batch: the engine's decode rows are the trainer's rows;
-- the same under CUDA-graph capture and replay (vLLM's default mode).
+- the same under CUDA-graph capture and replay (vLLM's default mode);
+- the premise of the configuration split: every candidate tile under one numerics gives the same bits, at every
+  M, so the tile may follow N and M's bucket; and a fused projection's columns (qkv, gate_up) are the bits of the
+  separate projections the trainer runs.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import nn
 
 from gpu_testutil import outlier_data, requires_cuda_reason
 from jetrl_precision import Fp8Linear, get_recipe, quantize_fp8
+from jetrl_precision.formats import QuantizedTensor
 from jetrl_precision.gemm import available_backends, gemm_nt
 from jetrl_precision.integrations import vllm_plugin  # noqa: F401  (registers torch.ops.jetrl.fp8_linear)
 from jetrl_precision.integrations.engine_linear import EngineLinear
@@ -180,13 +184,13 @@ def test_engine_decode_rows_are_the_trainers_batch_rows(ig, shape):
         assert diff == 0, f"M={m}: {diff} elements of the engine's rows differ from the trainer's 2048-row forward"
 
 
-@pytest.mark.parametrize("shape", ["o_8b", "qkv_smol"])
+@pytest.mark.parametrize("shape", ["down_8b", "qkv_smol"])
 def test_cuda_graph_replay_gives_the_eager_bytes(ig, shape):
-    """o_8b's configuration splits K (a workspace and the ordered sum kernel are captured too)."""
-    parts, k = {"o_8b": ([4096], 4096), "qkv_smol": ([576, 192, 192], 576)}[shape]
+    """down_8b's numerics split K (a workspace and the ordered sum kernel are captured too)."""
+    parts, k = {"down_8b": ([4096], 14336), "qkv_smol": ([576, 192, 192], 576)}[shape]
     eng, _, _ = _engine(parts, k)
-    if shape == "o_8b":
-        assert ig.invariant_config(4096, 4096, E4M3).split_k > 1
+    if shape == "down_8b":
+        assert ig.invariant_numerics(14336, E4M3).split_k > 1
     w_bf16 = (outlier_data(sum(parts), k, seed=17) * 0.02).bfloat16()
     static = outlier_data(64, k, seed=19)
     side = torch.cuda.Stream()
@@ -204,3 +208,75 @@ def test_cuda_graph_replay_gives_the_eager_bytes(ig, shape):
         torch.cuda.synchronize()
         assert torch.equal(_bits(y_fp8), _bits(eng(static)))
         assert torch.equal(_bits(y_bf16), _bits(ig.bf16_gemm_nt_invariant(static, w_bf16)))
+
+
+# (N, K, dtype) where every candidate tile is run under the tabled numerics and one other split: a split and
+# an unsplit K, a K with a partial last group, the FP8 and BF16 kernels.
+TILE_SHAPES = {"8b_o": (4096, 4096, E4M3), "8b_down": (4096, 14336, E4M3), "smol_qkv": (960, 576, E4M3),
+               "smol_lm_head": (49152, 576, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("shape", sorted(TILE_SHAPES))
+def test_every_tile_under_one_numerics_gives_the_same_bits(ig, shape):
+    """The rule the tables rest on, re-proved on this GPU: under one numerics, every candidate tile gives the
+    same bits (fp32 output: no final rounding hides a difference), and a row alone (M = 1) or among 63 others
+    under any tile equals the same row of the 256-row product."""
+    n, k, dtype = TILE_SHAPES[shape]
+    x = outlier_data(256, k, seed=31)
+    if dtype == E4M3:
+        wq = _weight(n, k)
+
+        def run(rows, cfg):
+            xq = quantize_fp8(rows, (1, 128))
+            return ig.fp8_gemm_nt_invariant(xq.data, xq.scale, wq.data, wq.scale, 128, torch.float32, cfg)
+    else:
+        w = (outlier_data(n, k, seed=32) * 0.02).bfloat16()
+
+        def run(rows, cfg):
+            return ig.bf16_gemm_nt_invariant(rows, w, torch.float32, cfg)
+
+    tabled = ig.invariant_numerics(k, dtype)
+    others = [nu for nu in ig.candidate_numerics(k, dtype) if nu != tabled][:1]
+    for nu in [tabled, *others]:
+        tiles = ig.candidate_tiles(n, k, dtype)
+        first = _bits(run(x, ig.InvariantConfig.of(nu, tiles[0])))
+        for i, tile in enumerate(tiles):
+            cfg = ig.InvariantConfig.of(nu, tile)
+            diff = int((_bits(run(x, cfg)) != first).sum())
+            assert diff == 0, f"{shape} {nu}: tile {tile} differs from {tiles[0]} in {diff} elements"
+            m = (1, 64)[i % 2]
+            diff = int((_bits(run(x[:m], cfg)) != first[:m]).sum())
+            assert diff == 0, f"{shape} {nu}: tile {tile} at M={m} differs from the 256-row product in {diff} elements"
+
+
+# Fused projections and their parts: Llama-3.1-8B's qkv (q 4096, k 1024, v 1024) and gate_up (2 x 14336), K
+# 4096; SmolLM2-135M's gate_up (2 x 1536), K 576; the BF16 kernel on the same qkv split.
+FUSED = {"fp8_qkv_8b": ([4096, 1024, 1024], 4096, E4M3), "fp8_gate_up_8b": ([14336, 14336], 4096, E4M3),
+         "fp8_gate_up_smol": ([1536, 1536], 576, E4M3), "bf16_qkv_8b": ([4096, 1024, 1024], 4096, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("case", sorted(FUSED))
+def test_fused_projection_columns_are_the_separate_projections(ig, case):
+    """What the bitwise vLLM path needs: the engine's fused GEMM (one weight of q + k + v rows) gives each column
+    slice the bits of the trainer's separate GEMM, at decode and batch sizes (their tiles differ with N)."""
+    parts, k, dtype = FUSED[case]
+    x = outlier_data(256, k, seed=41)
+    if dtype == E4M3:
+        ws = [_weight(n, k, seed=42 + i) for i, n in enumerate(parts)]
+        fused = QuantizedTensor(torch.cat([w.data for w in ws]), torch.cat([w.scale for w in ws]), ws[0].block)
+        xq = quantize_fp8(x, (1, 128))
+
+        def run(m, w):
+            return ig.fp8_gemm_nt_invariant(xq.data[:m], xq.scale[:m], w.data, w.scale, 128, torch.bfloat16)
+    else:
+        ws = [(outlier_data(n, k, seed=42 + i) * 0.02).bfloat16() for i, n in enumerate(parts)]
+        fused = torch.cat(ws)
+
+        def run(m, w):
+            return ig.bf16_gemm_nt_invariant(x[:m], w)
+
+    for m in (1, 17, 64, 256):
+        cols = torch.split(run(m, fused), parts, dim=1)
+        for i, (col, w) in enumerate(zip(cols, ws)):
+            diff = int((_bits(run(m, w)) != _bits(col.contiguous())).sum())
+            assert diff == 0, f"{case} part {i} at M={m}: {diff} elements differ from the fused GEMM's columns"

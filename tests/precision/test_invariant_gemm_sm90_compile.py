@@ -8,7 +8,8 @@ there (importorskip). Run them with a venv that has CPU torch and triton:
 No GPU is needed: `triton.compile` (in a child process) lowers to PTX and assembles a cubin for sm90. Checked, with the argument
 specializations a real launch gets (16-byte-aligned pointers, K-contiguous operands, K and N multiples of 16):
 - every kernel compiles, and the FP8 dot is one Hopper wgmma whose N is the M tile (m64n{BLOCK_M}k32, e4m3):
-  the instruction shape follows the M tile, which is why the M tile is fixed per (N, K) and never sized to M;
+  the instruction shape follows the M tile, which may follow M's bucket because it does not change the bits
+  (tests/gpu/test_invariant_gemm_gpu.py checks that on the device);
 - the operand tiles are copied asynchronously (cp.async): the K loop is software-pipelined, not serial loads.
 """
 
