@@ -7,9 +7,13 @@ reads it in fixed chunks of `VOCAB_BLOCK` logits in ascending order, whatever th
     z   = logits.float() / temperature                  IEEE division (x / 1.0 is x), as `log_probs_from_logits`
     m   = max(z)                                        exact in any order
     s   = sum(exp(z - m))                               a VOCAB_BLOCK-wide fp32 vector accumulates the chunks in
-                                                        order, then one `tl.sum` with a fixed launch shape
+                                                        order, then a fixed pairwise tree (`_pairwise_sum`)
     lse = m + log(s)
     out = z[label] - lse   (or z - lse for every column)
+The final sum is not `tl.sum`: its order follows the register layout, which Triton picks from the load's dtype
+and alignment (bf16 logits get 8 elements per thread, fp32 logits 4), so the engine's fp32 logits and the
+trainer's bf16 logits of the same values would get other bits. Each level of the pairwise tree adds two
+named elements, which commute exactly, so any layout gives the same sum.
 exp and log are libdevice's on the GPU (within 2 ulps), not the approximate hardware instructions, so the result
 stays within the worst-case bound of torch's CPU log-softmax (docs/testing.md, `log_softmax_bound`); Triton's CPU
 interpreter has no libdevice and evaluates tl.exp/tl.log instead.
@@ -61,6 +65,15 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _pairwise_sum(x, LEVELS: tl.constexpr):
+    # x has 2**LEVELS elements; each level adds elements 2i and 2i+1, the same additions in any register layout.
+    for _ in tl.static_range(LEVELS):
+        a, b = tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
+        x = a + b
+    return tl.sum(x, axis=0)  # one element left: no addition
+
+
+@triton.jit
 def _row_lse(x_ptr, row, sx, V, temperature, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     m_vec = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -74,7 +87,7 @@ def _row_lse(x_ptr, row, sx, V, temperature, BLOCK: tl.constexpr):
         c = start + cols
         z = tl.math.div_rn(tl.load(x_ptr + row * sx + c, mask=c < V, other=float("-inf")).to(tl.float32), temperature)
         acc += tl.where(c < V, _exp(z - m), 0.0)
-    return m + _log(tl.sum(acc, axis=0))
+    return m + _log(_pairwise_sum(acc, LEVELS=BLOCK.bit_length() - 1))
 
 
 @triton.jit

@@ -3,6 +3,8 @@
 The same properties as tests/precision/test_invariant_kernels.py (which runs the kernels in Triton's CPU
 interpreter), now with the hardware's tl.dot, exp2 and reductions:
 - RMSNorm, log-softmax and attention rows give the same bits alone, in any batch and at any position (kind 1);
+- log-probs of bf16 logits, of their fp32 copy (what transformers' generate returns) and of an unaligned view
+  give the same bits (kind 1);
 - an attention prefill row equals the paged-KV decode of that token (shuffled physical blocks, pages of 16 and 64),
   and a chunked prefill batched with other sequences' decodes (kind 1);
 - each kernel is within its float64 worst-case bound (kind 2; tensor-core sums are given 4u per addition, since
@@ -11,7 +13,9 @@ interpreter), now with the hardware's tl.dot, exp2 and reductions:
   prefill + decode give the same logits and log-probs (needs transformers; on the H200 it comes with the vLLM kit,
   benchmarks/h200_vllm.sh install);
 - the transformers engine's sampled log-probs against the trainer's recompute, bf16 and jet_fp8 (FP8 linears on
-  `triton_invariant`): the same bits, as `--precision.bitwise` promises.
+  `triton_invariant`): the same bits, as `--precision.bitwise` promises; a failure names the sequences and
+  response positions that differ, for the padded and the packed recompute both. benchmarks/bitwise_probe_gpu.py
+  pins the first module that differs.
 """
 
 from __future__ import annotations
@@ -95,6 +99,24 @@ def test_log_softmax_bound_and_row_invariance(vocab):
         assert_same_bits(lp, ls.gather(-1, labels[:, None])[:, 0], "gathered vs full")
         for rows in _subsets(97):
             assert_same_bits(isoft.logprobs_of_labels(x[rows], labels[rows], temperature), lp[rows], f"{len(rows)} rows")
+
+
+@pytest.mark.parametrize("vocab", [4096, 49152, 49153])
+def test_log_probs_do_not_depend_on_the_logits_dtype_or_alignment(vocab):
+    """The engine scores generate's fp32 logits, the trainer its model's bf16 ones (the same values); a B = 1 slice
+    of the trainer's logits may start at any offset. Triton vectorizes the loads by dtype and alignment (8 bf16 or
+    4 fp32 elements per thread), so a layout-ordered sum would differ in the last bit (the kernel sums in a fixed
+    pairwise tree; tests/precision/test_invariant_softmax_sm90_compile.py checks its TTGIR on CPU)."""
+    x = (_data((257, vocab), torch.float32, seed=9, spike=20.0) * 3).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (257,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(10))
+    odd = torch.empty(257 * vocab + 3, dtype=torch.bfloat16, device="cuda")[3:].view(257, vocab)
+    odd.copy_(x)
+    for temperature in (1.0, 0.9):
+        ref = isoft.logprobs_of_labels(x, labels, temperature)
+        assert_same_bits(isoft.logprobs_of_labels(x.float(), labels, temperature), ref, f"fp32 copy, T={temperature}")
+        assert_same_bits(isoft.logprobs_of_labels(odd, labels, temperature), ref,
+                         f"unaligned view, T={temperature}")
+        assert_same_bits(isoft.log_softmax(x.float(), temperature), isoft.log_softmax(x, temperature), f"log_softmax, T={temperature}")
 
 
 # ---- attention ------------------------------------------------------------------------------------------------------
@@ -236,8 +258,29 @@ def test_engine_logprobs_are_the_trainers_on_cuda(tmp_path, recipe):
     exp = sample_after_sync(trainer, engine, r, prompts, SamplingConfig(max_new_tokens=48, temperature=0.9, n=1, seed=1), 0)
     mask, rollout = exp.action_mask.cpu().bool(), exp.rollout_logprobs.float().cpu()
     assert mask.sum() >= 200
-    for packing in (False, True):
+    failures = []
+    for packing in (False, True):  # both layouts reported, whichever fails
         with torch.no_grad():
             lp = Actor(trainer, packing=packing)(exp.sequences.cuda(), exp.attention_mask.cuda(), exp.num_actions,
                                                  temperature=0.9).float().cpu()
-        assert_same_bits(lp[mask], rollout[mask], f"{recipe}, packing={packing}")
+        where = _where_bits_differ(lp, rollout, mask)
+        if where:
+            failures.append(f"{recipe}, packing={packing}: {where}")
+    assert not failures, "\n".join(failures)
+
+
+def _where_bits_differ(got: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, show: int = 12) -> str:
+    """'' when the masked [B, T] values have the same bits; else how many differ, in which sequences and at which
+    response positions (with each sequence's length: a difference only at its last token, or only after another
+    sequence of its generate batch stopped, points elsewhere than one everywhere), and the first few values."""
+    diff = (got.view(torch.int32) != want.view(torch.int32)) & mask
+    if not diff.any():
+        return ""
+    lengths = mask.sum(-1).tolist()
+    per_seq = {b: torch.nonzero(diff[b])[:, 0].tolist() for b in range(diff.shape[0]) if diff[b].any()}
+    seqs = "; ".join(f"seq {b} (len {lengths[b]}): positions {p[:16]}{' ...' if len(p) > 16 else ''}" for b, p in per_seq.items())
+    first = [(b, t) for b, t in torch.nonzero(diff).tolist()][:show]
+    ulps = [(int(got[b, t].view(torch.int32)) - int(want[b, t].view(torch.int32))) for b, t in first]
+    vals = ", ".join(f"({b},{t}) trainer {got[b, t].item():.9g} engine {want[b, t].item():.9g} ({u:+d} ulp)"
+                     for (b, t), u in zip(first, ulps))
+    return f"{int(diff.sum())} of {int(mask.sum())} values differ in their bits; {seqs}; first: {vals}"

@@ -143,6 +143,21 @@ def test_log_probs_rows_do_not_depend_on_the_batch():
         isoft.logprobs_of_labels(x, labels + 5000, 1.0)
 
 
+def test_log_probs_do_not_depend_on_the_logits_dtype_or_alignment():
+    """The engine scores generate's fp32 logits, the trainer its model's bf16 ones (the same values), and a B = 1
+    slice can start at any offset. The interpreter has no register layouts, so this passes here by construction;
+    tests/precision/test_invariant_softmax_sm90_compile.py and the GPU twin of this test check the compiled kernel."""
+    g = torch.Generator().manual_seed(5)
+    x = outlier_data((4, 5001), generator=g, sigma=0.5, spikes=3, spike_factor=20.0).bfloat16()
+    labels = torch.randint(0, 5001, (4,), generator=g)
+    ref = isoft.logprobs_of_labels(x, labels, 0.9)
+    assert_same_bits(isoft.logprobs_of_labels(x.float(), labels, 0.9), ref, "fp32 copy of bf16 logits")
+    odd = torch.empty(4 * 5001 + 3, dtype=torch.bfloat16)[3:].view(4, 5001)  # 6 bytes past an aligned start
+    odd.copy_(x)
+    assert_same_bits(isoft.logprobs_of_labels(odd, labels, 0.9), ref, "unaligned view")
+    assert_same_bits(isoft.log_softmax(x.float(), 0.9), isoft.log_softmax(x, 0.9), "log_softmax, fp32 copy")
+
+
 # ---- attention ------------------------------------------------------------------------------------------------------
 H, HKV, D = 9, 3, 64  # SmolLM2-135M's attention: 9 query heads sharing 3 KV heads, head_dim 64
 
