@@ -337,7 +337,7 @@ def test_triton_path_backward_matches_the_eager_model():
 
 @pytest.mark.parametrize(("recipe", "dtype"), [("bf16", torch.float32), ("jet_fp8", torch.float32), ("bf16", torch.bfloat16)],
                          ids=["bf16-fp32", "jet_fp8-fp32", "bf16-bf16"])
-def test_engine_logprobs_are_the_trainers_on_the_triton_kernels(tmp_path, monkeypatch, recipe, dtype):
+def test_engine_logprobs_are_the_trainers_on_the_triton_kernels(tmp_path, recipe, dtype):
     """The transformers engine on the Triton kernels (KV-cached sampling, log-probs by invariant_log_probs on the
     device) against the trainer's Actor on the same kernels, padded and packed: every sampled token's log-prob
     has the same bits. (On CPU the FP8 linears run the emulated GEMM, on CUDA triton_invariant; a bf16 model's
@@ -354,8 +354,8 @@ def test_engine_logprobs_are_the_trainers_on_the_triton_kernels(tmp_path, monkey
 
     tiny_causal_lm(hidden=128, intermediate=256, heads=2, kv_heads=1, vocab=300, dtype=dtype).save_pretrained(tmp_path)
     r = get_recipe(recipe)
-    monkeypatch.setattr(hf_engine, "make_batch_invariant", lambda m: make_batch_invariant(m, kernels="triton"))
-    engine = hf_engine.HFEngine(str(tmp_path), r, dtype=dtype, batch_invariant=True, generate_batch_size=3)
+    engine = hf_engine.HFEngine(str(tmp_path), r, dtype=dtype, batch_invariant=True, invariant_kernels="triton",
+                                generate_batch_size=3)
     trainer = make_batch_invariant(convert_to_fp8(load_causal_lm(str(tmp_path), dtype, "sdpa"), r, side="train"), kernels="triton").eval()
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(4, 300, (int(n),), generator=g).tolist() for n in torch.randint(3, 10, (5,), generator=g)]
@@ -366,3 +366,36 @@ def test_engine_logprobs_are_the_trainers_on_the_triton_kernels(tmp_path, monkey
         with torch.no_grad():
             lp = Actor(trainer, packing=packing)(exp.sequences, exp.attention_mask, exp.num_actions, temperature=0.9).float()
         assert_same_bits(lp[mask], exp.rollout_logprobs[mask].float(), f"packing={packing}")
+
+
+def test_bitwise_probe_names_the_first_module_that_differs(tmp_path, monkeypatch):
+    """benchmarks/bitwise_probe_gpu.py (the GPU diagnostic) on CPU: with one output channel of layer 1's down_proj
+    scaled in the engine after the weight sync, it reports differing log-probs and names that module first, with
+    every module before it equal in its bits."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from openrlhf.trainer.engines import hf_engine
+
+    spec = importlib.util.spec_from_file_location("bitwise_probe_gpu", Path(__file__).resolve().parents[2] / "benchmarks" / "bitwise_probe_gpu.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    sync = hf_engine.HFEngine.update_weights
+
+    def sync_then_break(self, tensors):
+        sync(self, tensors)
+        with torch.no_grad():
+            self.model.model.layers[1].mlp.down_proj.weight[5] *= 1.5
+
+    monkeypatch.setattr(hf_engine.HFEngine, "update_weights", sync_then_break)
+    out = tmp_path / "probe.json"
+    rc = probe.main(["--device", "cpu", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
+                     "--vocab", "300", "--prompts", "3", "--max-new-tokens", "3", "--generate-batch-size", "2", "--out", str(out)])
+    found = json.loads(out.read_text())
+    assert rc == 1 and found["packing=False"]["differ"] > 0, found
+    assert found["first_module_that_differs"] == "model.layers.1.mlp.down_proj", found
+    names = [m["module"] for m in found["modules"]]
+    before = found["modules"][: names.index("model.layers.1.mlp.down_proj")]
+    assert len(before) > 20 and all(m["compared"] and m["differ"] == 0 for m in before), before

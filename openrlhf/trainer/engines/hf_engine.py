@@ -44,9 +44,12 @@ class HFEngine(RolloutEngine):
         attn_implementation: str = "sdpa",
         generate_batch_size: int = 64,
         batch_invariant: bool = False,
+        invariant_kernels: str | None = None,
     ) -> None:
         """`batch_invariant`: run the batch-invariant numerics (`jetrl_precision.batch_invariant`); needs
-        `attn_implementation="jetrl_invariant"`, and raises BitwiseUnavailable where the kernels are missing."""
+        `attn_implementation="jetrl_invariant"`, and raises BitwiseUnavailable where the kernels are missing.
+        `invariant_kernels`: `make_batch_invariant`'s `kernels` (None: the device's; "triton" on CPU runs the CUDA
+        path's kernels in Triton's interpreter, for tests and benchmarks/bitwise_probe_gpu.py)."""
         from openrlhf.models.actor import load_causal_lm
 
         self.recipe = recipe
@@ -56,7 +59,7 @@ class HFEngine(RolloutEngine):
         self.model.requires_grad_(False)
         convert_to_fp8(self.model, recipe, side="rollout")
         if batch_invariant:
-            make_batch_invariant(self.model)
+            make_batch_invariant(self.model, kernels=invariant_kernels)
         self._invariant_log_probs = uses_triton_kernels(self.model)  # then score on the device, as the trainer
         self._fp8 = {canonical_name(n) + ".weight": m for n, m in fp8_linears(self.model).items()}
         self._params = {canonical_name(n): p for n, p in self.model.named_parameters(remove_duplicate=False)}
