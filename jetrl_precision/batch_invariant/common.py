@@ -23,14 +23,12 @@ INVARIANT_GEMM_BACKENDS = frozenset({"emulated", "triton_invariant"})
 # On CUDA the FP8 linears must run the fixed-tiling kernel; the float64 emulation is a CPU reference.
 CUDA_INVARIANT_GEMM_BACKENDS = frozenset({"triton_invariant"})
 # What --precision.bitwise still lacks on CUDA (docs/precision.md, "Bitwise mode on the H200"); the preflight names
-# these. The kernels exist and pass their H200 tests (attention, RMSNorm, log-softmax here; the FP8/BF16 GEMM in
-# kernels.invariant_gemm), and the transformers path is wired (trainer and engine); what is left is vLLM's side and
-# the end-to-end proof on the hardware.
+# it. The kernels pass their H200 tests and both engines are wired: the transformers engine, and the vLLM engine's
+# bitwise mode (integrations.vllm_bitwise). What is left is the end-to-end proof on the hardware.
 CUDA_MISSING_KERNELS = (
-    "the vLLM 0.26 engine side (RMSNorm, rotary, attention backend, log-softmax and the jetrl_fp8 linear method on "
-    "these kernels)",
-    "a passing H200 run of the engine-against-trainer test with FP8 linears "
-    "(tests/gpu/test_invariant_kernels_gpu.py::test_engine_logprobs_are_the_trainers_on_cuda)",
+    "a passing H200 run of tests/gpu/test_vllm_bitwise_gpu.py: the vLLM engine's bitwise mode (RMSNorm, rotary, "
+    "SiLU*mul, attention, the FP8/BF16 GEMMs and log-softmax on the trainer's kernels, vLLM's compiled CUDA-graph mode) "
+    "giving every sampled token the trainer's log-prob bit for bit, bf16 and jet_fp8",
 )
 
 

@@ -21,7 +21,9 @@ worker process rebuilds exactly the trainer's recipe; the bare method name
 (`LLM(model, quantization="jetrl_fp8")`, `vllm serve --quantization jetrl_fp8`) means jet_fp8.
 `register()` is the entry point (`vllm.general_plugins: jetrl_fp8`); it is idempotent and a
 no-op without vLLM. It also registers the bitwise mode's attention backend as vLLM's CUSTOM one
-(`vllm_bitwise_attention`), which an engine uses only when asked for it. This module imports no vLLM: the vLLM classes live in `vllm_quant`, which
+(`vllm_bitwise_attention`), which an engine uses only when asked for it, and installs the bitwise mode's layer
+replacements (`vllm_bitwise`), which act only in engines whose settings say `bitwise=True`. This module imports no
+vLLM: the vLLM classes live in `vllm_quant`, which
 `register()` imports. The forward itself is `engine_linear.EngineLinear`.
 """
 
@@ -56,6 +58,8 @@ logger = logging.getLogger(__name__)
 QUANT_NAME = "jetrl_fp8"
 Side = Literal["rollout", "train"]
 Scope = Literal["per_part", "fused"]
+# FP8 GEMM backends a bitwise engine accepts from the recipe ("auto" resolves to the invariant one there).
+BITWISE_GEMM_BACKENDS = frozenset({"auto", "triton_invariant"})
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,26 @@ class JetFp8Settings:
     recipe: PrecisionRecipe
     side: Side = "rollout"  # "rollout": recipe.rollout; "train": recipe.train_fprop
     weight_quant_scope: Scope = "per_part"
+    # The trainer's batch-invariant numerics in every op that feeds a quantizer or the logits (vllm_bitwise).
+    bitwise: bool = False
 
     def __post_init__(self) -> None:
         if self.side not in ("rollout", "train"):
             raise RecipeError(f"jetrl_fp8: side must be 'rollout' or 'train', got {self.side!r}")
         if self.weight_quant_scope not in ("per_part", "fused"):
             raise RecipeError(f"jetrl_fp8: weight_quant_scope must be 'per_part' or 'fused', got {self.weight_quant_scope!r}")
+        if self.bitwise and self.recipe.gemm_backend not in BITWISE_GEMM_BACKENDS:
+            raise RecipeError(
+                f"jetrl_fp8: a bitwise engine runs the triton_invariant FP8 GEMM (fixed tiling whatever M), not the "
+                f"recipe's {self.recipe.gemm_backend}: drop --precision.gemm_backend or set it to triton_invariant"
+            )
+        if self.bitwise and self.weight_quant_scope != "per_part":
+            raise RecipeError("jetrl_fp8: a bitwise engine quantizes fused projections per part, as the trainer does (weight_quant_scope='per_part')")
+
+    @property
+    def gemm_backend(self) -> str:
+        """The FP8 GEMM backend the engine asks for: the recipe's, or triton_invariant in a bitwise engine."""
+        return "triton_invariant" if self.bitwise else self.recipe.gemm_backend
 
     @classmethod
     def default(cls) -> "JetFp8Settings":
@@ -102,19 +120,32 @@ class JetFp8Settings:
             "recipe": self.recipe.to_dict(),
             "side": self.side,
             "weight_quant_scope": self.weight_quant_scope,
+            "bitwise": self.bitwise,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "JetFp8Settings":
         raw = d.get("recipe") or "jet_fp8"  # the bare method name means the unified recipe
         recipe = get_recipe(raw) if isinstance(raw, str) else PrecisionRecipe.from_dict(raw)
-        return cls(recipe, d.get("side", "rollout"), d.get("weight_quant_scope", "per_part"))
+        return cls(recipe, d.get("side", "rollout"), d.get("weight_quant_scope", "per_part"), bool(d.get("bitwise", False)))
 
 
-def engine_kwargs(recipe: PrecisionRecipe, side: Side = "rollout", weight_quant_scope: Scope = "per_part") -> dict[str, Any]:
-    """The `vllm.LLM(...)` keyword arguments that select `jetrl_fp8` with this recipe."""
-    settings = JetFp8Settings(recipe, side, weight_quant_scope)
-    return {"quantization": QUANT_NAME, "hf_overrides": {"quantization_config": settings.to_dict()}}
+def engine_kwargs(
+    recipe: PrecisionRecipe, side: Side = "rollout", weight_quant_scope: Scope = "per_part", bitwise: bool = False
+) -> dict[str, Any]:
+    """The `vllm.LLM(...)` keyword arguments that select `jetrl_fp8` with this recipe; `bitwise` adds the
+    batch-invariant attention backend's arguments (`vllm_bitwise_attention`)."""
+    settings = JetFp8Settings(recipe, side, weight_quant_scope, bitwise)
+    kwargs: dict[str, Any] = {"quantization": QUANT_NAME, "hf_overrides": {"quantization_config": settings.to_dict()}}
+    if bitwise:
+        from .vllm_bitwise_attention import bitwise_attention_engine_kwargs  # imports vLLM: only for bitwise engines
+
+        extra = bitwise_attention_engine_kwargs()
+        clash = sorted(k for k in extra if k in kwargs)
+        if clash:
+            raise RecipeError(f"jetrl_fp8: the bitwise attention's engine arguments {clash} clash with the quantization's")
+        kwargs.update(extra)
+    return kwargs
 
 
 # ---- weight layout ---------------------------------------------------------------------------
@@ -212,9 +243,11 @@ def register() -> bool:
     except ImportError:
         logger.debug("jetrl_fp8: vLLM is not installed; nothing to register")
         return False
+    from .vllm_bitwise import register_oot_layers  # imports vLLM, like vllm_quant
     from .vllm_quant import JetFp8Config  # imports vLLM: only now that it is known to be installed
 
     _install_log_filter()
+    register_oot_layers()  # process-wide; the replacement layers are vLLM's own outside bitwise engines
     if _CUSTOMIZED_METHOD_TO_QUANT_CONFIG.get(QUANT_NAME) is not JetFp8Config:
         register_quantization_config(QUANT_NAME)(JetFp8Config)
         logger.debug("jetrl_fp8: registered the vLLM quantization method")

@@ -19,6 +19,7 @@ from vllm.model_executor.layers.linear import (
     UnquantizedLinearMethod,
 )
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 from .. import ops
 from ..formats import QuantizedTensor
@@ -43,6 +44,7 @@ class JetFp8Config(QuantizationConfig):
     def __init__(self, settings: JetFp8Settings | None = None) -> None:
         super().__init__()
         self.settings = settings if settings is not None else JetFp8Settings.default()
+        _forget_cached_rotaries()
 
     def get_name(self) -> str:
         return QUANT_NAME
@@ -66,9 +68,18 @@ class JetFp8Config(QuantizationConfig):
         return self.settings.keeps_high_precision(prefix)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        bitwise = self.settings.bitwise
+        if bitwise and isinstance(layer, VocabParallelEmbedding):  # embed_tokens and lm_head (ParallelLMHead)
+            from .vllm_bitwise import InvariantEmbeddingMethod
+
+            return InvariantEmbeddingMethod()
         if not isinstance(layer, LinearBase):
             return None  # embeddings, lm_head, attention: vLLM's unquantized defaults
         if not self.settings.fprop.weight.is_fp8 or self.keeps_high_precision(prefix):
+            if bitwise:
+                from .vllm_bitwise import InvariantLinearMethod
+
+                return InvariantLinearMethod()
             return UnquantizedLinearMethod()
         return JetFp8LinearMethod(self.settings, prefix)
 
@@ -193,7 +204,8 @@ class JetFp8LinearMethod(LinearMethodBase):
     def backend_for(self, device: torch.device) -> str:
         key = str(device)
         if key not in self._backends:
-            self._backends[key] = resolve_backend(self.settings.recipe.gemm_backend, device, role="rollout")
+            # a bitwise engine asks for triton_invariant; resolve_backend refuses it where it cannot run
+            self._backends[key] = resolve_backend(self.settings.gemm_backend, device, role="rollout")
         return self._backends[key]
 
     # -- forward ------------------------------------------------------------------------------------
@@ -211,6 +223,16 @@ class JetFp8LinearMethod(LinearMethodBase):
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _forget_cached_rotaries() -> None:
+    """vLLM caches rotary modules per process by shape (`get_rope`), not by engine; a bitwise engine's rotary
+    (vllm_bitwise) must not serve an ordinary engine built later in the process, nor the reverse."""
+    try:
+        from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+    except ImportError:  # another vLLM layout: nothing cached where we look
+        return
+    _ROPE_DICT.clear()
 
 
 # ---- tensor-parallel shards ---------------------------------------------------------------------

@@ -20,11 +20,12 @@ __all__ = ["validate", "parse_probs", "VLLM_BITWISE_MISSING"]
 
 logger = logging.getLogger(__name__)
 
-# Why the vLLM engine cannot run --precision.bitwise (docs/precision.md, "What vLLM's batch-invariant mode covers").
+# Why the vLLM engine does not run --precision.bitwise yet (docs/precision.md, "Bitwise mode").
 VLLM_BITWISE_MISSING = (
-    "--precision.bitwise needs the transformers engine (--rollout.engine hf or auto): vLLM's batch-invariant mode "
-    "(VLLM_BATCH_INVARIANT=1) makes an engine's output independent of its batch on CUDA only, does not cover the "
-    "jetrl_fp8 linear method, and does not make decode equal the trainer's forward"
+    "--precision.bitwise needs the transformers engine (--rollout.engine hf or auto) for now: the vLLM engine's bitwise "
+    "mode (jetrl_fp8 with bitwise=True, CUDA only: the trainer's kernels for RMSNorm, rotary, SiLU*mul, attention, the "
+    "GEMMs and log-softmax) has no passing H200 run of tests/gpu/test_vllm_bitwise_gpu.py, the proof that its decode "
+    "log-probs equal the trainer's recompute"
 )
 
 

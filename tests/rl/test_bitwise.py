@@ -254,7 +254,7 @@ def test_two_ranks_zero3_decide_together(task, tmp_path):
     (["--precision.recipe", "fp8_rollout"], ["needs an on-policy recipe", "fp8_rollout"]),
     (["--fp8_unified", "--precision.gemm_backend", "torch"], ["torch FP8 GEMM is not batch-invariant", "emulated"]),
     (["--ds.attn_implementation", "eager"], ["jetrl_invariant", "--ds.attn_implementation eager"]),
-    (["--rollout.engine", "vllm"], ["--rollout.engine hf", "VLLM_BATCH_INVARIANT", "decode"]),
+    (["--rollout.engine", "vllm"], ["--rollout.engine hf", "test_vllm_bitwise_gpu.py", "decode"]),
 ])
 def test_config_refusals_name_what_is_missing(extra, needles):
     with pytest.raises(ConfigError) as e:
@@ -269,7 +269,7 @@ def test_gpu_and_vllm_are_refused_where_the_kernels_are_missing(peaky):
     assert len(errors) == 1 and "CPU only" in errors[0] and "RMSNorm" in errors[0] and "log-softmax" in errors[0]
     assert preflight_errors(cfg, cuda=False) == []
     assert engine_kind("auto", bitwise=True) == "hf"
-    with pytest.raises(BitwiseUnavailable, match="VLLM_BATCH_INVARIANT"):
+    with pytest.raises(BitwiseUnavailable, match="test_vllm_bitwise_gpu"):
         build_engine(cfg, "vllm", get_recipe("jet_fp8"), rank=0, dtype=torch.float32, device="cpu")
     with pytest.raises(BitwiseUnavailable, match="attention sdpa"):
         HFEngine(str(peaky), get_recipe("jet_fp8"), dtype=torch.float32, batch_invariant=True)

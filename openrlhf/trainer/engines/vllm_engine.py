@@ -100,9 +100,12 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool | None = None,
         enable_prefix_caching: bool | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        bitwise: bool = False,
     ) -> None:
         """`quantization="auto"` builds a `jetrl_fp8` engine when the recipe's rollout is FP8 and
         a plain one otherwise; `None` forces a plain engine, "jetrl_fp8" forces ours.
+        `bitwise`: the trainer's batch-invariant numerics everywhere (`jetrl_precision.integrations.vllm_bitwise`;
+        CUDA only): a `jetrl_fp8` engine for any recipe, its log-probs from the trainer's kernel.
         `enable_prefix_caching`: reuse the KV blocks of shared prompt prefixes (None: vLLM's default);
         the cache is reset after every weight update, since its blocks hold the old weights' keys and values."""
         require_vllm()
@@ -113,6 +116,17 @@ class VLLMEngine(RolloutEngine):
         self.on_gpu = torch.cuda.is_available()
         vllm_plugin.register()  # in-process registration; the entry point covers vLLM's own processes
 
+        self.bitwise = bool(bitwise)
+        if self.bitwise:
+            from jetrl_precision.batch_invariant import BitwiseUnavailable
+
+            if not self.on_gpu:
+                raise BitwiseUnavailable("the bitwise vLLM engine runs on CUDA (its kernels are Triton's); on CPU use the transformers engine")
+            if quantization not in ("auto", vllm_plugin.QUANT_NAME):
+                raise BitwiseUnavailable(f"the bitwise vLLM engine is a jetrl_fp8 engine, not quantization={quantization!r}")
+            quantization = vllm_plugin.QUANT_NAME
+            # The bitwise log-probs replace the V1 sampler's (vllm_bitwise.install_bitwise_sampler).
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if quantization == "auto":
             quantization = vllm_plugin.QUANT_NAME if self.recipe.rollout.is_fp8 else None
         self.quantization = quantization
@@ -130,7 +144,7 @@ class VLLMEngine(RolloutEngine):
         if enable_prefix_caching is not None:
             kwargs["enable_prefix_caching"] = enable_prefix_caching
         if quantization == vllm_plugin.QUANT_NAME:
-            kwargs.update(vllm_plugin.engine_kwargs(self.recipe, "rollout", weight_quant_scope))
+            kwargs.update(vllm_plugin.engine_kwargs(self.recipe, "rollout", weight_quant_scope, bitwise=self.bitwise))
         elif quantization is not None:
             kwargs["quantization"] = quantization
         if self.on_gpu:
@@ -179,6 +193,10 @@ class VLLMEngine(RolloutEngine):
         self.llm = LLM(**kwargs)
         if self.in_process:
             _IN_PROCESS_ENGINES.add(self)
+        if self.bitwise:
+            from jetrl_precision.integrations.vllm_bitwise import install_bitwise_sampler
+
+            self.llm.collective_rpc(install_bitwise_sampler)
         self.tensor_parallel_size = tensor_parallel_size
         logger.info(
             "vLLM engine ready: %s, recipe %s, quantization %s, dtype %s", model_path, self.recipe.name, quantization or "none", kwargs["dtype"]
@@ -196,6 +214,7 @@ class VLLMEngine(RolloutEngine):
         param_dtype: str,
         seed: int,
         engine_kwargs: dict[str, Any] | None = None,
+        bitwise: bool = False,
     ) -> "VLLMEngine":
         """Build from the `--vllm.*` section. `param_dtype` (`--ds.param_dtype`) is the model dtype
         when `vllm.dtype` is auto; `max_model_len` (`--data.max_len`) must fit the model's positions."""
@@ -234,11 +253,23 @@ class VLLMEngine(RolloutEngine):
             enforce_eager=vllm.enforce_eager or None,
             enable_prefix_caching=vllm.enable_prefix_caching,
             engine_kwargs=engine_kwargs,
+            bitwise=bitwise,
         )
 
     # ---- generation ---------------------------------------------------------------------------
     def _apply_temperature(self, temperature: float) -> float:
-        """Scale logits in-model by 1/T; returns the temperature to hand vLLM's sampler (0 or 1)."""
+        """Scale logits in-model by 1/T; returns the temperature to hand vLLM's sampler (0 or 1).
+
+        A bitwise engine keeps its logits unscaled: its sampler samples at T and its log-probs divide by T in the
+        trainer's kernel (x / T, not x * (1/T), which rounds differently)."""
+        if self.bitwise:
+            t = 1.0 if temperature <= 0 else float(temperature)
+            if t != self._temperature:
+                from jetrl_precision.integrations.vllm_bitwise import set_bitwise_temperature
+
+                self.llm.collective_rpc(set_bitwise_temperature, args=(t,))
+                self._temperature = t
+            return 0.0 if temperature <= 0 else t
         t = 1.0 if temperature <= 0 else float(temperature)
         if t != self._temperature:
             self.llm.collective_rpc(_set_logit_temperature, args=(t,))
