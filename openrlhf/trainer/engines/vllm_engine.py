@@ -67,6 +67,9 @@ def require_vllm():
     return vllm
 
 
+_V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
 def _set_logit_temperature(worker: Any, temperature: float) -> None:
     """Make the model's logits processor emit logits / temperature (see the module docstring)."""
     model = worker.get_model()
@@ -125,8 +128,6 @@ class VLLMEngine(RolloutEngine):
             if quantization not in ("auto", vllm_plugin.QUANT_NAME):
                 raise BitwiseUnavailable(f"the bitwise vLLM engine is a jetrl_fp8 engine, not quantization={quantization!r}")
             quantization = vllm_plugin.QUANT_NAME
-            # The bitwise log-probs replace the V1 sampler's (vllm_bitwise.install_bitwise_sampler).
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if quantization == "auto":
             quantization = vllm_plugin.QUANT_NAME if self.recipe.rollout.is_fp8 else None
         self.quantization = quantization
@@ -190,6 +191,10 @@ class VLLMEngine(RolloutEngine):
         self._synced = False  # until the first sync, weights come from the checkpoint (quantized by our loader)
         from vllm import LLM
 
+        if self.bitwise:
+            # The bitwise log-probs replace the V1 sampler's (vllm_bitwise.install_bitwise_sampler). vLLM reads this
+            # variable at run time too (VllmConfig.use_v2_model_runner), so it stays set for the process.
+            os.environ[_V2_RUNNER_ENV] = "0"
         self.llm = LLM(**kwargs)
         if self.in_process:
             _IN_PROCESS_ENGINES.add(self)

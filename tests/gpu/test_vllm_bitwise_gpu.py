@@ -1,0 +1,82 @@
+"""The bitwise mode's promise with the vLLM engine on a GPU: every sampled token's log-prob is the trainer's, bit for bit.
+
+A bitwise `VLLMEngine` (jetrl_fp8 with bitwise=True; vLLM's default mode, torch.compile + CUDA graphs) samples 16
+prompts at T=1; the trainer-side model of the same recipe, converted as the trainer converts it (`convert_to_fp8` +
+`make_batch_invariant`, FP8 linears on `triton_invariant`), recomputes the log-probs through the `Actor`, padded and
+packed. Recipes bf16 and jet_fp8. Each engine runs in its own process (`vllm_bitwise_job.py`).
+
+The model: SmolLM2-135M-Instruct (hidden 576, GQA, tied embeddings; up to 1024 new tokens) when JETRL_SMOLLM2 names
+its BF16 Hugging Face folder, else a tiny random Llama of the same shape family (fewer tokens). JETRL_RESULTS_DIR, if
+set, receives each job's JSON and log. On failure the message names the sequences and positions that differ and the
+first differing position's |dlogp|.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("needs vLLM (GPU build)", allow_module_level=True)
+
+HERE = Path(__file__).resolve().parent
+RECIPES = ("bf16", "jet_fp8")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> tuple[Path, int]:
+    env = os.environ.get("JETRL_SMOLLM2")
+    if env:
+        return Path(env), int(os.environ.get("JETRL_VLLM_TEST_NEW_TOKENS", "1024"))
+    sys.path.insert(0, str(HERE.parent))
+    from precision_testutil import tiny_causal_lm
+
+    out = tmp_path_factory.mktemp("tiny_llama")
+    tiny_causal_lm(hidden=576, intermediate=1536, layers=2, heads=9, kv_heads=3, vocab=4096, dtype=torch.bfloat16).save_pretrained(out)
+    return out, 128
+
+
+@pytest.fixture(scope="module")
+def results(model, tmp_path_factory) -> dict[str, dict]:
+    path, new_tokens = model
+    out = Path(os.environ.get("JETRL_RESULTS_DIR") or tmp_path_factory.mktemp("vllm_bitwise"))
+    out.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for recipe in RECIPES:  # together: compilation is CPU-bound and each engine takes a slice of the GPU
+        f = out / f"bitwise_{path.name}_{recipe}.json"
+        log = open(f.with_suffix(".log"), "w")
+        cmd = [sys.executable, str(HERE / "vllm_bitwise_job.py"), "--model", str(path), "--recipe", recipe,
+               "--new-tokens", str(new_tokens), "--out", str(f)]
+        procs[recipe] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)), f)
+    res = {}
+    for recipe, (p, f) in procs.items():
+        rc = p.wait(timeout=1200)
+        if rc != 0 or not f.exists():
+            pytest.fail(f"vLLM bitwise job {recipe} exited {rc}:\n{f.with_suffix('.log').read_text()[-4000:]}")
+        res[recipe] = json.loads(f.read_text())
+    return res
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_engine_logprobs_are_the_trainers_bit_for_bit(results, recipe, layout):
+    r = results[recipe]
+    assert r["tokens"] >= 16 * 8, f"{recipe}: only {r['tokens']} sampled tokens"
+    d = r[layout]
+    assert d["differing_tokens"] == 0, (
+        f"{recipe} ({layout} recompute): {d['differing_tokens']} of {d['tokens']} log-probs differ, in sequences "
+        f"{d['differing_sequences']} (first differing position per sequence {d['first_position_per_sequence']}); the first "
+        f"at sequence {d['first']['sequence']} position {d['first']['position']}: |dlogp| {d['first']['abs_dlogp']:.3g}; "
+        f"max |dlogp| {d['max_abs_dlogp']:.3g}"
+    )

@@ -1,0 +1,144 @@
+"""The bitwise mode's vLLM layers (jetrl_precision.integrations.vllm_bitwise) on the installed vLLM (CPU here).
+
+The plugin's replacement classes are process-wide, so outside a bitwise engine they must be vLLM's own: same forward
+dispatch, same outputs, same registry name for `custom_ops` flags. In a bitwise engine (a `jetrl_fp8` quant config
+with bitwise=True being built) they switch to the opaque ops, and the quant config hands out the invariant GEMM
+methods for high-precision linears and lm_head.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from transformers import LlamaConfig  # noqa: E402
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.custom_op import op_registry_oot  # noqa: E402
+from vllm.model_executor.layers.activation import SiluAndMul  # noqa: E402
+from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod  # noqa: E402
+from vllm.model_executor.layers.rotary_embedding import get_rope  # noqa: E402
+from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding  # noqa: E402
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding  # noqa: E402
+
+from precision_testutil import assert_same_bits, outlier_data  # noqa: E402
+from jetrl_precision.batch_invariant import engine_ops  # noqa: E402
+from jetrl_precision.integrations import vllm_bitwise, vllm_plugin  # noqa: E402
+from jetrl_precision.integrations.vllm_quant import JetFp8Config  # noqa: E402
+from jetrl_precision.recipe import RecipeError, get_recipe  # noqa: E402
+
+LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    assert vllm_plugin.register()
+    assert all(op_registry_oot.get(n) is c for n, c in vllm_bitwise.OOT_LAYERS.items())
+
+
+def _build(fn, *, bitwise: bool, hf_config=None, monkeypatch=None):
+    """Call fn under a vLLM config whose quant config is (or is not) a bitwise jetrl_fp8 one."""
+    settings = vllm_plugin.JetFp8Settings(get_recipe("bf16"), bitwise=bitwise)
+    fake = SimpleNamespace(quant_config=JetFp8Config(settings), model_config=SimpleNamespace(hf_text_config=hf_config))
+    monkeypatch.setattr(vllm_bitwise, "_current_vllm_config", lambda: fake)
+    with set_current_vllm_config(VllmConfig()):
+        return fn()
+
+
+def _without_oot(name: str, fn):
+    saved = op_registry_oot.pop(name)
+    try:
+        return fn()
+    finally:
+        op_registry_oot[name] = saved
+
+
+def test_outside_bitwise_engines_the_layers_are_vllms(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    x = outlier_data((7, 64), generator=g)
+    res = outlier_data((7, 64), generator=g)
+    cases = {
+        "RMSNorm": (lambda: RMSNorm(64, eps=1e-5), lambda m: m(x.clone(), res.clone())),
+        "SiluAndMul": (lambda: SiluAndMul(), lambda m: m(x.clone())),
+        "RotaryEmbedding": (
+            lambda: get_rope(16, 4096, True, {"rope_theta": 10000.0, "rope_type": "default"}, torch.float32),
+            lambda m: m(torch.arange(7) * 500, x.clone(), res.clone()),
+        ),
+    }
+    for name, (build, call) in cases.items():
+        ours = _build(build, bitwise=False, monkeypatch=monkeypatch)
+        assert type(ours) is vllm_bitwise.OOT_LAYERS[name] and ours.jetrl_bitwise is False
+        own = _build(lambda: _without_oot(name, build), bitwise=False, monkeypatch=monkeypatch)
+        assert type(own) is type(ours).__mro__[1 if name != "RotaryEmbedding" else 2]
+        assert type(ours).name == type(own).name  # custom_ops flags ("+rms_norm") still address it
+        a, b = call(ours), call(own)
+        for t, u in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert_same_bits(t, u, f"{name} outside a bitwise engine")
+        vllm_bitwise_rope_cache_clear()
+
+
+def vllm_bitwise_rope_cache_clear():
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+
+    _ROPE_DICT.clear()
+
+
+def test_in_a_bitwise_engine_the_layers_run_the_trainers_ops(monkeypatch):
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, num_hidden_layers=1,
+                      vocab_size=64, max_position_embeddings=8192, rope_theta=500000.0, rope_scaling=LLAMA3)
+    vllm_bitwise_rope_cache_clear()
+    rope = _build(lambda: get_rope(32, 8192, True, {"rope_theta": 500000.0, **LLAMA3}, torch.bfloat16), bitwise=True,
+                  hf_config=cfg, monkeypatch=monkeypatch)
+    assert isinstance(rope, Llama3RotaryEmbedding) and type(rope) is vllm_bitwise.BitwiseLlama3RotaryEmbedding and rope.jetrl_bitwise
+    g = torch.Generator().manual_seed(1)
+    pos = torch.tensor([0, 3, 1000, 8191])
+    q, k = outlier_data((4, 128), generator=g).to(torch.bfloat16), outlier_data((4, 64), generator=g).to(torch.bfloat16)
+    inv_freq, scaling = engine_ops.hf_rope_inv_freq(cfg)
+    for got, want in zip(rope(pos, q, k), engine_ops.rotary_reference(pos, q, k, inv_freq, scaling, 32)):
+        assert_same_bits(got, want, "bitwise llama3 rotary layer")
+    vllm_bitwise_rope_cache_clear()
+
+    act = _build(lambda: SiluAndMul(), bitwise=True, monkeypatch=monkeypatch)
+    x = outlier_data((4, 2 * 96), generator=g).to(torch.bfloat16)
+    assert act.jetrl_bitwise
+    assert_same_bits(act(x), engine_ops.silu_and_mul_reference(x), "bitwise SiluAndMul")
+
+    norm = _build(lambda: RMSNorm(128, eps=1e-5), bitwise=True, monkeypatch=monkeypatch)
+    assert norm.jetrl_bitwise and norm._forward_method == norm._forward_bitwise  # the Triton kernel: GPU test
+
+
+def test_bitwise_quant_config_hands_out_the_invariant_gemms():
+    def bare(cls):
+        return torch.nn.Module.__new__(cls)  # isinstance is all get_quant_method reads
+
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    for recipe, bitwise in (("bf16", True), ("bf16", False), ("jet_fp8", True)):
+        qc = JetFp8Config(vllm_plugin.JetFp8Settings(get_recipe(recipe), bitwise=bitwise))
+        lin = qc.get_quant_method(bare(RowParallelLinear), "model.layers.0.mlp.down_proj")
+        head = qc.get_quant_method(bare(ParallelLMHead), "lm_head")
+        emb = qc.get_quant_method(bare(VocabParallelEmbedding), "model.embed_tokens")
+        if not bitwise:
+            assert type(lin) is UnquantizedLinearMethod and head is None and emb is None
+        elif recipe == "bf16":
+            assert type(lin) is vllm_bitwise.InvariantLinearMethod
+        else:
+            assert type(lin).__name__ == "JetFp8LinearMethod" and lin.settings.gemm_backend == "triton_invariant"
+        if bitwise:
+            assert type(head) is vllm_bitwise.InvariantEmbeddingMethod and type(emb) is vllm_bitwise.InvariantEmbeddingMethod
+    assert issubclass(RowParallelLinear, LinearBase)
+
+
+def test_bitwise_settings_travel_and_refuse_other_gemms():
+    s = vllm_plugin.JetFp8Settings(get_recipe("jet_fp8"), bitwise=True)
+    assert vllm_plugin.JetFp8Settings.from_dict(s.to_dict()) == s
+    assert vllm_plugin.JetFp8Settings.from_dict({"recipe": "jet_fp8"}).bitwise is False
+    import dataclasses
+
+    with pytest.raises(RecipeError, match="triton_invariant") as e:
+        vllm_plugin.JetFp8Settings(dataclasses.replace(get_recipe("jet_fp8"), gemm_backend="torch"), bitwise=True)
+    assert "\n" not in str(e.value)
