@@ -138,8 +138,17 @@ def engine_kwargs(
     settings = JetFp8Settings(recipe, side, weight_quant_scope, bitwise)
     kwargs: dict[str, Any] = {"quantization": QUANT_NAME, "hf_overrides": {"quantization_config": settings.to_dict()}}
     if bitwise:
-        from .vllm_bitwise_attention import bitwise_attention_engine_kwargs  # imports vLLM: only for bitwise engines
+        try:
+            from .vllm_bitwise_attention import bitwise_attention_engine_kwargs  # imports vLLM: only for bitwise engines
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.vllm_bitwise_attention":
+                raise
+            from ..batch_invariant.common import BitwiseUnavailable
 
+            raise BitwiseUnavailable(
+                "jetrl_fp8: a bitwise engine needs the batch-invariant attention backend "
+                "(jetrl_precision.integrations.vllm_bitwise_attention), which this installation lacks"
+            ) from None
         extra = bitwise_attention_engine_kwargs()
         clash = sorted(k for k in extra if k in kwargs)
         if clash:

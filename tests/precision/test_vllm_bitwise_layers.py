@@ -142,3 +142,22 @@ def test_bitwise_settings_travel_and_refuse_other_gemms():
     with pytest.raises(RecipeError, match="triton_invariant") as e:
         vllm_plugin.JetFp8Settings(dataclasses.replace(get_recipe("jet_fp8"), gemm_backend="torch"), bitwise=True)
     assert "\n" not in str(e.value)
+
+
+def test_bitwise_engine_kwargs_carry_the_switch_and_the_attention():
+    import importlib.util
+
+    recipe = get_recipe("jet_fp8")
+    plain = vllm_plugin.engine_kwargs(recipe)
+    assert plain["hf_overrides"]["quantization_config"]["bitwise"] is False
+    if importlib.util.find_spec("jetrl_precision.integrations.vllm_bitwise_attention") is None:
+        from jetrl_precision.batch_invariant import BitwiseUnavailable
+
+        with pytest.raises(BitwiseUnavailable, match="vllm_bitwise_attention"):
+            vllm_plugin.engine_kwargs(recipe, bitwise=True)
+        return
+    from jetrl_precision.integrations.vllm_bitwise_attention import bitwise_attention_engine_kwargs
+
+    kw = vllm_plugin.engine_kwargs(recipe, bitwise=True)
+    assert kw["hf_overrides"]["quantization_config"]["bitwise"] is True
+    assert all(kw[k] == v for k, v in bitwise_attention_engine_kwargs().items())

@@ -63,14 +63,14 @@ def build_engine(
     """One rollout engine of `kind` for engine/trainer rank `rank`; `dtype`/`device` are the
     transformers engine's (vLLM picks its own from `--vllm.dtype` and `--ds.param_dtype`)."""
     if kind == "vllm":
-        if cfg.precision.bitwise:  # validation refuses this too; an engine built directly must not run ordinary numerics
+        if cfg.precision.bitwise:  # until the H200 proof passes (validation refuses this too)
             raise BitwiseUnavailable(VLLM_BITWISE_MISSING)
         from .vllm_engine import VLLMEngine
 
         return VLLMEngine.from_config(
             cfg.vllm, recipe, model_path=cfg.actor.model_name_or_path, sampling=default_sampling(cfg.rollout, cfg.data.max_len),
             max_model_len=cfg.data.max_len, param_dtype=cfg.ds.param_dtype, seed=cfg.train.seed + rank,
-            engine_kwargs=vllm_engine_kwargs,
+            engine_kwargs=vllm_engine_kwargs, bitwise=cfg.precision.bitwise,
         )
     from .hf_engine import HFEngine
 
