@@ -209,11 +209,15 @@ def install_bitwise_sampler(worker: Any) -> str:
         )
     if sampler.logprobs_mode != "raw_logprobs":
         raise BitwiseUnavailable(f"bitwise vLLM engine: logprobs_mode {sampler.logprobs_mode!r}; the trainer's log-probs are raw_logprobs")
-    from ..kernels.invariant_softmax import log_softmax
+    from ..kernels import triton_available
 
+    if not triton_available():
+        raise BitwiseUnavailable("bitwise vLLM engine: its log-probs come from a Triton kernel and Triton is not installed")
     sampler.jetrl_temperature = 1.0
 
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        from ..kernels.invariant_softmax import log_softmax  # imported at first use: the module compiles Triton jits
+
         return log_softmax(logits, sampler.jetrl_temperature)
 
     sampler.compute_logprobs = compute_logprobs

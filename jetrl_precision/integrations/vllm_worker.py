@@ -390,6 +390,16 @@ class JetRLWorkerExtension:
     def jetrl_param_names(self) -> list[str]:
         return training_param_names(self)
 
+    def jetrl_install_bitwise_sampler(self) -> str:
+        from .vllm_bitwise import install_bitwise_sampler  # imports vLLM (we are in its worker)
+
+        return install_bitwise_sampler(self)
+
+    def jetrl_set_bitwise_temperature(self, temperature: float) -> None:
+        from .vllm_bitwise import set_bitwise_temperature
+
+        set_bitwise_temperature(self, temperature)
+
 
 def training_param_names(worker: Any) -> list[str]:
     """The training-side parameter names this engine's weights correspond to (fused parts expanded)."""

@@ -6,7 +6,7 @@ prompts at T=1; the trainer-side model of the same recipe, converted as the trai
 packed. Recipes bf16 and jet_fp8. Each engine runs in its own process (`vllm_bitwise_job.py`).
 
 The model: SmolLM2-135M-Instruct (hidden 576, GQA, tied embeddings; up to 1024 new tokens) when JETRL_SMOLLM2 names
-its BF16 Hugging Face folder, else a tiny random Llama of the same shape family (fewer tokens). JETRL_RESULTS_DIR, if
+its BF16 Hugging Face folder, else a tiny random Llama of the same shape family (128 tokens, EOS ignored). JETRL_RESULTS_DIR, if
 set, receives each job's JSON and log. On failure the message names the sequences and positions that differ and the
 first differing position's |dlogp|.
 """
@@ -35,21 +35,23 @@ RECIPES = ("bf16", "jet_fp8")
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> tuple[Path, int]:
+def model(tmp_path_factory) -> tuple[Path, int, bool]:
+    """(model folder, new tokens, ignore EOS)."""
     env = os.environ.get("JETRL_SMOLLM2")
     if env:
-        return Path(env), int(os.environ.get("JETRL_VLLM_TEST_NEW_TOKENS", "1024"))
-    sys.path.insert(0, str(HERE.parent))
-    from precision_testutil import tiny_causal_lm
+        return Path(env), int(os.environ.get("JETRL_VLLM_TEST_NEW_TOKENS", "1024")), False
+    from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model
 
-    out = tmp_path_factory.mktemp("tiny_llama")
-    tiny_causal_lm(hidden=576, intermediate=1536, layers=2, heads=9, kv_heads=3, vocab=4096, dtype=torch.bfloat16).save_pretrained(out)
-    return out, 128
+    # SmolLM2's shape family: hidden 576 (partial FP8 blocks), GQA 9/3 with head_dim 64, tied embeddings
+    spec = TinyModelSpec(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=4096, max_position_embeddings=1024, tie_word_embeddings=True,
+                         initializer_range=0.2)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama") / "model", spec, dtype=torch.bfloat16), 128, True
 
 
 @pytest.fixture(scope="module")
 def results(model, tmp_path_factory) -> dict[str, dict]:
-    path, new_tokens = model
+    path, new_tokens, ignore_eos = model
     out = Path(os.environ.get("JETRL_RESULTS_DIR") or tmp_path_factory.mktemp("vllm_bitwise"))
     out.mkdir(parents=True, exist_ok=True)
     procs = {}
@@ -57,7 +59,7 @@ def results(model, tmp_path_factory) -> dict[str, dict]:
         f = out / f"bitwise_{path.name}_{recipe}.json"
         log = open(f.with_suffix(".log"), "w")
         cmd = [sys.executable, str(HERE / "vllm_bitwise_job.py"), "--model", str(path), "--recipe", recipe,
-               "--new-tokens", str(new_tokens), "--out", str(f)]
+               "--new-tokens", str(new_tokens), "--out", str(f), *(["--ignore-eos"] if ignore_eos else [])]
         procs[recipe] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)), f)
     res = {}
     for recipe, (p, f) in procs.items():

