@@ -223,7 +223,7 @@ def main() -> None:
             "date": datetime.date.today().isoformat(), "device": device, "unit": "us", "name": "decode_gemm_us"}
     records: list[dict] = []
     g = torch.Generator(device=dev).manual_seed(0)
-    tuned: list[dict] = []  # per tuned shape: n, k, dtype, ms, times, label, bf16 and cuBLASLt µs, run
+    tuned: list[dict] = []  # per tuned shape: n, k, dtype (a name), ms, times {(numerics, tile): [µs per M]}, label
     baselines: dict[str, dict] = {}
 
     def rec(shape: str, backend: str, us: float, bf16_us: float, **extra) -> None:
