@@ -227,15 +227,17 @@ def invariant_config(n: int, k: int, dtype: torch.dtype, m: int = 1) -> Invarian
 
 
 def candidate_numerics(k: int, dtype: torch.dtype) -> list[InvariantNumerics]:
-    """Numerics worth timing for K (benchmarks/decode_gemm_triton.py): splits 1, 2, 4, 8 at the dtype's K step,
-    one per distinct effective split (`_splits`), the current choice first."""
+    """Numerics worth timing for K (benchmarks/decode_gemm_triton.py): splits 1, 2, 4, 8, at K steps of 64 and
+    128 for BF16/FP16 (FP8 always steps one scale group), one per distinct (K step, effective split), the
+    current choice first."""
     base = invariant_numerics(k, dtype)
-    out, seen = [base], {_splits(-(-k // _step(base, dtype)), base.split_k)}
-    for split in (1, 2, 4, 8):
-        cand = InvariantNumerics(base.block_k, split)
-        eff = _splits(-(-k // _step(cand, dtype)), split)
-        if eff not in seen:
-            seen.add(eff)
+    block_ks = (base.block_k,) if dtype == torch.float8_e4m3fn else tuple(dict.fromkeys((base.block_k, 64, 128)))
+    out, seen = [], set()
+    for cand in [base, *(InvariantNumerics(bk, split) for bk in block_ks for split in (1, 2, 4, 8))]:
+        step = _step(cand, dtype)
+        key = (step, _splits(-(-k // step), cand.split_k))
+        if key not in seen:
+            seen.add(key)
             out.append(cand)
     return out
 
