@@ -25,6 +25,7 @@ Cost: the kernel runs one query head per program (a GQA group re-reads its KV bl
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import ClassVar
 
@@ -46,6 +47,7 @@ __all__ = [
     "BitwiseAttentionMetadataBuilder",
     "register_bitwise_attention",
     "bitwise_attention_engine_kwargs",
+    "ENGINE_KWARGS",
     "forward_calls",
 ]
 
@@ -86,6 +88,8 @@ class BitwiseAttentionImpl(TritonAttentionImpl):
                     f"bitwise attention backend: {what} is not supported by the batch-invariant kernel; "
                     "turn the bitwise mode off for this model"
                 )
+        if importlib.util.find_spec("triton") is None:
+            raise RuntimeError("bitwise attention backend: the kernel needs Triton (vLLM's CUDA build ships it)")
 
     def fused_output_quant_supported(self, quant_key) -> bool:
         return False  # the kernel writes bf16/fp32 rows; vLLM then quantizes them with its own op
@@ -181,8 +185,21 @@ def register_bitwise_attention() -> None:
     logger.debug("bitwise attention: registered %s as vLLM's CUSTOM attention backend", _CLASS_PATH)
 
 
+ENGINE_KWARGS = {"attention_backend": BACKEND_NAME}
+
+
 def bitwise_attention_engine_kwargs() -> dict[str, str]:
     """The `vllm.LLM(...)` / `EngineArgs` keyword arguments that select this backend (no environment variable is
     needed; `vllm serve --attention-backend CUSTOM` is the CLI form). Every engine process must have run
-    `register_bitwise_attention()`; the jetrl plugin entry point does it."""
-    return {"attention_backend": BACKEND_NAME}
+    `register_bitwise_attention()`; the jetrl plugin entry point does it.
+
+    Raises on a platform other than CUDA: vLLM's CPU platform answers any selected backend with its own (one info
+    line), which would silently drop the bitwise attention."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        raise RuntimeError(
+            f"bitwise attention backend: vLLM on {current_platform.device_type!r} ignores a selected attention backend "
+            "and runs its own; the bitwise engine needs a CUDA GPU"
+        )
+    return dict(ENGINE_KWARGS)

