@@ -37,7 +37,7 @@ class _InvariantLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x2, weight)
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
         if triton_gemm and x2.dtype in _GEMM_DTYPES and weight.dtype == x2.dtype:
-            from ..kernels.invariant_gemm import linear_invariant  # fixed tiling and K order whatever M
+            from ..kernels.invariant_gemm import linear_invariant  # K order fixed by K whatever M
 
             return linear_invariant(x2, weight, bias).reshape(*lead, weight.shape[0])
         return _fp64_linear(x2, weight, bias).reshape(*lead, weight.shape[0])
@@ -57,8 +57,8 @@ class InvariantLinear(nn.Linear):
     """nn.Linear whose forward gives each row the same bits whatever the batch.
 
     - `kernels="fp64"` (CPU): float64 accumulation, rounded once to the input dtype (invariant in practice);
-    - `kernels="triton"` (CUDA): bf16/fp16 weights run `kernels.invariant_gemm.linear_invariant` (tiling and K
-      order fixed by the weight's shape, fp32 accumulation, invariant by construction); fp32 weights keep fp64.
+    - `kernels="triton"` (CUDA): bf16/fp16 weights run `kernels.invariant_gemm.linear_invariant` (K order
+      fixed by the weight's K, fp32 accumulation, invariant by construction); fp32 weights keep fp64.
     `backend` names which one it runs (the precision graph records it). Build it with
     `InvariantLinear.from_linear(linear, kernels)`: it adopts the same Parameter objects (optimizers, ZeRO
     partitioning and checkpoints see no change), as `Fp8Linear` does. The backward uses ordinary kernels."""
