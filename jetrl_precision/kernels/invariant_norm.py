@@ -2,8 +2,10 @@
 
 One program per row; the row is read in fixed chunks of `HIDDEN_BLOCK` columns, whatever the hidden size or
 the number of rows, and the sum of squares is reduced in one fixed order: a `HIDDEN_BLOCK`-wide fp32 vector
-accumulates the chunks in ascending order, then one `tl.sum` with a fixed launch shape (`NUM_WARPS`). A row's
-bits therefore depend only on that row and the weight, never on M or on where the row sits in the batch.
+accumulates the chunks in ascending order, then a fixed pairwise tree (`_tree.pairwise_sum`, not `tl.sum`, whose
+order follows the register layout Triton picks from the input's dtype, alignment and strides). A row's bits
+therefore depend only on that row and the weight, never on M, on where the row sits in the batch, or on whether
+it arrives as a fresh tensor or a view.
 
 The rounding points are those of transformers' `LlamaRMSNorm` (also Qwen2/Qwen3/Mistral's), the trainer's
 definition of the op:
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._rounding import cast_rn
+from ._tree import pairwise_sum
 
 __all__ = ["HIDDEN_BLOCK", "NUM_WARPS", "rms_norm", "fused_add_rms_norm", "rms_norm_reference"]
 
@@ -54,7 +57,7 @@ def _rms_norm_kernel(
             tl.store(res_out_ptr + row * sres_out + c, h, mask=m)
         h = h.to(tl.float32)
         acc += h * h
-    var = tl.math.div_rn(tl.sum(acc, axis=0), h_f)
+    var = tl.math.div_rn(pairwise_sum(acc, LEVELS=BLOCK.bit_length() - 1), h_f)
     rstd = tl.math.div_rn(1.0, tl.math.sqrt_rn(var + eps))
     for start in range(0, H, BLOCK):  # pass 2: normalize, round to x's dtype, multiply by the weight in fp32
         c = start + cols

@@ -7,7 +7,7 @@ reads it in fixed chunks of `VOCAB_BLOCK` logits in ascending order, whatever th
     z   = logits.float() / temperature                  IEEE division (x / 1.0 is x), as `log_probs_from_logits`
     m   = max(z)                                        exact in any order
     s   = sum(exp(z - m))                               a VOCAB_BLOCK-wide fp32 vector accumulates the chunks in
-                                                        order, then a fixed pairwise tree (`_pairwise_sum`)
+                                                        order, then a fixed pairwise tree (`_tree.pairwise_sum`)
     lse = m + log(s)
     out = z[label] - lse   (or z - lse for every column)
 The final sum is not `tl.sum`: its order follows the register layout, which Triton picks from the load's dtype
@@ -26,6 +26,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from ._tree import pairwise_sum
 
 try:  # Triton >= 3.2 spells the CUDA libdevice module like this
     from triton.language.extra import libdevice as _libdevice
@@ -65,15 +67,6 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _pairwise_sum(x, LEVELS: tl.constexpr):
-    # x has 2**LEVELS elements; each level adds elements 2i and 2i+1, the same additions in any register layout.
-    for _ in tl.static_range(LEVELS):
-        a, b = tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
-        x = a + b
-    return tl.sum(x, axis=0)  # one element left: no addition
-
-
-@triton.jit
 def _row_lse(x_ptr, row, sx, V, temperature, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     m_vec = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -87,7 +80,7 @@ def _row_lse(x_ptr, row, sx, V, temperature, BLOCK: tl.constexpr):
         c = start + cols
         z = tl.math.div_rn(tl.load(x_ptr + row * sx + c, mask=c < V, other=float("-inf")).to(tl.float32), temperature)
         acc += tl.where(c < V, _exp(z - m), 0.0)
-    return m + _log(_pairwise_sum(acc, LEVELS=BLOCK.bit_length() - 1))
+    return m + _log(pairwise_sum(acc, LEVELS=BLOCK.bit_length() - 1))
 
 
 @triton.jit

@@ -106,7 +106,7 @@ def test_log_probs_do_not_depend_on_the_logits_dtype_or_alignment(vocab):
     """The engine scores generate's fp32 logits, the trainer its model's bf16 ones (the same values); a B = 1 slice
     of the trainer's logits may start at any offset. Triton vectorizes the loads by dtype and alignment (8 bf16 or
     4 fp32 elements per thread), so a layout-ordered sum would differ in the last bit (the kernel sums in a fixed
-    pairwise tree; tests/precision/test_invariant_softmax_sm90_compile.py checks its TTGIR on CPU)."""
+    pairwise tree; tests/precision/test_invariant_reductions_sm90_compile.py checks its TTGIR on CPU)."""
     x = (_data((257, vocab), torch.float32, seed=9, spike=20.0) * 3).to(torch.bfloat16)
     labels = torch.randint(0, vocab, (257,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(10))
     odd = torch.empty(257 * vocab + 3, dtype=torch.bfloat16, device="cuda")[3:].view(257, vocab)

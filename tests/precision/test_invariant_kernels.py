@@ -146,7 +146,7 @@ def test_log_probs_rows_do_not_depend_on_the_batch():
 def test_log_probs_do_not_depend_on_the_logits_dtype_or_alignment():
     """The engine scores generate's fp32 logits, the trainer its model's bf16 ones (the same values), and a B = 1
     slice can start at any offset. The interpreter has no register layouts, so this passes here by construction;
-    tests/precision/test_invariant_softmax_sm90_compile.py and the GPU twin of this test check the compiled kernel."""
+    tests/precision/test_invariant_reductions_sm90_compile.py and the GPU twin of this test check the compiled kernel."""
     g = torch.Generator().manual_seed(5)
     x = outlier_data((4, 5001), generator=g, sigma=0.5, spikes=3, spike_factor=20.0).bfloat16()
     labels = torch.randint(0, 5001, (4,), generator=g)
