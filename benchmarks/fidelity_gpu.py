@@ -76,7 +76,10 @@ class MismatchPlan:
     gpu_mem: float = 0.12
     kv_gib: float = 8.0  # fixed KV cache: engines starting together do not size theirs off each other
     recompute_micro: int = 2  # sequences per trainer forward
-    bitwise_max_tokens: int = 1024  # the bitwise row decodes with the transformers engine (no CUDA graphs): shorter rollouts
+    # The bitwise row's engine: the transformers engine (proven on CPU), or vLLM's bitwise mode once it is proven on
+    # the GPU (tests/gpu/test_vllm_bitwise_gpu.py).
+    bitwise_engine: str = "hf"
+    bitwise_max_tokens: int = 1024  # the transformers engine decodes without CUDA graphs: shorter rollouts
     timeout: float = 420.0
     tiny: bool = False
 
@@ -240,17 +243,18 @@ def mismatch_job(a: argparse.Namespace, save) -> dict:
     recipe = dataclasses.replace(recipe, gemm_backend=invariant_gemm if bitwise else plan.gemm_backend)
     dtype, device = (torch.bfloat16, "cuda") if on_gpu else (torch.float32, "cpu")
     attn = "jetrl_invariant" if bitwise else "sdpa"
-    engine_kind = "hf" if bitwise else plan.engine
+    engine_kind = plan.bitwise_engine if bitwise else plan.engine
     tok = AutoTokenizer.from_pretrained(a.model)
     prompts = chat_prompt_ids(tok, plan.prompts, seed=2, chat=tok.chat_template is not None)
     positions = getattr(AutoConfig.from_pretrained(a.model), "max_position_embeddings", 1 << 20)
     longest = max(map(len, prompts))
-    wanted = [n for n in plan.lengths if not (bitwise and on_gpu) or n <= plan.bitwise_max_tokens] or [min(plan.lengths)]
+    slow = bitwise and on_gpu and engine_kind == "hf"
+    wanted = [n for n in plan.lengths if not slow or n <= plan.bitwise_max_tokens] or [min(plan.lengths)]
     lengths = [min(n, positions - longest) for n in wanted]  # the model's positions bound the longest
     res = {"part": "mismatch", "row": row, "recipe": recipe.name, "bitwise": bitwise, "engine": engine_kind, "model": a.model,
            "mode": "default (torch.compile + CUDA graphs)" if engine_kind == "vllm" and on_gpu else engine_kind,
            "dtype": str(dtype).split(".")[-1], "prompts": plan.prompts, "n": plan.n, "bucket": plan.bucket}
-    if bitwise:
+    if bitwise and engine_kind == "hf":
         res["vllm_refusal"] = VLLM_BITWISE_MISSING
     t0 = time.perf_counter()
     try:
@@ -263,7 +267,7 @@ def mismatch_job(a: argparse.Namespace, save) -> dict:
 
             engine = VLLMEngine(
                 a.model, recipe, dtype=res["dtype"], seed=0, gpu_memory_utilization=plan.gpu_mem, max_model_len=longest + max(lengths),
-                engine_kwargs={"kv_cache_memory_bytes": int(plan.kv_gib * (1 << 30))} if on_gpu else None,
+                engine_kwargs={"kv_cache_memory_bytes": int(plan.kv_gib * (1 << 30))} if on_gpu else None, bitwise=bitwise,
             )
         else:
             from openrlhf.trainer.engines.hf_engine import HFEngine
@@ -390,6 +394,7 @@ def mismatch_plan(a: argparse.Namespace) -> MismatchPlan:
         return MismatchPlan(lengths=(32, 64, 128), prompts=2, n=2, bucket=16, engine=a.engine or "hf", gemm_backend="auto", recompute_micro=4,
                             timeout=600.0, tiny=True)
     return MismatchPlan(lengths=tuple(a.lengths), prompts=a.mm_prompts, n=a.mm_n, bucket=a.bucket, engine=a.engine or "vllm",
+                        bitwise_engine=a.bitwise_engine,
                         gemm_backend="torch" if cuda() else "auto")
 
 
@@ -736,6 +741,8 @@ def main(argv: list[str] | None = None) -> None:
     mp.add_argument("--mm_prompts", type=int, default=MismatchPlan.prompts)
     mp.add_argument("--mm_n", type=int, default=MismatchPlan.n)
     mp.add_argument("--bucket", type=int, default=MismatchPlan.bucket)
+    mp.add_argument("--bitwise_engine", default=MismatchPlan.bitwise_engine, choices=["hf", "vllm"],
+                    help="the jet_fp8+bitwise row's engine (vllm: the bitwise vLLM engine, GPU only)")
     lp = ap.add_argument_group("learn and long")
     lp.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
     lp.add_argument("--long_runs", nargs="+", default=list(LONG_RUNS), choices=RUNS)

@@ -13,7 +13,8 @@
 #   4. no carry                        bash benchmarks/h200_fidelity.sh mismatch long                ~9.5 min
 # A call on a fresh machine (the previous one was given back) starts again from 1; calls 3 and 4 may swap.
 # Knobs: STEPS (learn, 50), SEEDS ("0"), RUNS (learn runs, "bf16 jet_fp8 fp8_rollout fp8_rollout_tis"), LENGTHS
-# ("1024 4096 8192"), LONG_STEPS (10), LONG_TOKENS (4096), BUDGET (seconds a call may spend, 570). Each stage stops
+# ("1024 4096 8192"), BITWISE_ENGINE (the bitwise row's engine: hf, or vllm once tests/gpu/test_vllm_bitwise_gpu.py
+# passes), LONG_STEPS (10), LONG_TOKENS (4096), BUDGET (seconds a call may spend, 570). Each stage stops
 # its runs at the call's budget; a learning run cut short keeps its steps (metrics.jsonl is written step by step).
 # TINY=1 runs the stages on CPU with a tiny model (a dry run here:
 #   mkdir -p /tmp/dry_fidelity && STAGE_TMP=/tmp/dry_fidelity BUDGET=1500 TINY=1 OUT=/tmp/dry_fidelity \
@@ -49,7 +50,7 @@ stage_smollm2() { kit smollm2; }
 stage_mismatch() {
   enough 150 mismatch || return 1
   # shellcheck disable=SC2086
-  fidelity mismatch --lengths ${LENGTHS:-1024 4096 8192}
+  fidelity mismatch --lengths ${LENGTHS:-1024 4096 8192} --bitwise_engine "${BITWISE_ENGINE:-hf}"
 }
 
 stage_learn() {
