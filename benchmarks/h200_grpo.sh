@@ -85,21 +85,33 @@ stage_prepare() {  # here, not on the device
   [ "$p0" -gt 0 ] && [ "$p1" -gt 0 ] || { echo "prepare: no room beside .vc0/.vc1 (checkout $repo bytes)" >&2; return 1; }
   head -c "$p0" "$xzs" > .gs0/part
   tail -c +$((p0 + 1)) "$xzs" | head -c "$p1" > .gs1/part
-  tail -c +$((p0 + p1 + 1)) "$xzs" > .gs2/part
+  # The rest rides on call 3 beside the gguf reader's wheel, and what does not fit there on call 4 (.gs3).
+  local p2=$((63 * MiB - repo - whl)) n=3
+  tail -c +$((p0 + p1 + 1)) "$xzs" | head -c "$p2" > .gs2/part
+  rm -rf .gs3
+  if [ "$total" -gt $((p0 + p1 + p2)) ]; then
+    mkdir -p .gs3 && tail -c +$((p0 + p1 + p2 + 1)) "$xzs" > .gs3/part && n=4
+    [ $((repo + $(stat -c %s .gs3/part))) -lt $((63 * MiB)) ] || { echo "prepare: call 4 would carry too much" >&2; return 1; }
+  fi
+  echo "$n" > .gs0/nparts
   local c3=$((repo + whl + $(stat -c %s .gs2/part)))
-  [ "$c3" -lt $((63 * MiB)) ] || { echo "prepare: call 3 would carry $((c3 / MiB)) MiB; too much" >&2; return 1; }
-  cat .gs0/part .gs1/part .gs2/part | cmp - "$xzs" || { echo "prepare: the parts do not rebuild the stream" >&2; return 1; }
-  for f in .gw .gs0 .gs1 .gs2 .vc0 .vc1; do
+  [ "$c3" -le $((63 * MiB)) ] || { echo "prepare: call 3 would carry $((c3 / MiB)) MiB; too much" >&2; return 1; }
+  cat .gs0/part .gs1/part .gs2/part $([ "$n" = 4 ] && echo .gs3/part) | cmp - "$xzs" \
+    || { echo "prepare: the parts do not rebuild the stream" >&2; return 1; }
+  for f in .gw .gs0 .gs1 .gs2 .gs3 .vc0 .vc1; do
     if [ -n "$(git status --porcelain --ignored=no -- "$f")" ]; then echo "prepare: $f is not git-ignored" >&2; return 1; fi
   done
   printf 'call 1 carries %5.1f MiB\ncall 2 carries %5.1f MiB\ncall 3 carries %5.1f MiB\n' \
     "$(echo "($repo + $vc0 + $(stat -c %s .gs0/part)) / $MiB" | bc -l)" \
     "$(echo "($repo + $vc1 + $gw + $(stat -c %s .gs1/part)) / $MiB" | bc -l)" "$(echo "$c3 / $MiB" | bc -l)"
+  [ "$n" = 3 ] || printf 'call 4 carries %5.1f MiB (.gs3: the model needs call 4 before `smollm2`)\n' \
+    "$(echo "($repo + $(stat -c %s .gs3/part)) / $MiB" | bc -l)"
 }
 
 stage_unpack() {  # copy what this call carries out of the checkout
   mkdir -p "$T/gw"
-  for d in vc0 vc1 gs0 gs1 gs2; do [ -f ".$d/part" ] && cp ".$d/part" "$T/${d}part" && echo "unpacked .$d"; done
+  for d in vc0 vc1 gs0 gs1 gs2 gs3; do [ -f ".$d/part" ] && cp ".$d/part" "$T/${d}part" && echo "unpacked .$d"; done
+  [ -f .gs0/nparts ] && cp .gs0/nparts "$T/gsnparts"
   for d in .gw .gs2; do compgen -G "$d/*.whl" > /dev/null && cp "$d"/*.whl "$T/gw/" && echo "unpacked $d wheels"; done
   return 0
 }
@@ -126,8 +138,13 @@ stage_speed() {
 
 stage_smollm2() {
   if [ ! -f "$T/smol_hf/tokenizer.json" ]; then  # written last by prepare_smollm2.py
-    [ -f "$T/gs0part" ] && [ -f "$T/gs1part" ] && [ -f "$T/gs2part" ] || { echo "smollm2: a .gs part is missing: calls 1-3 carry them" >&2; return 1; }
-    mkdir -p "$T/gguf" && cat "$T/gs0part" "$T/gs1part" "$T/gs2part" | xz -d > "$T/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
+    local n parts=() i
+    n=$(cat "$T/gsnparts" 2>/dev/null || echo 3)
+    for ((i = 0; i < n; i++)); do
+      [ -f "$T/gs${i}part" ] || { echo "smollm2: .gs$i is missing: the calls carrying .gs0-.gs$((n - 1)) come first" >&2; return 1; }
+      parts+=("$T/gs${i}part")
+    done
+    mkdir -p "$T/gguf" && cat "${parts[@]}" | xz -d > "$T/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
     [ -d "$T/site/gguf" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$T/site" "$T"/gw/gguf-*.whl || return 1
     python3 examples/scripts/prepare_smollm2.py --gguf "$T/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" --dtype bfloat16 --out "$T/smol_hf" || return 1
   fi
