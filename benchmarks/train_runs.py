@@ -96,7 +96,10 @@ def finish(job: dict, timeout: float) -> dict:
 
 def wait_engine_ready(job: dict, timeout: float) -> None:
     """Until the run's vLLM engine is up (its log says so), it exits, or `timeout` passes. vLLM sizes its KV cache
-    from the free memory it sees while it profiles its start-up, so two engines must not profile at the same time."""
+    from the free memory it sees while it profiles its start-up, so two engines must not profile at the same time.
+    vLLM-CPU takes a fixed KV cache (VLLM_CPU_KVCACHE_SPACE) and profiles nothing: no wait there."""
+    if not cuda():
+        return
     t0 = time.time()
     while time.time() - t0 < timeout and job["proc"].poll() is None:
         if "vLLM engine ready" in (job["out"] / "log.txt").read_text(errors="replace"):
