@@ -97,11 +97,14 @@ def start_ray(argv: list[str], out: Path) -> dict:
     return {"proc": proc, "log": log, "out": out, "t0": time.time()}
 
 
-def run_one(variant: str, recipe: str, argv: list[str], out: Path, timeout: float) -> dict:
+def start_one(variant: str, recipe: str, argv: list[str], out: Path) -> dict:
     argv = [*argv, *g.recipe_argv(recipe)]
-    job = runs.start(argv, out, runs.free_port()) if variant == "spmd1" else start_ray(argv, out)
+    return runs.start(argv, out, runs.free_port()) if variant == "spmd1" else start_ray(argv, out)
+
+
+def finish_one(job: dict, timeout: float) -> dict:
     res = runs.finish(job, timeout)
-    layout = out / "ray_layout.json"
+    layout = job["out"] / "ray_layout.json"
     res["layout"] = json.loads(layout.read_text()) if layout.exists() else None
     return res
 
@@ -111,19 +114,26 @@ def cmd_speed(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
     model, data, reward = g.speed_inputs(Path(a.workdir), plan)
     cfg = json.loads((model / "config.json").read_text())
     params = g.n_params(model)
+    shape = plan.shape(cfg, params).split(", ZeRO")[0] + f", vLLM {a.mode}"
+    runs_ = [(variant, recipe) for variant in a.variants for recipe in a.recipes]
+    # One after another: each run is timed and has the GPUs to itself. On CPU (--tiny) the times mean nothing and the
+    # runs go side by side (each python -m run starts its own local Ray): start-ups are most of a tiny run.
+    batches = [runs_] if plan.tiny else [[x] for x in runs_]
     results = []
-    for variant in a.variants:
-        for recipe in a.recipes:
+    for batch in batches:
+        jobs = {}
+        for variant, recipe in batch:
             left = deadline - time.time()
             if left < 60:
                 _log(f"speed {variant} {recipe}: skipped, {left:.0f} s before the deadline")
                 continue
-            shape = plan.shape(cfg, params).split(", ZeRO")[0] + f", vLLM {a.mode}"
-            meta = {"part": "speed", "variant": variant, "recipe": recipe, "gpus": GPUS[variant], "plan": dataclasses.asdict(plan),
-                    "shape": shape, "params": params, "mode": a.mode}
             _log(f"speed {variant} {recipe}: {shape}")
             argv = [*plan_argv(plan, model, data, reward, variant), *variant_argv(variant, plan, a.mode == "eager")]
-            res = {**meta, **run_one(variant, recipe, argv, out / "speed" / f"{variant}_{recipe}", min(plan.timeout, left))}
+            jobs[(variant, recipe)] = start_one(variant, recipe, argv, out / "speed" / f"{variant}_{recipe}")
+        for (variant, recipe), job in jobs.items():
+            meta = {"part": "speed", "variant": variant, "recipe": recipe, "gpus": GPUS[variant], "plan": dataclasses.asdict(plan),
+                    "shape": shape, "params": params, "mode": a.mode}
+            res = {**meta, **finish_one(job, min(plan.timeout, deadline - job["t0"]))}
             ok = res["rc"] == 0 and res["steps"]
             _log(f"speed {variant} {recipe}: {'done' if ok else 'FAILED'} in {res['wall_s']} s, {len(res['steps'])} steps"
                  + ("" if ok else f" (rc {res['rc']}{', timed out' if res['timed_out'] else ''})"))
