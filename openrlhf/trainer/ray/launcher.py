@@ -386,7 +386,9 @@ class _Launcher:
 
     def _wait_policy(self, futures: list, ids: list[str]) -> list:
         """Wait for every rank; on the first failure, give the others a moment to fail too (an engine
-        death reaches every rank that uses it), then report the most telling error."""
+        death reaches every rank that uses it), then report the most telling error: an engine's death,
+        which ends the wait as soon as one rank reports it (nothing a rank reports later would be chosen
+        over it; a rank blocked in a collective with a failed one would only use up the grace period)."""
         from ray.exceptions import RayActorError, RayTaskError
 
         ray = self.ray
@@ -406,6 +408,8 @@ class _Launcher:
                 errors.append(cause if isinstance(cause, BaseException) else e)
             except RayActorError as e:
                 errors.append(RayActorDiedError(ids[index[f]], "training", e))
+            if any(isinstance(e, EngineDiedError) for e in errors):
+                break
             if errors and deadline is None:
                 deadline = time.monotonic() + 15.0
         if errors:
