@@ -284,7 +284,8 @@ def cmd_sync(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
             results.append(res)
             for h in (sender, engine):
                 ray.kill(h, no_restart=True)
-            time.sleep(2.0)  # the engine's GPU memory is returned when its process exits
+            if gpu:
+                time.sleep(2.0)  # the engine's GPU memory is returned when its process exits
     finally:
         if started:
             ray.shutdown()
