@@ -5,6 +5,7 @@ import json
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -114,25 +115,28 @@ def test_resume_after_kill_matches_uninterrupted_run(task, tmp_path):
     model, data = task
     full, killed = tmp_path / "full", tmp_path / "killed"
     steps = 4
-    run([PY, "-m", "openrlhf.cli.train_ppo_ray", *grpo_args(model, data, full, "jet_fp8", steps, ["--ckpt.save_steps", "1"])])
+    # The uninterrupted run goes beside the killed one (independent runs, one thread per op each: the same results).
+    with ThreadPoolExecutor(1) as pool:
+        full_run = pool.submit(run, [PY, "-m", "openrlhf.cli.train_ppo_ray", *grpo_args(model, data, full, "jet_fp8", steps, ["--ckpt.save_steps", "1"])])
 
-    # Start the same run, SIGKILL it once the step-2 checkpoint is complete (DeepSpeed writes
-    # `latest` last), then resume.
-    args = grpo_args(model, data, killed, "jet_fp8", steps, ["--ckpt.save_steps", "1"])
-    proc = subprocess.Popen([PY, "-m", "openrlhf.cli.train_ppo_ray", *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    latest = killed / "checkpoints_ppo" / "actor" / "latest"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if latest.exists() and latest.read_text().strip() in ("global_step2", "global_step3"):
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.2)
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    killed_at = int(latest.read_text().strip()[len("global_step"):])
-    assert not (killed / "summary.json").exists()
+        # Start the same run, SIGKILL it once the step-2 checkpoint is complete (DeepSpeed writes
+        # `latest` last), then resume.
+        args = grpo_args(model, data, killed, "jet_fp8", steps, ["--ckpt.save_steps", "1"])
+        proc = subprocess.Popen([PY, "-m", "openrlhf.cli.train_ppo_ray", *args], cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        latest = killed / "checkpoints_ppo" / "actor" / "latest"
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            if latest.exists() and latest.read_text().strip() in ("global_step2", "global_step3"):
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.2)
+        proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+        killed_at = int(latest.read_text().strip()[len("global_step"):])
+        assert not (killed / "summary.json").exists()
 
-    run([PY, "-m", "openrlhf.cli.train_ppo_ray", *args, "--ckpt.load_enable"])
+        run([PY, "-m", "openrlhf.cli.train_ppo_ray", *args, "--ckpt.load_enable"])
+        full_run.result()
     resumed = metrics(killed)
     ref = metrics(full)
     # The resumed run continues at the saved step with the same data position, optimizer state and
