@@ -76,9 +76,9 @@ class MismatchPlan:
     gpu_mem: float = 0.12
     kv_gib: float = 8.0  # fixed KV cache: engines starting together do not size theirs off each other
     recompute_micro: int = 2  # sequences per trainer forward
-    # The bitwise row's engine: the transformers engine (proven on CPU), or vLLM's bitwise mode once it is proven on
-    # the GPU (tests/gpu/test_vllm_bitwise_gpu.py).
-    bitwise_engine: str = "hf"
+    # The bitwise row's engine: auto is vLLM's bitwise mode on CUDA (tests/gpu/test_vllm_bitwise_gpu.py) and the
+    # transformers engine elsewhere (vLLM's bitwise mode runs the trainer's Triton kernels, CUDA only).
+    bitwise_engine: str = "auto"
     bitwise_max_tokens: int = 1024  # the transformers engine decodes without CUDA graphs: shorter rollouts
     timeout: float = 420.0
     tiny: bool = False
@@ -228,7 +228,6 @@ def mismatch_job(a: argparse.Namespace, save) -> dict:
     from jetrl_precision import PrecisionGraph, convert_to_fp8, get_recipe, mismatch_metrics
     from jetrl_precision.batch_invariant import CUDA_INVARIANT_GEMM_BACKENDS, BitwiseUnavailable, make_batch_invariant
     from jetrl_precision.weight_sync import iter_sync_tensors
-    from openrlhf.config.validation import VLLM_BITWISE_MISSING
     from openrlhf.models.actor import Actor, load_causal_lm
     from openrlhf.trainer.engines.base import SamplingConfig
     from openrlhf.trainer.ppo_utils.experience_maker import samples_to_tensors
@@ -243,7 +242,8 @@ def mismatch_job(a: argparse.Namespace, save) -> dict:
     recipe = dataclasses.replace(recipe, gemm_backend=invariant_gemm if bitwise else plan.gemm_backend)
     dtype, device = (torch.bfloat16, "cuda") if on_gpu else (torch.float32, "cpu")
     attn = "jetrl_invariant" if bitwise else "sdpa"
-    engine_kind = plan.bitwise_engine if bitwise else plan.engine
+    bitwise_engine = plan.bitwise_engine if plan.bitwise_engine != "auto" else ("vllm" if on_gpu else "hf")
+    engine_kind = bitwise_engine if bitwise else plan.engine
     tok = AutoTokenizer.from_pretrained(a.model)
     prompts = chat_prompt_ids(tok, plan.prompts, seed=2, chat=tok.chat_template is not None)
     positions = getattr(AutoConfig.from_pretrained(a.model), "max_position_embeddings", 1 << 20)
@@ -254,8 +254,6 @@ def mismatch_job(a: argparse.Namespace, save) -> dict:
     res = {"part": "mismatch", "row": row, "recipe": recipe.name, "bitwise": bitwise, "engine": engine_kind, "model": a.model,
            "mode": "default (torch.compile + CUDA graphs)" if engine_kind == "vllm" and on_gpu else engine_kind,
            "dtype": str(dtype).split(".")[-1], "prompts": plan.prompts, "n": plan.n, "bucket": plan.bucket}
-    if bitwise and engine_kind == "hf":
-        res["vllm_refusal"] = VLLM_BITWISE_MISSING
     t0 = time.perf_counter()
     try:
         trainer = convert_to_fp8(load_causal_lm(a.model, dtype, attn).to(device), recipe, side="train").eval()
@@ -741,8 +739,8 @@ def main(argv: list[str] | None = None) -> None:
     mp.add_argument("--mm_prompts", type=int, default=MismatchPlan.prompts)
     mp.add_argument("--mm_n", type=int, default=MismatchPlan.n)
     mp.add_argument("--bucket", type=int, default=MismatchPlan.bucket)
-    mp.add_argument("--bitwise_engine", default=MismatchPlan.bitwise_engine, choices=["hf", "vllm"],
-                    help="the jet_fp8+bitwise row's engine (vllm: the bitwise vLLM engine, GPU only)")
+    mp.add_argument("--bitwise_engine", default=MismatchPlan.bitwise_engine, choices=["auto", "hf", "vllm"],
+                    help="the jet_fp8+bitwise row's engine (auto: vllm on CUDA, hf elsewhere; vllm's bitwise mode is GPU only)")
     lp = ap.add_argument_group("learn and long")
     lp.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
     lp.add_argument("--long_runs", nargs="+", default=list(LONG_RUNS), choices=RUNS)

@@ -4,7 +4,7 @@
 # SmolLM2-135M-Instruct's GGUF travel in the same git-ignored carry folders, unpacked and installed by its stages.
 #
 # Here, right before the calls (the checkout's root, the project's venv first on PATH):
-#   bash benchmarks/h200_fidelity.sh prepare       # = h200_grpo.sh prepare: .vc0 .vc1 .gw .gs0 .gs1 .gs2, sized to fit
+#   bash benchmarks/h200_fidelity.sh prepare       # = h200_grpo.sh prepare: .vc0 .vc1 .gw .gs0-.gs3, sized to fit
 # On the device, back to back (the machine keeps /tmp for 30 s after a call; a call that does not carry an ignored
 # folder removes it, so `unpack` copies what a call brings to /tmp first):
 #   1. carry [".vc0", ".gs0"]          bash benchmarks/h200_fidelity.sh unpack                       ~15 s
@@ -12,10 +12,12 @@
 #   3. carry [".gs2"]                  bash benchmarks/h200_fidelity.sh unpack smollm2 learn         ~9.5 min
 #   4. no carry                        bash benchmarks/h200_fidelity.sh mismatch long                ~9.5 min
 # A call on a fresh machine (the previous one was given back) starts again from 1; calls 3 and 4 may swap.
+# When prepare prints a fourth call (the checkout has grown, and the GGUF spills into .gs3), call 3 carries .gs2 for
+# `unpack` and other work, and the first stage needing the model comes with carry [".gs3"]: `unpack smollm2 ...`.
 # Knobs: STEPS (learn, 50), SEEDS ("0"), RUNS (learn runs, "bf16 jet_fp8 fp8_rollout fp8_rollout_tis"), LENGTHS
-# ("1024 4096 8192"), BITWISE_ENGINE (the bitwise row's engine: hf, or vllm once tests/gpu/test_vllm_bitwise_gpu.py
-# passes), LONG_STEPS (10), LONG_TOKENS (4096), BUDGET (seconds a call may spend, 570). Each stage stops
-# its runs at the call's budget; a learning run cut short keeps its steps (metrics.jsonl is written step by step).
+# ("1024 4096 8192"), BITWISE_ENGINE (the bitwise row's engine: auto = vLLM's bitwise mode on CUDA; hf), LONG_STEPS
+# (10), LONG_TOKENS (4096), BUDGET (seconds a call may spend, 570). Each stage stops its runs at the call's budget;
+# a learning run cut short keeps its steps (metrics.jsonl is written step by step).
 # TINY=1 runs the stages on CPU with a tiny model (a dry run here:
 #   mkdir -p /tmp/dry_fidelity && STAGE_TMP=/tmp/dry_fidelity BUDGET=1500 TINY=1 OUT=/tmp/dry_fidelity \
 #     bash benchmarks/h200_fidelity.sh mismatch learn long; about 10 minutes on 2 busy cores).
@@ -50,7 +52,7 @@ stage_smollm2() { kit smollm2; }
 stage_mismatch() {
   enough 150 mismatch || return 1
   # shellcheck disable=SC2086
-  fidelity mismatch --lengths ${LENGTHS:-1024 4096 8192} --bitwise_engine "${BITWISE_ENGINE:-hf}"
+  fidelity mismatch --lengths ${LENGTHS:-1024 4096 8192} --bitwise_engine "${BITWISE_ENGINE:-auto}"
 }
 
 stage_learn() {

@@ -36,7 +36,7 @@ rotary with the same cos/sin) are invariant by nature.
 
 from .attention import fp64_attention, register_triton_attention, triton_attention
 from .common import (
-    CUDA_INVARIANT_GEMM_BACKENDS, CUDA_MISSING_KERNELS, INVARIANT_ATTENTION, INVARIANT_GEMM_BACKENDS, TRITON_ATTENTION,
+    CUDA_INVARIANT_GEMM_BACKENDS, INVARIANT_ATTENTION, INVARIANT_GEMM_BACKENDS, TRITON_ATTENTION,
     BitwiseUnavailable,
 )
 from .convert import NumericsReport, make_batch_invariant, numerics_of
@@ -49,7 +49,6 @@ __all__ = [
     "TRITON_ATTENTION",
     "INVARIANT_GEMM_BACKENDS",
     "CUDA_INVARIANT_GEMM_BACKENDS",
-    "CUDA_MISSING_KERNELS",
     "BitwiseUnavailable",
     "InvariantLinear",
     "InvariantRMSNorm",

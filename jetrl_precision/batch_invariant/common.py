@@ -11,7 +11,6 @@ __all__ = [
     "TRITON_ATTENTION",
     "INVARIANT_GEMM_BACKENDS",
     "CUDA_INVARIANT_GEMM_BACKENDS",
-    "CUDA_MISSING_KERNELS",
     "BitwiseUnavailable",
 ]
 
@@ -22,16 +21,6 @@ TRITON_ATTENTION = "jetrl_invariant_triton"  # the Triton kernel shared with the
 INVARIANT_GEMM_BACKENDS = frozenset({"emulated", "triton_invariant"})
 # On CUDA the FP8 linears must run the fixed-tiling kernel; the float64 emulation is a CPU reference.
 CUDA_INVARIANT_GEMM_BACKENDS = frozenset({"triton_invariant"})
-# What --precision.bitwise still lacks on CUDA (docs/precision.md, "Bitwise mode on the H200"); the preflight names
-# it. The kernels pass their H200 tests and both engines are wired: the transformers engine, and the vLLM engine's
-# bitwise mode (integrations.vllm_bitwise). What is left is the end-to-end proof on the hardware.
-CUDA_MISSING_KERNELS = (
-    "a passing H200 run of tests/gpu/test_vllm_bitwise_gpu.py: the vLLM engine's bitwise mode (RMSNorm, rotary, "
-    "SiLU*mul, attention, the FP8/BF16 GEMMs and log-softmax on the trainer's kernels, vLLM's compiled CUDA-graph mode) "
-    "giving every sampled token the trainer's log-prob bit for bit, bf16 and jet_fp8",
-)
-
-
 class BitwiseUnavailable(RuntimeError):
     """Batch-invariant numerics cannot run here; the message names what is missing."""
 

@@ -97,8 +97,6 @@ def make_batch_invariant(
       `emulated`.
     - triton: the same linears, Llama-family RMSNorm -> InvariantRMSNorm, the attention switched to
       `jetrl_invariant_triton` (registered here); FP8 linears need the `triton_invariant` GEMM on CUDA.
-    Converting is not the whole mode: on CUDA the preflight still refuses --precision.bitwise for
-    `CUDA_MISSING_KERNELS`.
 
     Raises BitwiseUnavailable, one line naming what is missing, when Triton is missing, the device has no such
     kernels, an FP8 GEMM backend or the attention is not batch-invariant, or a norm has no invariant kernel."""

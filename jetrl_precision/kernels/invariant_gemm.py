@@ -145,31 +145,30 @@ def _t(block_n: int, block_m: int, num_warps: int, num_stages: int) -> Invariant
 # Edit them here, not at run time (the lookups cache). A TUNED_NUMERICS entry sets the bits of every GEMM with
 # that K and dtype, on the engine and the trainer alike; a TUNED_TILES entry changes only speed.
 #
-# (K, dtype name) -> numerics. K = 4096 FP8 serves Llama-3.1-8B's qkv, o and gate_up: split 1, the split of
-# each of the three shapes' fastest single tiling summed over M = 1, 64, 256 on an H200, and of gate_up's
-# (the largest of them) fastest tile at every M; it also needs no fp32 workspace at training-sized M.
+# (K, dtype name) -> numerics: per K and dtype, the (block_k, split_k) whose fastest tiles, summed over the shapes
+# with that K (Llama-3.1-8B and SmolLM2-135M projections and lm_heads) and M = 1, 32, 64, 128, 256, 1024, took the
+# least time on an H200. Split 1 also needs no fp32 workspace at training-sized M.
 TUNED_NUMERICS: dict[tuple[int, str], InvariantNumerics] = {
-    (4096, "float8_e4m3fn"): InvariantNumerics(block_k=128, split_k=1),
-    (14336, "float8_e4m3fn"): InvariantNumerics(block_k=128, split_k=4),
+    (576, "bfloat16"): InvariantNumerics(block_k=64, split_k=1),
     (576, "float8_e4m3fn"): InvariantNumerics(block_k=128, split_k=1),
     (1536, "float8_e4m3fn"): InvariantNumerics(block_k=128, split_k=1),
-    (4096, "bfloat16"): InvariantNumerics(block_k=64, split_k=1),
-    (576, "bfloat16"): InvariantNumerics(block_k=64, split_k=1),
+    (4096, "bfloat16"): InvariantNumerics(block_k=128, split_k=1),
+    (4096, "float8_e4m3fn"): InvariantNumerics(block_k=128, split_k=1),
+    (14336, "float8_e4m3fn"): InvariantNumerics(block_k=128, split_k=2),
 }
 # (N, K, dtype name) -> {M bucket's lower bound: tile}; an M uses the entry of the largest bucket <= M (else the
-# smallest). Llama-3.1-8B and SmolLM2-135M projections and lm_heads on an H200: at M = 1, 64 and 256 the fastest
-# tile that a run timing every tile at those M recorded under the numerics above.
+# smallest). The same run: at each M, the fastest tile under the numerics above (a bucket is listed where it changes).
 TUNED_TILES: dict[tuple[int, int, str], dict[int, InvariantTile]] = {
-    (6144, 4096, "float8_e4m3fn"): {1: _t(128, 32, 8, 4), 33: _t(64, 32, 4, 4), 129: _t(64, 128, 4, 3)},
-    (4096, 4096, "float8_e4m3fn"): {1: _t(64, 32, 4, 4)},
-    (28672, 4096, "float8_e4m3fn"): {1: _t(128, 16, 8, 4), 33: _t(64, 32, 4, 4), 129: _t(64, 128, 4, 3)},
-    (4096, 14336, "float8_e4m3fn"): {1: _t(128, 64, 8, 4), 33: _t(64, 64, 4, 4), 129: _t(128, 64, 8, 4)},
-    (128256, 4096, "bfloat16"): {1: _t(128, 64, 8, 4), 129: _t(128, 128, 8, 3)},
-    (960, 576, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 129: _t(64, 32, 4, 4)},
-    (576, 576, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 129: _t(64, 32, 4, 4)},
-    (3072, 576, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 33: _t(64, 32, 4, 4), 129: _t(64, 128, 4, 3)},
-    (576, 1536, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 129: _t(64, 32, 4, 4)},
-    (49152, 576, "bfloat16"): {1: _t(128, 16, 8, 4), 33: _t(64, 64, 4, 4), 129: _t(64, 128, 8, 3)},
+    (49152, 576, "bfloat16"): {1: _t(128, 16, 8, 4), 17: _t(64, 32, 4, 4), 33: _t(64, 64, 4, 4), 65: _t(64, 128, 8, 3), 257: _t(128, 128, 8, 3)},
+    (576, 576, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 129: _t(64, 32, 4, 4), 257: _t(64, 128, 4, 3)},
+    (960, 576, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 129: _t(64, 32, 4, 4), 257: _t(64, 128, 4, 3)},
+    (3072, 576, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 33: _t(64, 32, 4, 4), 65: _t(64, 64, 4, 4), 129: _t(64, 128, 4, 3)},
+    (576, 1536, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 129: _t(64, 32, 4, 4), 257: _t(64, 128, 4, 3)},
+    (128256, 4096, "bfloat16"): {1: _t(128, 16, 8, 4), 17: _t(64, 32, 4, 4), 33: _t(128, 64, 8, 4), 65: _t(128, 128, 8, 3)},
+    (4096, 4096, "float8_e4m3fn"): {1: _t(64, 16, 4, 4), 33: _t(64, 32, 4, 4), 65: _t(64, 64, 4, 4), 257: _t(64, 128, 4, 3)},
+    (6144, 4096, "float8_e4m3fn"): {1: _t(128, 16, 8, 4), 17: _t(64, 32, 4, 4), 33: _t(64, 64, 4, 4), 65: _t(64, 32, 4, 4), 129: _t(64, 128, 4, 3)},
+    (28672, 4096, "float8_e4m3fn"): {1: _t(128, 16, 8, 4), 17: _t(128, 32, 8, 4), 33: _t(64, 32, 4, 4), 65: _t(64, 128, 4, 3)},
+    (4096, 14336, "float8_e4m3fn"): {1: _t(128, 16, 8, 4), 17: _t(64, 16, 4, 4), 33: _t(64, 64, 4, 4), 65: _t(64, 128, 4, 3)},
 }
 
 

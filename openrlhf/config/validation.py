@@ -16,18 +16,9 @@ from .fields import BOUNDS, ConfigError
 from .flags import FlagSpec, default_str, flag_specs, get_field
 from .schema import GROUP_ESTIMATORS, PPOConfig, PrecisionConfig, RewardConfig
 
-__all__ = ["validate", "parse_probs", "VLLM_BITWISE_MISSING"]
+__all__ = ["validate", "parse_probs"]
 
 logger = logging.getLogger(__name__)
-
-# Why the vLLM engine does not run --precision.bitwise yet (docs/precision.md, "Bitwise mode").
-VLLM_BITWISE_MISSING = (
-    "--precision.bitwise needs the transformers engine (--rollout.engine hf or auto) for now: the vLLM engine's bitwise "
-    "mode (jetrl_fp8 with bitwise=True, CUDA only: the trainer's kernels for RMSNorm, rotary, SiLU*mul, attention, the "
-    "GEMMs and log-softmax) has no passing H200 run of tests/gpu/test_vllm_bitwise_gpu.py, the proof that its decode "
-    "log-probs equal the trainer's recompute"
-)
-
 
 def _alias_note(dest: str) -> str:
     spec = next(s for s in flag_specs() if s.dest == dest)
@@ -205,8 +196,6 @@ def _bitwise_errors(cfg: PPOConfig) -> list[str]:
             f"--precision.bitwise runs the batch-invariant attention (jetrl_invariant), not "
             f"--ds.attn_implementation {cfg.ds.attn_implementation}: drop --ds.attn_implementation"
         )
-    if cfg.rollout.engine == "vllm":
-        errors.append(VLLM_BITWISE_MISSING)
     return errors
 
 

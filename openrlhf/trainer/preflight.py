@@ -103,12 +103,10 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
             "supported yet: the digest check after every weight sync reads each layer's FP8 bytes from one engine worker, "
             "and tensor parallelism spreads them over several; use --vllm.tensor_parallel_size 1 with more --vllm.num_engines"
         )
-    if cfg.precision.bitwise and cuda:
-        from jetrl_precision.batch_invariant import CUDA_MISSING_KERNELS
-
+    if cfg.precision.bitwise and uses_vllm and not cuda:
         errors.append(
-            f"--precision.bitwise runs on CPU only: on the GPU it still lacks {'; '.join(CUDA_MISSING_KERNELS)} "
-            "(docs/precision.md, Bitwise mode); drop --precision.bitwise or hide the GPU (CUDA_VISIBLE_DEVICES=)"
+            "--precision.bitwise --rollout.engine vllm: vLLM's bitwise mode runs on CUDA (the trainer's Triton kernels in "
+            "vLLM's compiled graphs); on CPU use --rollout.engine hf, whose batch-invariant numerics are the CPU's"
         )
     if "flash_attention" in ds.attn_implementation and not (cuda and _has("flash_attn")):
         errors.append(

@@ -62,7 +62,7 @@ def test_mismatch_by_length_and_position(study):
         assert mean["jet_fp8+bitwise"] == 0.0 and max(mismatch["jet_fp8+bitwise"]["lengths"][asked]["by_position"]["abs_p99"]) == 0.0
         # FP8 rollout against a full-precision trainer is off-policy by construction
         assert mean["fp8_rollout"] > 10 * max(mean["bf16"], mean["jet_fp8"]), (asked, mean)
-    assert mismatch["jet_fp8+bitwise"]["engine"] == "hf" and "vLLM" in mismatch["jet_fp8+bitwise"]["vllm_refusal"]
+    assert mismatch["jet_fp8+bitwise"]["engine"] == "hf"  # auto: vLLM's bitwise mode is CUDA only
 
 
 def test_learning_runs_log_what_the_study_compares(study):

@@ -3,6 +3,7 @@ trainer then skips the recompute on steps a sample check proves it, and falls ba
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 
@@ -254,7 +255,6 @@ def test_two_ranks_zero3_decide_together(task, tmp_path):
     (["--precision.recipe", "fp8_rollout"], ["needs an on-policy recipe", "fp8_rollout"]),
     (["--fp8_unified", "--precision.gemm_backend", "torch"], ["torch FP8 GEMM is not batch-invariant", "emulated"]),
     (["--ds.attn_implementation", "eager"], ["jetrl_invariant", "--ds.attn_implementation eager"]),
-    (["--rollout.engine", "vllm"], ["--rollout.engine hf", "test_vllm_bitwise_gpu.py", "decode"]),
 ])
 def test_config_refusals_name_what_is_missing(extra, needles):
     with pytest.raises(ConfigError) as e:
@@ -263,14 +263,18 @@ def test_config_refusals_name_what_is_missing(extra, needles):
     assert all(n in msg for n in needles) and "\n" not in msg, msg
 
 
-def test_gpu_and_vllm_are_refused_where_the_kernels_are_missing(peaky):
+def test_vllm_bitwise_is_cuda_only_and_auto_keeps_the_transformers_engine(peaky):
     cfg = _cfg("--precision.bitwise", "--fp8_unified")
-    errors = preflight_errors(cfg, cuda=True)
-    assert len(errors) == 1 and "CPU only" in errors[0] and "RMSNorm" in errors[0] and "log-softmax" in errors[0]
-    assert preflight_errors(cfg, cuda=False) == []
-    assert engine_kind("auto", bitwise=True) == "hf"
-    with pytest.raises(BitwiseUnavailable, match="test_vllm_bitwise_gpu"):
-        build_engine(cfg, "vllm", get_recipe("jet_fp8"), rank=0, dtype=torch.float32, device="cpu")
+    vllm_cfg = _cfg("--precision.bitwise", "--fp8_unified", "--rollout.engine", "vllm")
+    assert preflight_errors(cfg, cuda=True) == [] and preflight_errors(cfg, cuda=False) == []
+    assert preflight_errors(vllm_cfg, cuda=True) == []
+    errors = preflight_errors(vllm_cfg, cuda=False)
+    assert len(errors) == 1 and "runs on CUDA" in errors[0] and "--rollout.engine hf" in errors[0], errors
+    assert engine_kind("auto", bitwise=True) == "hf" and engine_kind("vllm", bitwise=True) == "vllm"
+    if not torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+        real = _cfg("--precision.bitwise", "--fp8_unified", "--rollout.engine", "vllm", "--actor.model_name_or_path", str(peaky))
+        with pytest.raises(BitwiseUnavailable, match="runs on CUDA"):  # before vLLM starts
+            build_engine(real, "vllm", get_recipe("jet_fp8"), rank=0, dtype=torch.float32, device="cpu")
     with pytest.raises(BitwiseUnavailable, match="attention sdpa"):
         HFEngine(str(peaky), get_recipe("jet_fp8"), dtype=torch.float32, batch_invariant=True)
     assert cfg.policy_attn_implementation == "jetrl_invariant" and _cfg().policy_attn_implementation == "sdpa"

@@ -12,9 +12,7 @@ from typing import Any, Literal
 import torch
 
 from jetrl_precision import PrecisionRecipe
-from jetrl_precision.batch_invariant import BitwiseUnavailable
 from openrlhf.config import PPOConfig, RolloutConfig
-from openrlhf.config.validation import VLLM_BITWISE_MISSING
 
 from .base import RolloutEngine, SamplingConfig
 
@@ -26,12 +24,14 @@ EngineKind = Literal["vllm", "hf"]
 
 
 def engine_kind(choice: str, bitwise: bool = False) -> EngineKind:
-    """vllm or hf, as `--rollout.engine` asks (auto: vllm when it and our vLLM engine import; the transformers
-    engine with --precision.bitwise, the only engine with batch-invariant numerics)."""
+    """vllm or hf, as `--rollout.engine` asks (auto: vllm when it and our vLLM engine import). With
+    --precision.bitwise, auto keeps the transformers engine: it is the only bitwise engine on CPU, and the vLLM
+    engine's bitwise mode (CUDA) is asked for by name until a whole training loop with it has run on the H200."""
     if choice != "auto":
         return choice  # type: ignore[return-value]  # validated: vllm or hf (and hf with --precision.bitwise)
     if bitwise:
-        logger.info("--rollout.engine auto: the transformers engine (--precision.bitwise needs its batch-invariant numerics)")
+        logger.info("--rollout.engine auto with --precision.bitwise: the transformers engine; on CUDA, "
+                    "--rollout.engine vllm runs vLLM's bitwise mode instead")
         return "hf"
     try:
         import vllm  # noqa: F401
@@ -63,8 +63,6 @@ def build_engine(
     """One rollout engine of `kind` for engine/trainer rank `rank`; `dtype`/`device` are the
     transformers engine's (vLLM picks its own from `--vllm.dtype` and `--ds.param_dtype`)."""
     if kind == "vllm":
-        if cfg.precision.bitwise:  # until the H200 proof passes (validation refuses this too)
-            raise BitwiseUnavailable(VLLM_BITWISE_MISSING)
         from .vllm_engine import VLLMEngine
 
         return VLLMEngine.from_config(

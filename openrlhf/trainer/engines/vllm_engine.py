@@ -82,6 +82,13 @@ def _set_logit_temperature(worker: Any, temperature: float) -> None:
     lp.scale = lp._jetrl_base_scale / temperature
 
 
+def _bitwise_needs_cuda() -> None:
+    from jetrl_precision.batch_invariant import BitwiseUnavailable
+
+    if not torch.cuda.is_available():
+        raise BitwiseUnavailable("the bitwise vLLM engine runs on CUDA (its kernels are Triton's); on CPU use the transformers engine")
+
+
 class VLLMEngine(RolloutEngine):
     """A vLLM `LLM` running the recipe's rollout precision, driven through the engine interface."""
 
@@ -124,8 +131,7 @@ class VLLMEngine(RolloutEngine):
         if self.bitwise:
             from jetrl_precision.batch_invariant import BitwiseUnavailable
 
-            if not self.on_gpu:
-                raise BitwiseUnavailable("the bitwise vLLM engine runs on CUDA (its kernels are Triton's); on CPU use the transformers engine")
+            _bitwise_needs_cuda()
             if quantization not in ("auto", vllm_plugin.QUANT_NAME):
                 raise BitwiseUnavailable(f"the bitwise vLLM engine is a jetrl_fp8 engine, not quantization={quantization!r}")
             quantization = vllm_plugin.QUANT_NAME
@@ -224,6 +230,8 @@ class VLLMEngine(RolloutEngine):
         when `vllm.dtype` is auto; `max_model_len` (`--data.max_len`) must fit the model's positions."""
         from transformers import AutoConfig
 
+        if bitwise:
+            _bitwise_needs_cuda()
         positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
         if positions is not None and max_model_len > positions:
             raise ConfigError(
