@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,13 @@ def cli(model, data, out, *extra, steps: int = 1):
     return proc.returncode, proc.stderr
 
 
+def clis(*calls: tuple) -> list[tuple[int, str]]:
+    """`cli(*call)` for each of several independent runs, two at a time: each runs its ops on one thread, so two
+    overlap on two cores."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda c: cli(*c), calls))
+
+
 def one_line_error(rc: int, err: str, *words: str) -> str:
     """The run failed with one `error:` line holding every word, and no traceback."""
     assert rc != 0, err[-3000:]
@@ -307,19 +315,17 @@ def one_line_error(rc: int, err: str, *words: str) -> str:
 @pytest.mark.integration
 def test_cli_refuses_bad_paths_before_training(tiny_task, tmp_path):
     model, data = tiny_task
-    rc, err = cli(tmp_path / "no_model", data, tmp_path / "a")
-    one_line_error(rc, err, "--actor.model_name_or_path", "does not exist", "config.json")
-    rc, err = cli(data, data, tmp_path / "b")
-    one_line_error(rc, err, "is a file; pass the model folder")
-    rc, err = cli(tmp_path, data, tmp_path / "c")
-    one_line_error(rc, err, "has no config.json")
     # An output folder that cannot be created (a file sits where it would go): refused at once, not
     # after the run; the same for an unusable TensorBoard folder.
     (tmp_path / "occupied").write_text("a file")
-    rc, err = cli(model, data, tmp_path / "occupied")
-    one_line_error(rc, err, "--ckpt.output_dir", "is not a writable folder")
-    rc, err = cli(model, data, tmp_path / "d", "--logger.tensorboard_dir", str(tmp_path / "occupied" / "tb"))
-    one_line_error(rc, err, "--logger.tensorboard_dir", "is not a writable folder")
+    (rc_a, err_a), (rc_b, err_b), (rc_c, err_c), (rc_o, err_o), (rc_d, err_d) = clis(
+        (tmp_path / "no_model", data, tmp_path / "a"), (data, data, tmp_path / "b"), (tmp_path, data, tmp_path / "c"),
+        (model, data, tmp_path / "occupied"), (model, data, tmp_path / "d", "--logger.tensorboard_dir", str(tmp_path / "occupied" / "tb")))
+    one_line_error(rc_a, err_a, "--actor.model_name_or_path", "does not exist", "config.json")
+    one_line_error(rc_b, err_b, "is a file; pass the model folder")
+    one_line_error(rc_c, err_c, "has no config.json")
+    one_line_error(rc_o, err_o, "--ckpt.output_dir", "is not a writable folder")
+    one_line_error(rc_d, err_d, "--logger.tensorboard_dir", "is not a writable folder")
     assert not (tmp_path / "d" / "summary.json").exists() and not any((tmp_path / "d" / "checkpoints_ppo").iterdir())  # nothing ran
 
 
@@ -342,12 +348,11 @@ def test_cli_bad_prompt_data_is_one_line(tiny_task, tmp_path):
     model, data = tiny_task
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"input": "1+1=", "label": "2"}\n' * 20 + b'{"input": "\xff", "label": "2"}\n')
-    rc, err = cli(model, bad, tmp_path / "o")
-    one_line_error(rc, err, "bad.jsonl:21: byte 0xff", "re-encode the file as UTF-8")
     # A reward function that raises mid-run: one line with its file and line, on a line of its own.
     (tmp_path / "reward.py").write_text("def reward_func(queries, prompts, labels):\n    raise KeyError('answer')\n")
-    rc, err = cli(model, data, tmp_path / "r", "--reward.remote_url", str(tmp_path / "reward.py"))
-    one_line_error(rc, err, "reward_func in", "raised KeyError", "reward.py:2")
+    (rc, err), (rc_r, err_r) = clis((model, bad, tmp_path / "o"), (model, data, tmp_path / "r", "--reward.remote_url", str(tmp_path / "reward.py")))
+    one_line_error(rc, err, "bad.jsonl:21: byte 0xff", "re-encode the file as UTF-8")
+    one_line_error(rc_r, err_r, "reward_func in", "raised KeyError", "reward.py:2")
 
 
 @pytest.mark.integration
@@ -356,10 +361,12 @@ def test_max_len_is_enforced(tiny_task, tmp_path):
     """--data.max_len bounds prompt + response: prompts that leave no room are dropped (and counted),
     and a budget no prompt fits is refused."""
     model, data = tiny_task
-    rc, err = cli(model, data, tmp_path / "none", "--data.max_len", "6")  # 4 new tokens leave 2 for prompts of 4-6 chars
+    (rc, err), (rc_some, err_some) = clis(
+        (model, data, tmp_path / "none", "--data.max_len", "6"),  # 4 new tokens leave 2 for prompts of 4-6 chars
+        (model, data, tmp_path / "some", "--data.max_len", "9", "--rollout.batch_size", "8"))
     one_line_error(rc, err, "all 64 prompts are longer than 2 tokens", "raise --data.max_len")
     # A budget of 5 keeps "i+i=" for i < 10 (4-5 characters, one token each) and drops the 54 longer ones.
-    rc, err = cli(model, data, tmp_path / "some", "--data.max_len", "9", "--rollout.batch_size", "8")
+    rc, err = rc_some, err_some
     assert rc == 0, err[-3000:]
     assert "54 of 64 prompts are longer than 5 tokens (--data.max_len 9 minus --rollout.max_new_tokens 4) and are skipped" in err
 
