@@ -596,7 +596,10 @@ def plot_mismatch(results: list[dict], path: Path) -> Path | None:
     axes[1][0].set_ylabel("k3 KL estimate")
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     missing = [m["row"] for m in results if m["part"] == "mismatch" and not m.get("available")]
-    fig.suptitle(f"rollout-train mismatch by position: {Path(rows[0]['model']).name}, {rows[0]['mode']}"
+    name = Path(rows[0]["model"]).name
+    name = "SmolLM2-135M-Instruct" if "smol" in name.lower() else name
+    engines = ", ".join(sorted({f"{m['row']}: {m['engine']}" for m in rows if m["row"].endswith("+bitwise")}))
+    fig.suptitle(f"rollout-train mismatch by position: {name}, {rows[0]['mode']}" + (f" ({engines})" if engines else "")
                  + (f" (not available: {', '.join(missing)})" if missing else ""), fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

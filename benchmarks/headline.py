@@ -248,6 +248,13 @@ METRICS += (
     Metric("grpo_eval_gap_fp8_rollout_vs_bf16_pct", "pct points", FIDELITY.format("fp8_rollout (BF16 training, FP8 rollout, no TIS)"),
            _field("grpo_eval_gap_vs_bf16_pp", backend="fp8_rollout"), digits=2),
 )
+METRICS += (
+    Metric("bitwise_logprob_mismatch_smollm2", "max |dlogp|",
+           "--precision.bitwise on vLLM (default mode: torch.compile + CUDA graphs) against the trainer's recompute, "
+           "SmolLM2-135M-Instruct, bf16 and jet_fp8, every sampled token, padded and packed: the largest |dlogp| "
+           "(0.0: every log-prob has the trainer's bits)",
+           _field("bitwise_logprob_mismatch", where=lambda r: "SmolLM2" in r.get("shape", "")), digits=3),
+)
 
 
 def _round(v: float, digits: int) -> float:

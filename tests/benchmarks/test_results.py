@@ -201,3 +201,26 @@ def test_device_scripts_parse_and_name_known_sections():
     for script in ("gpu_train_speed.sh", "gpu_all.sh"):
         default = re.search(r"SECTIONS=\$\{SECTIONS:-([\w,]+)\}", (BENCH / script).read_text()).group(1)
         assert set(default.split(",")) <= known, (script, set(default.split(",")) - known)
+
+
+def test_vllm_bitwise_record_takes_the_worst_token_of_every_recipe_and_layout(tmp_path):
+    import vllm_bitwise_record as vbr
+
+    def job(recipe, differing, max_abs):
+        same = {"tokens": 100, "differing_tokens": 0, "max_abs_dlogp": 0.0}
+        return {"recipe": recipe, "model": "/tmp/smol_hf", "mode": "default (torch.compile + CUDA graphs)", "prompts": 16,
+                "date": "2026-12-02", "start_seconds": 50.0, "generate_seconds": 6.0, "padded": same,
+                "packed": {"tokens": 100, "differing_tokens": differing, "max_abs_dlogp": max_abs}}
+
+    exact = vbr.records_from([job("bf16", 0, 0.0), job("jet_fp8", 0, 0.0)], "NVIDIA H200", "cmd")
+    summary = [r for r in exact if r["name"] == "bitwise_logprob_mismatch"]
+    assert len(summary) == 1 and summary[0]["value"] == 0.0 and summary[0]["tokens_compared"] == 400
+    assert "SmolLM2" in summary[0]["shape"] and summary[0]["backend"] == "bf16+jet_fp8"
+    leaky = vbr.records_from([job("bf16", 0, 0.0), job("jet_fp8", 3, 2.5e-7)], "NVIDIA H200", "cmd")
+    worst = next(r for r in leaky if r["name"] == "bitwise_logprob_mismatch")
+    assert worst["value"] == 2.5e-7 and worst["differing_tokens"] == 3
+    per = {(r["backend"], r["shape"].rsplit(", ", 1)[-1]): r["value"] for r in leaky if r["name"] != "bitwise_logprob_mismatch"}
+    assert per == {("bf16", "padded recompute"): 0, ("bf16", "packed recompute"): 0,
+                   ("jet_fp8", "padded recompute"): 0, ("jet_fp8", "packed recompute"): 3}
+    with pytest.raises(SystemExit, match="no bitwise_"):
+        vbr.records_from([], "NVIDIA H200", "cmd")
