@@ -5,6 +5,11 @@
 #   bench8b  benchmarks/vllm_gpu.py throughput + host on a Llama-3.1-8B-shaped model (8 layers)
 #   smollm2  SmolLM2-135M-Instruct from its GGUF (.smol parts, see below), then the vLLM GPU tests
 #   sync     benchmarks/vllm_gpu.py sync (32 layers) + warm start
+#   bitwise  --precision.bitwise on vLLM, Llama-3.1-8B shape (8 layers): tests/gpu/test_vllm_bitwise_gpu.py at
+#            16 prompts x 1024 tokens, throughput of jet_fp8+bitwise against jet_fp8 and bf16 (default mode), and a
+#            weight sync into the bitwise engine with its digest check (~8 min; needs only `install`, so it also
+#            runs after h200_fidelity.sh's or h200_grpo.sh's install, which use the same /tmp/site).
+#            Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw8b` files the proof.
 #
 # SmolLM2 travels as an xz-compressed GGUF split in three (.smol0/.smol1/.smol2, each copied to /tmp in
 # the call that carries it, since a call that does not carry an ignored folder removes it).
@@ -64,6 +69,14 @@ stage_torch8b() {  # the same with the GEMM backend pinned to cuBLASLt (torch), 
 stage_sync() {
   python3 benchmarks/vllm_gpu.py sync --sync-layers 32 --syncs 2 --gemm-backend torch --out /tmp/res/sync --timeout 150 2>&1 | grep "^\[vllm_gpu\|^sync" | tail -12
   python3 benchmarks/vllm_gpu.py warm --layers 8 --recipes jet_fp8 bf16 --out /tmp/res/vllm8b --timeout 200 2>&1 | tail -4
+}
+
+stage_bitwise() {
+  JETRL_BITWISE_8B_LAYERS=8 JETRL_RESULTS_DIR=/tmp/res/vbw8b timeout 300 python3 -m pytest -q tests/gpu/test_vllm_bitwise_gpu.py 2>&1 | tail -8
+  python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes bf16 jet_fp8 jet_fp8+bitwise --gemm-backend torch \
+    --out /tmp/res/bitwise8b --timeout 300 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -10
+  python3 benchmarks/vllm_gpu.py sync --sync-layers 8 --syncs 2 --recipes jet_fp8+bitwise --out /tmp/res/bitwise8b --timeout 120 2>&1 \
+    | grep "^\[vllm_gpu\|^sync\|rror" | tail -6
 }
 
 for s in "$@"; do

@@ -254,6 +254,11 @@ METRICS += (
            "SmolLM2-135M-Instruct, bf16 and jet_fp8, every sampled token, padded and packed: the largest |dlogp| "
            "(0.0: every log-prob has the trainer's bits)",
            _field("bitwise_logprob_mismatch", where=lambda r: "SmolLM2" in r.get("shape", "")), digits=3),
+    Metric("bitwise_rollout_cost_ratio", "x jet_fp8",
+           "vLLM rollout tokens/s of jet_fp8 with --precision.bitwise over plain jet_fp8, Llama-3.1-8B shape, 256 prompts, "
+           "default mode (the record's ratio_vs_bf16 is the bitwise engine against bf16)",
+           _field("bitwise_rollout_cost_ratio", backend="jet_fp8+bitwise", where=lambda r: " 256 prompts" in r.get("shape", "")
+                  and r.get("shape", "").endswith("default"))),
 )
 
 

@@ -28,7 +28,12 @@ DEFAULT_COMMAND = ("JETRL_SMOLLM2=/tmp/smol_hf JETRL_RESULTS_DIR=$OUT/vbw python
 
 
 def _model_label(job: dict) -> str:
-    return "SmolLM2-135M-Instruct" if "smol" in Path(job["model"]).name.lower() else Path(job["model"]).name
+    name = Path(job["model"]).name
+    if "smol" in name.lower():
+        return "SmolLM2-135M-Instruct"
+    if name.startswith("llama8b_l"):  # tests/gpu/test_vllm_bitwise_gpu.py with JETRL_BITWISE_8B_LAYERS
+        return f"Llama-3.1-8B shape, {name.removeprefix('llama8b_l')} layers, random weights"
+    return name
 
 
 def records_from(jobs: list[dict], device: str, command: str) -> list[dict]:

@@ -17,6 +17,10 @@
   digest check, and sleep/wake, for bf16 and jet_fp8 (engine weights from vLLM's dummy loader: the sync
   overwrites all of them).
 
+A recipe `NAME+bitwise` (e.g. `--recipes bf16 jet_fp8 jet_fp8+bitwise`) runs the engine in the bitwise mode
+(`--precision.bitwise`: the trainer's batch-invariant kernels); its throughput against plain jet_fp8 is the
+cost of exact on-policy rollouts (`bitwise_rollout_cost_ratio`).
+
 Writes one JSON per job under --out and a summary `vllm_gpu.json`; prints a table last.
 """
 
@@ -123,12 +127,19 @@ class _Turn:
 
 
 def _recipe(a: argparse.Namespace):
+    """The recipe of `--recipe NAME[+bitwise]`, and whether the engine runs the bitwise mode (its GEMM backend is
+    then the invariant kernel, whatever --gemm-backend says)."""
     import dataclasses
 
     from jetrl_precision import get_recipe
 
-    r = get_recipe(a.recipe)
-    return dataclasses.replace(r, gemm_backend=a.gemm_backend) if a.gemm_backend else r
+    name, _, mode = a.recipe.partition("+")
+    if mode not in ("", "bitwise"):
+        raise SystemExit(f"--recipe {a.recipe}: the only suffix is +bitwise (e.g. jet_fp8+bitwise)")
+    r = get_recipe(name)
+    if mode:
+        return r, True
+    return (dataclasses.replace(r, gemm_backend=a.gemm_backend) if a.gemm_backend else r), False
 
 
 def job_throughput(a: argparse.Namespace) -> dict:
@@ -142,9 +153,10 @@ def job_throughput(a: argparse.Namespace) -> dict:
     name = f"{a.recipe}-{a.mode}"
     try:
         t0 = time.perf_counter()
+        recipe, bitwise = _recipe(a)
         engine = VLLMEngine(
-            a.model, _recipe(a), dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem, max_model_len=a.prompt_len + a.new_tokens + 8,
-            enforce_eager=a.mode == "eager", engine_kwargs={"skip_tokenizer_init": True, **_engine_extra(a.kv_gib)},
+            a.model, recipe, dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem, max_model_len=a.prompt_len + a.new_tokens + 8,
+            enforce_eager=a.mode == "eager", engine_kwargs={"skip_tokenizer_init": True, **_engine_extra(a.kv_gib)}, bitwise=bitwise,
         )
         start_s = time.perf_counter() - t0
     except BaseException:
@@ -232,7 +244,7 @@ def job_sync(a: argparse.Namespace) -> dict:
     from openrlhf.trainer.engines.base import SamplingConfig
     from openrlhf.trainer.engines.vllm_engine import VLLMEngine
 
-    recipe = _recipe(a)
+    recipe, bitwise = _recipe(a)  # a bitwise engine takes the same FP8 bytes into its invariant-GEMM layers
     cfg = LlamaConfig(num_hidden_layers=a.layers, torch_dtype="bfloat16", **SHAPE)
     torch.manual_seed(0)
     on_gpu = torch.cuda.is_available()
@@ -244,6 +256,7 @@ def job_sync(a: argparse.Namespace) -> dict:
     engine = VLLMEngine(
         a.model, recipe, dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem, max_model_len=1024, enable_sleep=True,
         enforce_eager=a.mode == "eager", engine_kwargs={"skip_tokenizer_init": True, "load_format": "dummy", **_engine_extra(a.kv_gib)},
+        bitwise=bitwise,
     )
     start_s = time.perf_counter() - t0
     fp8 = recipe.syncs_fp8_weights
@@ -382,6 +395,10 @@ def summarize(results: list[dict]) -> str:
             lines.append(f"throughput {mode:7s} {rb['prompts']:4d} prompts: bf16 {rb['tokens_per_s']:9.0f}  jet_fp8 {rf['tokens_per_s']:9.0f} tok/s"
                          f"  ratio {rf['tokens_per_s'] / rb['tokens_per_s']:.3f}")
         lines.append(f"start {mode:7s} (cold, {len(tp)} engines starting together): bf16 {base['start_seconds']} s, jet_fp8 {fp8['start_seconds']} s")
+        for bw in sorted(r for r, m in tp if m == mode and r.endswith("+bitwise")):
+            for rb, rf, rx in zip(base["runs"], fp8["runs"], tp[(bw, mode)]["runs"]):
+                lines.append(f"throughput {mode:7s} {rb['prompts']:4d} prompts: {bw} {rx['tokens_per_s']:9.0f} tok/s  "
+                             f"x jet_fp8 {rx['tokens_per_s'] / rf['tokens_per_s']:.3f}  x bf16 {rx['tokens_per_s'] / rb['tokens_per_s']:.3f}")
     for r in results:
         if r.get("job") == "throughput" and r.get("start_only"):
             lines.append(f"start default (warm cache, alone): {r['recipe']} {r['start_seconds']} s")
@@ -418,6 +435,10 @@ def records_from(folder: Path, device: str, command: str) -> list[dict]:
             ratio = run["tokens_per_s"] / base["runs"][i]["tokens_per_s"] if base and recipe != "bf16" else None
             shape = SHAPE_8B.format(layers=j["layers"], prompts=run["prompts"], new=run["output_tokens"] // run["prompts"], mode=mode)
             rec("vllm_rollout_tokens_per_s", shape, backend, run["tokens_per_s"], "tok/s", ratio, date=j.get("date"))
+            plain = tp.get((recipe.partition("+")[0], mode))
+            if recipe.endswith("+bitwise") and plain and i < len(plain["runs"]):
+                rec("bitwise_rollout_cost_ratio", shape, recipe, round(run["tokens_per_s"] / plain["runs"][i]["tokens_per_s"], 4),
+                    f"x {recipe.partition('+')[0]}", ratio, date=j.get("date"))
         rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, {mode}, cold cache, {len(tp)} engines starting together",
             backend, j["start_seconds"], "s", date=j.get("date"))
     for j in jobs:

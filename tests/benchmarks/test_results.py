@@ -224,3 +224,32 @@ def test_vllm_bitwise_record_takes_the_worst_token_of_every_recipe_and_layout(tm
                    ("jet_fp8", "padded recompute"): 0, ("jet_fp8", "packed recompute"): 3}
     with pytest.raises(SystemExit, match="no bitwise_"):
         vbr.records_from([], "NVIDIA H200", "cmd")
+
+
+def test_vllm_bitwise_throughput_rows_become_the_cost_ratio(tmp_path):
+    import argparse
+
+    import vllm_gpu
+
+    def job(recipe, tps):
+        return {"job": "throughput", "start_only": False, "recipe": recipe, "mode": "default", "layers": 8, "start_seconds": 60.0,
+                "gemm_backends": ["triton_invariant" if "bitwise" in recipe else "torch"] if recipe != "bf16" else [],
+                "quant_kernels": [], "date": "2026-12-02",
+                "runs": [{"prompts": p, "output_tokens": p * 1024, "seconds": 1.0, "tokens_per_s": t, "mean_sampled_logprob": -11.0}
+                         for p, t in zip((256, 64), tps)]}
+
+    for recipe, tps in (("bf16", (30000.0, 10000.0)), ("jet_fp8", (33000.0, 12000.0)), ("jet_fp8+bitwise", (29700.0, 9600.0))):
+        (tmp_path / f"throughput_{recipe}_default.json").write_text(json.dumps(job(recipe, tps)))
+    recs = vllm_gpu.records_from(tmp_path, "NVIDIA H200", "cmd")
+    cost = {r["shape"].split(", ")[2].split(" x ")[0]: r for r in recs if r["name"] == "bitwise_rollout_cost_ratio"}
+    assert cost["256 prompts"]["value"] == 0.9 and cost["64 prompts"]["value"] == 0.8
+    assert cost["256 prompts"]["ratio_vs_bf16"] == pytest.approx(0.99)
+    value, _ = next(m for m in headline.METRICS if m.key == "bitwise_rollout_cost_ratio").pick(
+        [dict(r, _run_file="x") for r in recs])
+    assert value == 0.9
+    text = vllm_gpu.summarize([job(r, t) for r, t in (("bf16", (30000.0, 1.0)), ("jet_fp8", (33000.0, 1.0)), ("jet_fp8+bitwise", (29700.0, 1.0)))])
+    assert "jet_fp8+bitwise" in text and "x jet_fp8 0.900" in text
+    recipe, bitwise = vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8+bitwise", gemm_backend="torch"))
+    assert bitwise and recipe.name == "jet_fp8" and recipe.gemm_backend != "torch"
+    with pytest.raises(SystemExit, match="only suffix"):
+        vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8+fast", gemm_backend=None))

@@ -6,7 +6,9 @@ prompts at T=1; the trainer-side model of the same recipe, converted as the trai
 packed. Recipes bf16 and jet_fp8. Each engine runs in its own process (`vllm_bitwise_job.py`).
 
 The model: SmolLM2-135M-Instruct (hidden 576, GQA, tied embeddings; up to 1024 new tokens) when JETRL_SMOLLM2 names
-its BF16 Hugging Face folder, else a tiny random Llama of the same shape family (128 tokens, EOS ignored). JETRL_RESULTS_DIR, if
+its BF16 Hugging Face folder; a Llama-3.1-8B-shaped random model with JETRL_BITWISE_8B_LAYERS layers (1024 new tokens
+each, EOS ignored; built on the GPU by benchmarks/vllm_gpu.py's make_model_dir); else a tiny random Llama of SmolLM2's
+shape family (128 tokens, EOS ignored). JETRL_RESULTS_DIR, if
 set, receives each job's JSON and log. On failure the message names the sequences and positions that differ and the
 first differing position's |dlogp|.
 """
@@ -38,9 +40,19 @@ RECIPES = ("bf16", "jet_fp8")
 def model(tmp_path_factory) -> tuple[Path, int, bool]:
     """(model folder, new tokens, ignore EOS)."""
     env = os.environ.get("JETRL_SMOLLM2")
+    new_tokens = int(os.environ.get("JETRL_VLLM_TEST_NEW_TOKENS", "1024"))
     if env:
-        return Path(env), int(os.environ.get("JETRL_VLLM_TEST_NEW_TOKENS", "1024")), False
-    from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model
+        return Path(env), new_tokens, False
+    from openrlhf.utils.tiny_model import TinyModelSpec, build_char_tokenizer, build_tiny_model
+
+    layers = int(os.environ.get("JETRL_BITWISE_8B_LAYERS", "0"))
+    if layers:
+        sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+        from vllm_gpu import SHAPE, make_model_dir
+
+        path = make_model_dir(tmp_path_factory.mktemp("llama8b") / f"llama8b_l{layers}", layers)
+        build_char_tokenizer(SHAPE["vocab_size"]).save_pretrained(path)  # prompts are random ids; vLLM loads one
+        return path, new_tokens, True
 
     # SmolLM2's shape family: hidden 576 (partial FP8 blocks), GQA 9/3 with head_dim 64, tied embeddings
     spec = TinyModelSpec(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
@@ -59,7 +71,8 @@ def results(model, tmp_path_factory) -> dict[str, dict]:
         f = out / f"bitwise_{path.name}_{recipe}.json"
         log = open(f.with_suffix(".log"), "w")
         cmd = [sys.executable, str(HERE / "vllm_bitwise_job.py"), "--model", str(path), "--recipe", recipe,
-               "--new-tokens", str(new_tokens), "--out", str(f), *(["--ignore-eos"] if ignore_eos else [])]
+               "--new-tokens", str(new_tokens), "--out", str(f), *(["--ignore-eos"] if ignore_eos else []),
+               *(["--gpu-mem", "0.25"] if path.name.startswith("llama8b") else [])]  # 8B-shaped weights: ~5.5 GB at 8 layers
         procs[recipe] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ)), f)
     res = {}
     for recipe, (p, f) in procs.items():
