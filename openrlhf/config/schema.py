@@ -485,9 +485,9 @@ class PrecisionConfig:
     strict: bool = opt(False, "refuse off-policy recipes (the rollout graph must be a subgraph of train fwd)")
     bitwise: bool = opt(
         False,
-        "batch-invariant numerics in the policy's forward and the transformers engine, so the engine's logprobs are "
-        "the trainer's bit for bit; a step whose sample check proves it skips the old-logprob recompute "
-        "(CPU only today; see docs/precision.md, Bitwise mode)",
+        "batch-invariant numerics in the policy's forward and the rollout engine (the transformers engine; on CUDA also "
+        "vLLM with --rollout.engine vllm), so the engine's logprobs are the trainer's bit for bit; a step whose sample "
+        "check proves it skips the old-logprob recompute (docs/precision.md, Bitwise mode)",
     )
     bitwise_check_samples: int = opt(
         2,
