@@ -11,6 +11,7 @@ GPU-only or refused features are checked to stop with one clear line instead.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -117,12 +118,35 @@ RUNS = ["train_dapo_ray_hybrid_engine.sh", "train_ppo_ray_hybrid_engine.sh", "tr
         "train_reinforce_baseline_hybrid_engine.sh", "train_ppo_with_reward_fn.sh", "train_ppo_ray_slurm.sh"]
 
 
+@pytest.fixture(scope="module")
+def script_runs(world, tmp_path_factory, request):
+    """The selected scripts of RUNS, two at a time (each run is one process running its ops on one thread): name ->
+    (argv, output folder, finished process). The first run with --ds.adam_offload JIT-builds DeepSpeed's CPUAdam; the
+    other runs go on meanwhile."""
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_script_runs_two_steps"}
+    root = tmp_path_factory.mktemp("script_runs")
+    argvs = {name: shrink(SCRIPTS[name], world, root / name / "out") for name in RUNS if name in selected}
+
+    def run_or_fail(argv):  # a run's failure is its own test's, not every test's
+        try:
+            return _run(argv)
+        except BaseException as e:  # noqa: BLE001 - pytest.fail's Failed included; re-raised in the test
+            return e
+
+    first = sorted(argvs, key=lambda name: "--ds.adam_offload" not in argvs[name])[:1]  # the build overlaps the rest
+    order = first + [name for name in argvs if name not in first]
+    with ThreadPoolExecutor(2) as pool:
+        procs = dict(zip(order, pool.map(run_or_fail, [argvs[name] for name in order])))
+    return {name: (argvs[name], root / name / "out", procs[name]) for name in argvs}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RUNS)
-def test_script_runs_two_steps(name, world, tmp_path):
-    out = tmp_path / "out"
-    argv = shrink(SCRIPTS[name], world, out)
-    proc = _run(argv)
+def test_script_runs_two_steps(name, script_runs):
+    argv, out, proc = script_runs[name]
+    if isinstance(proc, BaseException):
+        raise proc
     assert proc.returncode == 0, proc.stderr[-3000:]
     hist = metrics(out)
     assert [h["step"] for h in hist] == [1, 2], hist
