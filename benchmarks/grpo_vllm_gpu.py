@@ -47,7 +47,10 @@ for _p in (ROOT, ROOT / "benchmarks"):
 
 from train_runs import cuda as _cuda, env_info, finish, free_port, start, wait_engine_ready  # noqa: E402  benchmarks/
 
-RECIPES = ("bf16", "jet_fp8", "fp8_rollout")
+RECIPES = ("bf16", "jet_fp8", "fp8_rollout")  # what a plain run compares
+# `--recipes ... jet_fp8+bitwise` adds jet_fp8 with --precision.bitwise: the step whose proof holds skips the
+# old-logprob recompute (vLLM's bitwise mode on a GPU, the transformers engine on CPU).
+ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
@@ -162,6 +165,10 @@ SLEEP = ["--vllm.enable_sleep"]  # the engine gives its GPU memory back while tr
 def recipe_argv(recipe: str) -> list[str]:
     if recipe == "jet_fp8":
         return ["--fp8_unified"]
+    if recipe == "jet_fp8+bitwise":  # the FP8 GEMM must be the invariant one; vLLM's bitwise mode is CUDA only
+        if _cuda():
+            return ["--fp8_unified", "--precision.bitwise", "--precision.gemm_backend", "triton_invariant"]
+        return ["--fp8_unified", "--precision.bitwise", "--precision.gemm_backend", "emulated", "--rollout.engine", "hf"]
     argv = ["--precision.recipe", recipe]
     if recipe == "fp8_rollout":  # the off-policy baseline needs its importance-sampling correction
         argv += ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tis"]
@@ -374,6 +381,13 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
             rec(name, r["shape"], recipe, None if v is None else round(v, 3), "GiB")
         rec("e2e_grpo_mismatch_abs_logp_mean", r["shape"], recipe, _mean([s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps]),
             "mean |dlogp|", kl_k3=_mean([s.get("rollout_train_mismatch/kl_k3") for s in steps]))
+        plain = speed.get("jet_fp8")
+        if recipe == "jet_fp8+bitwise" and plain:
+            used = [s.get("bitwise/engine_logprobs_used") for s in steps]
+            rec("bitwise_e2e_step_ratio", r["shape"], recipe, round(phase_means(plain)["step"] / ph["step"], 4), "x jet_fp8",
+                speedup(bp and bp["step"], ph["step"]), engine_logprobs_used=used,
+                fallbacks=max((s.get("bitwise/fallbacks", 0.0) for s in r["steps"]), default=0.0),
+                old_logprob_s={"jet_fp8": round(phase_means(plain)["old logprobs"], 4), recipe: round(ph["old logprobs"], 4)})
     learn = {r["recipe"]: r for r in ok if r["part"] == "learn"}
     curves = {recipe: [s["rollout/reward"] for s in r["steps"]] for recipe, r in learn.items()}
     common = min((len(c) for c in curves.values()), default=0)  # a run cut short: compare the same steps
@@ -405,7 +419,7 @@ def plot_phases(results: list[dict], path: Path) -> Path | None:
     runs = [r for r in results if r["part"] == "speed" and usable(r)]
     if not runs:
         return None
-    runs.sort(key=lambda r: RECIPES.index(r["recipe"]))
+    runs.sort(key=lambda r: ALL_RECIPES.index(r["recipe"]))
     ph = [phase_means(r) for r in runs]
     fig, ax = plt.subplots(figsize=(2.0 * len(runs) + 4.0, 4.4))
     bottom = [0.0] * len(runs)
@@ -435,7 +449,7 @@ def plot_learning(results: list[dict], path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = sorted((r for r in results if r["part"] == "learn" and usable(r)), key=lambda r: RECIPES.index(r["recipe"]))
+    runs = sorted((r for r in results if r["part"] == "learn" and usable(r)), key=lambda r: ALL_RECIPES.index(r["recipe"]))
     if not runs:
         return None
     fig, (ax_r, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
@@ -464,7 +478,7 @@ def plot_learning(results: list[dict], path: Path) -> Path | None:
 
 def table(results: list[dict]) -> str:
     lines = []
-    speed = sorted((r for r in results if r["part"] == "speed"), key=lambda r: RECIPES.index(r["recipe"]))
+    speed = sorted((r for r in results if r["part"] == "speed"), key=lambda r: ALL_RECIPES.index(r["recipe"]))
     if speed:
         cols = [label for label, _ in PHASES] + ["other", "step"]
         lines += ["| recipe | " + " | ".join(cols) + " | vs bf16 | peak alloc GiB | awake / asleep device GiB | mismatch |",
@@ -480,7 +494,7 @@ def table(results: list[dict]) -> str:
             lines.append(f"| {r['recipe']} | " + " | ".join(f"{p[c]:.2f}" for c in cols) + f" | {ratio} | {mem('memory/peak_allocated_gib')} | "
                          f"{mem('memory/rollout_engine_awake_device_used_gib')} / {mem('memory/train_engine_asleep_device_used_gib')} | "
                          f"{last['rollout_train_mismatch/abs_logp_diff_mean']:.3g} |")
-    learn = sorted((r for r in results if r["part"] == "learn"), key=lambda r: RECIPES.index(r["recipe"]))
+    learn = sorted((r for r in results if r["part"] == "learn"), key=lambda r: ALL_RECIPES.index(r["recipe"]))
     if learn:
         lines += ["", "| recipe | steps | first reward | last-quarter reward | mismatch (mean over steps) | held-out pass@1 (last) |",
                   "|---|---|---|---|---|---|"]
@@ -536,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("what", choices=["speed", "learn", "all", "report"])
     ap.add_argument("--out", default=os.environ.get("OUT", "grpo_vllm_out"), help="results folder (one JSON per run, run folders)")
     ap.add_argument("--workdir", default="/tmp/grpo_vllm", help="models and data")
-    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=ALL_RECIPES)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny models, 2 steps per recipe")
     ap.add_argument("--deadline", type=float, default=None, help="seconds from now after which no new run starts, and runs are stopped")
     ap.add_argument("--run_timeout", type=float, default=None, help="seconds per run (speed: 290, learn: 500)")

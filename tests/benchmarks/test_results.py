@@ -253,3 +253,26 @@ def test_vllm_bitwise_throughput_rows_become_the_cost_ratio(tmp_path):
     assert bitwise and recipe.name == "jet_fp8" and recipe.gemm_backend != "torch"
     with pytest.raises(SystemExit, match="only suffix"):
         vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8+fast", gemm_backend=None))
+
+
+def test_grpo_bitwise_recipe_flags_and_its_step_ratio():
+    import grpo_vllm_gpu as g
+
+    argv = g.recipe_argv("jet_fp8+bitwise")
+    assert "--precision.bitwise" in argv and "--fp8_unified" in argv
+    if torch.cuda.is_available():
+        assert argv[argv.index("--precision.gemm_backend") + 1] == "triton_invariant" and "--rollout.engine" not in argv
+    else:  # vLLM's bitwise mode is CUDA only: the transformers engine, the float64-emulated FP8 GEMM
+        assert argv[argv.index("--rollout.engine") + 1] == "hf" and argv[argv.index("--precision.gemm_backend") + 1] == "emulated"
+
+    def run(recipe, old_s, step_s):
+        steps = [{"perf/step_s": step_s, "perf/generate_s": 1.0, "perf/old_logprob_s": old_s, "perf/train_s": 2.0,
+                  "perf/rollout_tokens_per_s": 1000.0, "rollout_train_mismatch/abs_logp_diff_mean": 0.0,
+                  "bitwise/engine_logprobs_used": 1.0, "bitwise/fallbacks": 0.0} for _ in range(3)]
+        return {"part": "speed", "recipe": recipe, "rc": 0, "timed_out": False, "steps": steps, "shape": "s", "params": 1,
+                "wall_s": 1.0, "plan": {"layers": 8, "gemm_backend": "torch"}}
+
+    recs = g.records_from([run("bf16", 1.0, 6.0), run("jet_fp8", 0.8, 5.0), run("jet_fp8+bitwise", 0.1, 4.0)], {}, "cmd")
+    r = next(r for r in recs if r["name"] == "bitwise_e2e_step_ratio")
+    assert r["value"] == 1.25 and r["ratio_vs_bf16"] == 1.5 and r["old_logprob_s"] == {"jet_fp8": 0.8, "jet_fp8+bitwise": 0.1}
+    assert r["engine_logprobs_used"] == [1.0, 1.0] and r["fallbacks"] == 0.0
