@@ -2,11 +2,13 @@
 
 A vLLM engine in bitwise mode (`integrations.vllm_bitwise`) routes its RMSNorm, rotary, SiLU*mul and high-precision
 linears through these ops. Each computes exactly what the trainer's converted transformers model computes:
-- `rms_norm` / `add_rms_norm`: `InvariantRMSNorm`'s Triton kernel; the fused residual add is transformers'
-  `residual + hidden_states` in the model dtype, done first in eager torch, as the decoder layer does it;
+- `rms_norm` / `add_rms_norm`: `InvariantRMSNorm`'s Triton kernel; `add_rms_norm` runs its fused form, whose add is
+  rounded to the model dtype before the norm, as transformers' unfused `residual + hidden_states` is;
 - `rotary`: transformers' `LlamaRotaryEmbedding.forward` (fp32 `position * inv_freq`, cos/sin scaled then rounded to
   the model dtype) and `apply_rotary_pos_emb` (`q * cos + rotate_half(q) * sin`, each product and the sum rounded as
-  eager torch rounds them), on vLLM's [tokens, heads * head_dim] layout (neox style, the whole head rotated);
+  eager torch rounds them), on vLLM's [tokens, heads * head_dim] layout (neox style, the whole head rotated). The
+  cos/sin come from a table of every position built once with those same ops (`rope_table`); on CUDA in bf16 one
+  Triton kernel (`kernels.invariant_rotary`) then rotates query and key, elsewhere eager torch does;
 - `silu_and_mul`: transformers' `act_fn(gate) * up` (silu rounded to the model dtype, then the product);
 - `linear`: `kernels.invariant_gemm.linear_invariant`, `InvariantLinear`'s Triton GEMM.
 They are `torch.library.custom_op`s so that torch.compile (vLLM's default mode) sees one node each and cannot fuse
@@ -22,6 +24,7 @@ import torch
 
 __all__ = [
     "hf_rope_inv_freq",
+    "rope_table",
     "rotary_reference",
     "silu_and_mul_reference",
     "add_rms_norm_reference",
@@ -58,6 +61,26 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: in
     return out.reshape(x.shape)
 
 
+def rope_table(inv_freq: torch.Tensor, scaling: float, max_positions: int, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """[max_positions, 2 * head_dim]: cos | sin of every position, each element computed as transformers computes it
+    for that position (elementwise ops: a row's bits do not depend on which other positions are computed with it)."""
+    positions = torch.arange(max_positions, device=device if device is not None else inv_freq.device)
+    cos, sin = _cos_sin(positions, inv_freq, scaling, dtype)
+    return torch.cat((cos, sin), dim=-1).contiguous()
+
+
+def _rotary_from_table(positions: torch.Tensor, x: torch.Tensor, table: torch.Tensor, head_size: int) -> torch.Tensor:
+    if table.dtype != x.dtype:  # transformers rounds cos/sin to the activations' dtype before multiplying
+        raise ValueError(f"bitwise rotary: the cos/sin table is {table.dtype}, the query/key {x.dtype}; build it in the model dtype")
+    if x.is_cuda and x.dtype == torch.bfloat16 and table.dtype == torch.bfloat16 and (head_size // 2) & (head_size // 2 - 1) == 0:
+        from ..kernels.invariant_rotary import rotary_bf16
+
+        return rotary_bf16(positions, x, table, head_size)
+    rows = table.index_select(0, positions)
+    return _rotate(x, rows[:, :head_size], rows[:, head_size:], head_size).contiguous()
+
+
 def rotary_reference(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, inv_freq: torch.Tensor, scaling: float, head_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +92,9 @@ def rotary_reference(
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """transformers' `act_fn(gate) * up` for vLLM's fused [..., 2 * d] gate_up output (gate first)."""
     d = x.shape[-1] // 2
-    # contiguous halves: the CPU kernels then see the same flat loop as the trainer's separate gate/up tensors
-    gate, up = x[..., :d].contiguous(), x[..., d:].contiguous()
+    gate, up = x[..., :d], x[..., d:]
+    if not x.is_cuda:  # contiguous halves: the CPU kernels then see the same flat loop as the trainer's gate/up
+        gate, up = gate.contiguous(), up.contiguous()
     return torch.nn.functional.silu(gate) * up
 
 
@@ -100,7 +124,10 @@ def _register() -> None:
         f"{OPS}::add_rms_norm", mutates_args=(), schema="(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)"
     )
     def _add_rms_norm(x, residual, weight, eps):
-        y, r = add_rms_norm_reference(x, residual, weight, eps)
+        from ..kernels.invariant_norm import fused_add_rms_norm
+
+        # one kernel: its add rounds as the decoder layer's eager `residual + x` does (add_rms_norm_reference)
+        y, r = fused_add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
         return y.contiguous(), r.contiguous()
 
     @_add_rms_norm.register_fake
@@ -109,14 +136,13 @@ def _register() -> None:
 
     @torch.library.custom_op(
         f"{OPS}::rotary", mutates_args=(),
-        schema="(Tensor positions, Tensor query, Tensor key, Tensor inv_freq, float scaling, int head_size) -> (Tensor, Tensor)",
+        schema="(Tensor positions, Tensor query, Tensor key, Tensor table, int head_size) -> (Tensor, Tensor)",
     )
-    def _rotary(positions, query, key, inv_freq, scaling, head_size):
-        q, k = rotary_reference(positions, query, key, inv_freq, scaling, head_size)
-        return q.contiguous(), k.contiguous()
+    def _rotary(positions, query, key, table, head_size):
+        return _rotary_from_table(positions, query, table, head_size), _rotary_from_table(positions, key, table, head_size)
 
     @_rotary.register_fake
-    def _(positions, query, key, inv_freq, scaling, head_size):
+    def _(positions, query, key, table, head_size):
         return query.new_empty(query.shape), key.new_empty(key.shape)
 
     @torch.library.custom_op(f"{OPS}::silu_and_mul", mutates_args=(), schema="(Tensor x) -> Tensor")

@@ -103,14 +103,17 @@ class _BitwiseRotary:
             raise BitwiseUnavailable(
                 f"bitwise vLLM engine: transformers gives {inv_freq.numel()} rotary frequencies for head_size {self.head_size}"
             )
-        self.register_buffer("jetrl_inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
-        self.jetrl_rope_scaling = scaling
+        # cos | sin of every position, once, in the model dtype: the decode step then gathers rows instead of
+        # recomputing them in every layer
+        dtype = _current_vllm_config().model_config.dtype
+        table = engine_ops.rope_table(inv_freq.to(torch.get_default_device()), scaling, self.max_position_embeddings, dtype)
+        self.register_buffer("jetrl_rope_table", table, persistent=False)
         self._forward_method = self._forward_bitwise
 
     def _forward_bitwise(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
         if key is None:
             raise BitwiseUnavailable("bitwise vLLM engine: rotary without a key (cross-layer KV sharing) is not supported")
-        q, k = _OPS.rotary(positions.flatten(), query, key, self.jetrl_inv_freq, self.jetrl_rope_scaling, self.head_size)
+        q, k = _OPS.rotary(positions.flatten(), query, key, self.jetrl_rope_table, self.head_size)
         return q, k
 
 

@@ -3,7 +3,9 @@ transformers computation bit for bit (kind 1, exact), run for real on CPU by Tri
 - `rms_norm` = `InvariantRMSNorm.from_norm(LlamaRMSNorm)`;
 - `add_rms_norm` (vLLM's norm with a residual) = the decoder layer's `residual + hidden_states` in the model dtype,
   then `InvariantRMSNorm`; its residual output is that sum;
-- a row's bits do not depend on the rows beside it (decode of one token against a prefill batch).
+- a row's bits do not depend on the rows beside it (decode of one token against a prefill batch);
+- the rotary kernel the `rotary` op runs on CUDA (`kernels.invariant_rotary`) = transformers' rotary, through the
+  cos/sin table, for a query sliced out of a fused qkv row (strided) and a key, at positions up to 8k.
 
 Skipped where Triton is not installed (the CI venv has none) and where CUDA is present (the GPU test covers the
 ops there). Like test_invariant_kernels.py it turns TRITON_INTERPRET=1 on for its process; run it on its own:
@@ -77,3 +79,31 @@ def test_a_row_is_the_same_alone_and_in_a_batch():
     y1, r1 = OPS.add_rms_norm(hidden[17:18], residual[17:18], norm.weight, norm.variance_epsilon)
     assert_same_bits(y1, y[17:18], "decode row against the batch")
     assert_same_bits(r1, r[17:18], "decode residual against the batch")
+
+
+def test_rotary_kernel_is_transformers_through_the_table():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from jetrl_precision.kernels.invariant_rotary import rotary_bf16
+
+    heads, kv, d = 9, 3, 64  # SmolLM2's attention
+    cfg = LlamaConfig(hidden_size=heads * d, num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=256,
+                      num_hidden_layers=1, vocab_size=128, max_position_embeddings=8192, rope_theta=100000.0)
+    g = torch.Generator().manual_seed(4)
+    pos = torch.cat([torch.arange(5), torch.randint(5, 8192, (10,), generator=g), torch.tensor([8191])])
+    q = outlier_data((1, heads, pos.numel(), d), generator=g).to(torch.bfloat16)
+    k = outlier_data((1, kv, pos.numel(), d), generator=g).to(torch.bfloat16)
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, pos[None])
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    inv_freq, scaling = engine_ops.hf_rope_inv_freq(cfg)
+    table = engine_ops.rope_table(inv_freq, scaling, cfg.max_position_embeddings, torch.bfloat16)
+    q_v, k_v = q[0].transpose(0, 1).reshape(-1, heads * d), k[0].transpose(0, 1).reshape(-1, kv * d)
+    qkv = torch.cat([q_v, k_v, k_v], dim=-1)  # vLLM slices query and key out of the fused projection
+    q_out = rotary_bf16(pos, qkv[:, : heads * d], table, d)
+    k_out = rotary_bf16(pos, qkv[:, heads * d : (heads + kv) * d], table, d)
+    assert_same_bits(q_out, q_ref[0].transpose(0, 1).reshape(-1, heads * d), "rotary kernel query")
+    assert_same_bits(k_out, k_ref[0].transpose(0, 1).reshape(-1, kv * d), "rotary kernel key")
+    # one token alone (a decode step) gives its row of the batch
+    assert_same_bits(rotary_bf16(pos[7:8], q_v[7:8], table, d), q_out[7:8], "rotary kernel, one token")
+    with pytest.raises(ValueError, match="bf16"):
+        rotary_bf16(pos, q_v.float(), table, d)

@@ -57,12 +57,13 @@ def test_rotary_is_transformers_bit_for_bit(rope):
     # vLLM's layout: tokens in order (batch-major), heads * head_dim per token
     q_v = q.transpose(1, 2).reshape(b * s, heads * d)
     k_v = k.transpose(1, 2).reshape(b * s, kv * d)
-    q_out, k_out = OPS.rotary(position_ids.reshape(-1), q_v, k_v, inv_freq, scaling, d)
+    table = engine_ops.rope_table(inv_freq, scaling, cfg.max_position_embeddings, torch.bfloat16)
+    q_out, k_out = OPS.rotary(position_ids.reshape(-1), q_v, k_v, table, d)
     assert_same_bits(q_out, q_ref.transpose(1, 2).reshape(b * s, heads * d), f"{rope} query")
     assert_same_bits(k_out, k_ref.transpose(1, 2).reshape(b * s, kv * d), f"{rope} key")
     # a non-contiguous query (vLLM slices it out of the fused qkv output) gives the same bits
     qkv = torch.cat([q_v, k_v, k_v], dim=-1)
-    q_out2, _ = OPS.rotary(position_ids.reshape(-1), qkv[:, : heads * d], qkv[:, heads * d : (heads + kv) * d], inv_freq, scaling, d)
+    q_out2, _ = OPS.rotary(position_ids.reshape(-1), qkv[:, : heads * d], qkv[:, heads * d : (heads + kv) * d], table, d)
     assert_same_bits(q_out2, q_out, f"{rope} query sliced from qkv")
 
 
@@ -84,11 +85,12 @@ def test_ops_compile_as_single_opaque_nodes():
     cfg = _config("default", heads=2, kv_heads=1, head_dim=32)
     inv_freq, scaling = engine_ops.hf_rope_inv_freq(cfg)
     pos = torch.tensor([0, 1, 7, 300, 4000])
+    table = engine_ops.rope_table(inv_freq, scaling, 8192, torch.bfloat16)
     q, k = outlier_data((5, 64), generator=g).to(torch.bfloat16), outlier_data((5, 32), generator=g).to(torch.bfloat16)
 
     def f(x, pos, q, k):
         y = OPS.silu_and_mul(x) * 2
-        return y, *OPS.rotary(pos, q, k, inv_freq, scaling, 32)
+        return y, *OPS.rotary(pos, q, k, table, 32)
 
     eager = f(x, pos, q, k)
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(x, pos, q, k)

@@ -43,7 +43,7 @@ def registered():
 def _build(fn, *, bitwise: bool, hf_config=None, monkeypatch=None):
     """Call fn under a vLLM config whose quant config is (or is not) a bitwise jetrl_fp8 one."""
     settings = vllm_plugin.JetFp8Settings(get_recipe("bf16"), bitwise=bitwise)
-    fake = SimpleNamespace(quant_config=JetFp8Config(settings), model_config=SimpleNamespace(hf_text_config=hf_config))
+    fake = SimpleNamespace(quant_config=JetFp8Config(settings), model_config=SimpleNamespace(hf_text_config=hf_config, dtype=torch.bfloat16))
     monkeypatch.setattr(vllm_bitwise, "_current_vllm_config", lambda: fake)
     with set_current_vllm_config(VllmConfig()):
         return fn()
