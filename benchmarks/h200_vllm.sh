@@ -10,6 +10,8 @@
 #            weight sync into the bitwise engine with its digest check (~8 min; needs only `install`, so it also
 #            runs after h200_fidelity.sh's or h200_grpo.sh's install, which use the same /tmp/site).
 #            Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw8b` files the proof.
+#   profile  benchmarks/vllm_decode_profile.py: one decode step's GPU time by kernel group, bf16 / jet_fp8 /
+#            jet_fp8+bitwise, 8 layers, 256 sequences (~5 min; needs only `install`)
 #
 # SmolLM2 travels as an xz-compressed GGUF split in three (.smol0/.smol1/.smol2, each copied to /tmp in
 # the call that carries it, since a call that does not carry an ignored folder removes it).
@@ -77,6 +79,10 @@ stage_bitwise() {
     --out /tmp/res/bitwise8b --timeout 300 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -10
   python3 benchmarks/vllm_gpu.py sync --sync-layers 8 --syncs 2 --recipes jet_fp8+bitwise --out /tmp/res/bitwise8b --timeout 120 2>&1 \
     | grep "^\[vllm_gpu\|^sync\|rror" | tail -6
+}
+
+stage_profile() {
+  python3 benchmarks/vllm_decode_profile.py --layers 8 --prompts 256 --out /tmp/res/profile8b --timeout 200 2>&1 | tail -60
 }
 
 for s in "$@"; do

@@ -276,3 +276,25 @@ def test_grpo_bitwise_recipe_flags_and_its_step_ratio():
     r = next(r for r in recs if r["name"] == "bitwise_e2e_step_ratio")
     assert r["value"] == 1.25 and r["ratio_vs_bf16"] == 1.5 and r["old_logprob_s"] == {"jet_fp8": 0.8, "jet_fp8+bitwise": 0.1}
     assert r["engine_logprobs_used"] == [1.0, 1.0] and r["fallbacks"] == 0.0
+
+
+def test_decode_profile_groups_kernels_and_subtracts_the_prefill():
+    import vllm_decode_profile as vdp
+
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32": "gemm", "nvjet_tst_128x64_64x4": "gemm", "_fp8_kernel": "gemm",
+        "_sum_splits_kernel": "gemm", "_quantize_1x128_kernel": "quantize", "_attention_kernel": "attention",
+        "kernel_unified_attention_2d": "attention", "reshape_and_cache_flash_kernel": "attention",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "norm", "_rms_norm_kernel": "norm",
+        "_rotary_kernel": "rotary", "rotary_embedding_kernel": "rotary", "act_and_mul_kernel": "silu*mul",
+        "_log_softmax_kernel": "sampler/log-probs", "void at::native::elementwise_kernel<128, 4>": "other",
+    }
+    assert {n: vdp.category(n) for n in names} == names
+    per = vdp.decode_kernels({"a": 100.0, "b": 50.0, "c": 10.0}, {"a": 420.0, "b": 49.0, "d": 64.0}, steps=32)
+    assert per == {"a": 10.0, "b": 0.0, "c": 0.0, "d": 2.0}
+    res = [{"recipe": r, "mode": "default", "layers": 8, "prompts": 256, "prompt_len": 256, "steps": 32, "kernels_captured": k,
+            "decode_step_wall_us": w, "decode_step_kernel_us": w - 50, "categories_us": {"gemm": w - 100, "attention": 50.0},
+            "top_kernels_us": [["x", 1.0, "gemm"]]} for r, w, k in (("bf16", 900.0, 40), ("jet_fp8", 1000.0, 0))]
+    text = vdp.summarize(res)
+    assert "| gemm | 800.0 | 900.0 |" in text and "| wall | 900 | 1000 |" in text
+    assert "jet_fp8: the profiler recorded no GPU kernels" in text

@@ -1,0 +1,183 @@
+"""Where a vLLM decode step's GPU time goes, kernel by kernel: bf16 against jet_fp8 (and jet_fp8+bitwise).
+
+    python benchmarks/vllm_decode_profile.py --recipes bf16 jet_fp8 jet_fp8+bitwise --layers 8 --prompts 256 --out DIR
+    python benchmarks/vllm_decode_profile.py --from DIR            # the table again, from the jobs' JSON
+
+Each recipe runs in its own process (vLLM keeps GPU memory until its process ends): a Llama-3.1-8B-shaped engine
+(random weights, `--layers` layers; benchmarks/vllm_gpu.py's model) in vLLM's default mode (torch.compile + CUDA
+graphs) or eager, warmed up, then profiled by torch.profiler twice: a generate of `--prompts` prompts with one new
+token (prefill and one sample), and the same with 1 + `--steps` new tokens. The difference, per kernel, divided by
+`--steps`, is what one decode step of that many sequences spends, prefill excluded; kernels launched inside CUDA-graph
+replays are recorded by CUPTI like any other. Kernels are grouped by name (`CATEGORIES`: GEMM, activation quantizer,
+attention, norm, rotary, SiLU*mul, sampler and log-probs, other), and the table puts the recipes side by side with
+the wall time per decode step. It answers what the throughput ratio alone cannot: which part of the step FP8 makes
+faster or slower, and what the bitwise mode's kernels cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for _p in (ROOT, ROOT / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+__all__ = ["CATEGORIES", "category", "decode_kernels", "summarize", "main"]
+
+# First match wins: the attention and norm names come before the GEMM patterns some of them would also match.
+CATEGORIES = (
+    ("attention", r"attn|attention|flash|fmha|paged|reshape_and_cache|kv_cache"),
+    ("norm", r"rms|norm|rsqrt"),
+    ("rotary", r"rotary|rope"),
+    ("silu*mul", r"silu|act_and_mul|swiglu"),
+    ("sampler/log-probs", r"softmax|sampl|topk|top_k|argmax|logprob|gumbel|exponential|multinomial|argsort|sort"),
+    ("quantize", r"quant"),
+    ("gemm", r"gemm|gemv|cutlass|xmma|nvjet|matmul|scaled_mm|cublas|splitk|^_fp8_kernel$|^_bf16_kernel$|_sum_splits"),
+)
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    for cat, pattern in CATEGORIES:
+        if re.search(pattern, name):
+            return cat
+    return "other"
+
+
+def decode_kernels(short: dict[str, float], long: dict[str, float], steps: int) -> dict[str, float]:
+    """us per decode step per kernel: (long - short) / steps, kernels only in one profile counted as 0 in the other;
+    small negatives (noise in kernels that both runs launch equally) are clipped to 0."""
+    return {k: max(0.0, (long.get(k, 0.0) - short.get(k, 0.0)) / steps) for k in sorted(set(short) | set(long))}
+
+
+def _profile(llm, prompts, max_tokens: int) -> tuple[dict[str, float], float]:
+    """(device us per kernel name, wall seconds) of one generate."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        us = getattr(ev, "cuda_time_total", 0.0) if us is None else us
+        if us and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+            out[ev.key] = out.get(ev.key, 0.0) + float(us)
+    return out, wall
+
+
+def job(a: argparse.Namespace) -> dict:
+    import torch
+
+    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+    from vllm_gpu import SHAPE, _engine_extra, _recipe
+
+    a.gemm_backend = a.gemm_backend or None
+    recipe, bitwise = _recipe(a)
+    engine = VLLMEngine(a.model, recipe, dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem,
+                        max_model_len=a.prompt_len + a.steps + 16, enforce_eager=a.mode == "eager",
+                        engine_kwargs={"skip_tokenizer_init": True, **_engine_extra(a.kv_gib)}, bitwise=bitwise)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(10, SHAPE["vocab_size"] - 10, (a.prompt_len,), generator=g).tolist()}
+               for _ in range(a.prompts)]
+    _profile(engine.llm, prompts, 1 + a.steps)  # warm-up: graphs captured, kernels compiled and tuned
+    short, wall_short = _profile(engine.llm, prompts, 1)
+    long, wall_long = _profile(engine.llm, prompts, 1 + a.steps)
+    engine.shutdown()
+    per_kernel = decode_kernels(short, long, a.steps)
+    cats: dict[str, float] = {}
+    for k, us in per_kernel.items():
+        cats[category(k)] = cats.get(category(k), 0.0) + us
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
+    return {"job": "decode_profile", "recipe": a.recipe, "mode": a.mode, "layers": a.layers, "prompts": a.prompts,
+            "prompt_len": a.prompt_len, "steps": a.steps, "kernels_captured": len(long),
+            "decode_step_wall_us": round(1e6 * (wall_long - wall_short) / a.steps, 1),
+            "decode_step_kernel_us": round(sum(per_kernel.values()), 1),
+            "categories_us": {c: round(v, 2) for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "top_kernels_us": [[k, round(v, 2), category(k)] for k, v in top], "date": time.strftime("%Y-%m-%d")}
+
+
+def summarize(results: list[dict]) -> str:
+    if not results:
+        return "no profiles"
+    cats = [c for c, _ in CATEGORIES] + ["other"]
+    head = "| per decode step (us) | " + " | ".join(f"{r['recipe']} ({r['mode']})" for r in results) + " |"
+    lines = [f"{results[0]['prompts']} sequences, {results[0]['layers']} layers, prompt {results[0]['prompt_len']}, "
+             f"{results[0]['steps']} decode steps profiled", "", head, "|---" * (len(results) + 1) + "|"]
+    lines.append("| wall | " + " | ".join(f"{r['decode_step_wall_us']:.0f}" for r in results) + " |")
+    lines.append("| GPU kernels, total | " + " | ".join(f"{r['decode_step_kernel_us']:.0f}" for r in results) + " |")
+    for c in cats:
+        if any(r["categories_us"].get(c) for r in results):
+            lines.append(f"| {c} | " + " | ".join(f"{r['categories_us'].get(c, 0.0):.1f}" for r in results) + " |")
+    for r in results:
+        if not r["kernels_captured"]:
+            lines.append(f"\n{r['recipe']}: the profiler recorded no GPU kernels (CUPTI unavailable?): its columns are empty")
+        lines += ["", f"{r['recipe']} ({r['mode']}), top kernels per decode step:"]
+        lines += [f"  {us:8.1f} us  {cat:17s} {name[:110]}" for name, us, cat in r["top_kernels_us"][:12]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8", "jet_fp8+bitwise"])
+    ap.add_argument("--recipe", default=None, help=argparse.SUPPRESS)  # one job (the child process)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="default", choices=["default", "eager"])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--gpu-mem", type=float, default=0.3)
+    ap.add_argument("--kv-gib", type=float, default=12.0)
+    ap.add_argument("--gemm-backend", default="torch", help="the plain recipes' FP8 GEMM (the bitwise one is always invariant)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="per recipe")
+    ap.add_argument("--out", default="vllm_decode_profile")
+    ap.add_argument("--from", dest="from_dir", default=None)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if a.recipe:  # the child: one engine in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        Path(a.json).write_text(json.dumps(job(a), indent=1))
+        return 0
+    out = Path(a.from_dir or a.out)
+    if not a.from_dir:
+        from vllm_gpu import make_model_dir
+
+        out.mkdir(parents=True, exist_ok=True)
+        model = make_model_dir(out / f"llama8b_l{a.layers}", a.layers)
+        for r in a.recipes:  # one at a time: each profile has the GPU to itself
+            f = out / f"profile_{r}_{a.mode}.json"
+            cmd = [sys.executable, __file__, "--recipe", r, "--model", str(model), "--json", str(f), "--mode", a.mode,
+                   "--layers", str(a.layers), "--prompts", str(a.prompts), "--prompt-len", str(a.prompt_len), "--steps", str(a.steps),
+                   "--gpu-mem", str(a.gpu_mem), "--kv-gib", str(a.kv_gib), "--gemm-backend", a.gemm_backend]
+            with open(f.with_suffix(".log"), "w") as log:
+                try:
+                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
+            print(f"[decode_profile] {r}: {'done' if rc == 0 else f'FAILED ({rc}); see ' + str(f.with_suffix('.log'))}", flush=True)
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("profile_*.json"))]
+    order = {r: i for i, r in enumerate(["bf16", "jet_fp8", "jet_fp8+bitwise", "fp8_rollout"])}
+    results.sort(key=lambda r: (order.get(r["recipe"], 9), r["mode"]))
+    print(summarize(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
