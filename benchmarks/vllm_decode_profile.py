@@ -65,17 +65,23 @@ def _profile(llm, prompts, max_tokens: int) -> tuple[dict[str, float], float]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
+        sync()
         wall = time.perf_counter() - t0
     out: dict[str, float] = {}
     for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None)
-        us = getattr(ev, "cuda_time_total", 0.0) if us is None else us
-        if us and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+        if cuda:  # GPU kernels
+            us = getattr(ev, "device_time_total", None)
+            us = getattr(ev, "cuda_time_total", 0.0) if us is None else us
+            keep = us and "CUDA" in str(getattr(ev, "device_type", ""))
+        else:  # --tiny on CPU: ops' own time (a plumbing check; these are not kernels)
+            us, keep = ev.self_cpu_time_total, ev.self_cpu_time_total > 0
+        if keep:
             out[ev.key] = out.get(ev.key, 0.0) + float(us)
     return out, wall
 
@@ -83,8 +89,13 @@ def _profile(llm, prompts, max_tokens: int) -> tuple[dict[str, float], float]:
 def job(a: argparse.Namespace) -> dict:
     import torch
 
+    import vllm_gpu
     from openrlhf.trainer.engines.vllm_engine import VLLMEngine
     from vllm_gpu import SHAPE, _engine_extra, _recipe
+
+    if a.tiny:
+        SHAPE.clear()
+        SHAPE.update(vllm_gpu.TINY)
 
     a.gemm_backend = a.gemm_backend or None
     recipe, bitwise = _recipe(a)
@@ -148,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="per recipe")
     ap.add_argument("--out", default="vllm_decode_profile")
     ap.add_argument("--from", dest="from_dir", default=None)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the plumbing, measures nothing")
     a = ap.parse_args(argv)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -157,15 +169,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(a.from_dir or a.out)
     if not a.from_dir:
-        from vllm_gpu import make_model_dir
+        import vllm_gpu
 
+        if a.tiny:
+            vllm_gpu.SHAPE.clear()
+            vllm_gpu.SHAPE.update(vllm_gpu.TINY)
         out.mkdir(parents=True, exist_ok=True)
-        model = make_model_dir(out / f"llama8b_l{a.layers}", a.layers)
+        model = vllm_gpu.make_model_dir(out / f"{'tiny' if a.tiny else 'llama8b'}_l{a.layers}", a.layers)
         for r in a.recipes:  # one at a time: each profile has the GPU to itself
             f = out / f"profile_{r}_{a.mode}.json"
             cmd = [sys.executable, __file__, "--recipe", r, "--model", str(model), "--json", str(f), "--mode", a.mode,
                    "--layers", str(a.layers), "--prompts", str(a.prompts), "--prompt-len", str(a.prompt_len), "--steps", str(a.steps),
-                   "--gpu-mem", str(a.gpu_mem), "--kv-gib", str(a.kv_gib), "--gemm-backend", a.gemm_backend]
+                   "--gpu-mem", str(a.gpu_mem), "--kv-gib", str(a.kv_gib), "--gemm-backend", a.gemm_backend, *(["--tiny"] if a.tiny else [])]
             with open(f.with_suffix(".log"), "w") as log:
                 try:
                     rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
