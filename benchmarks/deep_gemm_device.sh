@@ -140,56 +140,7 @@ else
   # IncludeParser): torch's libraries and the system libstdc++ disagree on the locale facets. DeepGEMM
   # uses std::regex only for three fixed patterns, so they are replaced by plain string scans (same
   # matches) before building. The patched files stay in the ignored build tree.
-  "$PY" - "$SRC" <<'PYPATCH' || die "could not patch DeepGEMM's std::regex uses"
-import pathlib, sys
-src = pathlib.Path(sys.argv[1])
-def sub(rel, old, new):
-    f = src / rel
-    text = f.read_text()
-    if old not in text:
-        raise SystemExit(f"{rel}: expected code not found (another DeepGEMM version?)")
-    f.write_text(text.replace(old, new, 1))
-sub("csrc/jit/include_parser.hpp",
-    """        const std::regex pattern(R"(#\\s*include\\s*[<"][^>"]+[>"])");
-        std::sregex_iterator iter(code.begin(), code.end(), pattern);
-        const std::sregex_iterator end;
-
-        // TODO: parse relative paths as well
-        for (; iter != end; ++ iter) {
-            const auto include_str = iter->str();
-""",
-    """        // Matches of #\\s*include\\s*[<"][^>"]+[>"], found without std::regex (patched for the jetrl build)
-        std::vector<std::string> matches;
-        const auto is_space = [](const char ch) { return ch == ' ' or ch == '\\t' or ch == '\\n' or ch == '\\r' or ch == '\\f' or ch == '\\v'; };
-        for (size_t p = code.find('#'); p != std::string::npos; p = code.find('#', p)) {
-            size_t q = p + 1;
-            while (q < code.size() and is_space(code[q])) ++ q;
-            if (code.compare(q, 7, "include") != 0) { ++ p; continue; }
-            q += 7;
-            while (q < code.size() and is_space(code[q])) ++ q;
-            if (q >= code.size() or (code[q] != '<' and code[q] != '"')) { ++ p; continue; }
-            size_t r = q + 1;
-            while (r < code.size() and code[r] != '>' and code[r] != '"') ++ r;
-            if (r >= code.size() or r == q + 1) { ++ p; continue; }
-            matches.push_back(code.substr(p, r - p + 1));
-            p = r + 1;
-        }
-        for (const auto& include_str: matches) {
-""")
-sub("csrc/jit/compiler.hpp",
-    """        std::smatch match;
-        DG_HOST_ASSERT(std::regex_search(output, match, std::regex(R"(release (\\d+\\.\\d+))")));
-        std::sscanf(match[1].str().c_str(), "%d.%d", &major, &minor);
-""",
-    """        const auto release_pos = output.find("release ");
-        DG_HOST_ASSERT(release_pos != std::string::npos);
-        DG_HOST_ASSERT(std::sscanf(output.c_str() + release_pos + 8, "%d.%d", &major, &minor) == 2);
-""")
-sub("csrc/jit/compiler.hpp",
-    """DG_HOST_ASSERT(not std::regex_search(output, std::regex(R"(Local memory used)")));""",
-    """DG_HOST_ASSERT(output.find("Local memory used") == std::string::npos);""")
-print("   patched: include_parser.hpp (1 regex), compiler.hpp (2 regexes)")
-PYPATCH
+  "$PY" "$REPO/examples/scripts/deep_gemm_no_regex.py" "$SRC" || die "could not patch DeepGEMM's std::regex uses"
   # DG_CXX_STD (default c++20): the host extension's C++ standard. DeepGEMM hard-codes c++17; torch >= 2.10
   # builds its own extensions as c++20, and the H200 run that got furthest used c++20.
   DG_CXX_STD=${DG_CXX_STD:-c++20}

@@ -150,3 +150,21 @@ def test_setup_py_left_alone_when_asked_for_cxx17(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "-std=c++17" in (dist / "setup_seen.py").read_text()
     assert "pip install --no-deps" in r.stdout  # no install asked: the script says how
+
+
+def test_regex_patch_replaces_the_three_uses_and_names_a_missing_one(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples" / "scripts"))
+    import deep_gemm_no_regex as nr
+
+    src = tmp_path / "DeepGEMM"
+    for rel in {rel for rel, _, _ in nr.PATCHES}:
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text("// head\n" + "\n// between\n".join(old for r, old, _ in nr.PATCHES if r == rel) + "\n// tail\n")
+    run = [sys.executable, str(ROOT / "examples" / "scripts" / "deep_gemm_no_regex.py"), str(src)]
+    assert subprocess.run(run, capture_output=True, text=True).returncode == 0
+    for rel, old, new in nr.PATCHES:
+        text = (src / rel).read_text()
+        assert new in text and old not in text and text.startswith("// head\n") and text.endswith("// tail\n")
+    assert "std::regex" not in "".join((src / rel).read_text() for rel, _, _ in nr.PATCHES).replace("without std::regex", "")
+    again = subprocess.run(run, capture_output=True, text=True)  # already patched: the code it expects is gone
+    assert again.returncode == 1 and again.stderr.strip().count("\n") == 0 and "include_parser.hpp: expected code not found" in again.stderr
