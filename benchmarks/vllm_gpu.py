@@ -93,6 +93,8 @@ def make_model_dir(out: Path, layers: int, weights: bool = True, seed: int = 0) 
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
     del model
+    if torch.cuda.is_available():  # a caller that goes on to start engines (the GPU bitwise test) gives the memory back
+        torch.cuda.empty_cache()
     return out
 
 
