@@ -46,8 +46,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import grpo_vllm_gpu as g  # noqa: E402
 from _rl_helpers import kill_engine_mid_rollout  # noqa: E402
+from train_runs import run_env  # noqa: E402
 
-ENV = {**g.run_env(), "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+ENV = {**run_env(), "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 for _k in ("WORLD_SIZE", "LOCAL_RANK", "RANK", "RAY_ADDRESS"):
     ENV.pop(_k, None)
 
