@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 from typing import Iterable
 
-__all__ = ["OPERATORS", "make_arithmetic_records", "evaluate_expression", "make_word_problem_records", "write_jsonl"]
+__all__ = ["ONE_STEP_KINDS", "OPERATORS", "make_arithmetic_records", "evaluate_expression", "make_word_problem_records", "write_jsonl"]
 
 OPERATORS = ("+", "-", "*")
 _MAX_TRIES_PER_RECORD = 2000
@@ -95,8 +95,11 @@ _NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Gus", "Hana", "Ivan"
 _ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "cookies", "stamps", "shells", "coins", "cards")
 
 
-def _one_step(rng: random.Random, name: str, other: str, item: str, top: int) -> tuple[str, str, int]:
-    kind = rng.choice(("add", "sub", "mul", "div", "compare"))
+ONE_STEP_KINDS = ("add", "sub", "mul", "div", "compare")
+
+
+def _one_step(rng: random.Random, name: str, other: str, item: str, top: int, kinds: tuple[str, ...] = ONE_STEP_KINDS) -> tuple[str, str, int]:
+    kind = rng.choice(kinds)
     a, b = rng.randint(2, top), rng.randint(2, top)
     if kind == "add":
         return f"{name} has {a} {item}. {other} gives {name} {b} more. How many {item} does {name} have now?", f"{a}+{b}", a + b
@@ -137,11 +140,15 @@ def _two_steps(rng: random.Random, name: str, other: str, item: str, top: int) -
             f"{a}-{b}+{c}", a - b + c)
 
 
-def make_word_problem_records(n: int, *, steps: Iterable[int] = (1, 2), seed: int = 0, max_number: int = 30) -> list[dict]:
+def make_word_problem_records(
+    n: int, *, steps: Iterable[int] = (1, 2), seed: int = 0, max_number: int = 30, kinds: Iterable[str] | None = None
+) -> list[dict]:
     """``n`` records ``{"input": "Ava has 12 stickers ...?", "label": "19", "expression": "12+7", "steps": 1}``.
 
     steps: how many operations a problem may take (1, 2 or both; drawn evenly). Numbers in a problem
-    stay within 2..max_number (products of up to 9 x 12). Deterministic in the arguments.
+    stay within 2..max_number (products of up to 9 x 12). kinds: the one-operation stories drawn from
+    (a subset of ``ONE_STEP_KINDS``; default all), e.g. ``("add", "sub", "compare")`` for no
+    multiplication or division. Deterministic in the arguments.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -150,13 +157,20 @@ def make_word_problem_records(n: int, *, steps: Iterable[int] = (1, 2), seed: in
         raise ValueError(f"steps must be a non-empty subset of (1, 2), got {steps}")
     if max_number < 5:
         raise ValueError(f"max_number must be >= 5, got {max_number}")
-    rng = random.Random(f"words-{seed}-{steps}-{max_number}")
+    kinds = ONE_STEP_KINDS if kinds is None else tuple(kinds)
+    if not kinds or any(k not in ONE_STEP_KINDS for k in kinds):
+        raise ValueError(f"kinds must be a non-empty subset of {ONE_STEP_KINDS}, got {kinds}")
+    # The default kinds keep the seed string of the records drawn before `kinds` existed.
+    rng = random.Random(f"words-{seed}-{steps}-{max_number}" + ("" if kinds == ONE_STEP_KINDS else f"-{kinds}"))
     records = []
     for _ in range(n):
         k = rng.choice(steps)
         name, other = rng.sample(_NAMES, 2)
         item = rng.choice(_ITEMS)
-        text, expr, value = (_one_step if k == 1 else _two_steps)(rng, name, other, item, max_number)
+        if k == 1:
+            text, expr, value = _one_step(rng, name, other, item, max_number, kinds)
+        else:
+            text, expr, value = _two_steps(rng, name, other, item, max_number)
         records.append({"input": text, "label": str(value), "expression": expr, "steps": k})
     return records
 

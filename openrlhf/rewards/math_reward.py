@@ -1,7 +1,8 @@
 """Rule-based math reward: 1.0 if the response's final answer equals the label, else 0.0.
 
 Equivalence is decided by `math_verify` (parse both sides, then a symbolic/numeric
-comparison), so "1/2" matches "0.5" and "\\boxed{19}" matches "19". The reward never raises:
+comparison), so "1/2" matches "0.5" and "\\boxed{19}" matches "19". A numeric label needs a number as the
+answer: an unevaluated expression ("9 + 4") does not match it. The reward never raises:
 unparsable or pathological text scores 0.0.
 """
 
@@ -46,6 +47,18 @@ def extract_final_number(text: str, stop: Sequence[str] = DEFAULT_STOP_STRINGS) 
     return num or None
 
 
+def _is_number(x) -> bool:
+    """A sympy number, or a plain fraction: "1/2" in text parses to the unevaluated 1 * 2**-1 ("12 * 3" is no number)."""
+    if getattr(x, "is_Number", False):
+        return True
+    inverse = lambda a: bool(getattr(a, "is_Pow", False) and a.base.is_Number and a.exp == -1)  # noqa: E731
+    if inverse(x):
+        return True
+    if getattr(x, "is_Mul", False) and len(x.args) == 2:
+        return any(a.is_Number for a in x.args) and any(inverse(a) for a in x.args)
+    return False
+
+
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
@@ -68,6 +81,10 @@ def math_reward_one(response: str, label: str | None) -> float:
             return float(str(label).strip() == text.strip())
         pred = parse(text, parsing_timeout=parse_timeout)
         if not pred:
+            return 0.0
+        if any(_is_number(g) for g in gold) and not any(_is_number(p) for p in pred):
+            # A numeric label needs a number: math_verify evaluates an expression it extracts, so "9 + 4 = ?", an echo
+            # of a word problem's arithmetic, would otherwise score as the answer 13.
             return 0.0
         return 1.0 if verify(gold, pred, timeout_seconds=verify_timeout) else 0.0
     except Exception:  # noqa: BLE001 - a reward must never crash the training step

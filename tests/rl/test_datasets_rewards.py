@@ -22,6 +22,7 @@ from openrlhf.datasets import (
     make_word_problem_records,
     write_jsonl,
 )
+from openrlhf.datasets.synthetic import ONE_STEP_KINDS
 from openrlhf.rewards import extract_final_number, load_reward_fn, math_reward
 from openrlhf.rewards.remote import RewardFunctionError
 
@@ -231,6 +232,29 @@ def test_word_problems_are_correct_and_varied():
     assert math_reward([f"So the answer is {int(l) + 1}." for l in labels], labels) == [0.0] * 20
     with pytest.raises(ValueError, match="steps"):
         make_word_problem_records(3, steps=[3])
+
+
+def test_word_problem_kinds_and_operand_bound():
+    easy = make_word_problem_records(200, steps=[1], seed=3, max_number=10, kinds=("add", "sub", "compare"))
+    assert easy == make_word_problem_records(200, steps=[1], seed=3, max_number=10, kinds=("add", "sub", "compare"))
+    assert {op for r in easy for op in "+-*/" if op in r["expression"]} == set("+-")
+    assert all(2 <= int(x) <= 10 for r in easy for x in re.findall(r"\d+", r["expression"]))
+    assert all(0 <= int(r["label"]) <= 20 and str(eval(r["expression"])) == r["label"] for r in easy)  # noqa: S307
+    # the default kinds draw the same records as before the option existed
+    assert make_word_problem_records(50, seed=7) == make_word_problem_records(50, seed=7, kinds=ONE_STEP_KINDS)
+    with pytest.raises(ValueError, match="kinds"):
+        make_word_problem_records(3, kinds=("add", "pow"))
+
+
+def test_math_reward_on_what_smollm2_writes():
+    """Answers as SmolLM2-135M-Instruct phrases them for the word problems (correct ones score 1, wrong ones 0)."""
+    right = ["9 + 4 = 13. The answer is 13.", "The answer is 13 apples.", "Tom has 9 + 4 = 13 apples.\n\nThe answer is 13.",
+             "#### 13\nThe answer is 13.", "13", "**The answer is 13.**<|im_end|>"]
+    assert math_reward(right, ["13"] * len(right)) == [1.0] * len(right)
+    # an echo of the arithmetic ("9 + 4 = ?", "4 + 9") is no answer, though math_verify would evaluate it to 13
+    wrong = ["9 + 4 = 14. The answer is 14.", "The answer is 31.", "9 + 4 = ?", "4 + 9", "Tom has 9 apples and gets 4 more."]
+    assert math_reward(wrong, ["13"] * len(wrong)) == [0.0] * len(wrong)
+    assert math_reward(["12 * 3", "36", "72/2"], ["36"] * 3) == [0.0, 1.0, 1.0]
 
 
 # ---------------------------------------------------------------- math reward
