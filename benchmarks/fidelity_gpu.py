@@ -13,7 +13,8 @@
   logprob with the trainer. It reports, by position bucket, the mean and p99 of |logp_engine - logp_trainer| and the
   k3 KL estimate. The bitwise row runs the only engine that supports `--precision.bitwise` (the transformers engine
   with batch-invariant numerics); where that mode is refused (on a GPU today) the row records the refusal message.
-- learn: GRPO on generated arithmetic word problems (math-verify reward), one `train_ppo_ray` run per recipe under the
+- learn: GRPO on generated arithmetic word problems (math-verify reward; `--task`, TASKS: the default `add_sub_10` is
+  calibrated so that the base model solves about a quarter at T=1), one `train_ppo_ray` run per recipe under the
   deepspeed launcher (benchmarks/train_runs.py), all from the same model, data and seed: bf16, jet_fp8 (`--fp8_unified`),
   fp8_rollout (BF16 training, FP8 rollout, no correction: the paper's off-policy baseline) and fp8_rollout with TIS.
   The runs go side by side on the one GPU (a 135M model leaves it mostly idle), each engine starting once the
@@ -60,6 +61,34 @@ BUNDLE = "{}\nSolve every problem step by step, then add up all the answers and 
 MISMATCH_KEY = "rollout_train_mismatch/abs_logp_diff_mean"
 
 
+@dataclass(frozen=True)
+class WordTask:
+    """A word-problem distribution (openrlhf.datasets.make_word_problem_records) and the chat that asks for it."""
+
+    description: str
+    steps: tuple[int, ...] = (1, 2)
+    max_number: int = 30
+    kinds: tuple[str, ...] | None = None  # one-operation stories drawn from (None: all)
+    template: str = "{}"  # the user turn, "{}" the problem
+    shots: tuple[tuple[str, str], ...] = ()  # solved examples, as earlier user and assistant turns
+
+    def messages(self, problem: str) -> list[dict]:
+        turns = [t for q, a in self.shots for t in ({"role": "user", "content": self.template.format(q)}, {"role": "assistant", "content": a})]
+        return turns + [{"role": "user", "content": self.template.format(problem)}]
+
+
+_SHOTS = (("Tom has 9 apples. Sam gives Tom 4 more. How many apples does Tom have now?", "9 + 4 = 13. The answer is 13."),
+          ("Lily has 8 pens and gives 3 of them away. How many pens does Lily have left?", "8 - 3 = 5. The answer is 5."))
+# The learning task is calibrated so that SmolLM2-135M-Instruct solves a fair share at T=1 (docs/fidelity.md gives the
+# measured rates): GRPO learns only from groups whose rewards differ, and on `mixed_30` the model's ~5% left most
+# groups all 0.
+TASKS = {
+    "add_sub_10": WordTask("one addition or subtraction (gets b more / gives b away), numbers 2..10, two solved examples as "
+                           "earlier chat turns", steps=(1,), max_number=10, kinds=("add", "sub"), shots=_SHOTS),
+    "mixed_30": WordTask("arithmetic word problems (1-2 operations, numbers up to 30), asked step by step", template=ONE),
+}
+
+
 def _log(msg: str) -> None:
     print(f"[fidelity {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -89,13 +118,14 @@ class LearnPlan:
     steps: int = 50
     prompts: int = 16
     n: int = 8
-    new_tokens: int = 256
-    prompt_budget: int = 256  # prompt tokens; --data.max_len is this plus new_tokens
+    new_tokens: int = 128  # add_sub_10's answers take ~35 tokens; the rambles the cap cuts are wrong anyway
+    prompt_budget: int = 256  # prompt tokens (add_sub_10's two examples and problem: ~150); --data.max_len adds new_tokens
     problems_per_prompt: int = 1  # > 1: a prompt bundles several problems and asks for the sum (long answers)
-    max_number: int = 30  # operands of the word problems
+    task: str = "add_sub_10"  # a TASKS key
+    max_number: int | None = None  # overrides the task's operand bound
     train_micro: int = 32  # four runs' trainers and engines share the GPU's memory
     rollout_micro: int = 128
-    lr: float = 1e-5  # 3e-6 moved no recipe's reward in 50 steps on the H200
+    lr: float = 2e-5
     kl_coef: float = 0.001
     eval_every: int = 10
     eval_prompts: int = 64
@@ -132,15 +162,15 @@ class LearnPlan:
         ]
         if not self.tiny and self.engine == "vllm":
             argv += ["--vllm.kv_cache_memory_gib", str(self.kv_gib)]
-        if not self.tiny:  # SmolLM2-Instruct: a chat turn; the tiny character model has no chat template
-            argv += ["--data.apply_chat_template", "--data.input_template", BUNDLE if self.problems_per_prompt > 1 else ONE]
+        if not self.tiny:  # SmolLM2-Instruct: the records hold chat turns; the tiny character model has no chat template
+            argv += ["--data.apply_chat_template"]
         if not self.concurrent and self.engine == "vllm":
             # Side by side, a sleeping engine would give memory back while a neighbour's vLLM profiles its start-up.
             argv += ["--vllm.enable_sleep"]
         return argv
 
     def shape(self, model_name: str) -> str:
-        task = ("arithmetic word problems (1-2 operations)" if self.problems_per_prompt == 1
+        task = (f"{self.task}: {TASKS[self.task].description}" if self.problems_per_prompt == 1
                 else f"bundles of {self.problems_per_prompt} arithmetic word problems, answer = their sum")
         return (f"{model_name}, {task}, {self.prompts} prompts x {self.n} samples x <={self.new_tokens} tokens, lr {self.lr:g}, "
                 f"{self.steps} steps, held-out {self.eval_prompts} prompts x {self.eval_n} samples at T={self.eval_temperature:g}, "
@@ -168,11 +198,11 @@ def tiny_model(work: Path) -> Path:
     return build_tiny_model(out, TinyModelSpec(initializer_range=0.1, max_position_embeddings=1024, seed=3))
 
 
-def word_records(n: int, seed: int, bundle: int, max_number: int = 30) -> list[dict]:
+def word_records(n: int, seed: int, bundle: int, max_number: int = 30, task: WordTask = TASKS["mixed_30"]) -> list[dict]:
     """Word problems; with bundle > 1 each record holds `bundle` of them and the label is the sum of their answers."""
     from openrlhf.datasets.synthetic import make_word_problem_records
 
-    recs = make_word_problem_records(n * bundle, seed=seed, max_number=max_number)
+    recs = make_word_problem_records(n * bundle, seed=seed, max_number=max_number, steps=task.steps, kinds=task.kinds)
     if bundle == 1:
         return recs
     out = []
@@ -183,14 +213,23 @@ def word_records(n: int, seed: int, bundle: int, max_number: int = 30) -> list[d
     return out
 
 
+def learn_records(plan: LearnPlan, n: int, seed: int) -> list[dict]:
+    """The plan's problems; for a chat model each input is the task's chat turns (examples, then the problem)."""
+    task = TASKS[plan.task] if plan.problems_per_prompt == 1 else dataclasses.replace(TASKS["mixed_30"], template=BUNDLE)
+    recs = word_records(n, seed, plan.problems_per_prompt, plan.max_number or task.max_number, task)
+    if plan.tiny:  # a character model: the bare problem
+        return recs
+    return [{**r, "input": task.messages(r["input"]), "problem": r["input"]} for r in recs]
+
+
 def learn_inputs(work: Path, plan: LearnPlan, tag: str) -> tuple[Path, Path]:
     from openrlhf.datasets.synthetic import write_jsonl
 
-    bundle = plan.problems_per_prompt
-    train = write_jsonl(word_records(plan.prompts * (plan.steps + 2), 0, bundle, plan.max_number), work / f"{tag}_train.jsonl")
-    # Another seed: problems the runs never train on.
-    heldout = write_jsonl(word_records(plan.eval_prompts, 1, bundle, plan.max_number), work / f"{tag}_heldout.jsonl")
-    return train, heldout
+    held = learn_records(plan, plan.eval_prompts, 1)  # another seed, and no problem of it among the training ones
+    seen = {json.dumps(r["input"]) for r in held}
+    need = plan.prompts * (plan.steps + 2)
+    train = [r for r in learn_records(plan, need + plan.eval_prompts, 0) if json.dumps(r["input"]) not in seen][:need]
+    return write_jsonl(train, work / f"{tag}_train.jsonl"), write_jsonl(held, work / f"{tag}_heldout.jsonl")
 
 
 def chat_prompt_ids(tokenizer, n: int, seed: int, chat: bool) -> list[list[int]]:
@@ -409,8 +448,9 @@ def learn_plan(a: argparse.Namespace, long: bool) -> LearnPlan:
         return LearnPlan(steps=a.long_steps, prompts=8, n=4, new_tokens=a.long_tokens, prompt_budget=1024, problems_per_prompt=a.long_problems,
                          train_micro=4, rollout_micro=4, eval_every=a.long_eval_every, eval_prompts=32, eval_n=4, engine=engine,
                          gpu_mem=0.15, kv_gib=8.0, concurrent=cuda(), timeout=a.run_timeout or LearnPlan.timeout)
-    return LearnPlan(steps=a.steps or LearnPlan.steps, prompts=a.prompts, n=a.n, lr=a.lr, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
-                     eval_n=a.eval_n, engine=engine, concurrent=cuda(), timeout=a.run_timeout or LearnPlan.timeout)
+    return LearnPlan(steps=a.steps or LearnPlan.steps, prompts=a.prompts, n=a.n, new_tokens=a.new_tokens, lr=a.lr, task=a.task,
+                     eval_every=a.eval_every, eval_prompts=a.eval_prompts, eval_n=a.eval_n, engine=engine, concurrent=cuda(),
+                     timeout=a.run_timeout or LearnPlan.timeout)
 
 
 # ---- report --------------------------------------------------------------------------------------------
@@ -751,7 +791,10 @@ def main(argv: list[str] | None = None) -> None:
     lp.add_argument("--steps", type=int, default=None, help=f"learn steps (default {LearnPlan.steps})")
     lp.add_argument("--prompts", type=int, default=LearnPlan.prompts)
     lp.add_argument("--n", type=int, default=LearnPlan.n)
+    lp.add_argument("--new_tokens", type=int, default=LearnPlan.new_tokens, help="rollout length cap of learn")
     lp.add_argument("--lr", type=float, default=LearnPlan.lr)
+    lp.add_argument("--task", default=LearnPlan.task, choices=sorted(TASKS),
+                    help="learn's word problems: " + "; ".join(f"{k}: {t.description}" for k, t in TASKS.items()))
     lp.add_argument("--eval_every", type=int, default=LearnPlan.eval_every)
     lp.add_argument("--eval_prompts", type=int, default=LearnPlan.eval_prompts)
     lp.add_argument("--eval_n", type=int, default=LearnPlan.eval_n)
