@@ -126,7 +126,7 @@ class LearnPlan:
     train_micro: int = 32  # four runs' trainers and engines share the GPU's memory
     rollout_micro: int = 128
     # On CPU, add_sub_10 went from 12% to ~90% reward in 8 steps at 2e-5 (3 prompts x 8 samples a step); 1e-5 spreads
-    # the rise over more of the 50 steps, where the recipes can differ, instead of reaching the ceiling by step 10.
+    # the rise over more of the 50 steps, where the recipes can differ (at 2e-5 the CPU run then drifted, KL up to 1.5).
     lr: float = 1e-5
     kl_coef: float = 0.001
     eval_every: int = 10
