@@ -11,8 +11,8 @@
   engine as a run does, samples chat prompts at T=1 to exactly 1k, 4k and 8k tokens (`ignore_eos`: an instruct model
   answers arithmetic in a few hundred tokens; the length is what is studied) and recomputes every sampled token's
   logprob with the trainer. It reports, by position bucket, the mean and p99 of |logp_engine - logp_trainer| and the
-  k3 KL estimate. The bitwise row runs the only engine that supports `--precision.bitwise` (the transformers engine
-  with batch-invariant numerics); where that mode is refused (on a GPU today) the row records the refusal message.
+  k3 KL estimate. The bitwise row runs `--precision.bitwise`: vLLM's bitwise mode on CUDA, the transformers engine
+  with batch-invariant numerics elsewhere (`--bitwise_engine`); where the mode is unavailable the row records why.
 - learn: GRPO on generated arithmetic word problems (math-verify reward; `--task`, TASKS: the default `add_sub_10` is
   calibrated so that the base model solves about a quarter at T=1), one `train_ppo_ray` run per recipe under the
   deepspeed launcher (benchmarks/train_runs.py), all from the same model, data and seed: bf16, jet_fp8 (`--fp8_unified`),
@@ -100,7 +100,7 @@ class MismatchPlan:
     prompts: int = 16
     n: int = 2  # samples per prompt: 32 rollouts per length
     bucket: int = 256  # position bucket width (tokens)
-    engine: str = "vllm"  # vllm | hf; the bitwise row always runs the transformers engine
+    engine: str = "vllm"  # vllm | hf, for the rows without --precision.bitwise
     gemm_backend: str = "torch"  # cuBLASLt blockwise on both sides (auto may JIT-build DeepGEMM for minutes in the engine)
     gpu_mem: float = 0.12
     kv_gib: float = 8.0  # fixed KV cache: engines starting together do not size theirs off each other

@@ -90,21 +90,10 @@ def job(a: argparse.Namespace) -> dict:
     import torch
 
     import vllm_gpu
-    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
-    from vllm_gpu import SHAPE, _engine_extra, _recipe
 
-    if a.tiny:
-        SHAPE.clear()
-        SHAPE.update(vllm_gpu.TINY)
-
-    a.gemm_backend = a.gemm_backend or None
-    recipe, bitwise = _recipe(a)
-    engine = VLLMEngine(a.model, recipe, dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem,
-                        max_model_len=a.prompt_len + a.steps + 16, enforce_eager=a.mode == "eager",
-                        engine_kwargs={"skip_tokenizer_init": True, **_engine_extra(a.kv_gib)}, bitwise=bitwise)
-    g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(10, SHAPE["vocab_size"] - 10, (a.prompt_len,), generator=g).tolist()}
-               for _ in range(a.prompts)]
+    vllm_gpu.use_shape(a.tiny)
+    engine = vllm_gpu.rollout_engine(a, a.prompt_len + a.steps + 16)
+    prompts = vllm_gpu.random_prompts(torch.Generator().manual_seed(0), a.prompts, a.prompt_len)
     _profile(engine.llm, prompts, 1 + a.steps)  # warm-up: graphs captured, kernels compiled and tuned
     short, wall_short = _profile(engine.llm, prompts, 1)
     long, wall_long = _profile(engine.llm, prompts, 1 + a.steps)
@@ -171,9 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.from_dir:
         import vllm_gpu
 
-        if a.tiny:
-            vllm_gpu.SHAPE.clear()
-            vllm_gpu.SHAPE.update(vllm_gpu.TINY)
+        vllm_gpu.use_shape(a.tiny)
         out.mkdir(parents=True, exist_ok=True)
         model = vllm_gpu.make_model_dir(out / f"{'tiny' if a.tiny else 'llama8b'}_l{a.layers}", a.layers)
         for r in a.recipes:  # one at a time: each profile has the GPU to itself

@@ -144,22 +144,41 @@ def _recipe(a: argparse.Namespace):
     return (dataclasses.replace(r, gemm_backend=a.gemm_backend) if a.gemm_backend else r), False
 
 
+def use_shape(tiny: bool) -> None:
+    """The model shape every job of this process builds and prompts: the 8B shape, or TINY (--tiny)."""
+    SHAPE.clear()
+    SHAPE.update(TINY if tiny else LLAMA_8B)
+
+
+def rollout_engine(a: argparse.Namespace, max_model_len: int):
+    """The job's engine: `a.model` with `--recipe NAME[+bitwise]`, `--mode`, `--gpu-mem`, `--kv-gib`, no tokenizer."""
+    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+
+    recipe, bitwise = _recipe(a)
+    return VLLMEngine(
+        a.model, recipe, dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem, max_model_len=max_model_len,
+        enforce_eager=a.mode == "eager", engine_kwargs={"skip_tokenizer_init": True, **_engine_extra(a.kv_gib)}, bitwise=bitwise,
+    )
+
+
+def random_prompts(g, n: int, length: int) -> list[dict]:
+    """n prompts of `length` random token ids of SHAPE's vocabulary (clear of the special ids at either end)."""
+    import torch
+
+    return [{"prompt_token_ids": torch.randint(10, SHAPE["vocab_size"] - 10, (length,), generator=g).tolist()} for _ in range(n)]
+
+
 def job_throughput(a: argparse.Namespace) -> dict:
     import torch
     from vllm import SamplingParams
 
     from jetrl_precision import PrecisionGraph
-    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
 
     turn = _Turn(Path(a.sync_dir), a.parties) if a.sync_dir else None
     name = f"{a.recipe}-{a.mode}"
     try:
         t0 = time.perf_counter()
-        recipe, bitwise = _recipe(a)
-        engine = VLLMEngine(
-            a.model, recipe, dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem, max_model_len=a.prompt_len + a.new_tokens + 8,
-            enforce_eager=a.mode == "eager", engine_kwargs={"skip_tokenizer_init": True, **_engine_extra(a.kv_gib)}, bitwise=bitwise,
-        )
+        engine = rollout_engine(a, a.prompt_len + a.new_tokens + 8)
         start_s = time.perf_counter() - t0
     except BaseException:
         if turn:
@@ -177,14 +196,13 @@ def job_throughput(a: argparse.Namespace) -> dict:
     if turn:
         turn.arrive(name)
     g = torch.Generator().manual_seed(0)
-    vocab = SHAPE["vocab_size"]
     llm = engine.llm
     with turn or _nullctx():
         _log(f"{name}: timing")
-        warm = [{"prompt_token_ids": torch.randint(10, vocab - 10, (a.prompt_len,), generator=g).tolist()} for _ in range(8)]
+        warm = random_prompts(g, 8, a.prompt_len)
         llm.generate(warm, SamplingParams(max_tokens=32, ignore_eos=True, logprobs=0, detokenize=False), use_tqdm=False)
         for n_prompts in a.prompts:
-            prompts = [{"prompt_token_ids": torch.randint(10, vocab - 10, (a.prompt_len,), generator=g).tolist()} for _ in range(n_prompts)]
+            prompts = random_prompts(g, n_prompts, a.prompt_len)
             params = SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -501,9 +519,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.gemm_backend:
         _GEMM_BACKEND.append(a.gemm_backend)
-    if a.tiny:
-        SHAPE.clear()
-        SHAPE.update(TINY)
+    use_shape(a.tiny)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if a.what == "job":

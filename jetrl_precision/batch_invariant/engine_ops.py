@@ -73,7 +73,7 @@ def rope_table(inv_freq: torch.Tensor, scaling: float, max_positions: int, dtype
 def _rotary_from_table(positions: torch.Tensor, x: torch.Tensor, table: torch.Tensor, head_size: int) -> torch.Tensor:
     if table.dtype != x.dtype:  # transformers rounds cos/sin to the activations' dtype before multiplying
         raise ValueError(f"bitwise rotary: the cos/sin table is {table.dtype}, the query/key {x.dtype}; build it in the model dtype")
-    if x.is_cuda and x.dtype == torch.bfloat16 and table.dtype == torch.bfloat16 and (head_size // 2) & (head_size // 2 - 1) == 0:
+    if x.is_cuda and x.dtype == torch.bfloat16 and (head_size // 2) & (head_size // 2 - 1) == 0:  # the kernel's case
         from ..kernels.invariant_rotary import rotary_bf16
 
         return rotary_bf16(positions, x, table, head_size)
