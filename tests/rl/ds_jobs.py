@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: precisio
 
 from jetrl_precision import convert_to_fp8, get_recipe, mark_weights_updated  # noqa: E402
 from openrlhf.utils.deepspeed import DeepspeedStrategy, StrategyConfig  # noqa: E402
+from openrlhf.utils.process import exit_after_run  # noqa: E402
 
 
 def _model() -> torch.nn.Module:
@@ -179,3 +180,4 @@ def tp(out: str) -> None:
 if __name__ == "__main__":
     job, *args = sys.argv[1:]
     {"zpg": zpg, "universal-save": universal_save, "universal-load": universal_load, "tp": tp}[job](*args)
+    exit_after_run(0)  # every rank closes the process group together, as the training entry point does
