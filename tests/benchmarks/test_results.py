@@ -17,6 +17,7 @@ BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the benchmark scripts import each other as top-level modules
 
 import headline  # noqa: E402
+from precision_testutil import outlier_data  # noqa: E402
 
 REQUIRED = {"name": str, "shape": str, "backend": str, "unit": str, "command": str, "date": str, "device": str}
 
@@ -187,6 +188,27 @@ def test_decode_gemm_benchmark_parses_its_arguments():
     """benchmarks/decode_gemm_triton.py runs in one device call: a typo in its argument parsing must show here."""
     out = subprocess.run([sys.executable, "benchmarks/decode_gemm_triton.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "--budget" in out.stdout and "--out" in out.stdout, out.stderr[-2000:]
+
+
+def test_gemm_equivalence_probe_parses_and_counts_exactly():
+    """benchmarks/gemm_equivalence_gpu.py runs in one device call: it parses, its float64 operands are the bytes
+    times their scales exactly, and its counter counts differing bits (not values: -0.0 and 0.0 differ)."""
+    out = subprocess.run([sys.executable, "benchmarks/gemm_equivalence_gpu.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "--models" in out.stdout, out.stderr[-2000:]
+    import gemm_equivalence_gpu as ge
+    from jetrl_precision import quantize_fp8
+
+    x = outlier_data((200, 300), generator=torch.Generator().manual_seed(3))  # partial blocks on both axes
+    for block in ((1, 128), (128, 128)):
+        q = quantize_fp8(x, block)
+        exact = ge._exact(q)
+        rows = torch.arange(200)[:, None] // block[0]
+        cols = torch.arange(300)[None, :] // block[1]
+        assert torch.equal(exact, q.data.double() * q.scale.double()[rows, cols])
+        assert float((exact - x.double()).norm() / x.double().norm()) < 0.05
+    a = torch.tensor([1.0, 0.0, 2.0], dtype=torch.bfloat16)
+    assert ge.bit_differences(a, a.clone()) == 0
+    assert ge.bit_differences(a, torch.tensor([1.0, -0.0, 2.0 + 2**-6], dtype=torch.bfloat16)) == 2
 
 
 def test_device_scripts_parse_and_name_known_sections():
