@@ -70,8 +70,9 @@ __all__ = [
 ]
 
 _FP8_GROUP = 128  # the scale group along K: one tl.dot per group in the FP8 kernel
-# Lower bounds of the M buckets a tile is chosen for: 1-16, 17-32, 33-64, 65-128, 129-256, 257 and more.
-M_BUCKETS = (1, 17, 33, 65, 129, 257)
+# Lower bounds of the M buckets a tile is chosen for: 1-16, 17-32, 33-64, 65-128, 129-256, 257-512, 513-2048 and
+# 2049 or more (decode batches below 513; the trainer's micro-batches, thousands of tokens, in the last two).
+M_BUCKETS = (1, 17, 33, 65, 129, 257, 513, 2049)
 # The default split-K aims for this many K elements per split (a power of two of splits, at most 8): enough K
 # steps per split to amortize the fp32 partials' write and the second launch.
 _K_PER_SPLIT = 4096
@@ -244,8 +245,9 @@ def candidate_numerics(k: int, dtype: torch.dtype) -> list[InvariantNumerics]:
 def candidate_tiles(n: int, k: int, dtype: torch.dtype) -> list[InvariantTile]:
     """Tiles worth timing for a weight [N, K] at any M (the benchmark picks one per M bucket)."""
     tiles = [(64, 16, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (64, 128, 8),
-             (128, 16, 8), (128, 32, 8), (128, 64, 8), (128, 128, 8)]  # (block_n, block_m, warps)
-    return [InvariantTile(bn, bm, warps, 3 if bm == 128 else 4) for bn, bm, warps in tiles]
+             (128, 16, 8), (128, 32, 8), (128, 64, 8), (128, 128, 8),
+             (128, 256, 8)]  # (block_n, block_m, warps); the last for training-sized M
+    return [InvariantTile(bn, bm, warps, 3 if bm >= 128 else 4) for bn, bm, warps in tiles]
 
 
 def candidate_configs(n: int, k: int, dtype: torch.dtype) -> list[InvariantConfig]:
