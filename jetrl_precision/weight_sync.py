@@ -14,12 +14,15 @@ header (`broadcast_sync_tensors` / `receive_sync_tensors`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
+import gc
 import json
 import logging
 import random
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
@@ -305,7 +308,7 @@ class SyncStats:
             self.hp_bytes += t.nbytes()
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the live groups are tracked in a WeakSet
 class SyncGroup:
     """A process group for weight sync that lives beside any default group (DeepSpeed's, vLLM's)."""
 
@@ -317,10 +320,28 @@ class SyncGroup:
     store: Any = field(default=None, repr=False)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
+        if self.pg is None:
+            raise WeightSyncError(f"weight-sync group (rank {self.rank} of {self.world_size}) is closed")
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         self.pg.broadcast([t], opts).wait()
+
+    def close(self) -> None:
+        """Destroy the backend's group now. A group still alive when the interpreter shuts down has its worker
+        threads torn down unjoined, and the process aborts ("terminate called without an active exception")
+        after its work is done; every live group is therefore closed at exit (`_close_live_groups`)."""
+        self.pg = self.store = None
+
+
+_LIVE_GROUPS: "weakref.WeakSet[SyncGroup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_groups() -> None:
+    for group in list(_LIVE_GROUPS):
+        group.close()
+    gc.collect()  # a group in a reference cycle is destroyed here, while the interpreter is whole
 
 
 def init_sync_group(
@@ -352,7 +373,9 @@ def init_sync_group(
         dev = torch.device(device or f"cuda:{torch.cuda.current_device()}")
     else:
         raise ValueError(f"weight-sync backend must be 'gloo' or 'nccl', got {backend!r}")
-    return SyncGroup(pg, rank, world_size, backend, dev, store)
+    group = SyncGroup(pg, rank, world_size, backend, dev, store)
+    _LIVE_GROUPS.add(group)
+    return group
 
 
 _ALIGN = 16  # byte alignment of every tensor inside a bucket (so uint8 views re-type cleanly)
