@@ -124,7 +124,9 @@ class LearnPlan:
     task: str = "add_sub_10"  # a TASKS key
     max_number: int | None = None  # overrides the task's operand bound
     train_micro: int = 32  # four runs' trainers and engines share the GPU's memory
-    rollout_micro: int = 128
+    # The old-logprob pass holds a micro-batch's logits (64 x 384 tokens x 49152 vocab: 2.4 GB in bf16, twice that
+    # upcast): 128 sequences per pass would double it in each of the four runs side by side.
+    rollout_micro: int = 64
     # On CPU, add_sub_10 went from 12% to ~90% reward in 8 steps at 2e-5 (3 prompts x 8 samples a step); 1e-5 spreads
     # the rise over more of the 50 steps, where the recipes can differ (at 2e-5 the CPU run then drifted, KL up to 1.5).
     lr: float = 1e-5
