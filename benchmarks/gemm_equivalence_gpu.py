@@ -117,7 +117,9 @@ def main(argv=None) -> int:
     g = torch.Generator(device=dev).manual_seed(0)
 
     def report(label: str, backend: str, m: int, **found) -> None:
-        records.append(dict(base, shape=f"{label} M={m}", backend=backend, value=found.get("vs_invariant"), m=m, **found))
+        # Records need a number: a refused call is recorded as one refusal, under its own name.
+        kind = {"name": "gemm_call_refused", "unit": "calls", "value": 1} if "error" in found else {"value": found["vs_invariant"]}
+        records.append(dict(base, shape=f"{label} M={m}", backend=backend, m=m, **kind, **found))
         cells = "  ".join(f"{k} {v}" for k, v in found.items())
         print(f"  {backend:<18} M={m:<6} {cells}", flush=True)
 
