@@ -82,6 +82,21 @@ def _set_logit_temperature(worker: Any, temperature: float) -> None:
     lp.scale = lp._jetrl_base_scale / temperature
 
 
+class _ChunkedPrefillOffFilter(logging.Filter):
+    """vLLM warns that any generative model "may crash or produce incorrect outputs" without chunked prefill. On
+    CPU we turn it off on purpose (see VLLMEngine); the engine tests compare its log-probs with the trainer's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("This model does not officially support disabling chunked prefill")
+
+
+def _quiet_chunked_prefill_warning() -> None:
+    vllm_logger = logging.getLogger("vllm.engine.arg_utils")
+    if not any(isinstance(f, _ChunkedPrefillOffFilter) for f in vllm_logger.filters):
+        vllm_logger.addFilter(_ChunkedPrefillOffFilter())
+        logger.info("vLLM engine on CPU: chunked prefill off (vLLM-CPU cannot resume a seeded request's sampler after a split prefill)")
+
+
 def _bitwise_needs_cuda() -> None:
     from jetrl_precision.batch_invariant import BitwiseUnavailable
 
@@ -182,6 +197,7 @@ class VLLMEngine(RolloutEngine):
             # Generator does not use offset"): batches whose prompts exceed the token budget would crash. Whole
             # prefills never rewind; vLLM then sizes the budget to at least max_model_len.
             kwargs["enable_chunked_prefill"] = False
+            _quiet_chunked_prefill_warning()
         kwargs.update(engine_kwargs or {})
         self.in_process = kwargs.get("distributed_executor_backend") in ("uni", "external_launcher") or (
             os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
