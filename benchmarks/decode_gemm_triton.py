@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-__all__ = ["graph_us", "derive_tables", "format_tables", "main"]
+__all__ = ["graph_us", "record_or_check_device", "derive_tables", "format_tables", "main"]
 
 MODELS = {
     "8b": ("Llama-3.1-8B", {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
@@ -96,6 +96,22 @@ def graph_us(fn, reps: int | None = None) -> float:
         torch.cuda.synchronize()
         ts.append(e0.elapsed_time(e1) * 1000 / reps)
     return sorted(ts)[2]
+
+
+def record_or_check_device(ap: argparse.ArgumentParser, a: argparse.Namespace, label: str) -> bool:
+    """The device GEMM scripts' start: with `--record FILE`, file FILE's records as a run named `label` and return
+    True (nothing to measure); else require `--out` and a CUDA device, or Triton's interpreter on a CPU."""
+    if a.record:
+        from headline import write_run
+
+        records = json.loads(Path(a.record).read_text())
+        print(write_run(records, label, records[0]["date"]))
+        return True
+    if not a.out:
+        ap.error("--out FILE is needed to measure")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        ap.error("no CUDA device: run it under TRITON_INTERPRET=1 (with --models tiny) to check it on a CPU")
+    return False
 
 
 def wall_us(fn) -> float:
@@ -189,17 +205,9 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=200.0, help="seconds after which no new shape is tuned")
     ap.add_argument("--no-tune", dest="tune", action="store_false")
     a = ap.parse_args()
-    if a.record:
-        from headline import write_run
-
-        records = json.loads(Path(a.record).read_text())
-        print(write_run(records, "decode-gemm-invariant", records[0]["date"]))
+    if record_or_check_device(ap, a, "decode-gemm-invariant"):
         return
-    if not a.out:
-        ap.error("--out FILE is needed to measure")
     cuda = torch.cuda.is_available()
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        ap.error("no CUDA device: run it under TRITON_INTERPRET=1 (with --models tiny) to check it on a CPU")
     import torch.nn.functional as F
 
     from jetrl_precision import quantize_fp8

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -39,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_gemm_triton import MODELS, graph_us  # noqa: E402
+from decode_gemm_triton import MODELS, graph_us, record_or_check_device  # noqa: E402
 
 __all__ = ["bit_differences", "main"]
 
@@ -86,17 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 64, 256, 1024, 4096, 16384])
     ap.add_argument("--models", nargs="+", default=["8b", "smollm2"], choices=list(MODELS))
     a = ap.parse_args(argv)
-    if a.record:
-        from headline import write_run
-
-        records = json.loads(Path(a.record).read_text())
-        print(write_run(records, "gemm-equivalence", records[0]["date"]))
+    if record_or_check_device(ap, a, "gemm-equivalence"):
         return 0
-    if not a.out:
-        ap.error("--out FILE is needed to measure")
     cuda = torch.cuda.is_available()
-    if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        ap.error("no CUDA device: run it under TRITON_INTERPRET=1 (with --models tiny) to check it on a CPU")
     import torch.nn.functional as F
 
     from jetrl_precision import quantize_fp8
