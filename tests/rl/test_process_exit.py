@@ -1,6 +1,7 @@
-"""A finished run's ranks close their process groups (the default one and the weight-sync ones) before the
-interpreter exits: a group alive at interpreter shutdown had its worker threads torn down unjoined, and one process
-in a few aborted after its work was done ("terminate called without an active exception")."""
+"""A finished run's ranks close their process groups (the default one and the weight-sync ones) together and then
+exit without the interpreter's C++ teardown: groups still held at interpreter shutdown had their worker threads torn
+down unjoined, and one process in a few aborted after its work was done ("terminate called without an active
+exception"). The exit still finishes what a normal one would: threads, atexit handlers, buffered output."""
 
 from __future__ import annotations
 
@@ -33,6 +34,27 @@ def test_a_successful_run_destroys_its_process_group_before_exit():
     # Exiting with a live gloo group let the interpreter tear down its worker threads, and one rank in a few
     # aborted ("terminate called without an active exception"): torchrun reported a finished run as failed.
     assert "group open at exit: False" in _exit_with(0)
+
+
+_UNFLUSHED = """
+import sys, threading, time
+from openrlhf.utils.process import exit_after_run
+def late_write():
+    time.sleep(0.5)
+    open(sys.argv[1], "w").write("written")
+threading.Thread(target=late_write).start()
+sys.stdout.write("buffered, not flushed")
+exit_after_run(0)
+"""
+
+
+def test_the_exit_keeps_what_a_normal_exit_would(tmp_path):
+    # The exit skips the interpreter's teardown, not the run's own shutdown: a thread still writing finishes and
+    # buffered output reaches the pipe.
+    target = tmp_path / "late.txt"
+    proc = subprocess.run([PY, "-c", _UNFLUSHED, str(target)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "buffered, not flushed" and target.read_text() == "written"
 
 
 def test_a_failed_run_leaves_the_group_alone():
