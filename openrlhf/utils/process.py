@@ -22,12 +22,10 @@ def _close_process_group() -> None:
 
 
 def _finish_python() -> None:
-    """The part of the interpreter's shutdown a run relies on: its threads finish, atexit handlers run (logging's
-    flush, weight-sync groups closed, Ray's shutdown), and the standard streams are flushed."""
-    current = threading.current_thread()
-    for t in threading.enumerate():
-        if t is not current and not t.daemon and t is not threading.main_thread():
-            t.join()
+    """The interpreter's own first steps of a shutdown, in its order: threading's shutdown (its exit callbacks stop
+    executor workers, then every non-daemon thread is joined), the atexit handlers (logging's flush, weight-sync groups
+    closed, Ray's and vLLM's shutdowns), and the standard streams flushed."""
+    threading._shutdown()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
