@@ -21,9 +21,10 @@
   previous one is up (vLLM sizes its KV cache from the memory it sees free while it starts). Every run evaluates a
   held-out set every `--eval_every` steps with `--eval_n` samples per prompt (the spread over those resamples is
   `eval/pass1_resample_std`) and logs reward, mismatch and gradient norm every step.
-- long: the learning comparison for fp8_rollout without TIS against jet_fp8, with rollouts of up to `--long_tokens`
-  tokens: each prompt bundles `--long_problems` word problems and asks for the sum of their answers, so answers run
-  long. The records give the response lengths actually reached.
+- long: the learning comparison for fp8_rollout without TIS against jet_fp8 on the learn task, with every rollout
+  sampled to `--long_tokens` tokens past the model's end of turn (`--rollout.ignore_eos`): the answer, then a long
+  tail that the policy gradient covers as it covers long reasoning. The reward reads the first answer
+  (benchmarks/first_answer_reward.py); the evaluation samples stop at EOS as usual.
 - report: run records in benchmarks/results/runs (benchmarks/headline.py format), `docs/fidelity_mismatch.png`,
   `docs/fidelity_learning.png`, `docs/fidelity_long.png`, a markdown table; the headline figures
   `grpo_eval_gap_jet_fp8_vs_bf16_pct` and `grpo_eval_gap_fp8_rollout_vs_bf16_pct` come from its records.
@@ -57,7 +58,6 @@ LONG_RUNS = ("fp8_rollout", "jet_fp8")
 COLORS = {"bf16": "tab:blue", "jet_fp8": "tab:green", "fp8_rollout": "tab:red", "fp8_rollout_tis": "tab:orange",
           "jet_fp8+bitwise": "tab:purple"}
 ONE = "{}\nSolve it step by step, then finish with: The answer is <number>."
-BUNDLE = "{}\nSolve every problem step by step, then add up all the answers and finish with: The answer is <total>."
 MISMATCH_KEY = "rollout_train_mismatch/abs_logp_diff_mean"
 
 
@@ -120,7 +120,9 @@ class LearnPlan:
     n: int = 8
     new_tokens: int = 128  # add_sub_10's answers take ~35 tokens; the rambles the cap cuts are wrong anyway
     prompt_budget: int = 256  # prompt tokens (add_sub_10's two examples and problem: ~150); --data.max_len adds new_tokens
-    problems_per_prompt: int = 1  # > 1: a prompt bundles several problems and asks for the sum (long answers)
+    # Long rollouts: every response sampled to new_tokens past EOS, and a reward that reads its first answer.
+    ignore_eos: bool = False
+    reward_file: str | None = None
     task: str = "add_sub_10"  # a TASKS key
     max_number: int | None = None  # overrides the task's operand bound
     train_micro: int = 32  # four runs' trainers and engines share the GPU's memory
@@ -169,17 +171,21 @@ class LearnPlan:
             argv += ["--vllm.kv_cache_memory_gib", str(self.kv_gib)]
         if not self.tiny:  # SmolLM2-Instruct: the records hold chat turns; the tiny character model has no chat template
             argv += ["--data.apply_chat_template"]
+        if self.ignore_eos:
+            argv += ["--rollout.ignore_eos"]
+        if self.reward_file:
+            argv += ["--reward.remote_url", self.reward_file]
         if not self.concurrent and self.engine == "vllm":
             # Side by side, a sleeping engine would give memory back while a neighbour's vLLM profiles its start-up.
             argv += ["--vllm.enable_sleep"]
         return argv
 
     def shape(self, model_name: str) -> str:
-        task = (f"{self.task}: {TASKS[self.task].description}" if self.problems_per_prompt == 1
-                else f"bundles of {self.problems_per_prompt} arithmetic word problems, answer = their sum")
-        return (f"{model_name}, {task}, {self.prompts} prompts x {self.n} samples x <={self.new_tokens} tokens, lr {self.lr:g}, "
-                f"{self.steps} steps, held-out {self.eval_prompts} prompts x {self.eval_n} samples at T={self.eval_temperature:g}, "
-                f"math-verify reward")
+        length = (f"{self.new_tokens} tokens each (sampled past EOS; the reward reads the first answer)" if self.ignore_eos
+                  else f"<={self.new_tokens} tokens")
+        return (f"{model_name}, {self.task}: {TASKS[self.task].description}, {self.prompts} prompts x {self.n} samples x {length}, "
+                f"lr {self.lr:g}, {self.steps} steps, held-out {self.eval_prompts} prompts x {self.eval_n} samples at "
+                f"T={self.eval_temperature:g}, math-verify reward")
 
 
 def run_argv(run: str) -> list[str]:
@@ -203,25 +209,16 @@ def tiny_model(work: Path) -> Path:
     return build_tiny_model(out, TinyModelSpec(initializer_range=0.1, max_position_embeddings=1024, seed=3))
 
 
-def word_records(n: int, seed: int, bundle: int, max_number: int = 30, task: WordTask = TASKS["mixed_30"]) -> list[dict]:
-    """Word problems; with bundle > 1 each record holds `bundle` of them and the label is the sum of their answers."""
+def word_records(n: int, seed: int, max_number: int = 30, task: WordTask = TASKS["mixed_30"]) -> list[dict]:
     from openrlhf.datasets.synthetic import make_word_problem_records
 
-    recs = make_word_problem_records(n * bundle, seed=seed, max_number=max_number, steps=task.steps, kinds=task.kinds)
-    if bundle == 1:
-        return recs
-    out = []
-    for i in range(n):
-        part = recs[i * bundle:(i + 1) * bundle]
-        text = "\n".join(f"{k + 1}. {r['input']}" for k, r in enumerate(part))
-        out.append({"input": text, "label": str(sum(int(r["label"]) for r in part))})
-    return out
+    return make_word_problem_records(n, seed=seed, max_number=max_number, steps=task.steps, kinds=task.kinds)
 
 
 def learn_records(plan: LearnPlan, n: int, seed: int) -> list[dict]:
     """The plan's problems; for a chat model each input is the task's chat turns (examples, then the problem)."""
-    task = TASKS[plan.task] if plan.problems_per_prompt == 1 else dataclasses.replace(TASKS["mixed_30"], template=BUNDLE)
-    recs = word_records(n, seed, plan.problems_per_prompt, plan.max_number or task.max_number, task)
+    task = TASKS[plan.task]
+    recs = word_records(n, seed, plan.max_number or task.max_number, task)
     if plan.tiny:  # a character model: the bare problem
         return recs
     return [{**r, "input": task.messages(r["input"]), "problem": r["input"]} for r in recs]
@@ -238,7 +235,7 @@ def learn_inputs(work: Path, plan: LearnPlan, tag: str) -> tuple[Path, Path]:
 
 
 def chat_prompt_ids(tokenizer, n: int, seed: int, chat: bool) -> list[list[int]]:
-    texts = [ONE.format(r["input"]) for r in word_records(n, seed, 1)]
+    texts = [ONE.format(r["input"]) for r in word_records(n, seed)]
     if chat:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True) for t in texts]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -440,19 +437,23 @@ def mismatch_plan(a: argparse.Namespace) -> MismatchPlan:
                         gemm_backend="torch" if cuda() else "auto")
 
 
+def _long_sampling() -> dict:
+    return {"ignore_eos": True, "reward_file": str(ROOT / "benchmarks" / "first_answer_reward.py")}
+
+
 def learn_plan(a: argparse.Namespace, long: bool) -> LearnPlan:
     engine = a.engine or ("vllm" if cuda() else "hf")
     if a.tiny:
         # Operands up to 5: a random character model sometimes lands on the answer, so rewards and gradients are not all 0.
-        return LearnPlan(steps=a.steps or 2, prompts=2, n=8, new_tokens=24 if long else 12, prompt_budget=400 if long else 200,
-                         problems_per_prompt=2 if long else 1, max_number=5, train_micro=8, rollout_micro=8, eval_every=2 if not long else 1,
-                         eval_prompts=4, eval_n=2, engine=engine, gemm_backend="auto", concurrent=True, timeout=600.0, tiny=True)
+        return LearnPlan(steps=a.steps or 2, prompts=2, n=8, new_tokens=24 if long else 12, prompt_budget=200, max_number=5,
+                         train_micro=8, rollout_micro=8, eval_every=2 if not long else 1, eval_prompts=4, eval_n=2, engine=engine,
+                         gemm_backend="auto", concurrent=True, timeout=600.0, tiny=True, **(_long_sampling() if long else {}))
     if long:
-        # Micro-batches of 4 sequences: the trainer's logits of one are 4 x 5k tokens x 49k vocabulary (2 GB in bf16),
-        # and two runs share the GPU.
-        return LearnPlan(steps=a.long_steps, prompts=8, n=4, new_tokens=a.long_tokens, prompt_budget=1024, problems_per_prompt=a.long_problems,
-                         train_micro=4, rollout_micro=4, eval_every=a.long_eval_every, eval_prompts=32, eval_n=4, engine=engine,
-                         gpu_mem=0.15, kv_gib=8.0, concurrent=cuda(), timeout=a.run_timeout or LearnPlan.timeout)
+        # Micro-batches of 4 sequences: the trainer's logits of one are 4 x 4.3k tokens x 49k vocabulary (1.7 GB in
+        # bf16), and two runs share the GPU.
+        return LearnPlan(steps=a.long_steps, prompts=8, n=4, new_tokens=a.long_tokens, lr=a.lr, task=a.task, train_micro=4,
+                         rollout_micro=4, eval_every=a.long_eval_every, eval_prompts=32, eval_n=4, engine=engine, gpu_mem=0.15,
+                         kv_gib=8.0, concurrent=cuda(), timeout=a.run_timeout or LearnPlan.timeout, **_long_sampling())
     return LearnPlan(steps=a.steps or LearnPlan.steps, prompts=a.prompts, n=a.n, new_tokens=a.new_tokens, lr=a.lr, task=a.task,
                      eval_every=a.eval_every, eval_prompts=a.eval_prompts, eval_n=a.eval_n, engine=engine, concurrent=cuda(),
                      timeout=a.run_timeout or LearnPlan.timeout)
@@ -805,7 +806,6 @@ def main(argv: list[str] | None = None) -> None:
     lp.add_argument("--eval_n", type=int, default=LearnPlan.eval_n)
     lp.add_argument("--long_steps", type=int, default=10)
     lp.add_argument("--long_tokens", type=int, default=4096)
-    lp.add_argument("--long_problems", type=int, default=16)
     lp.add_argument("--long_eval_every", type=int, default=5)
     rp = ap.add_argument_group("report")
     rp.add_argument("--from", dest="from_dirs", nargs="+", default=None)

@@ -245,6 +245,9 @@ class RolloutConfig:
     temperature: float = opt(1.0, "sampling temperature", aliases=["--temperature"], ge=0.0)
     top_p: float = opt(1.0, "nucleus sampling threshold", aliases=["--top_p"], gt=0.0, le=1.0)
     top_k: int = opt(-1, "top-k sampling (-1 = off)", ge=-1)
+    ignore_eos: bool = opt(
+        False, "sample every response to max_new_tokens, past EOS (rollout-length studies, as verl's rollout.ignore_eos)"
+    )
     max_tokens_per_gpu: int | None = opt(
         None, "dynamic batching: tokens per logprob/value forward (default: --train.max_tokens_per_gpu)", ge=1
     )

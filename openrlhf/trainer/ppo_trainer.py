@@ -517,6 +517,7 @@ class PPOTrainer:
         max_new = r.max_new_tokens or max(self.cfg.data.max_len - max_prompt_len, 1)
         return SamplingConfig(
             max_new_tokens=max_new, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, n=r.n_samples_per_prompt,
+            ignore_eos=r.ignore_eos,
             # Seeded by step and rank: a resumed run samples exactly what the uninterrupted one would.
             seed=self.cfg.train.seed * 1_000_003 + self.global_step * 1009 + self.strategy.rank,
         )

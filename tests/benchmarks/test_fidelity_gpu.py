@@ -85,9 +85,13 @@ def test_learning_runs_log_what_the_study_compares(study):
     train = (d / "work" / "learn_train.jsonl").read_text().splitlines()
     heldout = (d / "work" / "learn_heldout.jsonl").read_text().splitlines()
     assert not {json.loads(x)["input"] for x in heldout} & {json.loads(x)["input"] for x in train}
-    # the long task bundles problems; its label is the sum of their answers
-    rec = json.loads((d / "work" / "long_train.jsonl").read_text().splitlines()[0])
-    assert rec["input"].startswith("1. ") and "\n2. " in rec["input"]
+    # the long runs: the learn task, every rollout sampled to its full length past EOS, the first answer rewarded
+    cmd = json.loads((d / "out" / "long" / "jet_fp8_s0" / "cmd.json").read_text())
+    assert "--rollout.ignore_eos" in cmd and cmd[cmd.index("--reward.remote_url") + 1].endswith("benchmarks/first_answer_reward.py")
+    long_tokens = int(cmd[cmd.index("--rollout.max_new_tokens") + 1])
+    for (part, name), res in runs.items():
+        if part == "long":
+            assert all(s["rollout/response_length"] == long_tokens for s in res["steps"]), name
 
 
 def test_records_plots_and_headline_figures(study):

@@ -96,6 +96,13 @@ def test_defaults():
     assert all(get(cfg, s.dest) is (s.dest.endswith(".muon.nesterov")) for s in flag_specs() if s.type is bool)
 
 
+def test_ignore_eos_reaches_the_engines_sampling():
+    from openrlhf.trainer.engines.factory import default_sampling
+
+    assert default_sampling(parse_config([*BASE, "--rollout.ignore_eos"]).rollout, 64).ignore_eos
+    assert not default_sampling(parse_config(BASE).rollout, 64).ignore_eos
+
+
 def test_every_alias_maps_to_its_dotted_field():
     rng = random.Random(1234)
     checked = 0

@@ -46,7 +46,7 @@ def default_sampling(rollout: RolloutConfig, max_len: int) -> SamplingConfig:
     """The engine's default sampling (`--rollout.*`); the trainer passes its own per call."""
     return SamplingConfig(
         max_new_tokens=rollout.max_new_tokens or max_len, temperature=rollout.temperature, top_p=rollout.top_p,
-        top_k=rollout.top_k, n=rollout.n_samples_per_prompt,
+        top_k=rollout.top_k, n=rollout.n_samples_per_prompt, ignore_eos=rollout.ignore_eos,
     )
 
 
