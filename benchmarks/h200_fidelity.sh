@@ -10,8 +10,11 @@
 #   1. carry [".vc0", ".gs0"]          bash benchmarks/h200_fidelity.sh unpack                       ~15 s
 #   2. carry [".vc1", ".gw", ".gs1"]   bash benchmarks/h200_fidelity.sh unpack install               ~1.5 min
 #   3. carry [".gs2"]                  bash benchmarks/h200_fidelity.sh unpack smollm2 learn         ~9.5 min
-#   4. no carry                        bash benchmarks/h200_fidelity.sh mismatch long                ~9.5 min
-# A call on a fresh machine (the previous one was given back) starts again from 1; calls 3 and 4 may swap.
+#   4. no carry                        bash benchmarks/h200_fidelity.sh mismatch long                ~3 min + long
+# A call on a fresh machine (the previous one was given back) starts again from 1; calls 3 and 4 may swap. `long`
+# samples every rollout to LONG_TOKENS past EOS (the first run, with shorter rollouts, took 6.4 min for 10 steps); it
+# has not run at that length yet: give it a call of its own (`bash benchmarks/h200_fidelity.sh long`) when mismatch
+# has already run.
 # When prepare prints a fourth call (the checkout has grown, and the GGUF spills into .gs3), call 3 carries .gs2 for
 # `unpack` and other work, and the first stage needing the model comes with carry [".gs3"]: `unpack smollm2 ...`.
 # Knobs: STEPS (learn, 50), SEEDS ("0"), RUNS (learn runs, "bf16 jet_fp8 fp8_rollout fp8_rollout_tis"), LENGTHS
