@@ -54,16 +54,19 @@ def _ordinary_norms(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm") and not isinstance(m, InvariantRMSNorm)]
 
 
-def numerics_of(model: nn.Module) -> NumericsReport:
+def numerics_of(model: nn.Module, device: torch.device | str | None = None) -> NumericsReport:
     """Read the numerics a live model runs: its attention implementation (HF `config._attn_implementation`),
-    its high-precision linears, its FP8 GEMM backends and, on CUDA, its RMSNorms."""
+    its high-precision linears, its FP8 GEMM backends and, on CUDA, its RMSNorms.
+
+    `device`: where the model will run (default: where its parameters are). The trainer converts on the CPU before
+    DeepSpeed moves the model, so the backends are resolved, and the checks made, for the device it names."""
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or "unknown"
-    device = _params_device(model)
+    device = torch.device(device) if device is not None else _params_device(model)
     plain = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.fprop.input.is_fp8 and m.fprop.weight.is_fp8]
     # An Fp8Linear with a high-precision operand multiplies in ordinary fp32 (jetrl_precision.linear._mm).
     unconverted = [m for m in model.modules() if isinstance(m, Fp8Linear) and not (m.fprop.input.is_fp8 and m.fprop.weight.is_fp8)]
-    backends = sorted({m.resolved_backend for m in fp8})
+    backends = sorted({m.backend_for(device) for m in fp8})
     linear = ",".join(sorted({m.backend for m in model.modules() if isinstance(m, InvariantLinear)})) or "fp64"
     bad = []
     if attn not in (INVARIANT_ATTENTION, TRITON_ATTENTION):
@@ -125,7 +128,7 @@ def make_batch_invariant(
                 setattr(module, name, InvariantLinear.from_linear(child, kernels))
             elif kernels == "triton" and type(child).__name__ in NORM_CLASSES:
                 setattr(module, name, InvariantRMSNorm.from_norm(child))
-    report = numerics_of(model)
+    report = numerics_of(model, dev)
     if kernels == "fp64" and not report.batch_invariant:
         raise BitwiseUnavailable(
             f"the model is not batch-invariant after conversion: {', '.join(report.not_invariant)}; load it with "

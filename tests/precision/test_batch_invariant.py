@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from precision_testutil import gamma, outlier_data, tiny_causal_lm, unit_roundoff
-from jetrl_precision import build_precision_graph, check_subgraph, convert_to_fp8, get_recipe
+from jetrl_precision import Fp8Linear, build_precision_graph, check_subgraph, convert_to_fp8, get_recipe
 from jetrl_precision import batch_invariant as bi
 from jetrl_precision.batch_invariant import attention as bi_attention, convert as bi_convert
 from jetrl_precision.batch_invariant import BitwiseUnavailable, InvariantLinear, make_batch_invariant, numerics_of
@@ -89,6 +89,18 @@ def test_numerics_of_names_what_is_not_batch_invariant():
     report = numerics_of(model)
     assert not report.batch_invariant
     assert "attention eager" in report.detail() and "ordinary linear(s) (e.g. lm_head)" in report.detail()
+
+
+def test_numerics_of_judges_the_device_the_model_will_run_on():
+    """The trainer converts on the CPU before DeepSpeed moves the model: the report is for the device it names, and
+    the FP8 backends are resolved there (a CUDA-only backend must not be resolved for the CPU the weights sit on)."""
+    model = _invariant_model("jet_fp8")
+    assert numerics_of(model).batch_invariant
+    report = numerics_of(model, "cuda")
+    assert not report.batch_invariant
+    assert "attention jetrl_invariant on cuda" in report.detail() and "FP8 GEMM backend emulated on cuda" in report.detail()
+    fp8 = next(m for m in model.modules() if isinstance(m, Fp8Linear))
+    assert fp8.weight.device.type == "cpu" and fp8.backend_for(torch.device("cuda")) == "emulated"
 
 
 def test_make_batch_invariant_refuses_an_ordinary_attention():
