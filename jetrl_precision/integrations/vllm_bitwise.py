@@ -46,6 +46,8 @@ __all__ = [
     "building_bitwise_engine",
     "install_bitwise_sampler",
     "set_bitwise_temperature",
+    "engine_numerics",
+    "INVARIANT_DETAIL",
 ]
 
 logger = logging.getLogger(__name__)
@@ -233,3 +235,66 @@ def set_bitwise_temperature(worker: Any, temperature: float) -> None:
     if not hasattr(sampler, "jetrl_temperature"):
         raise RuntimeError("bitwise vLLM engine: install_bitwise_sampler has not run in this worker")
     sampler.jetrl_temperature = float(temperature)
+
+
+# ---- what a loaded engine runs (the precision graph's numerics) --------------------------------------------------
+INVARIANT_DETAIL = "attention=bitwise_paged linear=triton_invariant fp8_gemm={fp8} norm=triton rotary=invariant " \
+                   "silu_mul=invariant logprobs=invariant_softmax"
+
+
+def _attention_not_bitwise(model: torch.nn.Module) -> str | None:
+    """Why the model's attention layers are not all the bitwise backend, or None."""
+    try:
+        from .vllm_bitwise_attention import check_bitwise_attention
+    except ImportError as e:  # the backend subclasses vLLM's Triton one: absent without Triton
+        return f"attention: the bitwise backend cannot be imported ({e})"
+    try:
+        check_bitwise_attention(model)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def engine_numerics(worker: Any, model: torch.nn.Module) -> tuple[str, str]:
+    """The numerics a loaded bitwise engine runs, read from the modules it instantiated (not from its settings):
+    ("batch_invariant", detail) when every op that feeds a quantizer or the logits is the trainer's invariant one,
+    else ("ordinary", what is not, one item per kind). The precision check compares this with the trainer's
+    `numerics_of`, so an engine that silently built a vLLM op somewhere is refused before any rollout."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from .vllm_plugin import jetrl_method_of
+
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    bad: list[str] = []
+
+    def first_of(what: str, names: list[str]) -> None:
+        if names:
+            bad.append(f"{len(names)} {what} (e.g. {names[0]})")
+
+    leaves = [(n, m) for n, m in model.named_modules() if not any(True for _ in m.children())]
+    first_of("vLLM norm(s)", [n for n, m in leaves if "norm" in type(m).__name__.lower() and not getattr(m, "jetrl_bitwise", False)])
+    first_of("vLLM rotary embedding(s)", [n for n, m in model.named_modules()
+                                          if hasattr(m, "rotary_dim") and hasattr(m, "is_neox_style") and not getattr(m, "jetrl_bitwise", False)])
+    first_of("vLLM activation(s)", [n for n, m in leaves if (isinstance(m, SiluAndMul) or type(m).__module__.startswith("vllm.model_executor.layers.activation"))
+                                    and not getattr(m, "jetrl_bitwise", False)])
+    fp8, plain = [], []
+    for n, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            method = jetrl_method_of(m)
+            if method is not None:
+                fp8.append(n) if method.backend_for(device) == "triton_invariant" else plain.append(f"{n}: FP8 GEMM {method.backend_for(device)}")
+            elif not isinstance(getattr(m, "quant_method", None), InvariantLinearMethod):
+                plain.append(f"{n}: {type(getattr(m, 'quant_method', None)).__name__}")
+        elif isinstance(m, ParallelLMHead) and not isinstance(getattr(m, "quant_method", None), InvariantEmbeddingMethod):
+            plain.append(f"{n}: {type(getattr(m, 'quant_method', None)).__name__}")
+    first_of("linear(s) outside the invariant GEMMs", plain)
+    attention = _attention_not_bitwise(model)
+    if attention:
+        bad.append(attention)
+    sampler = getattr(getattr(worker, "model_runner", None), "sampler", None)
+    if not hasattr(sampler, "jetrl_temperature"):
+        bad.append(f"log-probs from {type(sampler).__name__} (install_bitwise_sampler has not run)")
+    if bad:
+        return "ordinary", "bitwise engine with vLLM ops left: " + "; ".join(bad)
+    return "batch_invariant", INVARIANT_DETAIL.format(fp8="triton_invariant" if fp8 else "-")

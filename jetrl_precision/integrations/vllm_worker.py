@@ -296,10 +296,16 @@ def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
     first = next((jetrl_method_of(m) for m in model.modules() if jetrl_method_of(m) is not None), None)
     if first is not None and not recipe:
         recipe = first.settings.recipe.name
-    # vLLM's attention, norms and GEMM tiling depend on the batch: never batch-invariant numerics (see the bitwise mode).
+    # vLLM's attention, norms and GEMM tiling depend on the batch; a bitwise engine says what it actually built.
+    numerics, detail = "ordinary", "vLLM kernels (attention, norms and GEMM tiling depend on the batch)"
+    settings = getattr(getattr(getattr(worker, "vllm_config", None), "quant_config", None), "settings", None)
+    if getattr(settings, "bitwise", False) or getattr(getattr(first, "settings", None), "bitwise", False):
+        from .vllm_bitwise import engine_numerics  # imports vLLM's layers (we are in its worker)
+
+        numerics, detail = engine_numerics(worker, model)
     g = PrecisionGraph("rollout", recipe or "none", meta={
         "source": f"vllm:{type(model).__name__}", "linear_methods": ",".join(methods),
-        "numerics": "ordinary", "numerics_detail": "vLLM kernels (attention, norms and GEMM tiling depend on the batch)",
+        "numerics": numerics, "numerics_detail": detail,
     })
     for fqn, m in model.named_modules():
         name = canonical_name(fqn)

@@ -184,3 +184,49 @@ def test_the_bitwise_sampler_replaces_the_v1_samplers_logprobs_only():
     vllm_bitwise.set_bitwise_temperature(worker, 0.7)
     assert sampler.jetrl_temperature == 0.7
     assert Sampler(logprobs_mode="raw_logprobs").compute_logprobs is Sampler.compute_logprobs  # other samplers untouched
+
+
+def test_a_bitwise_engine_reports_the_numerics_it_built(monkeypatch):
+    """The rollout precision graph's numerics come from the modules the engine instantiated: batch-invariant only
+    when every norm, rotary, activation, linear, lm_head, attention layer and the sampler is the trainer's."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    def bare(cls, method):  # isinstance and quant_method are all the report reads
+        m = torch.nn.Module.__new__(cls)
+        torch.nn.Module.__init__(m)
+        m.quant_method = method
+        return m
+
+    def layers():
+        model = torch.nn.Module()
+        model.norm, model.act = RMSNorm(64, eps=1e-5), SiluAndMul()
+        model.rope = get_rope(16, 4096, True, {"rope_theta": 10000.0, "rope_type": "default"}, torch.bfloat16)
+        return model
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=1,
+                      vocab_size=64, max_position_embeddings=4096, rope_theta=10000.0)
+    vllm_bitwise_rope_cache_clear()
+    model = _build(layers, bitwise=True, hf_config=cfg, monkeypatch=monkeypatch)
+    model.down_proj = bare(RowParallelLinear, vllm_bitwise.InvariantLinearMethod())
+    model.lm_head = bare(ParallelLMHead, vllm_bitwise.InvariantEmbeddingMethod())
+    worker = SimpleNamespace(model_runner=SimpleNamespace(sampler=SimpleNamespace(jetrl_temperature=1.0)))
+    real_attention_check = vllm_bitwise._attention_not_bitwise
+    monkeypatch.setattr(vllm_bitwise, "_attention_not_bitwise", lambda m: None)  # the backend's own check: its tests
+    assert vllm_bitwise.engine_numerics(worker, model) == ("batch_invariant", vllm_bitwise.INVARIANT_DETAIL.format(fp8="-"))
+
+    # one vLLM op of each kind left in: each is named, and the engine is not batch-invariant
+    vllm_bitwise_rope_cache_clear()
+    model.plain = _build(lambda: _without_oot("RMSNorm", lambda: RMSNorm(64, eps=1e-5)), bitwise=True, monkeypatch=monkeypatch)
+    model.plain_act = _build(lambda: _without_oot("SiluAndMul", SiluAndMul), bitwise=True, monkeypatch=monkeypatch)
+    model.plain_rope = _build(lambda: _without_oot("RotaryEmbedding", lambda: get_rope(
+        16, 2048, True, {"rope_theta": 10000.0, "rope_type": "default"}, torch.bfloat16)), bitwise=True, monkeypatch=monkeypatch)
+    model.up_proj = bare(RowParallelLinear, UnquantizedLinearMethod())
+    worker.model_runner.sampler = SimpleNamespace()
+    monkeypatch.setattr(vllm_bitwise, "_attention_not_bitwise", real_attention_check)
+    mode, detail = vllm_bitwise.engine_numerics(worker, model)
+    assert mode == "ordinary"
+    for part in ("1 vLLM norm(s) (e.g. plain)", "1 vLLM activation(s) (e.g. plain_act)", "1 vLLM rotary embedding(s) (e.g. plain_rope)",
+                 "1 linear(s) outside the invariant GEMMs (e.g. up_proj: UnquantizedLinearMethod)",
+                 "log-probs from SimpleNamespace (install_bitwise_sampler has not run)", "attention"):
+        assert part in detail, (part, detail)
+    vllm_bitwise_rope_cache_clear()
