@@ -18,14 +18,15 @@ the engine attends one new token (decode) or a chunk (chunked prefill) against a
   warps. `tl.dot` over a tile computes each output element from its own row and column in an order fixed by the
   tile shape and the instruction Triton picks for it, which these constants fix; nothing in a row's result reads
   another row, so its bits do not depend on how many real rows share the tile or where it sits in it (the same
-  property vLLM's batch-invariant persistent matmul relies on). A decode row sits in row 0 of a padded tile, the
-  same token in a prefill sits in row i mod 16: `tests/gpu/test_invariant_attention_gpu.py` checks the equality on
-  the hardware, the interpreter tests check it on CPU.
+  property vLLM's batch-invariant persistent matmul relies on). A decode row and the same token in a prefill sit
+  in different rows of their tiles: `tests/gpu/test_invariant_kernels_gpu.py` checks the equality on the hardware,
+  the interpreter tests check it on CPU;
 - bf16 inputs multiply on the tensor cores with fp32 accumulation; p is rounded to bf16 for p @ v (as
-  FlashAttention does); fp32 inputs use IEEE fp32 dots (no TF32).
-
-The kernel favours exactness over speed: one query head per program (the GQA group re-reads its KV block), and a
-decode row pays for a 16-row tile.
+  FlashAttention does); fp32 inputs use IEEE fp32 dots (no TF32);
+- a tile's rows are query positions x query heads of one KV head (`heads_per_tile`: all of a GQA group when it
+  fits), so the group's heads share every K/V load; a decode (one position) fills as many rows as the group has
+  heads. Which rows share a tile is launch geometry only: by the property above, a row's bits are those it has
+  alone (`pack_heads=False`, one head per tile, gives the same bits: the tests compare the two).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import triton.language as tl
 
 from ._rounding import cast_rn
 
-__all__ = ["KEY_BLOCK", "QUERY_TILE", "NUM_WARPS", "varlen_attention", "paged_attention", "attention_segments"]
+__all__ = ["KEY_BLOCK", "QUERY_TILE", "NUM_WARPS", "heads_per_tile", "varlen_attention", "paged_attention", "attention_segments"]
 
 KEY_BLOCK = 32  # keys per block of the online softmax: part of the numerics, the same for every launch
 QUERY_TILE = 16  # query rows per program (tl.dot needs >= 16); padded, never shrunk
@@ -75,29 +76,35 @@ def _attention_kernel(
     sq_t, sq_h, sk_0, sk_1, sk_h, sv_0, sv_1, sv_h, so_t, so_h, sbt,
     qk_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, PAGED: tl.constexpr, DTYPE: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, DTYPE: tl.constexpr, HEADS: tl.constexpr,
 ):
+    # A tile is BLOCK_M rows: BLOCK_M // HEADS query positions x HEADS query heads of one KV head (row r is position
+    # r // HEADS, head r % HEADS), so the group's heads share each K/V block load; rows past the last full
+    # position group are padding.
+    POSITIONS: tl.constexpr = BLOCK_M // HEADS
     tile = tl.program_id(0)
     seq = tl.program_id(1)
-    head = tl.program_id(2)
+    head_group = tl.program_id(2)
     q_len = tl.load(q_len_ptr + seq)
-    if tile * BLOCK_M < q_len:
+    if tile * POSITIONS < q_len:
         k_len = tl.load(k_len_ptr + seq)
         q_start = tl.load(q_start_ptr + seq).to(tl.int64)
-        kv_head = head // GROUP
-        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < q_len
+        kv_head = (head_group * HEADS) // GROUP
+        r = tl.arange(0, BLOCK_M)
+        rows = tile * POSITIONS + r // HEADS  # each row's query index within its sequence
+        head = head_group * HEADS + r % HEADS
+        row_ok = (r < POSITIONS * HEADS) & (rows < q_len)
         pos = k_len - q_len + rows  # each query's position among its sequence's keys
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
         q = tl.load(
-            q_ptr + (q_start + rows)[:, None].to(tl.int64) * sq_t + head * sq_h + d[None, :],
+            q_ptr + (q_start + rows)[:, None].to(tl.int64) * sq_t + head[:, None] * sq_h + d[None, :],
             mask=row_ok[:, None] & d_ok[None, :], other=0.0,
         )
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        last = k_len - q_len + tl.minimum(tile * BLOCK_M + BLOCK_M, q_len) - 1  # the tile's last real query
+        last = k_len - q_len + tl.minimum(tile * POSITIONS + POSITIONS, q_len) - 1  # the tile's last real query
         if PAGED:
             k_base = k_ptr + kv_head * sk_h
             v_base = v_ptr + kv_head * sv_h
@@ -133,7 +140,7 @@ def _attention_kernel(
             m_i = tl.where(active, m_new, m_i)
         out = tl.math.div_rn(acc, l_i[:, None])
         tl.store(
-            o_ptr + (q_start + rows)[:, None].to(tl.int64) * so_t + head * so_h + d[None, :],
+            o_ptr + (q_start + rows)[:, None].to(tl.int64) * so_t + head[:, None] * so_h + d[None, :],
             cast_rn(out, DTYPE), mask=row_ok[:, None] & d_ok[None, :],
         )
 
@@ -157,7 +164,13 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, k, v, q_start, q_len, k_start, k_len, block_table, max_q_len, scale, paged, zero_fill=False, out=None):
+def heads_per_tile(group: int) -> int:
+    """How many query heads of one KV head share a tile: the largest divisor of the GQA group that fits in it."""
+    return max(h for h in range(1, min(group, QUERY_TILE) + 1) if group % h == 0)
+
+
+def _launch(q, k, v, q_start, q_len, k_start, k_len, block_table, max_q_len, scale, paged, zero_fill=False, out=None,
+            pack_heads=True):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     if out is None:
         out = torch.zeros_like(q) if zero_fill else torch.empty_like(q)
@@ -178,35 +191,40 @@ def _launch(q, k, v, q_start, q_len, k_start, k_len, block_table, max_q_len, sca
     else:
         bt = k_len  # unused
         sk, sv, sbt, page = (k.stride(0), 0, k.stride(1)), (v.stride(0), 0, v.stride(1)), 0, 1
-    grid = (triton.cdiv(int(max_q_len), QUERY_TILE), n_seq, heads)
+    group = heads // k.shape[-2]
+    packed = heads_per_tile(group) if pack_heads else 1
+    grid = (triton.cdiv(int(max_q_len), QUERY_TILE // packed), n_seq, heads // packed)
     _attention_kernel[grid](
         q, k, v, out, q_start, q_len, k_start, k_len, bt,
         q.stride(0), q.stride(1), *sk, *sv, out.stride(0), out.stride(1), sbt,
         scale * _LOG2E,
-        GROUP=heads // k.shape[-2], D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=QUERY_TILE,
-        BLOCK_N=KEY_BLOCK, PAGE=page, PAGED=paged, DTYPE=_TL_DTYPE[q.dtype], num_warps=NUM_WARPS,
+        GROUP=group, D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_M=QUERY_TILE,
+        BLOCK_N=KEY_BLOCK, PAGE=page, PAGED=paged, DTYPE=_TL_DTYPE[q.dtype], HEADS=packed, num_warps=NUM_WARPS,
     )
     return out
 
 
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int, softmax_scale: float | None = None,
+    max_seqlen_q: int, softmax_scale: float | None = None, pack_heads: bool = True,
 ) -> torch.Tensor:
     """Causal attention over packed sequences: q [Tq, H, D], k/v [Tk, Hkv, D], cu_seqlens_* [S + 1] int.
 
     Sequence s's queries are the last q_len_s of its k_len_s keys (q_len == k_len for a full forward), so its
-    query r sits at position k_len_s - q_len_s + r and attends keys 0..that position. Returns [Tq, H, D]."""
+    query r sits at position k_len_s - q_len_s + r and attends keys 0..that position. Returns [Tq, H, D].
+    `pack_heads=False`: one query head per tile (the same bits, more K/V traffic; for comparisons)."""
     _check_qkv(q, k, v, 3, "varlen_attention")
     cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
     if cu_q.dim() != 1 or cu_q.shape != cu_k.shape or cu_q.numel() < 1:
         raise ValueError(f"varlen_attention: cu_seqlens_q {tuple(cu_q.shape)} and cu_seqlens_k {tuple(cu_k.shape)} must be [S + 1]")
-    return _launch(q, k, v, cu_q[:-1], cu_q.diff(), cu_k[:-1], cu_k.diff(), None, max_seqlen_q, softmax_scale, False)
+    return _launch(q, k, v, cu_q[:-1], cu_q.diff(), cu_k[:-1], cu_k.diff(), None, max_seqlen_q, softmax_scale, False,
+                   pack_heads=pack_heads)
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
     block_table: torch.Tensor, max_seqlen_q: int, softmax_scale: float | None = None, out: torch.Tensor | None = None,
+    pack_heads: bool = True,
 ) -> torch.Tensor:
     """Causal attention of new tokens against a paged KV cache that already holds them.
 
@@ -214,7 +232,8 @@ def paged_attention(
     k_cache/v_cache [num_blocks, page, Hkv, D]; seq_lens [S] the context length (keys) of each sequence;
     block_table [S, max_blocks] the physical block of each page. Decode is q_len 1; chunked prefill q_len > 1.
     `out` [Tq, H, D] (last dim contiguous) receives the rows in place, for callers whose output buffer is fixed
-    (an engine's CUDA graphs); rows outside every sequence are left as they are. Returns `out`."""
+    (an engine's CUDA graphs); rows outside every sequence are left as they are. Returns `out`. `pack_heads` as in
+    `varlen_attention`."""
     _check_qkv(q, k_cache, v_cache, 4, "paged_attention")
     cu_q = cu_seqlens_q.long()
     if block_table.dim() != 2 or seq_lens.dim() != 1 or cu_q.numel() != seq_lens.numel() + 1 or block_table.shape[0] != seq_lens.numel():
@@ -224,7 +243,7 @@ def paged_attention(
         )
     return _launch(
         q, k_cache, v_cache, cu_q[:-1], cu_q.diff(), seq_lens, seq_lens, block_table, max_seqlen_q, softmax_scale, True,
-        out=out,
+        out=out, pack_heads=pack_heads,
     )
 
 

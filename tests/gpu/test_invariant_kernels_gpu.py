@@ -6,7 +6,8 @@ interpreter), now with the hardware's tl.dot, exp2 and reductions:
 - log-probs of bf16 logits, of their fp32 copy (what transformers' generate returns) and of an unaligned view
   give the same bits (kind 1);
 - an attention prefill row equals the paged-KV decode of that token (shuffled physical blocks, pages of 16 and 64),
-  and a chunked prefill batched with other sequences' decodes (kind 1);
+  and a chunked prefill batched with other sequences' decodes; a GQA group packed into one tile gives each row the
+  bits it has in a tile of its own (kind 1);
 - each kernel is within its float64 worst-case bound (kind 2; tensor-core sums are given 4u per addition, since
   their fp32 accumulation truncates instead of rounding to nearest);
 - a tiny Llama converted by make_batch_invariant on CUDA: a padded full forward, a packed one and a KV-cached
@@ -175,6 +176,24 @@ def test_prefill_row_equals_paged_decode(shape, page):
     steps = torch.arange(length + 1, dtype=torch.int32, device="cuda")
     decode = ia.paged_attention(q, kc, vc, steps, steps[1:], table, 1)
     assert_same_bits(decode, prefill, "decode vs prefill")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packing_a_gqa_group_into_one_tile_keeps_every_rows_bits(shape, dtype):
+    """A GQA group's heads as rows of one tile (the default) == one head per tile, prefill and paged decode: where a
+    row sits in a tile does not change its bits on the tensor cores."""
+    lens = [1024, 517, 77, 3]
+    q, k, v = _qkv(sum(lens), shape, dtype, seed=40)
+    cu = _cu(lens)
+    packed = ia.varlen_attention(q, k, v, cu, cu, max(lens))
+    assert_same_bits(packed, ia.varlen_attention(q, k, v, cu, cu, max(lens), pack_heads=False), "prefill packed vs not")
+    length = 1024
+    kc, vc, row = _paged(k, v, length, 16, n_blocks=128, seed=3)
+    table = row[None].expand(length, -1).contiguous()
+    steps = torch.arange(length + 1, dtype=torch.int32, device="cuda")
+    decode = ia.paged_attention(q[:length], kc, vc, steps, steps[1:], table, 1)
+    assert_same_bits(decode, ia.paged_attention(q[:length], kc, vc, steps, steps[1:], table, 1, pack_heads=False), "decode packed vs not")
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

@@ -255,6 +255,35 @@ def test_chunked_prefill_and_batch_composition_do_not_change_a_row(dtype):
         assert_same_bits(out[hi - lo :], both[73:74], "decode next to a chunk")
 
 
+def test_heads_per_tile_takes_the_largest_group_divisor_that_fits():
+    assert [ia.heads_per_tile(g) for g in (1, 3, 4, 6, 7, 8, 16, 24, 32)] == [1, 3, 4, 6, 7, 8, 16, 12, 16]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (4, 4), (12, 1)], ids=["group3", "group4", "mha", "mqa12"])
+def test_packing_a_gqa_group_into_one_tile_keeps_every_rows_bits(heads, kv_heads):
+    """Query heads sharing a KV head are rows of one tile; each row's bits are those it has in a tile of its own:
+    prefill (rows of 16 // group positions, a padded last row where the group does not divide 16), and decode
+    against a paged cache with shuffled blocks."""
+    g = torch.Generator().manual_seed(11)
+    lens = [37, 5, 20]
+    mk = lambda n: outlier_data((sum(lens), n, D), generator=g, sigma=0.5, spikes=3, spike_factor=8.0, dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = mk(heads), mk(kv_heads), mk(kv_heads)
+    cu = _cu(lens)
+    packed = ia.varlen_attention(q, k, v, cu, cu, max(lens))
+    assert_same_bits(packed, ia.varlen_attention(q, k, v, cu, cu, max(lens), pack_heads=False), "packed vs one head per tile")
+    length = 37
+    kc = torch.full((6, 16, kv_heads, D), math.nan, dtype=torch.bfloat16)
+    vc = torch.full_like(kc, math.nan)
+    perm = torch.randperm(6, generator=g)
+    for t in range(length):
+        kc[perm[t // 16], t % 16], vc[perm[t // 16], t % 16] = k[t], v[t]
+    table = perm[:3].to(torch.int32)[None].expand(length, -1).contiguous()
+    steps, seen = torch.arange(length + 1, dtype=torch.int32), torch.arange(1, length + 1)
+    decode = ia.paged_attention(q[:length], kc, vc, steps, seen, table, 1)
+    assert_same_bits(decode, ia.paged_attention(q[:length], kc, vc, steps, seen, table, 1, pack_heads=False), "decode packed vs not")
+    assert_same_bits(decode, packed[:length], "decode vs prefill")
+
+
 def test_attention_refuses_bad_shapes_in_one_line():
     q, k, v = _qkv(8, torch.float32, seed=8)
     with pytest.raises(ValueError, match="9 query heads for 4 KV heads"):
