@@ -254,6 +254,9 @@ METRICS += (
            "SmolLM2-135M-Instruct, bf16 and jet_fp8, every sampled token, padded and packed: the largest |dlogp| "
            "(0.0: every log-prob has the trainer's bits)",
            _field("bitwise_logprob_mismatch", where=lambda r: "SmolLM2" in r.get("shape", "")), digits=3),
+    Metric("bitwise_logprob_mismatch_8b", "max |dlogp|",
+           "the same on a Llama-3.1-8B-shaped model (8 layers, random weights), 16 prompts x 1024 sampled tokens",
+           _field("bitwise_logprob_mismatch", where=lambda r: "Llama-3.1-8B" in r.get("shape", "")), digits=3),
     Metric("bitwise_rollout_cost_ratio", "x jet_fp8",
            "vLLM rollout tokens/s of jet_fp8 with --precision.bitwise over plain jet_fp8, Llama-3.1-8B shape, 256 prompts, "
            "default mode (the record's ratio_vs_bf16 is the bitwise engine against bf16)",

@@ -19,8 +19,8 @@ vLLM's default FULL_AND_PIECEWISE behaviour for such backends.
 Not supported, refused when the layer is built: ALiBi, sliding windows, logit soft-capping, attention sinks,
 chunked local attention, non-decoder attention, quantized KV caches, fused output quantization, fp16.
 
-Cost: the kernel runs one query head per program (a GQA group re-reads its KV blocks) and a decode row pays for a
-16-row query tile; exactness first, speed later.
+Cost: a decode fills as many of the kernel's 16-row query tile as its GQA group has heads (the group shares each
+KV block load); exactness first, then speed.
 """
 
 from __future__ import annotations
