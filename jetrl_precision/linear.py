@@ -65,14 +65,19 @@ class _StepPlan:
     operands from the weight cache. Every call gives the bytes the unplanned calls (`ops.quantize`, `gemm_nt`) give.
     """
 
-    __slots__ = ("requested", "backend", "gemm", "quantize_x", "quantize_dy", "quantize_dy_t", "quantize_dy_dual",
-                 "requantize_x_t", "quantize_x_t", "fp8_x", "fp8_w", "fp8_dgrad", "fp8_wgrad", "save_fp8")
+    __slots__ = ("requested", "backend", "gemm", "bwd_backend", "bwd_gemm", "quantize_x", "quantize_dy", "quantize_dy_t",
+                 "quantize_dy_dual", "requantize_x_t", "quantize_x_t", "fp8_x", "fp8_w", "fp8_dgrad", "fp8_wgrad", "save_fp8")
 
     def __init__(self, layer: "Fp8Linear", device: torch.device) -> None:
         fp, bw = layer.fprop, layer.backward_spec or BackwardSpec()
-        self.requested = layer.gemm_backend
+        self.requested = (layer.gemm_backend, layer.backward_gemm_backend)
         self.backend = resolve_backend(layer.gemm_backend, device)
         self.gemm = prepare_gemm(self.backend, device)
+        # DGrad and WGrad: the forward's backend unless the layer names another (batch-invariant numerics constrain
+        # the forward only, so a bitwise model runs its backward on the fastest backend).
+        bwd = layer.backward_gemm_backend
+        self.bwd_backend = self.backend if bwd is None else resolve_backend(bwd, device)
+        self.bwd_gemm = self.gemm if self.bwd_backend == self.backend else prepare_gemm(self.bwd_backend, device)
         self.fp8_x, self.fp8_w = fp.input.is_fp8, fp.weight.is_fp8
         self.quantize_x = ops.quantizer(fp.input, device) if self.fp8_x else None
         self.fp8_dgrad = bw.dgrad_grad_output.is_fp8
@@ -151,7 +156,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if plan.fp8_dgrad:
                 wq_t, prepared = layer._dgrad_operands(ctx.wq, weight, plan)
                 gy_q = gy_q if gy_q is not None else plan.quantize_dy(gy)
-                grad_x = plan.gemm.nt_weight(gy_q, prepared, wq_t, ctx.x_dtype)
+                grad_x = plan.bwd_gemm.nt_weight(gy_q, prepared, wq_t, ctx.x_dtype)
             else:
                 grad_x = (gy @ weight.to(gy.dtype)).to(ctx.x_dtype)
             if ctx.x_shape is not None:
@@ -163,7 +168,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 x_t = plan.requantize_x_t(xq) if xq is not None else plan.quantize_x_t(x_hp)
                 # The GEMM accumulates in fp32 and rounds once to the weight dtype: the same bytes as an
                 # fp32 output cast afterwards, without the extra pass over dW.
-                grad_w = plan.gemm.nt(gy_t, x_t, weight.dtype)
+                grad_w = plan.bwd_gemm.nt(gy_t, x_t, weight.dtype)
             else:
                 x_in = xq.dequantize(gy.dtype) if xq is not None else x_hp.to(gy.dtype)
                 grad_w = (gy.t() @ x_in).to(weight.dtype)
@@ -188,6 +193,7 @@ class Fp8Linear(nn.Linear):
         self.fprop = FpropSpec()
         self.backward_spec = None
         self.gemm_backend = "auto"
+        self.backward_gemm_backend: str | None = None  # None: the forward's
         self.fqn = ""
         self._resolved: dict[str, str] = {}
         self._plans: dict[torch.device, _StepPlan] = {}
@@ -234,7 +240,7 @@ class Fp8Linear(nn.Linear):
 
     def _plan(self, device: torch.device) -> _StepPlan:
         plan = self._plans.get(device)
-        if plan is None or plan.requested != self.gemm_backend:
+        if plan is None or plan.requested != (self.gemm_backend, self.backward_gemm_backend):
             plan = self._plans[device] = _StepPlan(self, device)
             self._resolved[str(device)] = plan.backend
         return plan
@@ -297,9 +303,9 @@ class Fp8Linear(nn.Linear):
         """(Q(W)^T, its prepared GEMM operands) for DGrad; `wq` is the forward's Q(W) when the layer caches it."""
         entry = self._transposed_entry(wq if wq is not None else self.quantized_weight(weight))
         prepared = entry[2]
-        name = plan.backend
+        name = plan.bwd_backend
         if name not in prepared:
-            prepared[name] = plan.gemm.weight(entry[1])
+            prepared[name] = plan.bwd_gemm.weight(entry[1])
         return entry[1], prepared[name]
 
     def invalidate_cache(self) -> None:
@@ -345,4 +351,5 @@ class Fp8Linear(nn.Linear):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"x={self.fprop.input.short_str()}, W={self.fprop.weight.short_str()}, bwd={bw_s}, backend={self.gemm_backend}"
+            + (f", backward_backend={self.backward_gemm_backend}" if self.backward_gemm_backend is not None else "")
         )

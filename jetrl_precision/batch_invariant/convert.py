@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..gemm.dispatch import resolve_backend
 from ..linear import Fp8Linear
 from .attention import register_triton_attention
 from .common import (
@@ -122,6 +123,13 @@ def make_batch_invariant(
         if not hasattr(model, "set_attn_implementation"):
             raise BitwiseUnavailable(f"{type(model).__name__} is not a transformers model: its attention cannot be switched to {TRITON_ATTENTION}")
         model.set_attn_implementation(register_triton_attention())
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for m in fp8:  # only the forward feeds the engine's bits: DGrad and WGrad take the fastest backend
+        if m.backward_gemm_backend is None:
+            m.backward_gemm_backend = "auto"
+    if fp8:
+        logger.info("batch-invariant numerics: %d FP8 linears run their forward GEMMs on %s and their backward on %s",
+                    len(fp8), fp8[0].gemm_backend, resolve_backend("auto", dev))
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:

@@ -280,3 +280,30 @@ def test_fused_projection_columns_are_the_separate_projections(ig, case):
         for i, (col, w) in enumerate(zip(cols, ws)):
             diff = int((_bits(run(m, w)) != _bits(col.contiguous())).sum())
             assert diff == 0, f"{case} part {i} at M={m}: {diff} elements differ from the fused GEMM's columns"
+
+
+@pytest.mark.parametrize("shape", ["8b_qkv", "8b_down"])
+def test_bitwise_layer_keeps_its_forward_and_takes_the_fast_backward(ig, shape):
+    """`backward_gemm_backend="auto"` (what make_batch_invariant sets): the forward's bits are triton_invariant's,
+    and DGrad/WGrad are exactly those of a layer running auto throughout."""
+    import copy
+
+    n, k = SHAPES[shape]
+    lin = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(outlier_data(n, k, seed=5) * 0.02)
+    bitwise = Fp8Linear.from_linear(copy.deepcopy(lin), RECIPE.train_fprop, RECIPE.train_backward, gemm_backend=NAME)
+    bitwise.backward_gemm_backend = "auto"
+    invariant = Fp8Linear.from_linear(copy.deepcopy(lin), RECIPE.train_fprop, RECIPE.train_backward, gemm_backend=NAME)
+    fast = Fp8Linear.from_linear(copy.deepcopy(lin), RECIPE.train_fprop, RECIPE.train_backward, gemm_backend="auto")
+    x = outlier_data(512, k, seed=6).to(torch.bfloat16)
+    gy = outlier_data(512, n, seed=7).to(torch.bfloat16)
+    out = {}
+    for name, layer in (("bitwise", bitwise), ("invariant", invariant), ("fast", fast)):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi)
+        y.backward(gy)
+        out[name] = (y.detach(), xi.grad, layer.weight.grad)
+    assert torch.equal(_bits(out["bitwise"][0]), _bits(out["invariant"][0])), "the forward must stay the invariant kernel's"
+    assert torch.equal(_bits(out["bitwise"][1]), _bits(out["fast"][1])), "DGrad must be the auto backend's"
+    assert torch.equal(_bits(out["bitwise"][2]), _bits(out["fast"][2])), "WGrad must be the auto backend's"

@@ -303,6 +303,59 @@ def test_deep_gemm_backend_hands_wgrad_and_fp32_to_cublaslt(monkeypatch):
         dgb.deep_gemm_gemm_nt(x, w1, torch.bfloat16)
 
 
+def test_backward_gemms_run_on_the_layers_backward_backend(monkeypatch):
+    """`backward_gemm_backend` routes DGrad and WGrad (and DGrad's prepared weight) to their own backend while the
+    forward keeps `gemm_backend`; the bitwise mode relies on it to keep only the forward batch-invariant."""
+    import jetrl_precision.linear as linear_mod
+
+    real_prepare = linear_mod.prepare_gemm
+    calls = []
+
+    class Recording:
+        def __init__(self, name, device):
+            self.name, self.real = name, real_prepare("emulated", device)
+
+        def __getattr__(self, method):
+            def call(*args, **kwargs):
+                calls.append((self.name, method))
+                return getattr(self.real, method)(*args, **kwargs)
+            return call
+
+    lin = make_linear(256, 128, bias=False)
+    x = outlier_data((16, 256), generator=torch.Generator().manual_seed(3)).requires_grad_(True)
+    reference = make_fp8(copy.deepcopy(lin))
+    reference(x).square().sum().backward()
+    want = (x.grad.clone(), reference.weight.grad.clone())
+    x.grad = None
+
+    monkeypatch.setattr(linear_mod, "resolve_backend", lambda name, device: name)
+    monkeypatch.setattr(linear_mod, "prepare_gemm", Recording)
+    fp8 = make_fp8(lin)
+    fp8.gemm_backend, fp8.backward_gemm_backend = "fwd_backend", "bwd_backend"
+    fp8(x).square().sum().backward()
+    assert {c for c in calls if c[0] == "fwd_backend"} <= {("fwd_backend", "nt_weight"), ("fwd_backend", "weight")}
+    assert ("fwd_backend", "nt_weight") in calls
+    assert {("bwd_backend", "nt_weight"), ("bwd_backend", "nt"), ("bwd_backend", "weight")} <= set(calls)
+    assert torch.equal(x.grad, want[0]) and torch.equal(fp8.weight.grad, want[1])  # the same (emulated) arithmetic
+    assert "backward_backend=bwd_backend" in repr(fp8)
+
+
+def test_make_batch_invariant_frees_the_backward_gemms():
+    from precision_testutil import tiny_causal_lm
+    from openrlhf.models.invariant_attention import register_invariant_attention
+    from jetrl_precision import convert_to_fp8, get_recipe
+    from jetrl_precision.batch_invariant import make_batch_invariant
+
+    model = tiny_causal_lm()
+    model.set_attn_implementation(register_invariant_attention())
+    model = convert_to_fp8(model, get_recipe("jet_fp8"), side="train")
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    fp8[0].backward_gemm_backend = "emulated"  # a layer that names its own keeps it
+    make_batch_invariant(model)
+    assert fp8[0].backward_gemm_backend == "emulated" and all(m.backward_gemm_backend == "auto" for m in fp8[1:])
+    assert all(m.backend_for(torch.device("cpu")) == "emulated" for m in fp8)  # the forward: CPU's invariant GEMM
+
+
 def test_unknown_backend():
     with pytest.raises(BackendUnavailable, match="unknown GEMM backend 'cutlass'"):
         resolve_backend("cutlass", "cpu")

@@ -85,7 +85,7 @@ def test_plan_follows_the_backend_and_is_dropped_with_the_cache():
     assert f8._plans[x.device] is plan, "a step reuses the layer's plan"
     f8.gemm_backend = "auto"  # on CPU auto resolves to emulated as well, through a new plan
     f8(x)
-    assert f8._plans[x.device] is not plan and f8._plans[x.device].requested == "auto"
+    assert f8._plans[x.device] is not plan and f8._plans[x.device].requested == ("auto", None)
     f8.invalidate_cache()
     assert not f8._plans
 
