@@ -10,6 +10,10 @@
 #            weight sync into the bitwise engine with its digest check (~8 min; needs only `install`, so it also
 #            runs after h200_fidelity.sh's or h200_grpo.sh's install, which use the same /tmp/site).
 #            Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw8b` files the proof.
+#   kernels  the bitwise mode's Triton kernels on the hardware, no vLLM needed (fits the first call, beside
+#            `h200_fidelity.sh unpack`): tests/gpu/test_invariant_kernels_gpu.py (its kernel tests) and
+#            test_invariant_gemm_gpu.py, then benchmarks/attention_decode_gpu.py (~2 min); here
+#            `python benchmarks/attention_decode_gpu.py --record <res>/attention_decode.json`
 #   profile  benchmarks/vllm_decode_profile.py: one decode step's GPU time by kernel group, bf16 / jet_fp8 /
 #            jet_fp8+bitwise, 8 layers, 256 sequences (~5 min; needs only `install`)
 #
@@ -79,6 +83,13 @@ stage_bitwise() {
     --out /tmp/res/bitwise8b --timeout 300 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -10
   python3 benchmarks/vllm_gpu.py sync --sync-layers 8 --syncs 2 --recipes jet_fp8+bitwise --out /tmp/res/bitwise8b --timeout 120 2>&1 \
     | grep "^\[vllm_gpu\|^sync\|rror" | tail -6
+}
+
+stage_kernels() {
+  # the model-level tests of test_invariant_kernels_gpu.py need the kit's transformers: they run after `install`
+  PYTHONPATH=$PWD timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_invariant_kernels_gpu.py \
+    tests/gpu/test_invariant_gemm_gpu.py -k "not tiny_llama and not engine_logprobs" 2>&1 | tail -8
+  PYTHONPATH=$PWD timeout 90 python3 benchmarks/attention_decode_gpu.py --out /tmp/res/attention_decode.json 2>&1 | tail -6
 }
 
 stage_profile() {
