@@ -499,11 +499,16 @@ class PrecisionConfig:
         ge=0,
     )
 
-    def load_recipe(self):
-        """The `jetrl_precision.PrecisionRecipe`, with --precision.gemm_backend applied when not auto."""
+    def load_recipe(self, policy: bool = True):
+        """The `jetrl_precision.PrecisionRecipe`, with --precision.gemm_backend applied when not auto.
+
+        `policy=False`: the reference's and the critic's. In the bitwise mode only the policy's forward must compute
+        the engine's bits, so theirs keep the recipe's numerics on the fastest GEMM (auto)."""
         from jetrl_precision.recipe import get_recipe  # lazy: keeps `--help` free of torch
 
         recipe = get_recipe(self.recipe)
+        if self.bitwise and not policy:
+            return recipe.replace(gemm_backend="auto")
         return recipe if self.gemm_backend == "auto" else recipe.replace(gemm_backend=self.gemm_backend)
 
 

@@ -186,7 +186,10 @@ class PPOTrainer:
         self.cfg = cfg
         self.strategy = strategy
         self.recipe: PrecisionRecipe = cfg.precision.load_recipe()
-        self.converter = Fp8Converter(self.recipe, side="train")  # actor, reference and critic alike
+        self.converter = Fp8Converter(self.recipe, side="train")  # the policy
+        # the reference and the critic: the same recipe; in the bitwise mode on the fastest GEMM (never compared
+        # with the engine's bits)
+        self.aux_converter = Fp8Converter(cfg.precision.load_recipe(policy=False), side="train")
         self.engine_factory = engine_factory
         self._remote_ref, self._remote_critic, self._remote_reward_fn = ref, critic, reward_fn
         self.weights_verified = False  # the last sync's digest check passed (part of --precision.bitwise's proof)
@@ -269,7 +272,7 @@ class PPOTrainer:
         elif cfg.needs_ref:
             with st.model_init_context(train=False):
                 ref = load_causal_lm(cfg.ref_model_path, st.dtype, cfg.ds.attn_implementation, cfg.ds.experts_implementation)
-            self.converter.convert(ref)  # the reference runs the training forward's precision
+            self.aux_converter.convert(ref)  # the reference runs the training forward's precision
             ref_actor = Actor(ref, packing=cfg.packing).requires_grad_(False).eval()
             if cfg.ds.zero_stage == 3:  # sharded like the actor; --ref.offload keeps the shards on CPU
                 self.ref_engine = st.prepare(ref_actor, train=False)
@@ -280,7 +283,7 @@ class PPOTrainer:
             self._remote_critic.setup(self.total_updates)
             self.critic_engine = self._remote_critic
         elif cfg.needs_critic:
-            self.critic_engine = prepare_critic(cfg, st, self.converter, self.total_updates)
+            self.critic_engine = prepare_critic(cfg, st, self.aux_converter, self.total_updates)
 
         # ---- losses, experience maker, reward ------------------------------------------------
         adv = cfg.algo.advantage
@@ -717,7 +720,7 @@ class PPOTrainer:
             self.critic_engine.set_gradient_accumulation_boundary(boundary)
         if self._remote_critic is not None:  # the same step, run where the critic lives
             return self._remote_critic.train_micro_step(mb, global_tokens, scale)
-        return critic_micro_step(self.critic_engine, self.value_loss, self.converter, mb, global_tokens, scale)
+        return critic_micro_step(self.critic_engine, self.value_loss, self.aux_converter, mb, global_tokens, scale)
 
     # =========================================================================================
     # loop, checkpoints, evaluation

@@ -180,6 +180,23 @@ def test_trainer_uses_the_engine_logprobs_when_proven(task, tmp_path, recipe):
     assert torch.equal(w_proven, w_full)
 
 
+@pytest.mark.integration
+def test_the_reference_keeps_the_recipe_on_the_fastest_gemm(task, tmp_path):
+    """Only the policy's forward must compute the engine's bits: the reference is converted with the same recipe
+    and `auto`'s GEMM, the policy with the invariant one and a free backward."""
+    from jetrl_precision import Fp8Linear
+
+    tr = _trainer(task, tmp_path, "jet_fp8", "--algo.kl.use_loss", "--precision.gemm_backend", "emulated")
+    try:
+        policy = [m for m in tr.actor.modules() if isinstance(m, Fp8Linear)]
+        ref = [m for m in tr.ref_engine.modules() if isinstance(m, Fp8Linear)]
+        assert policy and all(m.gemm_backend == "emulated" and m.backward_gemm_backend == "auto" for m in policy)
+        assert ref and all(m.gemm_backend == "auto" for m in ref)
+        assert {(m.fprop, m.backward_spec) for m in ref} == {(m.fprop, m.backward_spec) for m in policy}
+    finally:
+        tr.close()
+
+
 class _Drifting(RolloutEngine):
     """A planted difference: the engine's log-probs are one ulp off on every sample's first token."""
 

@@ -317,6 +317,16 @@ def test_math_reward_without_math_verify_is_refused_before_loading(monkeypatch, 
     assert preflight.preflight_errors(parse_config([*BASE, "--reward.remote_url", str(fn)])) == []
 
 
+def test_bitwise_keeps_the_invariant_gemm_for_the_policy_only():
+    """The reference and the critic are never compared with the engine: in the bitwise mode they take auto's GEMM."""
+    cfg = parse_config([*BASE, "--fp8_unified", "--precision.bitwise", "--precision.gemm_backend", "emulated"])
+    assert cfg.precision.load_recipe().gemm_backend == "emulated"
+    assert cfg.precision.load_recipe(policy=False).gemm_backend == "auto"
+    assert cfg.precision.load_recipe(policy=False).train_fprop == cfg.precision.load_recipe().train_fprop
+    plain = parse_config([*BASE, "--fp8_unified", "--precision.gemm_backend", "emulated"])
+    assert plain.precision.load_recipe(policy=False).gemm_backend == "emulated"  # outside it, one backend for all
+
+
 def test_recipe_files(tmp_path):
     from jetrl_precision import get_recipe
 
