@@ -4,6 +4,7 @@ what the records say, the README quotes headline.json, and gpu_bench's CPU-runna
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -209,6 +210,18 @@ def test_gemm_equivalence_probe_parses_and_counts_exactly():
     a = torch.tensor([1.0, 0.0, 2.0], dtype=torch.bfloat16)
     assert ge.bit_differences(a, a.clone()) == 0
     assert ge.bit_differences(a, torch.tensor([1.0, -0.0, 2.0 + 2**-6], dtype=torch.bfloat16)) == 2
+
+
+def test_attention_decode_probe_parses_and_needs_a_device_or_the_interpreter():
+    """benchmarks/attention_decode_gpu.py runs in the first device call of a lease: it parses, and without CUDA or
+    TRITON_INTERPRET it says so in one line instead of failing inside Triton."""
+    out = subprocess.run([sys.executable, "benchmarks/attention_decode_gpu.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "--seqs" in out.stdout and "--record" in out.stdout, out.stderr[-2000:]
+    if not torch.cuda.is_available():
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        out = subprocess.run([sys.executable, "benchmarks/attention_decode_gpu.py", "--out", os.devnull], cwd=ROOT,
+                             capture_output=True, text=True, env=env)
+        assert out.returncode == 2 and "no CUDA device" in out.stderr, out.stderr[-2000:]
 
 
 def test_device_scripts_parse_and_name_known_sections():
