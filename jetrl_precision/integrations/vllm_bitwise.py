@@ -280,14 +280,18 @@ def engine_numerics(worker: Any, model: torch.nn.Module) -> tuple[str, str]:
                                     and not getattr(m, "jetrl_bitwise", False)])
     fp8, plain = [], []
     for n, m in model.named_modules():
-        if isinstance(m, LinearBase):
-            method = jetrl_method_of(m)
-            if method is not None:
-                fp8.append(n) if method.backend_for(device) == "triton_invariant" else plain.append(f"{n}: FP8 GEMM {method.backend_for(device)}")
-            elif not isinstance(getattr(m, "quant_method", None), InvariantLinearMethod):
-                plain.append(f"{n}: {type(getattr(m, 'quant_method', None)).__name__}")
-        elif isinstance(m, ParallelLMHead) and not isinstance(getattr(m, "quant_method", None), InvariantEmbeddingMethod):
-            plain.append(f"{n}: {type(getattr(m, 'quant_method', None)).__name__}")
+        if not isinstance(m, (LinearBase, ParallelLMHead)):
+            continue
+        quant = getattr(m, "quant_method", None)
+        method = jetrl_method_of(m)
+        if method is not None:
+            backend = method.backend_for(device)
+            if backend == "triton_invariant":
+                fp8.append(n)
+            else:
+                plain.append(f"{n}: FP8 GEMM {backend}")
+        elif not isinstance(quant, InvariantLinearMethod if isinstance(m, LinearBase) else InvariantEmbeddingMethod):
+            plain.append(f"{n}: {type(quant).__name__}")
     first_of("linear(s) outside the invariant GEMMs", plain)
     attention = _attention_not_bitwise(model)
     if attention:
