@@ -537,7 +537,10 @@ def cmd_report(a: argparse.Namespace) -> None:
         path = write_run(recs, a.label, env.get("date") or time.strftime("%Y-%m-%d"), runs_dir)
         print(f"wrote {len(recs)} records to {path}")
     docs = Path(a.docs_dir) if a.docs_dir else ROOT / "docs"
-    for p in (plot_phases(results, docs / "grpo_vllm_phase_split.png"), plot_learning(results, docs / "grpo_vllm_learning.png")):
+    # A speed run without bf16 compares the bitwise mode with plain jet_fp8: its own plot, the bf16 one kept.
+    speed = {r["recipe"] for r in results if r["part"] == "speed"}
+    phases = "grpo_vllm_phase_split.png" if "bf16" in speed or not speed else "grpo_vllm_bitwise_phase_split.png"
+    for p in (plot_phases(results, docs / phases), plot_learning(results, docs / "grpo_vllm_learning.png")):
         if p:
             print(f"wrote {p}")
     text = table(results)

@@ -262,6 +262,14 @@ METRICS += (
            "default mode (the record's ratio_vs_bf16 is the bitwise engine against bf16)",
            _field("bitwise_rollout_cost_ratio", backend="jet_fp8+bitwise", where=lambda r: " 256 prompts" in r.get("shape", "")
                   and r.get("shape", "").endswith("default"))),
+    Metric("bitwise_e2e_step_ratio", "x jet_fp8",
+           "GRPO step time of jet_fp8 over jet_fp8 with --precision.bitwise (engine log-probs proven equal and used: no "
+           "old-logprob recompute), Llama-3.1-8B shape, 8 layers, 64 prompts x 4 samples x 1024 tokens, ZeRO-2, "
+           "colocated vLLM; above 1.0 the bitwise step is faster",
+           _field("bitwise_e2e_step_ratio", backend="jet_fp8+bitwise")),
+    Metric("bitwise_e2e_mismatch", "mean |dlogp|",
+           "the same run's engine-vs-trainer mismatch on the sampled tokens it checks (0.0: exactly on-policy)",
+           _field("e2e_grpo_mismatch_abs_logp_mean", backend="jet_fp8+bitwise"), digits=3),
 )
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/vllm_decode_profile.py --recipes bf16 jet_fp8 jet_fp8+bitwise --layers 8 --prompts 256 --out DIR
     python benchmarks/vllm_decode_profile.py --from DIR            # the table again, from the jobs' JSON
+    python benchmarks/vllm_decode_profile.py --from DIR --record   # and file it in benchmarks/results/runs
 
 Each recipe runs in its own process (vLLM keeps GPU memory until its process ends): a Llama-3.1-8B-shaped engine
 (random weights, `--layers` layers; benchmarks/vllm_gpu.py's model) in vLLM's default mode (torch.compile + CUDA
@@ -149,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="vllm_decode_profile")
     ap.add_argument("--from", dest="from_dir", default=None)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the plumbing, measures nothing")
+    ap.add_argument("--record", action="store_true", help="with --from: file the profiles in benchmarks/results/runs")
+    ap.add_argument("--device-name", default="NVIDIA H200", help="--record: the device the profiles came from")
+    ap.add_argument("--command", default="bash benchmarks/h200_vllm.sh profile", help="--record: how they were made")
     a = ap.parse_args(argv)
+    if a.record and not a.from_dir:
+        ap.error("--record files profiles already made: pass --from DIR (the folder the profile run wrote)")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if a.recipe:  # the child: one engine in this process
@@ -178,7 +184,33 @@ def main(argv: list[str] | None = None) -> int:
     order = {r: i for i, r in enumerate(["bf16", "jet_fp8", "jet_fp8+bitwise", "fp8_rollout"])}
     results.sort(key=lambda r: (order.get(r["recipe"], 9), r["mode"]))
     print(summarize(results))
+    if a.record:
+        print(record(results, a.device_name, a.command))
     return 0
+
+
+def record(results: list[dict], device: str, command: str, runs_dir: Path | None = None) -> Path:
+    """File the profiles as a benchmark run: per recipe, the decode step's wall and GPU time and each kernel group."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from headline import RUNS, write_run  # benchmarks/headline.py
+
+    def flat(r: dict) -> dict[str, float]:
+        return {"decode_step_wall_us": r["decode_step_wall_us"], "decode_step_kernel_us": r["decode_step_kernel_us"],
+                **{f"decode_step_group_us/{c}": v for c, v in r["categories_us"].items()}}
+
+    bf16 = next((flat(r) for r in results if r["recipe"] == "bf16"), {})
+    recs = []
+    for r in results:
+        shape = (f"Llama-3.1-8B shape, {r['layers']} layers, {r['prompts']} sequences, prompt {r['prompt_len']}, "
+                 f"{r['steps']} decode steps, {r['mode']}")
+        for key, v in flat(r).items():
+            name, _, group = key.partition("/")
+            ref = bf16.get(key)
+            recs.append({"name": name, "shape": f"{shape}, {group}" if group else shape, "backend": r["recipe"], "value": v,
+                         "unit": "us", "ratio_vs_bf16": round(ref / v, 4) if ref and v else None, "command": command,
+                         "date": r["date"], "device": device,
+                         **({"top_kernels_us": r["top_kernels_us"][:12]} if name == "decode_step_kernel_us" else {})})
+    return write_run(recs, "vllm-decode-profile", results[0]["date"], runs_dir or RUNS)
 
 
 if __name__ == "__main__":

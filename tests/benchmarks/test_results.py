@@ -333,3 +333,18 @@ def test_decode_profile_groups_kernels_and_subtracts_the_prefill():
     text = vdp.summarize(res)
     assert "| gemm | 800.0 | 900.0 |" in text and "| wall | 900 | 1000 |" in text
     assert "jet_fp8: the profiler recorded no GPU kernels" in text
+
+
+def test_decode_profile_records_carry_each_group_and_the_ratio_to_bf16(tmp_path):
+    import vllm_decode_profile as vdp
+
+    res = [{"recipe": r, "mode": "default", "layers": 8, "prompts": 256, "prompt_len": 256, "steps": 32, "kernels_captured": 40,
+            "decode_step_wall_us": w, "decode_step_kernel_us": w / 2, "categories_us": {"gemm": w / 4, "attention": 50.0},
+            "top_kernels_us": [["x", 1.0, "gemm"]], "date": "2026-12-02"} for r, w in (("bf16", 900.0), ("jet_fp8", 1200.0))]
+    recs = json.loads(vdp.record(res, "NVIDIA H200", "cmd", runs_dir=tmp_path).read_text())
+    by = {(r["name"], r["shape"].rsplit(", ", 1)[-1], r["backend"]): r for r in recs}
+    assert by[("decode_step_wall_us", "default", "jet_fp8")]["ratio_vs_bf16"] == 0.75
+    assert by[("decode_step_group_us", "gemm", "jet_fp8")]["value"] == 300.0
+    assert by[("decode_step_group_us", "attention", "bf16")]["ratio_vs_bf16"] == 1.0
+    assert by[("decode_step_kernel_us", "default", "bf16")]["top_kernels_us"] == [["x", 1.0, "gemm"]]
+    assert all(r["unit"] == "us" and r["device"] == "NVIDIA H200" for r in recs) and len(recs) == 8
