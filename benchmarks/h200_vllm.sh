@@ -10,9 +10,14 @@
 #            weight sync into the bitwise engine with its digest check (~8 min; needs only `install`, so it also
 #            runs after h200_fidelity.sh's or h200_grpo.sh's install, which use the same /tmp/site).
 #            Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw8b` files the proof.
+#   bitwise_v2  the bitwise proof (8B shape) and rollout throughput with vLLM's V2 model runner
+#            (VLLM_USE_V2_MODEL_RUNNER=1): its fused sampler and lighter host loop, where the bitwise engine otherwise
+#            pins V1 (~6 min; needs only `install`). Results in /tmp/res/vbw8b_v2 and /tmp/res/bitwise8b_v2; here as
+#            for `bitwise`. When it proves exact and faster, the engine's V1 pin (vllm_engine.py) can go.
 #   kernels  the bitwise mode's Triton kernels on the hardware, no vLLM needed (fits the first call, beside
 #            `h200_fidelity.sh unpack`): tests/gpu/test_invariant_kernels_gpu.py (its kernel tests) and
-#            test_invariant_gemm_gpu.py, then benchmarks/attention_decode_gpu.py (~2 min); here
+#            test_invariant_gemm_gpu.py (the newest first, the rest cut at KERNEL_TESTS_S), then
+#            benchmarks/attention_decode_gpu.py (~8 min); here
 #            `python benchmarks/attention_decode_gpu.py --record <res>/attention_decode.json`
 #   profile  benchmarks/vllm_decode_profile.py: one decode step's GPU time by kernel group, bf16 / jet_fp8 /
 #            jet_fp8+bitwise, 8 layers, 256 sequences (~5 min; needs only `install`)
@@ -85,11 +90,23 @@ stage_bitwise() {
     | grep "^\[vllm_gpu\|^sync\|rror" | tail -6
 }
 
+stage_bitwise_v2() {
+  VLLM_USE_V2_MODEL_RUNNER=1 JETRL_BITWISE_8B_LAYERS=8 JETRL_RESULTS_DIR=/tmp/res/vbw8b_v2 timeout 240 \
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_vllm_bitwise_gpu.py 2>&1 | tail -8
+  VLLM_USE_V2_MODEL_RUNNER=1 python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes jet_fp8 jet_fp8+bitwise \
+    --gemm-backend torch --out /tmp/res/bitwise8b_v2 --timeout 240 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+}
+
 stage_kernels() {
-  # the model-level tests of test_invariant_kernels_gpu.py need the kit's transformers: they run after `install`
-  PYTHONPATH=$PWD timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_invariant_kernels_gpu.py \
-    tests/gpu/test_invariant_gemm_gpu.py -k "not tiny_llama and not engine_logprobs" 2>&1 | tail -8
+  # the model-level tests of test_invariant_kernels_gpu.py need the kit's transformers: they run after `install`.
+  # The newest tests first (the whole selection, 106 tests, takes longer than one call's share), then the benchmark,
+  # then the rest with what is left (KERNEL_TESTS_S, 240 s): pytest's last line says how far it got.
+  PYTHONPATH=$PWD timeout 180 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_invariant_kernels_gpu.py \
+    tests/gpu/test_invariant_gemm_gpu.py -k "fast_backward or packing" 2>&1 | tail -4
   PYTHONPATH=$PWD timeout 90 python3 benchmarks/attention_decode_gpu.py --out /tmp/res/attention_decode.json 2>&1 | tail -6
+  PYTHONPATH=$PWD timeout "${KERNEL_TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_invariant_kernels_gpu.py \
+    tests/gpu/test_invariant_gemm_gpu.py -k "not tiny_llama and not engine_logprobs and not fast_backward and not packing" 2>&1 | tail -4
+  echo  # a run cut by its timeout leaves its line of dots unterminated
 }
 
 stage_profile() {

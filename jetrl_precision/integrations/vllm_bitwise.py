@@ -11,7 +11,7 @@ trainer's batch-invariant numerics (`jetrl_precision.batch_invariant`, CUDA):
   (the invariant Triton GEMM; the embedding lookup is vLLM's), returned by `JetFp8Config.get_quant_method`;
 - FP8 linears: the `triton_invariant` GEMM backend (`JetFp8Settings` refuses any other);
 - attention: the backend of `vllm_bitwise_attention` (`bitwise_attention_engine_kwargs()` selects it);
-- log-probs: the V1 sampler's `compute_logprobs` becomes `kernels.invariant_softmax.log_softmax(logits, T)`, the
+- log-probs: the sampler's (V1 or V2 model runner) become `kernels.invariant_softmax.log_softmax(logits, T)`, the
   kernel and temperature division of the trainer's `invariant_log_probs` (`install_bitwise_sampler`).
 Imported only by plugin and worker code: it imports vLLM.
 """
@@ -200,17 +200,33 @@ class InvariantEmbeddingMethod(UnquantizedEmbeddingMethod):
 
 
 # ---- log-probs (runs in the worker) ------------------------------------------------------------------
+def _sampler_runner(sampler: Any) -> str | None:
+    """"v1" for the V1 model runner's sampler, "v2" for the V2 runner's (vLLM picks the runner per engine), else None."""
+    from vllm.v1.sample.sampler import Sampler
+
+    if isinstance(sampler, Sampler):
+        return "v1"
+    try:
+        from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
+    except ImportError:  # a vLLM without the V2 model runner
+        return None
+    return "v2" if isinstance(sampler, V2Sampler) else None
+
+
 def install_bitwise_sampler(worker: Any) -> str:
     """Make the worker's sampler return log-probs from the trainer's kernel: `log_softmax(logits, T)` of
     `kernels.invariant_softmax` (fp32, one fixed order per row, IEEE division by T), the function
-    `invariant_log_probs` evaluates at the sampled token. Needs the V1 model runner's sampler."""
-    from vllm.v1.sample.sampler import Sampler
+    `invariant_log_probs` evaluates at the sampled token. Returns "<class>/<runner>".
 
+    V1 runner: the sampler's `compute_logprobs` is replaced on the instance. V2 runner: its log-probs come from the
+    module function `sample.logprob.compute_token_logprobs` (a fused Triton log-softmax at the requested ids), which
+    is replaced in this worker process; an engine owns its process, so no other engine sees it."""
     sampler = getattr(getattr(worker, "model_runner", None), "sampler", None)
-    if not isinstance(sampler, Sampler):
+    runner = _sampler_runner(sampler)
+    if runner is None:
         raise BitwiseUnavailable(
-            f"bitwise vLLM engine: the worker's sampler is {type(sampler).__name__}, not the V1 Sampler whose log-probs "
-            "it replaces; start the engine with VLLM_USE_V2_MODEL_RUNNER=0"
+            f"bitwise vLLM engine: the worker's sampler is {type(sampler).__name__}, not vLLM's V1 or V2 (model runner) "
+            "sampler whose log-probs it replaces; start the engine with VLLM_USE_V2_MODEL_RUNNER=0"
         )
     if sampler.logprobs_mode != "raw_logprobs":
         raise BitwiseUnavailable(f"bitwise vLLM engine: logprobs_mode {sampler.logprobs_mode!r}; the trainer's log-probs are raw_logprobs")
@@ -220,13 +236,22 @@ def install_bitwise_sampler(worker: Any) -> str:
         raise BitwiseUnavailable("bitwise vLLM engine: its log-probs come from a Triton kernel and Triton is not installed")
     sampler.jetrl_temperature = 1.0
 
-    def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    def log_probs(logits: torch.Tensor) -> torch.Tensor:
         from ..kernels.invariant_softmax import log_softmax  # imported at first use: the module compiles Triton jits
 
         return log_softmax(logits, sampler.jetrl_temperature)
 
-    sampler.compute_logprobs = compute_logprobs
-    return type(sampler).__qualname__
+    if runner == "v1":
+        sampler.compute_logprobs = log_probs
+    else:
+        from vllm.v1.worker.gpu.sample import logprob
+
+        def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+            # the raw logits (the sampler processes a copy); the full row's log-softmax, then the ids' entries
+            return log_probs(logits).gather(-1, token_ids.to(torch.int64))
+
+        logprob.compute_token_logprobs = compute_token_logprobs
+    return f"{type(sampler).__qualname__}/{runner}"
 
 
 def set_bitwise_temperature(worker: Any, temperature: float) -> None:

@@ -96,7 +96,7 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
                 "size, and reads whole weights from each rank for the weight sync and the HF export. Shard with "
                 "--ds.zero_stage 3 instead"
             )
-    uses_vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and not cfg.precision.bitwise and _has("vllm"))
+    uses_vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and (cuda or not cfg.precision.bitwise) and _has("vllm"))
     if uses_vllm and cfg.vllm.tensor_parallel_size > 1:
         errors.append(
             f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}: vLLM engines split across devices are not "

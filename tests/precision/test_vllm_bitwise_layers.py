@@ -169,7 +169,7 @@ def test_the_bitwise_sampler_replaces_the_v1_samplers_logprobs_only():
     from jetrl_precision.batch_invariant import BitwiseUnavailable
     from jetrl_precision.kernels import triton_available
 
-    with pytest.raises(BitwiseUnavailable, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+    with pytest.raises(BitwiseUnavailable, match="not vLLM's V1 or V2 .* VLLM_USE_V2_MODEL_RUNNER=0"):
         vllm_bitwise.install_bitwise_sampler(SimpleNamespace(model_runner=SimpleNamespace(sampler=object())))
     with pytest.raises(BitwiseUnavailable, match="raw_logprobs"):
         vllm_bitwise.install_bitwise_sampler(SimpleNamespace(model_runner=SimpleNamespace(sampler=Sampler(logprobs_mode="processed_logprobs"))))
@@ -179,11 +179,46 @@ def test_the_bitwise_sampler_replaces_the_v1_samplers_logprobs_only():
         with pytest.raises(BitwiseUnavailable, match="Triton is not installed"):
             vllm_bitwise.install_bitwise_sampler(worker)
         return
-    assert vllm_bitwise.install_bitwise_sampler(worker) == "Sampler"
+    assert vllm_bitwise.install_bitwise_sampler(worker) == "Sampler/v1"
     assert sampler.compute_logprobs is not Sampler.compute_logprobs and sampler.jetrl_temperature == 1.0
     vllm_bitwise.set_bitwise_temperature(worker, 0.7)
     assert sampler.jetrl_temperature == 0.7
     assert Sampler(logprobs_mode="raw_logprobs").compute_logprobs is Sampler.compute_logprobs  # other samplers untouched
+
+
+def test_the_bitwise_sampler_replaces_the_v2_runners_token_logprobs(monkeypatch):
+    """The V2 model runner's sampler reads its log-probs from `sample.logprob.compute_token_logprobs`: the install
+    replaces it in the worker's process with the trainer's log-softmax at the requested ids (the sampled token
+    first), over the raw logits, divided by the temperature set later."""
+    logprob = pytest.importorskip("vllm.v1.worker.gpu.sample.logprob")
+    from vllm.v1.worker.gpu.sample.sampler import Sampler as V2Sampler
+
+    from jetrl_precision.batch_invariant import BitwiseUnavailable
+    from jetrl_precision.kernels import triton_available
+
+    monkeypatch.setattr(logprob, "compute_token_logprobs", logprob.compute_token_logprobs)  # restored after the test
+    sampler = V2Sampler.__new__(V2Sampler)  # the constructor wants the runner's request state; install reads only this
+    sampler.logprobs_mode = "processed_logprobs"
+    worker = SimpleNamespace(model_runner=SimpleNamespace(sampler=sampler))
+    with pytest.raises(BitwiseUnavailable, match="raw_logprobs"):
+        vllm_bitwise.install_bitwise_sampler(worker)
+    sampler.logprobs_mode = "raw_logprobs"
+    if not triton_available():
+        with pytest.raises(BitwiseUnavailable, match="Triton is not installed"):
+            vllm_bitwise.install_bitwise_sampler(worker)
+        return
+    original = logprob.compute_token_logprobs
+    assert vllm_bitwise.install_bitwise_sampler(worker) == "Sampler/v2"
+    assert logprob.compute_token_logprobs is not original
+    vllm_bitwise.set_bitwise_temperature(worker, 0.7)
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 300, generator=g) * 3).to(torch.bfloat16)
+    logits[:, 7] = 40.0  # an outlier column
+    ids = torch.randint(0, 300, (5, 3), generator=g)
+    got = logprob.compute_token_logprobs(logits, ids)
+    want = torch.log_softmax(logits.double() / 0.7, -1).gather(-1, ids)
+    assert got.dtype == torch.float32 and got.shape == (5, 3)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
 
 
 def test_a_bitwise_engine_reports_the_numerics_it_built(monkeypatch):

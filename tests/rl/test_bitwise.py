@@ -280,14 +280,17 @@ def test_config_refusals_name_what_is_missing(extra, needles):
     assert all(n in msg for n in needles) and "\n" not in msg, msg
 
 
-def test_vllm_bitwise_is_cuda_only_and_auto_keeps_the_transformers_engine(peaky):
+def test_vllm_bitwise_is_cuda_only_and_auto_picks_it_only_on_cuda(peaky):
     cfg = _cfg("--precision.bitwise", "--fp8_unified")
     vllm_cfg = _cfg("--precision.bitwise", "--fp8_unified", "--rollout.engine", "vllm")
     assert preflight_errors(cfg, cuda=True) == [] and preflight_errors(cfg, cuda=False) == []
     assert preflight_errors(vllm_cfg, cuda=True) == []
     errors = preflight_errors(vllm_cfg, cuda=False)
     assert len(errors) == 1 and "runs on CUDA" in errors[0] and "--rollout.engine hf" in errors[0], errors
-    assert engine_kind("auto", bitwise=True) == "hf" and engine_kind("vllm", bitwise=True) == "vllm"
+    assert engine_kind("auto", bitwise=True, cuda=False) == "hf" and engine_kind("vllm", bitwise=True) == "vllm"
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    assert engine_kind("auto", bitwise=True, cuda=True) == ("vllm" if has_vllm else "hf")
+    assert engine_kind("auto", bitwise=True) == engine_kind("auto", bitwise=True, cuda=torch.cuda.is_available())
     if not torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
         real = _cfg("--precision.bitwise", "--fp8_unified", "--rollout.engine", "vllm", "--actor.model_name_or_path", str(peaky))
         with pytest.raises(BitwiseUnavailable, match="runs on CUDA"):  # before vLLM starts

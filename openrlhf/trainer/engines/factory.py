@@ -23,15 +23,14 @@ logger = logging.getLogger(__name__)
 EngineKind = Literal["vllm", "hf"]
 
 
-def engine_kind(choice: str, bitwise: bool = False) -> EngineKind:
+def engine_kind(choice: str, bitwise: bool = False, cuda: bool | None = None) -> EngineKind:
     """vllm or hf, as `--rollout.engine` asks (auto: vllm when it and our vLLM engine import). With
-    --precision.bitwise, auto keeps the transformers engine: it is the only bitwise engine on CPU, and the vLLM
-    engine's bitwise mode (CUDA) is asked for by name until a whole training loop with it has run on the H200."""
+    --precision.bitwise, auto picks vLLM's bitwise mode where the engines run on CUDA (`cuda`; default: this
+    process sees a GPU) and the transformers engine elsewhere: it is the only bitwise engine on CPU."""
     if choice != "auto":
         return choice  # type: ignore[return-value]  # validated: vllm or hf (and hf with --precision.bitwise)
-    if bitwise:
-        logger.info("--rollout.engine auto with --precision.bitwise: the transformers engine; on CUDA, "
-                    "--rollout.engine vllm runs vLLM's bitwise mode instead")
+    if bitwise and not (torch.cuda.is_available() if cuda is None else cuda):
+        logger.info("--rollout.engine auto with --precision.bitwise and no CUDA: the transformers engine")
         return "hf"
     try:
         import vllm  # noqa: F401

@@ -218,15 +218,17 @@ class VLLMEngine(RolloutEngine):
         self._synced = False  # until the first sync, weights come from the checkpoint (quantized by our loader)
         from vllm import LLM
 
-        if self.bitwise:
-            # The bitwise log-probs replace the V1 sampler's (vllm_bitwise.install_bitwise_sampler). vLLM reads this
-            # variable at run time too (VllmConfig.use_v2_model_runner), so it stays set for the process.
+        if self.bitwise and os.environ.get(_V2_RUNNER_ENV) is None:
+            # The runner the H200 bitwise proof covers is V1; VLLM_USE_V2_MODEL_RUNNER=1, set by the user, selects
+            # V2 (its sampler is handled too, not yet proven on a GPU). vLLM reads this variable at run time as well
+            # (VllmConfig.use_v2_model_runner), so it stays set for the process.
             os.environ[_V2_RUNNER_ENV] = "0"
         self.llm = LLM(**kwargs)
         if self.in_process:
             _IN_PROCESS_ENGINES.add(self)
         if self.bitwise:  # the worker's sampler returns the trainer's log-softmax (vllm_bitwise.install_bitwise_sampler)
-            self.llm.collective_rpc("jetrl_install_bitwise_sampler")
+            installed = self.llm.collective_rpc("jetrl_install_bitwise_sampler")
+            logger.info("bitwise vLLM engine: log-probs from the trainer's kernel in %s", ", ".join(sorted(set(map(str, installed)))))
         self.tensor_parallel_size = tensor_parallel_size
         logger.info(
             "vLLM engine ready: %s, recipe %s, quantization %s, dtype %s", model_path, self.recipe.name, quantization or "none", kwargs["dtype"]

@@ -183,7 +183,7 @@ class _Launcher:
         self.cfg = cfg
         self.layout = plan_layout(cfg)
         self.on_gpu = on_gpu_cluster()
-        self.kind = engine_kind(cfg.rollout.engine, cfg.precision.bitwise)
+        self.kind = engine_kind(cfg.rollout.engine, cfg.precision.bitwise, cuda=self.on_gpu)  # where the engines run
         self.env = actor_env(self.on_gpu)
         self.tag = uuid.uuid4().hex[:6]
         self.pgs: dict[str, Any] = {}
