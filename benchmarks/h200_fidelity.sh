@@ -19,7 +19,7 @@
 # `unpack` and other work, and the first stage needing the model comes with carry [".gs3"]: `unpack smollm2 ...`.
 # Knobs: STEPS (learn, 50), SEEDS ("0"), RUNS (learn runs, "bf16 jet_fp8 fp8_rollout fp8_rollout_tis"), LENGTHS
 # ("1024 4096 8192"), BITWISE_ENGINE (the bitwise row's engine: auto = vLLM's bitwise mode on CUDA; hf), LONG_STEPS
-# (10), LONG_TOKENS (4096), BUDGET (seconds a call may spend, 570). Each stage stops its runs at the call's budget;
+# (10), LONG_TOKENS (4096), RUN_TIMEOUT (seconds per training run, 520), BUDGET (seconds a call may spend, 570). Each stage stops its runs at the call's budget;
 # a learning run cut short keeps its steps (metrics.jsonl is written step by step).
 # TINY=1 runs the stages on CPU with a tiny model (a dry run here:
 #   mkdir -p /tmp/dry_fidelity && STAGE_TMP=/tmp/dry_fidelity BUDGET=1500 TINY=1 OUT=/tmp/dry_fidelity \
@@ -61,13 +61,15 @@ stage_mismatch() {
 stage_learn() {
   enough 240 learn || return 1
   # shellcheck disable=SC2086
-  fidelity learn --steps "${STEPS:-$([ -n "${TINY:-}" ] && echo 2 || echo 50)}" --seeds ${SEEDS:-0} --runs ${RUNS:-bf16 jet_fp8 fp8_rollout fp8_rollout_tis}
+  fidelity learn --steps "${STEPS:-$([ -n "${TINY:-}" ] && echo 2 || echo 50)}" --seeds ${SEEDS:-0} --runs ${RUNS:-bf16 jet_fp8 fp8_rollout fp8_rollout_tis} \
+    ${RUN_TIMEOUT:+--run_timeout "$RUN_TIMEOUT"}
 }
 
 stage_long() {
   enough 180 long || return 1
   # shellcheck disable=SC2086
-  fidelity long --long_steps "${LONG_STEPS:-10}" --long_tokens "${LONG_TOKENS:-4096}" --seeds ${SEEDS:-0}
+  fidelity long --long_steps "${LONG_STEPS:-10}" --long_tokens "${LONG_TOKENS:-4096}" --seeds ${SEEDS:-0} \
+    ${RUN_TIMEOUT:+--run_timeout "$RUN_TIMEOUT"}
 }
 
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }

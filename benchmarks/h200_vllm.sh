@@ -91,7 +91,7 @@ stage_bitwise() {
 }
 
 stage_bitwise_v2() {
-  VLLM_USE_V2_MODEL_RUNNER=1 JETRL_BITWISE_8B_LAYERS=8 JETRL_RESULTS_DIR=/tmp/res/vbw8b_v2 timeout 240 \
+  VLLM_USE_V2_MODEL_RUNNER=1 JETRL_BITWISE_8B_LAYERS=8 JETRL_RESULTS_DIR=/tmp/res/vbw8b_v2 timeout 200 \
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_vllm_bitwise_gpu.py 2>&1 | tail -8
   VLLM_USE_V2_MODEL_RUNNER=1 python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes jet_fp8 jet_fp8+bitwise \
     --gemm-backend torch --out /tmp/res/bitwise8b_v2 --timeout 240 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
