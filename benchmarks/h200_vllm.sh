@@ -10,10 +10,8 @@
 #            weight sync into the bitwise engine with its digest check (~8 min; needs only `install`, so it also
 #            runs after h200_fidelity.sh's or h200_grpo.sh's install, which use the same /tmp/site).
 #            Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw8b` files the proof.
-#   bitwise_v2  the bitwise proof (8B shape) and rollout throughput with vLLM's V2 model runner
-#            (VLLM_USE_V2_MODEL_RUNNER=1): its fused sampler and lighter host loop, where the bitwise engine otherwise
-#            pins V1 (~6 min; needs only `install`). Results in /tmp/res/vbw8b_v2 and /tmp/res/bitwise8b_v2; here as
-#            for `bitwise`. When it proves exact and faster, the engine's V1 pin (vllm_engine.py) can go.
+#   spread   rollout throughput of bf16, jet_fp8 and jet_fp8+bitwise (8B shape, 8 layers), three timed passes each, then
+#            jet_fp8 alone: the run-to-run spread of jet_fp8's 256-prompt rate (~4 min; needs only `install`)
 #   kernels  the bitwise mode's Triton kernels on the hardware, no vLLM needed (fits the first call, beside
 #            `h200_fidelity.sh unpack`): tests/gpu/test_invariant_kernels_gpu.py (its kernel tests) and
 #            test_invariant_gemm_gpu.py (the newest first, the rest cut at KERNEL_TESTS_S), then
@@ -90,11 +88,15 @@ stage_bitwise() {
     | grep "^\[vllm_gpu\|^sync\|rror" | tail -6
 }
 
-stage_bitwise_v2() {
-  VLLM_USE_V2_MODEL_RUNNER=1 JETRL_BITWISE_8B_LAYERS=8 JETRL_RESULTS_DIR=/tmp/res/vbw8b_v2 timeout 200 \
-    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_vllm_bitwise_gpu.py 2>&1 | tail -8
-  VLLM_USE_V2_MODEL_RUNNER=1 python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes jet_fp8 jet_fp8+bitwise \
-    --gemm-backend torch --out /tmp/res/bitwise8b_v2 --timeout 240 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+stage_spread() {
+  # jet_fp8's 256-prompt rate has varied from run to run (24k-34k tok/s) while bf16's and the bitwise engine's held:
+  # three timed passes per recipe, all three engines taking turns, then jet_fp8 with no other engine alive.
+  python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes bf16 jet_fp8 jet_fp8+bitwise --gemm-backend torch \
+    --repeats 3 --out /tmp/res/spread3 --timeout 260 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+  grep -h "median of" /tmp/res/spread3/*.log
+  python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes jet_fp8 --gemm-backend torch --repeats 3 \
+    --out /tmp/res/spread_alone --timeout 150 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -3
+  grep -h "median of" /tmp/res/spread_alone/*.log
 }
 
 stage_kernels() {

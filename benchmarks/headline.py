@@ -78,7 +78,8 @@ class Metric:
 
 def _field(name, shape=None, backend=None, field="value", where=None, transform=lambda v: v):
     def pick(records):
-        r = latest(records, name, shape, backend, where)
+        # A run without the field (a ratio to bf16 from a run that timed no bf16) does not hide an older run with it.
+        r = latest(records, name, shape, backend, lambda rec: rec.get(field) is not None and (where is None or where(rec)))
         if r is None or r.get(field) is None:
             return None, None
         return transform(r[field]), r

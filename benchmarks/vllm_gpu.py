@@ -30,6 +30,7 @@ import argparse
 import fcntl
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -204,15 +205,19 @@ def job_throughput(a: argparse.Namespace) -> dict:
         for n_prompts in a.prompts:
             prompts = random_prompts(g, n_prompts, a.prompt_len)
             params = SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - t0
+            walls = []
+            for _ in range(a.repeats):  # the same batch again: run-to-run spread shows apart from the recipe's cost
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                walls.append(time.perf_counter() - t0)
             tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
             mean_lp = sum(lp[t].logprob for out in outs for o in out.outputs for t, lp in zip(o.token_ids, o.logprobs)) / tokens
+            wall = statistics.median(walls)
             run = {"prompts": n_prompts, "output_tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
-                   "mean_sampled_logprob": round(mean_lp, 4)}
+                   "tokens_per_s_each": [round(tokens / w, 1) for w in walls], "mean_sampled_logprob": round(mean_lp, 4)}
             result["runs"].append(run)
-            _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s)")
+            _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s; median of "
+                 f"{a.repeats}: {', '.join(f'{v:.0f}' for v in run['tokens_per_s_each'])})")
     engine.shutdown()
     return result
 
@@ -374,8 +379,8 @@ def run_throughput(a: argparse.Namespace, out: Path) -> list[dict]:
     for r, m in combos:
         procs[f"{r}-{m}"] = _spawn("throughput", out / f"throughput_{r}_{m}.json", [
             "--model", str(model), "--recipe", r, "--mode", m, "--layers", str(a.layers), "--prompt-len", str(a.prompt_len),
-            "--new-tokens", str(a.new_tokens), "--prompts", *map(str, a.prompts), "--gpu-mem", str(a.gpu_mem), "--kv-gib", str(a.kv_gib),
-            "--sync-dir", str(sync_dir), "--parties", str(len(combos))])
+            "--new-tokens", str(a.new_tokens), "--prompts", *map(str, a.prompts), "--repeats", str(a.repeats), "--gpu-mem", str(a.gpu_mem),
+            "--kv-gib", str(a.kv_gib), "--sync-dir", str(sync_dir), "--parties", str(len(combos))])
     _wait(procs, a.timeout)
     return [json.loads(p.read_text()) for r, m in combos if (p := out / f"throughput_{r}_{m}.json").exists()]
 
@@ -501,6 +506,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--prompts", type=int, nargs="+", default=[256, 64])
+    ap.add_argument("--repeats", type=int, default=1, help="throughput: timed runs per prompt count (the median is reported)")
     ap.add_argument("--gpu-mem", type=float, default=0.12)
     ap.add_argument("--kv-gib", type=float, default=12.0)
     ap.add_argument("--host-m", type=int, nargs="+", default=[1, 64, 256])

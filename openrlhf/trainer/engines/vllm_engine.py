@@ -218,10 +218,10 @@ class VLLMEngine(RolloutEngine):
         self._synced = False  # until the first sync, weights come from the checkpoint (quantized by our loader)
         from vllm import LLM
 
-        if self.bitwise and os.environ.get(_V2_RUNNER_ENV) is None:
-            # The runner the H200 bitwise proof covers is V1; VLLM_USE_V2_MODEL_RUNNER=1, set by the user, selects
-            # V2 (its sampler is handled too, not yet proven on a GPU). vLLM reads this variable at run time as well
-            # (VllmConfig.use_v2_model_runner), so it stays set for the process.
+        if self.bitwise and not self.on_gpu and os.environ.get(_V2_RUNNER_ENV) is None:
+            # On the GPU vLLM's own choice stands (V2 for dense models, V1 otherwise): the bitwise proof holds on both
+            # runners there. Elsewhere only V1's sampler is proven, so it is pinned unless the user chose. vLLM reads
+            # the variable at run time too (VllmConfig.use_v2_model_runner), so it stays set for the process.
             os.environ[_V2_RUNNER_ENV] = "0"
         self.llm = LLM(**kwargs)
         if self.in_process:
