@@ -10,7 +10,7 @@
 #            weight sync into the bitwise engine with its digest check (~8 min; needs only `install`, so it also
 #            runs after h200_fidelity.sh's or h200_grpo.sh's install, which use the same /tmp/site).
 #            Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw8b` files the proof.
-#   spread   rollout throughput of bf16, jet_fp8 and jet_fp8+bitwise (8B shape, 8 layers), three timed passes each, then
+#   spread   rollout throughput of bf16, jet_fp8 (cuBLASLt and Triton GEMMs) and jet_fp8+bitwise (8B shape, 8 layers), three timed passes each, then
 #            jet_fp8 alone: the run-to-run spread of jet_fp8's 256-prompt rate (~4 min; needs only `install`)
 #   kernels  the bitwise mode's Triton kernels on the hardware, no vLLM needed (fits the first call, beside
 #            `h200_fidelity.sh unpack`): tests/gpu/test_invariant_kernels_gpu.py (its kernel tests) and
@@ -90,9 +90,10 @@ stage_bitwise() {
 
 stage_spread() {
   # jet_fp8's 256-prompt rate has varied from run to run (24k-34k tok/s) while bf16's and the bitwise engine's held:
-  # three timed passes per recipe, all three engines taking turns, then jet_fp8 with no other engine alive.
-  python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes bf16 jet_fp8 jet_fp8+bitwise --gemm-backend torch \
-    --repeats 3 --out /tmp/res/spread3 --timeout 260 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+  # three timed passes per recipe, the engines taking turns (jet_fp8@triton: the same recipe on the Triton blockwise
+  # GEMM instead of cuBLASLt, which separates the GEMM from the rest), then jet_fp8 with no other engine alive.
+  python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes bf16 jet_fp8 jet_fp8@triton jet_fp8+bitwise --gemm-backend torch \
+    --repeats 3 --out /tmp/res/spread3 --timeout 300 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
   grep -h "median of" /tmp/res/spread3/*.log
   python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes jet_fp8 --gemm-backend torch --repeats 3 \
     --out /tmp/res/spread_alone --timeout 150 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -3

@@ -130,19 +130,24 @@ class _Turn:
 
 
 def _recipe(a: argparse.Namespace):
-    """The recipe of `--recipe NAME[+bitwise]`, and whether the engine runs the bitwise mode (its GEMM backend is
-    then the invariant kernel, whatever --gemm-backend says)."""
+    """The recipe of `--recipe NAME[@BACKEND][+bitwise]`, and whether the engine runs the bitwise mode (its GEMM
+    backend is then the invariant kernel, whatever --gemm-backend says). `@BACKEND` pins that recipe's FP8 GEMM
+    backend (jet_fp8@triton beside jet_fp8 on cuBLASLt), over --gemm-backend."""
     import dataclasses
 
     from jetrl_precision import get_recipe
 
     name, _, mode = a.recipe.partition("+")
+    name, _, backend = name.partition("@")
     if mode not in ("", "bitwise"):
         raise SystemExit(f"--recipe {a.recipe}: the only suffix is +bitwise (e.g. jet_fp8+bitwise)")
+    if backend and mode:
+        raise SystemExit(f"--recipe {a.recipe}: the bitwise mode has its own GEMM (the invariant kernel); drop @{backend}")
     r = get_recipe(name)
     if mode:
         return r, True
-    return (dataclasses.replace(r, gemm_backend=a.gemm_backend) if a.gemm_backend else r), False
+    backend = backend or a.gemm_backend
+    return (dataclasses.replace(r, gemm_backend=backend) if backend else r), False
 
 
 def use_shape(tiny: bool) -> None:
@@ -420,7 +425,7 @@ def summarize(results: list[dict]) -> str:
             lines.append(f"throughput {mode:7s} {rb['prompts']:4d} prompts: bf16 {rb['tokens_per_s']:9.0f}  jet_fp8 {rf['tokens_per_s']:9.0f} tok/s"
                          f"  ratio {rf['tokens_per_s'] / rb['tokens_per_s']:.3f}")
         lines.append(f"start {mode:7s} (cold, {len(tp)} engines starting together): bf16 {base['start_seconds']} s, jet_fp8 {fp8['start_seconds']} s")
-        for bw in sorted(r for r, m in tp if m == mode and r.endswith("+bitwise")):
+        for bw in sorted(r for r, m in tp if m == mode and r.startswith("jet_fp8") and r != "jet_fp8"):  # +bitwise, @backend
             for rb, rf, rx in zip(base["runs"], fp8["runs"], tp[(bw, mode)]["runs"]):
                 lines.append(f"throughput {mode:7s} {rb['prompts']:4d} prompts: {bw} {rx['tokens_per_s']:9.0f} tok/s  "
                              f"x jet_fp8 {rx['tokens_per_s'] / rf['tokens_per_s']:.3f}  x bf16 {rx['tokens_per_s'] / rb['tokens_per_s']:.3f}")

@@ -288,6 +288,13 @@ def test_vllm_bitwise_throughput_rows_become_the_cost_ratio(tmp_path):
     assert bitwise and recipe.name == "jet_fp8" and recipe.gemm_backend != "torch"
     with pytest.raises(SystemExit, match="only suffix"):
         vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8+fast", gemm_backend=None))
+    recipe, bitwise = vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8@triton", gemm_backend="torch"))
+    assert not bitwise and recipe.name == "jet_fp8" and recipe.gemm_backend == "triton"
+    with pytest.raises(SystemExit, match="own GEMM"):
+        vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8@triton+bitwise", gemm_backend=None))
+    # a recipe with a pinned backend sits beside the plain one and is not mistaken for it
+    text = vllm_gpu.summarize([job(r, t) for r, t in (("bf16", (30000.0, 1.0)), ("jet_fp8", (33000.0, 1.0)), ("jet_fp8@triton", (31500.0, 1.0)))])
+    assert "jet_fp8@triton" in text and "x bf16 1.050" in text
 
 
 def test_grpo_bitwise_recipe_flags_and_its_step_ratio():
@@ -348,3 +355,15 @@ def test_decode_profile_records_carry_each_group_and_the_ratio_to_bf16(tmp_path)
     assert by[("decode_step_group_us", "attention", "bf16")]["ratio_vs_bf16"] == 1.0
     assert by[("decode_step_kernel_us", "default", "bf16")]["top_kernels_us"] == [["x", 1.0, "gemm"]]
     assert all(r["unit"] == "us" and r["device"] == "NVIDIA H200" for r in recs) and len(recs) == 8
+
+
+def test_a_newer_record_without_the_ratio_does_not_hide_an_older_one_with_it():
+    import headline
+
+    shape = headline.VLLM_8B.format(256, "default")
+    older = {"name": "vllm_rollout_tokens_per_s", "shape": shape, "backend": "jet_fp8/torch", "value": 24000.0, "ratio_vs_bf16": 0.75,
+             "_run_file": "a"}
+    newer = dict(older, value=34000.0, ratio_vs_bf16=None, _run_file="b")  # a run that timed no bf16
+    metric = next(m for m in headline.METRICS if m.key == "vllm_rollout_tokens_per_s_ratio")
+    assert metric.pick([older, newer])[0] == 0.75
+    assert metric.pick([older, dict(newer, ratio_vs_bf16=0.85)])[0] == 0.85
