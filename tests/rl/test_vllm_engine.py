@@ -488,3 +488,18 @@ def test_colocated_engine_keeps_the_trainers_process_group(model_dir):
         capture_output=True, text=True, timeout=300, env=dict(os.environ),
     )
     assert proc.returncode == 0 and "COLOCATED_OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_the_bitwise_engine_pins_a_model_runner_only_where_one_is_unproven():
+    from openrlhf.trainer.engines.vllm_engine import pin_proven_runner
+
+    env: dict = {}
+    pin_proven_runner(bitwise=True, on_gpu=True, environ=env)
+    assert env == {}  # on the GPU vLLM picks, and both runners are proven
+    pin_proven_runner(bitwise=False, on_gpu=False, environ=env)
+    assert env == {}  # ordinary engines are never pinned
+    pin_proven_runner(bitwise=True, on_gpu=False, environ=env)
+    assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    pin_proven_runner(bitwise=True, on_gpu=False, environ=env)
+    assert env == {"VLLM_USE_V2_MODEL_RUNNER": "1"}  # the user's choice stands

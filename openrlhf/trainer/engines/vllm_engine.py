@@ -40,7 +40,7 @@ from openrlhf.config import ConfigError, VLLMConfig
 
 from .base import RolloutEngine, RolloutSample, SamplingConfig
 
-__all__ = ["VLLMEngine", "VLLMNotInstalledError", "require_vllm"]
+__all__ = ["VLLMEngine", "VLLMNotInstalledError", "pin_proven_runner", "require_vllm"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,16 @@ def require_vllm():
 
 
 _V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def pin_proven_runner(bitwise: bool, on_gpu: bool, environ: dict | None = None) -> None:
+    """Pin vLLM's model runner where the bitwise proof covers only one. On the GPU vLLM's own choice stands (V2 for
+    dense models, V1 otherwise): the proof holds on both there. Elsewhere only V1's sampler is proven, so V1 is
+    pinned unless the user chose. vLLM reads the variable at run time too (VllmConfig.use_v2_model_runner), so it
+    stays set for the process."""
+    environ = os.environ if environ is None else environ
+    if bitwise and not on_gpu and environ.get(_V2_RUNNER_ENV) is None:
+        environ[_V2_RUNNER_ENV] = "0"
 
 
 def _set_logit_temperature(worker: Any, temperature: float) -> None:
@@ -218,11 +228,7 @@ class VLLMEngine(RolloutEngine):
         self._synced = False  # until the first sync, weights come from the checkpoint (quantized by our loader)
         from vllm import LLM
 
-        if self.bitwise and not self.on_gpu and os.environ.get(_V2_RUNNER_ENV) is None:
-            # On the GPU vLLM's own choice stands (V2 for dense models, V1 otherwise): the bitwise proof holds on both
-            # runners there. Elsewhere only V1's sampler is proven, so it is pinned unless the user chose. vLLM reads
-            # the variable at run time too (VllmConfig.use_v2_model_runner), so it stays set for the process.
-            os.environ[_V2_RUNNER_ENV] = "0"
+        pin_proven_runner(self.bitwise, self.on_gpu)
         self.llm = LLM(**kwargs)
         if self.in_process:
             _IN_PROCESS_ENGINES.add(self)
