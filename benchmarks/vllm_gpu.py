@@ -207,11 +207,17 @@ def job_throughput(a: argparse.Namespace) -> dict:
         _log(f"{name}: timing")
         warm = random_prompts(g, 8, a.prompt_len)
         llm.generate(warm, SamplingParams(max_tokens=32, ignore_eos=True, logprobs=0, detokenize=False), use_tqdm=False)
+        first = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
         for n_prompts in a.prompts:
-            prompts = random_prompts(g, n_prompts, a.prompt_len)
             params = SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
-            walls = []
-            for _ in range(a.repeats):  # the same batch again: run-to-run spread shows apart from the recipe's cost
+            walls, prefills = [], []
+            for _ in range(a.repeats):  # fresh prompts each pass: a repeated batch would hit the prefix cache
+                # The prefill alone (one token per prompt, other prompts of the same shape), then the whole rollout:
+                # a run slower than another shows which of the two phases it lost its time in.
+                t0 = time.perf_counter()
+                llm.generate(random_prompts(g, n_prompts, a.prompt_len), first, use_tqdm=False)
+                prefills.append(time.perf_counter() - t0)
+                prompts = random_prompts(g, n_prompts, a.prompt_len)
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 walls.append(time.perf_counter() - t0)
@@ -219,10 +225,11 @@ def job_throughput(a: argparse.Namespace) -> dict:
             mean_lp = sum(lp[t].logprob for out in outs for o in out.outputs for t, lp in zip(o.token_ids, o.logprobs)) / tokens
             wall = statistics.median(walls)
             run = {"prompts": n_prompts, "output_tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
-                   "tokens_per_s_each": [round(tokens / w, 1) for w in walls], "mean_sampled_logprob": round(mean_lp, 4)}
+                   "tokens_per_s_each": [round(tokens / w, 1) for w in walls], "prefill_seconds": round(statistics.median(prefills), 3),
+                   "prefill_seconds_each": [round(v, 3) for v in prefills], "mean_sampled_logprob": round(mean_lp, 4)}
             result["runs"].append(run)
-            _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s; median of "
-                 f"{a.repeats}: {', '.join(f'{v:.0f}' for v in run['tokens_per_s_each'])})")
+            _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s, prefill alone "
+                 f"{run['prefill_seconds']:.2f} s; median of {a.repeats}: {', '.join(f'{v:.0f}' for v in run['tokens_per_s_each'])})")
     engine.shutdown()
     return result
 

@@ -1,0 +1,42 @@
+"""benchmarks/vllm_gpu.py's throughput job on CPU (`--tiny`, vLLM-CPU): engines taking turns, repeated passes with
+the prefill timed apart, and the run records the H200 results become. The H200 runs the same code at full size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from _rl_helpers import ENV  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+
+def test_repeated_passes_time_the_prefill_apart_and_become_records(tmp_path):
+    import vllm_gpu
+
+    env = {**ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/vllm_gpu.py", "throughput", "--tiny", "--modes", "eager", "--recipes", "bf16", "jet_fp8",
+         "--prompts", "4", "--new-tokens", "8", "--repeats", "2", "--out", str(tmp_path), "--timeout", "600"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ratio" in proc.stdout  # the summary line of the two recipes
+    for recipe in ("bf16", "jet_fp8"):
+        (run,) = json.loads((tmp_path / f"throughput_{recipe}_eager.json").read_text())["runs"]
+        assert run["output_tokens"] == 4 * 8
+        assert len(run["tokens_per_s_each"]) == len(run["prefill_seconds_each"]) == 2
+        assert min(run["tokens_per_s_each"]) - 0.1 <= run["tokens_per_s"] <= max(run["tokens_per_s_each"]) + 0.1  # the median
+        assert 0 < min(run["prefill_seconds_each"]) - 1e-3 <= run["prefill_seconds"] <= max(run["prefill_seconds_each"]) + 1e-3
+    recs = vllm_gpu.records_from(tmp_path, "cpu", "cmd")
+    (fp8,) = [r for r in recs if r["name"] == "vllm_rollout_tokens_per_s" and r["backend"].startswith("jet_fp8")]
+    (bf16,) = [r for r in recs if r["name"] == "vllm_rollout_tokens_per_s" and r["backend"] == "bf16"]
+    assert fp8["ratio_vs_bf16"] == pytest.approx(fp8["value"] / bf16["value"])
