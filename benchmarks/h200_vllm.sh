@@ -11,7 +11,7 @@
 #            runs after h200_fidelity.sh's or h200_grpo.sh's install, which use the same /tmp/site).
 #            Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw8b` files the proof.
 #   spread   rollout throughput of bf16, jet_fp8 (cuBLASLt and Triton GEMMs) and jet_fp8+bitwise (8B shape, 8 layers), three timed passes each, then
-#            jet_fp8 alone: the run-to-run spread of jet_fp8's 256-prompt rate (~4 min; needs only `install`)
+#            jet_fp8 alone: the run-to-run spread of jet_fp8's 256-prompt rate (~6 min; needs only `install`)
 #   kernels  the bitwise mode's Triton kernels on the hardware, no vLLM needed (fits the first call, beside
 #            `h200_fidelity.sh unpack`): tests/gpu/test_invariant_kernels_gpu.py (its kernel tests) and
 #            test_invariant_gemm_gpu.py (the newest first, the rest cut at KERNEL_TESTS_S), then
