@@ -199,7 +199,7 @@ METRICS += (
     Metric("vllm_rollout_tokens_per_s_ratio_64", "x bf16", "the same with 64 prompts", _rollout_ratio(32, 64, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_eager", "x bf16", "the same, 256 prompts, eager mode", _rollout_ratio(32, 256, "eager")),
     Metric("vllm_rollout_tokens_per_s_ratio_8layers", "x bf16",
-           "the same, default mode, 256 prompts, on the 8-layer truncation of the shape (host work weighs 4x more)",
+           "the same, default mode, 256 prompts, on the 8-layer truncation of the shape (a quarter of the GPU work per step, the same host work)",
            _rollout_ratio(8, 256, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_8layers_64", "x bf16", "the same with 64 prompts", _rollout_ratio(8, 64, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_8layers_eager", "x bf16", "the same, 256 prompts, eager mode",
