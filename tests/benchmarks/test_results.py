@@ -360,10 +360,26 @@ def test_decode_profile_records_carry_each_group_and_the_ratio_to_bf16(tmp_path)
 def test_a_newer_record_without_the_ratio_does_not_hide_an_older_one_with_it():
     import headline
 
-    shape = headline.VLLM_8B.format(256, "default")
+    shape = headline.VLLM_8B.format(32, 256, "default")
     older = {"name": "vllm_rollout_tokens_per_s", "shape": shape, "backend": "jet_fp8/torch", "value": 24000.0, "ratio_vs_bf16": 0.75,
              "_run_file": "a"}
     newer = dict(older, value=34000.0, ratio_vs_bf16=None, _run_file="b")  # a run that timed no bf16
     metric = next(m for m in headline.METRICS if m.key == "vllm_rollout_tokens_per_s_ratio")
     assert metric.pick([older, newer])[0] == 0.75
     assert metric.pick([older, dict(newer, ratio_vs_bf16=0.85)])[0] == 0.85
+
+
+def test_the_rollout_headline_is_the_full_depth_model_and_the_8_layer_figure_has_its_own_key():
+    import headline
+
+    def rec(layers, prompts, mode, ratio, backend="jet_fp8/torch"):
+        return {"name": "vllm_rollout_tokens_per_s", "shape": headline.VLLM_8B.format(layers, prompts, mode), "backend": backend,
+                "value": 1.0, "ratio_vs_bf16": ratio, "_run_file": f"{layers}-{prompts}-{mode}-{backend}"}
+
+    recs = [rec(8, 256, "default", 0.75), rec(32, 256, "default", 1.15), rec(32, 64, "default", 1.09), rec(32, 256, "eager", 0.92),
+            rec(8, 256, "eager", 1.07), rec(32, 256, "default", 0.94, "jet_fp8+bitwise/triton_invariant")]
+    picked = {m.key: m.pick(recs)[0] for m in headline.METRICS if m.key.startswith(("vllm_rollout_tokens", "bitwise_rollout_tokens"))}
+    assert picked == {"vllm_rollout_tokens_per_s_ratio": 1.15, "vllm_rollout_tokens_per_s_ratio_64": 1.09,
+                      "vllm_rollout_tokens_per_s_ratio_eager": 0.92, "vllm_rollout_tokens_per_s_ratio_8layers": 0.75,
+                      "vllm_rollout_tokens_per_s_ratio_8layers_64": None, "vllm_rollout_tokens_per_s_ratio_8layers_eager": 1.07,
+                      "bitwise_rollout_tokens_per_s_ratio": 0.94, "bitwise_rollout_tokens_per_s_ratio_64": None}
