@@ -191,7 +191,7 @@ def _rollout_ratio(layers: int, prompts: int, mode: str, backend: str = "jet_fp8
 
 METRICS += (
     # The full 32-layer depth is the headline: with 8 layers a decode step's host work is as long as its kernels
-    # (docs/performance.md), which a real 8B model does not see. The 8-layer figures stay for comparison.
+    # (docs/vllm.md), which a real 8B model does not see. The 8-layer figures stay for comparison.
     Metric("vllm_rollout_tokens_per_s_ratio", "x bf16",
            "vLLM rollout output tokens/s, jet_fp8 over bf16, default mode (torch.compile + CUDA graphs), "
            "Llama-3.1-8B shape at full depth (32 layers, random weights), 256 prompts x 1024 new tokens, cuBLASLt "
@@ -199,7 +199,8 @@ METRICS += (
     Metric("vllm_rollout_tokens_per_s_ratio_64", "x bf16", "the same with 64 prompts", _rollout_ratio(32, 64, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_eager", "x bf16", "the same, 256 prompts, eager mode", _rollout_ratio(32, 256, "eager")),
     Metric("vllm_rollout_tokens_per_s_ratio_8layers", "x bf16",
-           "the same, default mode, 256 prompts, on the 8-layer truncation of the shape (a quarter of the GPU work per step, the same host work)",
+           "the same, default mode, 256 prompts, on the 8-layer truncation of the shape (a quarter of the GPU work per "
+           "step, the same host work)",
            _rollout_ratio(8, 256, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_8layers_64", "x bf16", "the same with 64 prompts", _rollout_ratio(8, 64, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_8layers_eager", "x bf16", "the same, 256 prompts, eager mode",
