@@ -134,6 +134,33 @@ def test_gpu_placement_rules_hold_without_a_gpu():
         check_gpu_fit(with_ref, 2.0)
 
 
+def test_free_port_skips_ports_already_handed_to_another_group(monkeypatch):
+    """Rendezvous ports are picked before any group binds its own, and the OS may hand a just-released port
+    out again: a later pick excludes the earlier ones, and says so when it cannot."""
+    from openrlhf.trainer.ray import utils
+
+    handed = iter([41841, 41841, 41842])
+
+    class FakeSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, addr):
+            self.port = next(handed)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(utils.socket, "socket", FakeSocket)
+    assert utils.free_port("127.0.0.1", exclude=(41841,)) == 41842
+    handed = iter([41841] * 64)
+    with pytest.raises(RuntimeError, match="41841"):
+        utils.free_port("127.0.0.1", exclude=(41841,))
+
+
 def test_launch_rule_ray_only_with_engines_and_without_a_launcher():
     from openrlhf.cli.train_ppo_ray import use_ray_mode
 

@@ -161,6 +161,9 @@ class EngineHandles:
     sync_backend: str = "gloo"
     enable_sleep: bool = False
     timeout_s: float = 1800.0
+    # Rendezvous ports handed to the critic and policy groups, which may not be bound yet when the sync group
+    # picks its own: it must not pick one of them.
+    reserved_ports: tuple[int, ...] = ()
 
 
 class RemoteEngine(RolloutEngine):
@@ -229,7 +232,7 @@ class RemoteEngine(RolloutEngine):
         tp = self.h.tensor_parallel_size
         world = 1 + len(self.h.actors) * tp
         host = node_ip()
-        port = free_port(host)
+        port = free_port(host, self.h.reserved_ports)
         refs = [a.init_sync_group.remote(host, port, 1 + i * tp, world, self.h.sync_backend) for i, a in enumerate(self.h.actors)]
         t0 = time.perf_counter()
         try:

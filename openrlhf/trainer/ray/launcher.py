@@ -350,10 +350,14 @@ class _Launcher:
             critic_master = call(critics.actors[0].address.remote(), critics.ids[0], "critic start-up", RayActorDiedError, self.timeout_s)
         policy = self.create_ranked("policy", PolicyActor, with_id=False)
         self.wait_ready()
+        # Each group's rendezvous port is picked before any group binds its own: later picks exclude earlier ones.
+        reserved = (critic_master[1],) if critic_master else ()
+        master = call(policy.actors[0].address.remote(reserved), policy.ids[0], "policy start-up", RayActorDiedError, self.timeout_s)
         roles = RoleHandles(
             engines=EngineHandles(
                 tuple(engines.actors), tuple(engines.ids), self.kind, self.layout.tensor_parallel_size, backend,
                 enable_sleep=cfg.vllm.enable_sleep and cfg.train.colocate_all and self.on_gpu, timeout_s=self.timeout_s,
+                reserved_ports=(*reserved, master[1]),
             ),
             refs=tuple(self.groups["ref"].actors) if "ref" in self.groups else (),
             ref_ids=tuple(self.groups["ref"].ids) if "ref" in self.groups else (),
@@ -365,7 +369,6 @@ class _Launcher:
             timeout_s=self.timeout_s,
         )
         self._write_layout(backend)
-        master = call(policy.actors[0].address.remote(), policy.ids[0], "policy start-up", RayActorDiedError, self.timeout_s)
         logger.info("Ray layout ready in %.1f s: %s; starting %d policy ranks", time.perf_counter() - t0,
                     {r: len(s) for r, s in self.layout.slots.items()}, len(policy.actors))
         futures = [a.run.remote(*master, roles, evaluate) for a in policy.actors]

@@ -43,10 +43,10 @@ class PolicyActor:
     def info(self) -> dict[str, Any]:
         return {"rank": self.rank, **device_info()}
 
-    def address(self) -> tuple[str, int]:
-        """Rank 0: where the policy group's process group rendezvous (this node, a free port)."""
+    def address(self, exclude: tuple[int, ...] = ()) -> tuple[str, int]:
+        """Rank 0: where the policy group's process group rendezvous (this node, a free port other than `exclude`)."""
         ip = node_ip()
-        return ip, free_port(ip)
+        return ip, free_port(ip, exclude)
 
     def run(self, master_addr: str, master_port: int, roles: RoleHandles, evaluate: bool = True) -> dict:
         os.environ.update(
