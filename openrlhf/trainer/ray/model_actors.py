@@ -112,9 +112,9 @@ class CriticActor:
     def info(self) -> dict[str, Any]:
         return {"actor_id": self.actor_id, **device_info()}
 
-    def address(self, exclude: tuple[int, ...] = ()) -> tuple[str, int]:
+    def address(self) -> tuple[str, int]:
         ip = node_ip()
-        return ip, free_port(ip, exclude)
+        return ip, free_port(ip)
 
     def setup(self, master_addr: str, master_port: int, total_updates: int) -> None:
         from jetrl_precision import Fp8Converter
