@@ -767,7 +767,7 @@ def cmd_report(a: argparse.Namespace) -> None:
               plot_learning(results, "long", docs / "fidelity_long.png")):
         if p:
             print(f"wrote {p}")
-    (Path(a.from_dirs[0]) / "report.md").write_text(text + "\n")
+    (Path(a.from_dirs[-1]) / "report.md").write_text(text + "\n")  # beside the newest results it covers
     print(text)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from gpu_testutil import outlier_data, rel_err, requires_cuda_reason
 from jetrl_precision.gemm import BackendUnavailable, available_backends, gemm_nt, resolve_backend
-from jetrl_precision.gemm.dispatch import _REGISTRY, GemmBackend, register_backend
+from jetrl_precision.gemm.dispatch import _REGISTRY, AUTO_ORDER_CUDA, GemmBackend, register_backend
 from jetrl_precision.quantize import quantize_fp8
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_cuda_reason)
@@ -194,7 +194,8 @@ def test_auto_falls_back_when_backends_are_missing():
             b = saved[gone]
             register_backend(GemmBackend(gone, b.gemm_nt, lambda d, g=gone: f"{g} removed for this test"))
             chosen = resolve_backend("auto", "cuda")
-            remaining = [n for n in HW if available_backends("cuda")[n] is None]
+            # auto takes the first that runs in its own order (DeepGEMM first), not in HW's
+            remaining = [n for n in AUTO_ORDER_CUDA if available_backends("cuda")[n] is None]
             assert chosen == (remaining[0] if remaining else "emulated")
         assert resolve_backend("auto", "cuda") == "emulated"
         with pytest.raises(BackendUnavailable, match="removed for this test"):
