@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -54,16 +53,11 @@ def llama_sync_bytes(hidden: int, intermediate: int, layers: int, heads: int, kv
     return {"params": lin_params + other, "bf16_bytes": bf16, "fp8_bytes": fp8_total, "ratio": fp8_total / bf16}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def gloo_transfer_seconds(tensors) -> tuple[float, int]:
     from jetrl_precision.weight_sync import broadcast_sync_tensors, init_sync_group, receive_sync_tensors
+    from openrlhf.utils.network import free_port
 
-    port = _free_port()
+    port = free_port()
     got = {"n": 0}
 
     def receiver():

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from openrlhf.utils.network import free_port  # re-exported: the drivers import it from here
+
 ROOT = Path(__file__).resolve().parents[1]
 
 __all__ = ["cuda", "launcher", "run_env", "free_port", "start", "finish", "wait_engine_ready", "env_info"]
@@ -47,15 +49,6 @@ def run_env() -> dict[str, str]:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")
     return env
-
-
-def free_port() -> int:
-    """A port nothing listens on now, for the launcher's rendezvous (a fixed one collides with other jobs on the host)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(argv: list[str], out: Path, port: int) -> dict:

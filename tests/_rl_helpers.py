@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from openrlhf.utils.network import free_port  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,13 +89,6 @@ def grpo_args(model: Path, data: Path, out: Path, recipe: str, steps: int, extra
         "--actor.lr_warmup_ratio", "0.15", "--algo.kl.init_coef", "0",
         "--ds.param_dtype", "fp32", "--ckpt.output_dir", str(out), "--logger.tensorboard_dir", str(out / "tb"), *extra,
     ]
-
-
-def free_port() -> int:
-    """A port no other process holds now: fixed launcher ports collide when test runs overlap on one machine."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], timeout: int = 900, check: bool = True) -> subprocess.CompletedProcess:

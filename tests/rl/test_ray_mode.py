@@ -137,7 +137,7 @@ def test_gpu_placement_rules_hold_without_a_gpu():
 def test_free_port_skips_ports_already_handed_to_another_group(monkeypatch):
     """Rendezvous ports are picked before any group binds its own, and the OS may hand a just-released port
     out again: a later pick excludes the earlier ones, and says so when it cannot."""
-    from openrlhf.trainer.ray import utils
+    from openrlhf.utils import network as utils
 
     handed = iter([41841, 41841, 41842])
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -41,13 +40,8 @@ from jetrl_precision.weight_sync import (  # noqa: E402
 )
 
 from openrlhf.trainer.engines.base import SamplingConfig  # noqa: E402
+from openrlhf.utils.network import free_port  # noqa: E402
 from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the transport alone (no vLLM needed) ----------------------------------------------------------

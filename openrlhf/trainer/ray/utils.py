@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-from typing import Any, Iterable
+from typing import Any
+
+from openrlhf.utils.network import free_port
 
 __all__ = ["init_ray", "actor_env", "node_ip", "free_port", "call", "on_gpu_cluster", "visible_devices_for", "pin_assigned_gpus", "device_info"]
 
@@ -121,19 +122,6 @@ def node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-def free_port(host: str = "", exclude: Iterable[int] = ()) -> int:
-    """A port nothing listens on now, other than `exclude`: the ports already handed to rendezvous that have not
-    bound them yet (the OS may give a just-released port out again, and two groups would then collide)."""
-    taken = set(exclude)
-    for _ in range(64):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in taken:
-            return port
-    raise RuntimeError(f"free_port: the OS kept handing out ports in {sorted(taken)}")
 
 
 def call(ref_or_refs, actor_ids, during: str, error_cls=None, timeout: float | None = None):

@@ -12,7 +12,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from openrlhf.config import ConfigError
+from openrlhf.utils.network import free_port
 
 from .checkpoint import (
     MANIFEST, CheckpointError, checkpoint_files, folder_bytes, hash_files, manifest_entries, read_latest, stale_tags, step_tags,
@@ -54,12 +54,6 @@ class StrategyConfig:
     load_universal: bool = False  # resume from a DeepSpeed universal checkpoint (latest_universal)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class DeepspeedStrategy:
     def __init__(self, cfg: StrategyConfig) -> None:
         self.cfg = cfg
@@ -74,7 +68,7 @@ class DeepspeedStrategy:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         import deepspeed
 
         if torch.cuda.is_available():
