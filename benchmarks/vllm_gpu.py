@@ -230,8 +230,17 @@ def job_throughput(a: argparse.Namespace) -> dict:
             result["runs"].append(run)
             _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s, prefill alone "
                  f"{run['prefill_seconds']:.2f} s; median of {a.repeats}: {', '.join(f'{v:.0f}' for v in run['tokens_per_s_each'])})")
+    result["vendor_route"] = _vendor_routes()
     engine.shutdown()
     return result
+
+
+def _vendor_routes() -> dict[str, bool]:
+    """triton_invariant's cuBLASLt verdicts in this process (JETRL_INVARIANT_VENDOR_GEMM=probe; the engine runs in
+    this process), shape -> routed; empty when the route is off."""
+    from jetrl_precision.gemm import vendor_route
+
+    return {k: v.passed for k, v in vendor_route.routes().items()} if vendor_route.route_enabled() else {}
 
 
 class _nullctx:
@@ -468,6 +477,9 @@ def records_from(folder: Path, device: str, command: str) -> list[dict]:
     for (recipe, mode), j in sorted(tp.items()):
         base = tp.get(("bf16", mode))
         backend = f"{recipe}/{','.join(j['gemm_backends'])}" if j["gemm_backends"] else recipe
+        routed = sorted(k for k, ok in j.get("vendor_route", {}).items() if ok)
+        if routed:  # triton_invariant handed these shapes to cuBLASLt after its probe (same bits, other kernels)
+            backend += f"+cublaslt_route({len(routed)}/{len(j['vendor_route'])} shapes)"
         for i, run in enumerate(j["runs"]):
             ratio = run["tokens_per_s"] / base["runs"][i]["tokens_per_s"] if base and recipe != "bf16" else None
             shape = SHAPE_8B.format(layers=j["layers"], prompts=run["prompts"], new=run["output_tokens"] // run["prompts"], mode=mode)

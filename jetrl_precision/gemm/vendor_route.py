@@ -1,0 +1,236 @@
+"""Where cuBLASLt computes the invariant kernel's bits: a probe per weight shape, and the route it opens.
+
+`triton_invariant` promises that row m of A @ B^T has the same bits whatever M is. Its kernel keeps that promise
+by construction (a K order fixed by K alone) and runs at about half cuBLASLt's speed from M = 256 up. cuBLASLt's
+blockwise FP8 GEMM promotes once per 128-wide K group with one FMA, as the kernel does, and on an H200 it gave the
+kernel's exact bits for the Llama-3.1-8B qkv, o and gate_up projections and every SmolLM2-135M projection at every
+M from 1 to 16384, but not for down (K = 14336) (`benchmarks/gemm_equivalence_gpu.py`, run record
+`2026-12-02_08_gemm-equivalence.json`). That is one library version's behaviour on one device, not a contract.
+
+So the route is opt-in (`JETRL_INVARIANT_VENDOR_GEMM=probe`) and per shape: the first time a weight shape
+[N, K] (128x128-scaled, the forward's and DGrad's B operand) reaches `triton_invariant`, both GEMMs run on random
+operands with outliers at every M of `PROBE_MS`, and the shape goes to cuBLASLt only if every output bit agreed.
+Each verdict is logged once. Between the probed M the agreement is inferred, not shown; the trainer's per-step
+bitwise proof (digests and a sample of log-probs, `--precision.bitwise`) is what catches a miss, and falls back
+loudly. A shape first seen while a CUDA graph is being captured is not probed then: that call runs the kernel.
+
+The BF16 twin (`linear_invariant`, the lm_head and other high-precision linears) is routed the same way to
+`F.linear`, which gave `bf16_gemm_nt_invariant`'s bits at every M in the same run (`routed_linear`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..formats import QuantizedTensor
+
+__all__ = [
+    "VENDOR_ROUTE_ENV",
+    "PROBE_MS",
+    "ProbeResult",
+    "route_enabled",
+    "probe_shape",
+    "probe_linear_shape",
+    "routed",
+    "routed_linear",
+    "routes",
+    "reset",
+]
+
+logger = logging.getLogger(__name__)
+
+VENDOR_ROUTE_ENV = "JETRL_INVARIANT_VENDOR_GEMM"
+# Every decode batch a CUDA graph is captured for by default (1, 2, 4, then steps of 8 to 512) plus training-sized
+# M, odd ones included (partial tiles); 8192 bounds the probe's transient memory (about 0.5 GB of output at gate_up).
+PROBE_MS: tuple[int, ...] = (1, 2, 3, 4, *range(8, 513, 8), 1000, 1024, 2048, 3001, 4096, 8192)
+
+GemmFn = Callable[[QuantizedTensor, QuantizedTensor, torch.dtype], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One weight shape's verdict: whether the vendor GEMM gave the invariant kernel's bits at every probed M."""
+
+    n: int
+    k: int
+    b_block: tuple[int, int]
+    out_dtype: str
+    ms: tuple[int, ...]
+    passed: bool
+    first_difference: tuple[int, int] | None = None  # (M, elements whose bits differ) at the first M that differed
+    reason: str = ""  # why the probe did not run (no vendor GEMM on the device), else empty
+    seconds: float = 0.0
+
+
+_lock = threading.Lock()
+_state: dict[str, object] = {"enabled": None}
+_results: dict[tuple, ProbeResult] = {}
+
+
+def route_enabled() -> bool:
+    """Whether `JETRL_INVARIANT_VENDOR_GEMM=probe` is set (read once per process; `reset()` reads it again)."""
+    on = _state["enabled"]
+    if on is None:
+        raw = os.environ.get(VENDOR_ROUTE_ENV, "").strip().lower()
+        if raw not in ("", "0", "off", "probe"):
+            raise ValueError(f"{VENDOR_ROUTE_ENV}={raw!r}: use 'probe' (route proven shapes to cuBLASLt) or '0' (off)")
+        on = _state["enabled"] = raw == "probe"
+    return bool(on)
+
+
+def reset() -> None:
+    """Forget every verdict and re-read the environment (tests; a process that changed the variable)."""
+    with _lock:
+        _results.clear()
+        _state["enabled"] = None
+
+
+def routes() -> dict[str, ProbeResult]:
+    """The verdicts so far, keyed "N x K block out_dtype device", for logs and run records."""
+    return {f"{n} x {k} {blk[0]}x{blk[1]} {dt} {dev}": r for (n, k, blk, dt, dev), r in list(_results.items())}
+
+
+def _bit_differences(x: torch.Tensor, y: torch.Tensor) -> int:
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return max(x.numel(), y.numel())
+    view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return int((x.contiguous().view(view) != y.contiguous().view(view)).sum())
+
+
+def _operands(n: int, k: int, m_max: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight with a few heavy columns and activations whose rows differ in norm by orders of magnitude."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[:, torch.randperm(k, generator=g)[: max(1, k // 64)]] *= 20.0
+    x = torch.randn(m_max, k, generator=g) * torch.exp(torch.randn(m_max, 1, generator=g))
+    x[torch.rand(m_max, k, generator=g) < 1e-3] *= 50.0
+    return w.to(device=device, dtype=torch.bfloat16), x.to(device=device, dtype=torch.bfloat16)
+
+
+def probe_shape(n: int, k: int, *, b_block: tuple[int, int] = (128, 128), out_dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str = "cuda", ms: tuple[int, ...] = PROBE_MS, invariant: GemmFn | None = None,
+                vendor: GemmFn | None = None, seed: int = 0) -> ProbeResult:
+    """Run the invariant GEMM and the vendor GEMM on the same operands at every M of `ms`; passed when every output
+    bit agrees. `invariant` / `vendor` default to `triton_invariant` and cuBLASLt (`torch`); the tests pass others."""
+    from ..quantize import quantize_fp8
+
+    if invariant is None:
+        from .triton_invariant_backend import invariant_kernel_gemm_nt as invariant
+    if vendor is None:
+        from .torch_backend import torch_gemm_nt as vendor
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    w, x = _operands(n, k, max(ms), device, seed)
+    b = quantize_fp8(w, b_block)
+    def both(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = quantize_fp8(x[:m], (1, 128))
+        return invariant(a, b, out_dtype), vendor(a, b, out_dtype)
+
+    first = _first_difference(ms, both)
+    return ProbeResult(n, k, tuple(b_block), _dtype_name(out_dtype), tuple(ms), first is None, first,
+                       seconds=round(time.perf_counter() - t0, 3))
+
+
+def probe_linear_shape(n: int, k: int, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cuda",
+                       ms: tuple[int, ...] = PROBE_MS, invariant: Callable | None = None, vendor: Callable | None = None,
+                       seed: int = 0) -> ProbeResult:
+    """The same for a high-precision weight [N, K]: `linear_invariant`'s GEMM against `F.linear`, no bias."""
+    if invariant is None:
+        from ..kernels.invariant_gemm import bf16_gemm_nt_invariant
+
+        def invariant(x, w):
+            return bf16_gemm_nt_invariant(x, w, x.dtype)
+    if vendor is None:
+        vendor = torch.nn.functional.linear
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    w, x = (t.to(dtype) for t in _operands(n, k, max(ms), device, seed))
+    first = _first_difference(ms, lambda m: (invariant(x[:m], w), vendor(x[:m], w)))
+    return ProbeResult(n, k, (1, 1), _dtype_name(dtype), tuple(ms), first is None, first,
+                       seconds=round(time.perf_counter() - t0, 3))
+
+
+def _first_difference(ms: tuple[int, ...], both: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int] | None:
+    """(M, elements whose bits differ) at the first M of `ms` where the two results differ, else None."""
+    for m in ms:
+        diff = _bit_differences(*both(m))
+        if diff:
+            return m, diff
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def routed(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> bool:
+    """Whether `triton_invariant` may hand this GEMM to cuBLASLt: the route is on and B's shape passed its probe on
+    this device (probed here on first sight). Only 128x128-scaled B operands (weights) are routed: WGrad's operands
+    change shape with the token count and would be probed at every new one."""
+    if not route_enabled() or b.block != (128, 128):
+        return False
+    dev = b.data.device
+    key = (int(b.shape[0]), int(b.shape[1]), (128, 128), _dtype_name(out_dtype), str(dev))
+    return _verdict(key, lambda: _probe_fp8(key, dev, out_dtype))
+
+
+def routed_linear(weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether `linear_invariant` may run this bias-free product on `F.linear`: the route is on and the weight's
+    shape and dtype passed their probe on this device (probed here on first sight)."""
+    if not route_enabled() or weight.dtype != out_dtype or weight.device.type != "cuda":
+        return False
+    key = (int(weight.shape[0]), int(weight.shape[1]), (1, 1), _dtype_name(weight.dtype), str(weight.device))
+    return _verdict(key, lambda: _probe_bf16(key, weight.device, weight.dtype))
+
+
+def _verdict(key: tuple, probe: Callable[[], ProbeResult]) -> bool:
+    hit = _results.get(key)
+    if hit is not None:
+        return hit.passed
+    if _capturing():
+        return False  # no probe inside a capture (it compares on the host); this call runs the kernel
+    with _lock:
+        hit = _results.get(key)
+        if hit is None:
+            hit = _results[key] = probe()
+    return hit.passed
+
+
+def _probe_fp8(key: tuple, dev: torch.device, out_dtype: torch.dtype) -> ProbeResult:
+    n, k = key[0], key[1]
+    from .torch_backend import unavailable_reason
+
+    reason = unavailable_reason(dev)
+    if reason is not None:
+        result = ProbeResult(n, k, (128, 128), key[3], (), False, reason=f"cuBLASLt blockwise FP8 cannot run: {reason}")
+        logger.warning("triton_invariant: %s=probe, but %s; [%d x %d] stays on the invariant kernel", VENDOR_ROUTE_ENV,
+                       result.reason, n, k)
+        return result
+    return _logged(probe_shape(n, k, out_dtype=out_dtype, device=dev), "cuBLASLt")
+
+
+def _probe_bf16(key: tuple, dev: torch.device, dtype: torch.dtype) -> ProbeResult:
+    return _logged(probe_linear_shape(key[0], key[1], dtype=dtype, device=dev), "F.linear")
+
+
+def _logged(result: ProbeResult, vendor: str) -> ProbeResult:
+    n, k = result.n, result.k
+    if result.passed:
+        logger.info("triton_invariant: %s gave the invariant kernel's bits for [%d x %d] %s at all %d probed M "
+                    "(%.2f s): routed to %s", vendor, n, k, result.out_dtype, len(result.ms), result.seconds, vendor)
+    else:
+        m, diff = result.first_difference
+        logger.warning("triton_invariant: %s differs from the invariant kernel for [%d x %d] %s (%d elements at M=%d): "
+                       "this shape stays on the invariant kernel", vendor, n, k, result.out_dtype, diff, m)
+    return result
