@@ -48,8 +48,11 @@ logger = logging.getLogger(__name__)
 
 VENDOR_ROUTE_ENV = "JETRL_INVARIANT_VENDOR_GEMM"
 # Every decode batch a CUDA graph is captured for by default (1, 2, 4, then steps of 8 to 512) plus training-sized
-# M, odd ones included (partial tiles); 8192 bounds the probe's transient memory (about 0.5 GB of output at gate_up).
+# M, odd ones included (partial tiles).
 PROBE_MS: tuple[int, ...] = (1, 2, 3, 4, *range(8, 513, 8), 1000, 1024, 2048, 3001, 4096, 8192)
+# The probe runs inside engines and trainers that hold most of the GPU: an M is probed only while one output stays
+# under this many elements (1 GiB in BF16), so a 128k-vocabulary lm_head stops at M = 4096.
+_MAX_OUT_ELEMENTS = 1 << 29
 
 GemmFn = Callable[[QuantizedTensor, QuantizedTensor, torch.dtype], torch.Tensor]
 
@@ -217,11 +220,16 @@ def _probe_fp8(key: tuple, dev: torch.device, out_dtype: torch.dtype) -> ProbeRe
         logger.warning("triton_invariant: %s=probe, but %s; [%d x %d] stays on the invariant kernel", VENDOR_ROUTE_ENV,
                        result.reason, n, k)
         return result
-    return _logged(probe_shape(n, k, out_dtype=out_dtype, device=dev), "cuBLASLt")
+    return _logged(probe_shape(n, k, out_dtype=out_dtype, device=dev, ms=_ms_for(n)), "cuBLASLt")
 
 
 def _probe_bf16(key: tuple, dev: torch.device, dtype: torch.dtype) -> ProbeResult:
-    return _logged(probe_linear_shape(key[0], key[1], dtype=dtype, device=dev), "F.linear")
+    return _logged(probe_linear_shape(key[0], key[1], dtype=dtype, device=dev, ms=_ms_for(key[0])), "F.linear")
+
+
+def _ms_for(n: int) -> tuple[int, ...]:
+    """PROBE_MS up to the largest M whose [M, N] output stays under `_MAX_OUT_ELEMENTS` (at least M = 1)."""
+    return tuple(m for m in PROBE_MS if m * n <= _MAX_OUT_ELEMENTS) or (1,)
 
 
 def _logged(result: ProbeResult, vendor: str) -> ProbeResult:

@@ -37,9 +37,9 @@ def verdicts(monkeypatch_module):
             pytest.skip(f"{need}: {avail[need]}")
     monkeypatch_module.setenv(vendor_route.VENDOR_ROUTE_ENV, "probe")
     vendor_route.reset()
-    out = {name: vendor_route.probe_shape(n, k, device="cuda") for name, (n, k) in SHAPES.items()}
-    # the lm_head probes stop at M = 4096: an 8B lm_head's output at 8192 rows is 2 GB per GEMM
-    out |= {name: vendor_route.probe_linear_shape(n, k, device="cuda", ms=tuple(m for m in vendor_route.PROBE_MS if m <= 4096))
+    # the M the route itself probes (an 8B lm_head stops at 4096 rows: 1 GiB of output)
+    out = {name: vendor_route.probe_shape(n, k, device="cuda", ms=vendor_route._ms_for(n)) for name, (n, k) in SHAPES.items()}
+    out |= {name: vendor_route.probe_linear_shape(n, k, device="cuda", ms=vendor_route._ms_for(n))
             for name, (n, k) in LM_HEADS.items()}
     if os.environ.get("JETRL_RESULTS_DIR"):
         path = Path(os.environ["JETRL_RESULTS_DIR"]) / "vendor_route.json"

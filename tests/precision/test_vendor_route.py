@@ -125,3 +125,10 @@ def test_the_bf16_twin_probes_f_linear_and_never_routes_off_the_gpu(monkeypatch)
     monkeypatch.setenv(vendor_route.VENDOR_ROUTE_ENV, "probe")
     monkeypatch.setattr(vendor_route, "probe_linear_shape", lambda *a, **k: pytest.fail("probed a CPU weight"))
     assert not vendor_route.routed_linear(torch.randn(96, 64, dtype=torch.bfloat16), torch.bfloat16)
+
+
+def test_the_probe_stops_where_one_output_would_pass_a_gib():
+    assert vendor_route._ms_for(28672) == vendor_route.PROBE_MS  # gate_up: every M up to 8192
+    lm_head = vendor_route._ms_for(128256)
+    assert max(lm_head) == 4096 and lm_head == tuple(m for m in vendor_route.PROBE_MS if m <= 4096)
+    assert vendor_route._ms_for(1 << 30) == (1,)
