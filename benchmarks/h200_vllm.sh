@@ -22,10 +22,11 @@
 #   profile  benchmarks/vllm_decode_profile.py: one decode step's GPU time by kernel group, bf16 / jet_fp8 /
 #            jet_fp8+bitwise, 8 layers, 256 sequences (~5 min; needs only `install`)
 #   route    the bitwise mode with JETRL_INVARIANT_VENDOR_GEMM=probe (triton_invariant hands the weight shapes whose
-#            cuBLASLt / F.linear GEMM gave its bits at every probed M to that GEMM): tests/gpu/test_vendor_route_gpu.py,
-#            the 8B-shape proof (8 layers, 16 prompts x 1024 tokens), then jet_fp8 against jet_fp8+bitwise at 32
-#            layers (~9 min; needs only `install`). Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw_route`
-#            and `python benchmarks/vllm_gpu.py record --from <res>/route32`.
+#            cuBLASLt / F.linear GEMM gave its bits at every probed M to that GEMM): tests/gpu/test_vendor_route_gpu.py
+#            and the 8B-shape proof (8 layers, 16 prompts x 1024 tokens) (~5 min; needs only `install`). Here:
+#            `python benchmarks/vllm_bitwise_record.py <res>/vbw_route`
+#   route32  the same route: jet_fp8 against jet_fp8+bitwise at 32 layers, two timed passes at 256 and 64 prompts
+#            (~5 min; its own call). Here: `python benchmarks/vllm_gpu.py record --from <res>/route32`
 #
 # SmolLM2 travels as an xz-compressed GGUF split in three (.smol0/.smol1/.smol2, each copied to /tmp in
 # the call that carries it, since a call that does not carry an ignored folder removes it).
@@ -131,11 +132,14 @@ stage_kernels() {
 stage_route() {
   JETRL_RESULTS_DIR=/tmp/res/route timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vendor_route_gpu.py 2>&1 \
     | grep "\[\|passed\|failed\|error" | tail -14
-  JETRL_INVARIANT_VENDOR_GEMM=probe JETRL_BITWISE_8B_LAYERS=8 JETRL_RESULTS_DIR=/tmp/res/vbw_route timeout 240 \
+  JETRL_INVARIANT_VENDOR_GEMM=probe JETRL_BITWISE_8B_LAYERS=8 JETRL_RESULTS_DIR=/tmp/res/vbw_route timeout 300 \
     python3 -m pytest -q tests/gpu/test_vllm_bitwise_gpu.py 2>&1 | tail -4
+}
+
+stage_route32() {
   JETRL_INVARIANT_VENDOR_GEMM=probe python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default \
     --recipes jet_fp8 jet_fp8+bitwise --gemm-backend torch --repeats 2 --kv-gib 42 --out /tmp/res/route32 \
-    --timeout "${ROUTE32_S:-300}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+    --timeout "${ROUTE32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
 }
 
 stage_profile() {
