@@ -132,6 +132,7 @@ def probe_shape(n: int, k: int, *, b_block: tuple[int, int] = (128, 128), out_dt
     t0 = time.perf_counter()
     w, x = _operands(n, k, max(ms), device, seed)
     b = quantize_fp8(w, b_block)
+
     def both(m: int) -> tuple[torch.Tensor, torch.Tensor]:
         a = quantize_fp8(x[:m], (1, 128))
         return invariant(a, b, out_dtype), vendor(a, b, out_dtype)
