@@ -34,6 +34,7 @@ from ..formats import QuantizedTensor
 __all__ = [
     "VENDOR_ROUTE_ENV",
     "PROBE_MS",
+    "ROUTE_MIN_M",
     "ProbeResult",
     "route_enabled",
     "probe_shape",
@@ -47,9 +48,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 VENDOR_ROUTE_ENV = "JETRL_INVARIANT_VENDOR_GEMM"
-# Every decode batch a CUDA graph is captured for by default (1, 2, 4, then steps of 8 to 512) plus training-sized
-# M, odd ones included (partial tiles).
-PROBE_MS: tuple[int, ...] = (1, 2, 3, 4, *range(8, 513, 8), 1000, 1024, 2048, 3001, 4096, 8192)
+# Below this many rows the invariant kernel is the faster of the two on the H200 (swap-AB streams the weight at
+# decode sizes: 8B o_proj 10.7 against 13.6 us at M = 64, qkv 10.4 against 13.8 at M = 32; cuBLASLt wins from
+# M = 128 up; `2026-12-02_03_decode-gemm-invariant.json`), so smaller batches are neither routed nor probed.
+ROUTE_MIN_M = 128
+# Every decode batch from ROUTE_MIN_M a CUDA graph is captured for by default (steps of 8 to 512), a few odd ones
+# (partial tiles), and training-sized M.
+PROBE_MS: tuple[int, ...] = (*range(ROUTE_MIN_M, 513, 8), 129, 255, 257, 511, 1000, 1024, 2048, 3001, 4096, 8192)
 # The probe runs inside engines and trainers that hold most of the GPU: an M is probed only while one output stays
 # under this many elements (1 GiB in BF16), so a 128k-vocabulary lm_head stops at M = 4096.
 _MAX_OUT_ELEMENTS = 1 << 29
@@ -179,20 +184,20 @@ def _capturing() -> bool:
 
 
 def routed(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> bool:
-    """Whether `triton_invariant` may hand this GEMM to cuBLASLt: the route is on and B's shape passed its probe on
-    this device (probed here on first sight). Only 128x128-scaled B operands (weights) are routed: WGrad's operands
-    change shape with the token count and would be probed at every new one."""
-    if not route_enabled() or b.block != (128, 128):
+    """Whether `triton_invariant` may hand this GEMM to cuBLASLt: the route is on, A has at least `ROUTE_MIN_M` rows,
+    and B's shape passed its probe on this device (probed here on first sight). Only 128x128-scaled B operands
+    (weights) are routed: WGrad's operands change shape with the token count and would be probed at every new one."""
+    if not route_enabled() or b.block != (128, 128) or a.shape[0] < ROUTE_MIN_M:
         return False
     dev = b.data.device
     key = (int(b.shape[0]), int(b.shape[1]), (128, 128), _dtype_name(out_dtype), str(dev))
     return _verdict(key, lambda: _probe_fp8(key, dev, out_dtype))
 
 
-def routed_linear(weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether `linear_invariant` may run this bias-free product on `F.linear`: the route is on and the weight's
-    shape and dtype passed their probe on this device (probed here on first sight)."""
-    if not route_enabled() or weight.dtype != out_dtype or weight.device.type != "cuda":
+def routed_linear(weight: torch.Tensor, out_dtype: torch.dtype, m: int) -> bool:
+    """Whether `linear_invariant` may run this bias-free product of `m` rows on `F.linear`: the route is on and the
+    weight's shape and dtype passed their probe on this device (probed here on first sight)."""
+    if not route_enabled() or weight.dtype != out_dtype or weight.device.type != "cuda" or m < ROUTE_MIN_M:
         return False
     key = (int(weight.shape[0]), int(weight.shape[1]), (1, 1), _dtype_name(weight.dtype), str(weight.device))
     return _verdict(key, lambda: _probe_bf16(key, weight.device, weight.dtype))

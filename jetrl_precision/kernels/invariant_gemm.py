@@ -486,7 +486,7 @@ def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     step, so the row still depends on nothing but itself)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    if bias is None and routed_linear(weight, x.dtype):  # F.linear gave these bits at every probed M (opt-in)
+    if bias is None and routed_linear(weight, x.dtype, x2.shape[0]):  # F.linear gave these bits at every probed M (opt-in)
         y = torch.nn.functional.linear(x2, weight)
     elif bias is None:
         y = bf16_gemm_nt_invariant(x2, weight, x.dtype)

@@ -35,7 +35,7 @@ def _differs_from(m0: int):
     return gemm
 
 
-def _operands(n=256, k=384, m=8):
+def _operands(n=256, k=384, m=vendor_route.ROUTE_MIN_M):
     g = torch.Generator().manual_seed(1)
     a = quantize_fp8((torch.randn(m, k, generator=g) * 3).to(torch.bfloat16), (1, 128))
     b = quantize_fp8((torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16), (128, 128))
@@ -124,7 +124,7 @@ def test_the_bf16_twin_probes_f_linear_and_never_routes_off_the_gpu(monkeypatch)
     assert not differs.passed and differs.first_difference == (16, 1)
     monkeypatch.setenv(vendor_route.VENDOR_ROUTE_ENV, "probe")
     monkeypatch.setattr(vendor_route, "probe_linear_shape", lambda *a, **k: pytest.fail("probed a CPU weight"))
-    assert not vendor_route.routed_linear(torch.randn(96, 64, dtype=torch.bfloat16), torch.bfloat16)
+    assert not vendor_route.routed_linear(torch.randn(96, 64, dtype=torch.bfloat16), torch.bfloat16, 4096)
 
 
 def test_the_probe_stops_where_one_output_would_pass_a_gib():
@@ -132,3 +132,11 @@ def test_the_probe_stops_where_one_output_would_pass_a_gib():
     lm_head = vendor_route._ms_for(128256)
     assert max(lm_head) == 4096 and lm_head == tuple(m for m in vendor_route.PROBE_MS if m <= 4096)
     assert vendor_route._ms_for(1 << 30) == (1,)
+
+
+def test_decode_sized_batches_stay_on_the_kernel_without_a_probe(monkeypatch):
+    """Below ROUTE_MIN_M rows the invariant kernel is the faster one: no route, and no probe for it."""
+    monkeypatch.setenv(vendor_route.VENDOR_ROUTE_ENV, "probe")
+    monkeypatch.setattr(vendor_route, "_verdict", lambda *a: pytest.fail("looked up a decode-sized GEMM"))
+    a, b = _operands(m=vendor_route.ROUTE_MIN_M - 1)
+    assert not vendor_route.routed(a, b, torch.bfloat16)
