@@ -135,30 +135,25 @@ def test_gpu_placement_rules_hold_without_a_gpu():
 
 
 def test_free_port_skips_ports_already_handed_to_another_group(monkeypatch):
-    """Rendezvous ports are picked before any group binds its own, and the OS may hand a just-released port
-    out again: a later pick excludes the earlier ones, and says so when it cannot."""
-    from openrlhf.utils import network as utils
+    """Rendezvous ports are picked before any group binds its own: a later pick excludes the earlier ones, skips
+    ports something listens on, stays out of the OS's ephemeral range (where outgoing connections could take the
+    port before the rendezvous binds it), and says so when it cannot find one."""
+    import socket
 
-    handed = iter([41841, 41841, 41842])
+    from openrlhf.utils import network
 
-    class FakeSocket:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def bind(self, addr):
-            self.port = next(handed)
-
-        def getsockname(self):
-            return ("127.0.0.1", self.port)
-
-    monkeypatch.setattr(utils.socket, "socket", FakeSocket)
-    assert utils.free_port("127.0.0.1", exclude=(41841,)) == 41842
-    handed = iter([41841] * 64)
-    with pytest.raises(RuntimeError, match="41841"):
-        utils.free_port("127.0.0.1", exclude=(41841,))
+    low, high = network._ephemeral_range()
+    picks = [network.free_port() for _ in range(20)]
+    assert all(not low <= p <= high and p >= 20000 for p in picks), (picks, low, high)
+    with socket.socket() as held:  # a port something listens on is skipped
+        held.bind(("127.0.0.1", picks[0]))
+        held.listen()
+        drawn = iter([picks[0], picks[1], picks[1], picks[2]])
+        monkeypatch.setattr(network._rng, "randint", lambda a, b: next(drawn))
+        assert network.free_port("127.0.0.1", exclude=(picks[1],)) == picks[2]
+    monkeypatch.setattr(network._rng, "randint", lambda a, b: picks[1])
+    with pytest.raises(RuntimeError, match=f"excluding \\[{picks[1]}\\]"):
+        network.free_port("127.0.0.1", exclude=(picks[1],))
 
 
 def test_launch_rule_ray_only_with_engines_and_without_a_launcher():
