@@ -170,9 +170,10 @@ def test_dry_run_of_the_measuring_stages_writes_records_and_headline_figures(tmp
     step = {k: sum(s["perf/step_s"] for s in runs[k]["steps"][1:]) / len(runs[k]["steps"][1:])
             for k in ("speed_ray2_bf16", "speed_ray2_jet_fp8", "speed_spmd1_jet_fp8")}
     metrics = headline.compute_headline(headline.load_records(tmp_path / "runs"))["metrics"]
-    assert metrics["ray_2gpu_step_ratio"]["value"] == pytest.approx(step["speed_ray2_bf16"] / step["speed_ray2_jet_fp8"], rel=2e-3)
-    assert metrics["ray_1to2gpu_step_speedup_jet_fp8"]["value"] == pytest.approx(
-        step["speed_spmd1_jet_fp8"] / step["speed_ray2_jet_fp8"], rel=2e-3)
+    # records hold ratios to rel 1e-3 and the headline rounds them to 3 decimals (timing-dependent: small ratios happen)
+    for metric, ratio in (("ray_2gpu_step_ratio", step["speed_ray2_bf16"] / step["speed_ray2_jet_fp8"]),
+                          ("ray_1to2gpu_step_speedup_jet_fp8", step["speed_spmd1_jet_fp8"] / step["speed_ray2_jet_fp8"])):
+        assert metrics[metric]["value"] == pytest.approx(ratio, abs=1e-3 * ratio + 5e-4), metric
     assert "ray_nccl_sync_seconds_8b" not in metrics  # a 2-layer gloo sync is not the 8B NCCL figure
     by = {(r["name"], r["backend"], r.get("variant")): r for r in records}
     assert by[("ray_grpo_sync_bytes", "jet_fp8", "ray2")]["value"] == fp8_bytes
