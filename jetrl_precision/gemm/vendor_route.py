@@ -36,6 +36,8 @@ __all__ = [
     "PROBE_MS",
     "ROUTE_MIN_M",
     "ProbeResult",
+    "bit_differences",
+    "outlier_operands",
     "route_enabled",
     "probe_shape",
     "probe_linear_shape",
@@ -105,14 +107,15 @@ def routes() -> dict[str, ProbeResult]:
     return {f"{n} x {k} {blk[0]}x{blk[1]} {dt} {dev}": r for (n, k, blk, dt, dev), r in list(_results.items())}
 
 
-def _bit_differences(x: torch.Tensor, y: torch.Tensor) -> int:
+def bit_differences(x: torch.Tensor, y: torch.Tensor) -> int:
+    """How many elements differ in their bits (every element, where shapes or dtypes differ)."""
     if x.shape != y.shape or x.dtype != y.dtype:
         return max(x.numel(), y.numel())
     view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     return int((x.contiguous().view(view) != y.contiguous().view(view)).sum())
 
 
-def _operands(n: int, k: int, m_max: int, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def outlier_operands(n: int, k: int, m_max: int, device: torch.device | str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight with a few heavy columns and activations whose rows differ in norm by orders of magnitude."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.02
@@ -135,7 +138,7 @@ def probe_shape(n: int, k: int, *, b_block: tuple[int, int] = (128, 128), out_dt
         from .torch_backend import torch_gemm_nt as vendor
     device = torch.device(device)
     t0 = time.perf_counter()
-    w, x = _operands(n, k, max(ms), device, seed)
+    w, x = outlier_operands(n, k, max(ms), device, seed)
     b = quantize_fp8(w, b_block)
 
     def both(m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +163,7 @@ def probe_linear_shape(n: int, k: int, *, dtype: torch.dtype = torch.bfloat16, d
         vendor = torch.nn.functional.linear
     device = torch.device(device)
     t0 = time.perf_counter()
-    w, x = (t.to(dtype) for t in _operands(n, k, max(ms), device, seed))
+    w, x = (t.to(dtype) for t in outlier_operands(n, k, max(ms), device, seed))
     first = _first_difference(ms, lambda m: (invariant(x[:m], w), vendor(x[:m], w)))
     return ProbeResult(n, k, (1, 1), _dtype_name(dtype), tuple(ms), first is None, first,
                        seconds=round(time.perf_counter() - t0, 3))
@@ -169,7 +172,7 @@ def probe_linear_shape(n: int, k: int, *, dtype: torch.dtype = torch.bfloat16, d
 def _first_difference(ms: tuple[int, ...], both: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> tuple[int, int] | None:
     """(M, elements whose bits differ) at the first M of `ms` where the two results differ, else None."""
     for m in ms:
-        diff = _bit_differences(*both(m))
+        diff = bit_differences(*both(m))
         if diff:
             return m, diff
     return None

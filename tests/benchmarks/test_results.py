@@ -191,9 +191,9 @@ def test_decode_gemm_benchmark_parses_its_arguments():
     assert out.returncode == 0 and "--budget" in out.stdout and "--out" in out.stdout, out.stderr[-2000:]
 
 
-def test_gemm_equivalence_probe_parses_and_counts_exactly():
+def test_gemm_equivalence_probe_parses_and_its_operands_are_exact():
     """benchmarks/gemm_equivalence_gpu.py runs in one device call: it parses, its float64 operands are the bytes
-    times their scales exactly, and its counter counts differing bits (not values: -0.0 and 0.0 differ)."""
+    times their scales exactly."""
     out = subprocess.run([sys.executable, "benchmarks/gemm_equivalence_gpu.py", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "--models" in out.stdout, out.stderr[-2000:]
     import gemm_equivalence_gpu as ge
@@ -207,9 +207,6 @@ def test_gemm_equivalence_probe_parses_and_counts_exactly():
         cols = torch.arange(300)[None, :] // block[1]
         assert torch.equal(exact, q.data.double() * q.scale.double()[rows, cols])
         assert float((exact - x.double()).norm() / x.double().norm()) < 0.05
-    a = torch.tensor([1.0, 0.0, 2.0], dtype=torch.bfloat16)
-    assert ge.bit_differences(a, a.clone()) == 0
-    assert ge.bit_differences(a, torch.tensor([1.0, -0.0, 2.0 + 2**-6], dtype=torch.bfloat16)) == 2
 
 
 def test_attention_decode_probe_parses_and_needs_a_device_or_the_interpreter():

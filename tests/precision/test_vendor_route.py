@@ -51,6 +51,20 @@ def test_probe_passes_only_when_every_bit_agrees_at_every_m():
     assert not late.passed and late.first_difference == (64, 1)  # one bit of one element at the first M that differs
 
 
+def test_bit_differences_counts_bits_not_values_and_operands_have_outliers():
+    a = torch.tensor([1.0, 0.0, 2.0], dtype=torch.bfloat16)
+    assert vendor_route.bit_differences(a, a.clone()) == 0
+    assert vendor_route.bit_differences(a, torch.tensor([1.0, -0.0, 2.0 + 2**-6], dtype=torch.bfloat16)) == 2  # -0.0 != 0.0
+    assert vendor_route.bit_differences(a, a[:2]) == 3  # a shape mismatch counts every element
+    w, x = vendor_route.outlier_operands(64, 256, 32, "cpu", seed=5)
+    assert w.shape == (64, 256) and x.shape == (32, 256) and w.dtype == x.dtype == torch.bfloat16
+    assert torch.equal(w, vendor_route.outlier_operands(64, 256, 32, "cpu", seed=5)[0])  # the same every run
+    row_norms = x.float().norm(dim=1)
+    assert float(row_norms.max() / row_norms.min()) > 10  # rows of very different scale
+    col_max = w.float().abs().amax(dim=0)
+    assert float(col_max.max() / col_max.median()) > 5  # a few heavy weight columns
+
+
 def test_off_by_default_and_a_bad_value_is_one_clear_line(monkeypatch):
     a, b = _operands()
     monkeypatch.setattr(vendor_route, "probe_shape", lambda *a, **k: pytest.fail("probed while the route is off"))
