@@ -347,13 +347,19 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
     recs: list[dict] = []
     device, date = env.get("device", "?"), env.get("date", time.strftime("%Y-%m-%d"))
 
+    ok = [r for r in results if usable(r)]
+    # Runs with the opt-in cuBLASLt route (JETRL_INVARIANT_VENDOR_GEMM=probe) say so in their backends: the default
+    # mode's headline figures never read them.
+    routed = {r["recipe"] for r in ok if r.get("vendor_route") == "probe" and "bitwise" in r["recipe"]}
+
     def rec(name, shape, backend, value, unit, ratio=None, **extra):
         if value is None:
             return
+        if backend in routed:
+            backend += "+cublaslt_route(probe)"
         recs.append({"name": name, "shape": shape, "backend": backend, "value": value, "unit": unit, "ratio_vs_bf16": ratio,
                      "command": command, "date": date, "device": device, "gpus": 1, **extra})
 
-    ok = [r for r in results if usable(r)]
     speed = {r["recipe"]: r for r in ok if r["part"] == "speed"}
     base = speed.get("bf16")
     bp = phase_means(base) if base else None

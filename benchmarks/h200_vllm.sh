@@ -23,7 +23,8 @@
 #            jet_fp8+bitwise, 8 layers, 256 sequences (~5 min; needs only `install`)
 #   route    the bitwise mode with JETRL_INVARIANT_VENDOR_GEMM=probe (triton_invariant hands the weight shapes whose
 #            cuBLASLt / F.linear GEMM gave its bits at every probed M to that GEMM): tests/gpu/test_vendor_route_gpu.py
-#            and the 8B-shape proof (8 layers, 16 prompts x 1024 tokens) (~5 min; needs only `install`). Here:
+#            and the 8B-shape proof (8 layers, 144 prompts x 256 tokens: decode batches the route takes) (~5 min;
+#            needs only `install`). Here:
 #            `python benchmarks/vllm_bitwise_record.py <res>/vbw_route`
 #   route32  the same route: jet_fp8 against jet_fp8+bitwise at 32 layers, two timed passes at 256 and 64 prompts
 #            (~5 min; its own call). Here: `python benchmarks/vllm_gpu.py record --from <res>/route32`
@@ -132,8 +133,10 @@ stage_kernels() {
 stage_route() {
   JETRL_RESULTS_DIR=/tmp/res/route timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vendor_route_gpu.py 2>&1 \
     | grep "\[\|passed\|failed\|error" | tail -14
-  JETRL_INVARIANT_VENDOR_GEMM=probe JETRL_BITWISE_8B_LAYERS=8 JETRL_RESULTS_DIR=/tmp/res/vbw_route timeout 300 \
-    python3 -m pytest -q tests/gpu/test_vllm_bitwise_gpu.py 2>&1 | tail -4
+  # 144 prompts: every decode step has >= ROUTE_MIN_M rows, so the engine's decode GEMMs take the route too (16
+  # prompts would prove only the prefill's and the trainer's); 256 tokens keep the trainer's 128k-vocabulary logits small.
+  JETRL_INVARIANT_VENDOR_GEMM=probe JETRL_BITWISE_8B_LAYERS=8 JETRL_VLLM_TEST_PROMPTS=144 JETRL_VLLM_TEST_NEW_TOKENS=256 \
+    JETRL_RESULTS_DIR=/tmp/res/vbw_route timeout 300 python3 -m pytest -q tests/gpu/test_vllm_bitwise_gpu.py 2>&1 | tail -4
 }
 
 stage_route32() {

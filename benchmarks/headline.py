@@ -30,7 +30,7 @@ HEADLINE = RESULTS / "headline.json"
 README = ROOT / "README.md"
 FIELDS = ("value", "unit", "what", "command", "date", "device")
 
-__all__ = ["load_runs", "load_records", "latest", "write_run", "Metric", "METRICS", "compute_headline", "set_metric",
+__all__ = ["load_runs", "load_records", "latest", "write_run", "route_suffix", "Metric", "METRICS", "compute_headline", "set_metric",
            "render_table", "update_readme"]
 
 
@@ -51,6 +51,14 @@ def latest(records: list[dict], name: str, shape: str | None = None, backend: st
     hits = [r for r in records if r.get("name") == name and (shape is None or r.get("shape") == shape)
             and (backend is None or r.get("backend") == backend) and (where is None or where(r))]
     return hits[-1] if hits else None
+
+
+def route_suffix(verdicts: dict[str, bool] | None) -> str:
+    """What a run with JETRL_INVARIANT_VENDOR_GEMM=probe adds to its records' backend: how many of the weight shapes
+    it probed went to the vendor GEMM. Empty when the route was off or routed nothing, so the default mode's
+    metrics never read a routed run."""
+    routed = sum(bool(v) for v in (verdicts or {}).values())
+    return f"+cublaslt_route({routed}/{len(verdicts)} shapes)" if routed else ""
 
 
 def write_run(records: list[dict], label: str, date: str, runs_dir: Path = RUNS) -> Path:
@@ -185,6 +193,11 @@ VLLM_SMOL = "SmolLM2-135M-Instruct bf16, 16 chat prompts x <=1024 tokens, T=1, d
 VLLM_SYNC = "Llama-3.1-8B shape, 32 layers, colocated in-process engine"
 
 
+def _routed(record: dict) -> bool:
+    """Whether a record comes from a run with the opt-in cuBLASLt route (`route_suffix`)."""
+    return "+cublaslt_route(" in record.get("backend", "")
+
+
 def _rollout_ratio(layers: int, prompts: int, mode: str, backend: str = "jet_fp8/torch"):
     return _field("vllm_rollout_tokens_per_s", VLLM_8B.format(layers, prompts, mode), backend, field="ratio_vs_bf16")
 
@@ -266,10 +279,10 @@ METRICS += (
            "--precision.bitwise on vLLM (default mode: torch.compile + CUDA graphs) against the trainer's recompute, "
            "SmolLM2-135M-Instruct, bf16 and jet_fp8, every sampled token, padded and packed: the largest |dlogp| "
            "(0.0: every log-prob has the trainer's bits)",
-           _field("bitwise_logprob_mismatch", where=lambda r: "SmolLM2" in r.get("shape", "")), digits=3),
+           _field("bitwise_logprob_mismatch", where=lambda r: "SmolLM2" in r.get("shape", "") and not _routed(r)), digits=3),
     Metric("bitwise_logprob_mismatch_8b", "max |dlogp|",
            "the same on a Llama-3.1-8B-shaped model (8 layers, random weights), 16 prompts x 1024 sampled tokens",
-           _field("bitwise_logprob_mismatch", where=lambda r: "Llama-3.1-8B" in r.get("shape", "")), digits=3),
+           _field("bitwise_logprob_mismatch", where=lambda r: "Llama-3.1-8B" in r.get("shape", "") and not _routed(r)), digits=3),
     Metric("bitwise_rollout_cost_ratio", "x jet_fp8",
            "vLLM rollout tokens/s of jet_fp8 with --precision.bitwise over plain jet_fp8, Llama-3.1-8B shape, 256 prompts, "
            "default mode (the record's ratio_vs_bf16 is the bitwise engine against bf16)",
@@ -288,6 +301,17 @@ METRICS += (
     Metric("bitwise_e2e_mismatch", "mean |dlogp|",
            "the same run's engine-vs-trainer mismatch on the sampled tokens it checks (0.0: exactly on-policy)",
            _field("e2e_grpo_mismatch_abs_logp_mean", backend="jet_fp8+bitwise"), digits=3),
+    # The opt-in cuBLASLt route (JETRL_INVARIANT_VENDOR_GEMM=probe): its own rows, never mixed into the ones above.
+    Metric("bitwise_logprob_mismatch_8b_cublaslt_route", "max |dlogp|",
+           "bitwise_logprob_mismatch_8b with JETRL_INVARIANT_VENDOR_GEMM=probe (weight shapes whose cuBLASLt GEMM gave the "
+           "invariant kernel's bits at every probed M run on cuBLASLt, in the engine and the trainer)",
+           _field("bitwise_logprob_mismatch", where=lambda r: "Llama-3.1-8B" in r.get("shape", "") and _routed(r)), digits=3),
+    Metric("bitwise_rollout_cost_ratio_cublaslt_route", "x jet_fp8",
+           "bitwise_rollout_cost_ratio with JETRL_INVARIANT_VENDOR_GEMM=probe",
+           _field("bitwise_rollout_cost_ratio", where=lambda r: r.get("backend", "").startswith("jet_fp8+bitwise+cublaslt_route")
+                  and " 256 prompts" in r.get("shape", "") and r.get("shape", "").endswith("default"))),
+    Metric("bitwise_e2e_step_ratio_cublaslt_route", "x jet_fp8", "bitwise_e2e_step_ratio with JETRL_INVARIANT_VENDOR_GEMM=probe",
+           _field("bitwise_e2e_step_ratio", backend="jet_fp8+bitwise+cublaslt_route(probe)")),
 )
 
 

@@ -60,8 +60,10 @@ def start(argv: list[str], out: Path, port: int) -> dict:
     (out / "cmd.json").write_text(json.dumps(cmd, indent=1))
     log = open(out / "log.txt", "w")
     # Its own process group: a timeout takes the launcher's worker down too (or it would hold the port and GPU).
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return {"proc": proc, "log": log, "out": out, "t0": time.time()}
+    env = run_env()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # The opt-in cuBLASLt route changes which kernels the bitwise mode runs: results say whether it was on.
+    return {"proc": proc, "log": log, "out": out, "t0": time.time(), "vendor_route": env.get("JETRL_INVARIANT_VENDOR_GEMM", "")}
 
 
 def finish(job: dict, timeout: float) -> dict:
@@ -81,7 +83,8 @@ def finish(job: dict, timeout: float) -> dict:
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     res = {"rc": proc.returncode, "timed_out": timed_out, "wall_s": round(time.time() - job["t0"], 1), "steps": steps,
-           "precision_report": summary.get("precision_report", ""), "engine": summary.get("engine")}
+           "precision_report": summary.get("precision_report", ""), "engine": summary.get("engine"),
+           "vendor_route": job.get("vendor_route", "")}
     if proc.returncode != 0:
         res["log_tail"] = (out / "log.txt").read_text(errors="replace")[-3000:]
     return res

@@ -7,7 +7,8 @@ the engine's sampled log-probs against the trainer's padded and packed recompute
 
 One `bitwise_logprob_differing_tokens` record per recipe and layout (value: tokens whose log-prob bits differ; the
 max |dlogp| beside it), and one `bitwise_logprob_mismatch` record per model: the largest |dlogp| over all of them,
-0.0 exactly when every sampled token of every recipe had the trainer's bits.
+0.0 exactly when every sampled token of every recipe had the trainer's bits. A run with the opt-in cuBLASLt route
+(JETRL_INVARIANT_VENDOR_GEMM=probe) says so in its backends (`headline.route_suffix`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from headline import write_run  # noqa: E402
+from headline import route_suffix, write_run  # noqa: E402
 
 __all__ = ["records_from", "main"]
 
@@ -44,19 +45,21 @@ def records_from(jobs: list[dict], device: str, command: str) -> list[dict]:
     for job in jobs:
         model = _model_label(job)
         shape = f"{model}, {job['prompts']} prompts at T=1, vLLM {job['mode']}"
+        backend = job["recipe"] + route_suffix(job.get("vendor_route"))
         for layout in ("padded", "packed"):
             d = job[layout]
-            out.append(dict(name="bitwise_logprob_differing_tokens", shape=f"{shape}, {layout} recompute", backend=job["recipe"],
+            out.append(dict(name="bitwise_logprob_differing_tokens", shape=f"{shape}, {layout} recompute", backend=backend,
                             value=d["differing_tokens"], unit="tokens", ratio_vs_bf16=None, tokens=d["tokens"],
                             max_abs_dlogp=d["max_abs_dlogp"], engine_start_s=job.get("start_seconds"),
                             generate_s=job.get("generate_seconds"), command=command, date=job["date"], device=device))
-            agg = by_model.setdefault(shape, dict(max_abs=0.0, tokens=0, differing=0, recipes=set(), date=job["date"]))
+            agg = by_model.setdefault(shape, dict(max_abs=0.0, tokens=0, differing=0, recipes=set(), routes={}, date=job["date"]))
             agg["max_abs"] = max(agg["max_abs"], float(d["max_abs_dlogp"]))
             agg["tokens"] += d["tokens"]
             agg["differing"] += d["differing_tokens"]
             agg["recipes"].add(job["recipe"])
+            agg["routes"].update(job.get("vendor_route") or {})
     for shape, agg in by_model.items():
-        out.append(dict(name="bitwise_logprob_mismatch", shape=shape, backend="+".join(sorted(agg["recipes"])),
+        out.append(dict(name="bitwise_logprob_mismatch", shape=shape, backend="+".join(sorted(agg["recipes"])) + route_suffix(agg["routes"]),
                         value=agg["max_abs"], unit="max |dlogp|", ratio_vs_bf16=None, tokens_compared=agg["tokens"],
                         differing_tokens=agg["differing"], command=command, date=agg["date"], device=device))
     return out

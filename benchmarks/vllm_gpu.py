@@ -466,6 +466,8 @@ SHAPE_8B = "Llama-3.1-8B shape, {layers} layers, {prompts} prompts x 256 + {new}
 
 def records_from(folder: Path, device: str, command: str) -> list[dict]:
     """Run records from a results folder of this script's jobs and of tests/gpu/test_vllm_gpu.py."""
+    from headline import route_suffix  # benchmarks/headline.py
+
     recs: list[dict] = []
 
     def rec(name, shape, backend, value, unit, ratio=None, **extra):
@@ -477,16 +479,15 @@ def records_from(folder: Path, device: str, command: str) -> list[dict]:
     for (recipe, mode), j in sorted(tp.items()):
         base = tp.get(("bf16", mode))
         backend = f"{recipe}/{','.join(j['gemm_backends'])}" if j["gemm_backends"] else recipe
-        routed = sorted(k for k, ok in j.get("vendor_route", {}).items() if ok)
-        if routed:  # triton_invariant handed these shapes to cuBLASLt after its probe (same bits, other kernels)
-            backend += f"+cublaslt_route({len(routed)}/{len(j['vendor_route'])} shapes)"
+        route = route_suffix(j.get("vendor_route"))  # triton_invariant handed shapes to cuBLASLt (same bits, other kernels)
+        backend += route
         for i, run in enumerate(j["runs"]):
             ratio = run["tokens_per_s"] / base["runs"][i]["tokens_per_s"] if base and recipe != "bf16" else None
             shape = SHAPE_8B.format(layers=j["layers"], prompts=run["prompts"], new=run["output_tokens"] // run["prompts"], mode=mode)
             rec("vllm_rollout_tokens_per_s", shape, backend, run["tokens_per_s"], "tok/s", ratio, date=j.get("date"))
             plain = tp.get((recipe.partition("+")[0], mode))
             if recipe.endswith("+bitwise") and plain and i < len(plain["runs"]):
-                rec("bitwise_rollout_cost_ratio", shape, recipe, round(run["tokens_per_s"] / plain["runs"][i]["tokens_per_s"], 4),
+                rec("bitwise_rollout_cost_ratio", shape, recipe + route, round(run["tokens_per_s"] / plain["runs"][i]["tokens_per_s"], 4),
                     f"x {recipe.partition('+')[0]}", ratio, date=j.get("date"))
         rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, {mode}, cold cache, {len(tp)} engines starting together",
             backend, j["start_seconds"], "s", date=j.get("date"))

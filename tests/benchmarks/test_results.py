@@ -317,6 +317,62 @@ def test_grpo_bitwise_recipe_flags_and_its_step_ratio():
     assert r["engine_logprobs_used"] == [1.0, 1.0] and r["fallbacks"] == 0.0
 
 
+def test_runs_with_the_cublaslt_route_are_labelled_and_kept_out_of_the_default_headline(tmp_path):
+    """JETRL_INVARIANT_VENDOR_GEMM=probe runs other kernels: every record writer says so in the backend, and the
+    default mode's headline rows never read such a record (the route has rows of its own)."""
+    import grpo_vllm_gpu as g
+    import vllm_bitwise_record as vbr
+    import vllm_gpu
+
+    assert headline.route_suffix(None) == headline.route_suffix({}) == headline.route_suffix({"a": False}) == ""
+    assert headline.route_suffix({"a": True, "b": False, "c": True}) == "+cublaslt_route(2/3 shapes)"
+    metric = {m.key: m for m in headline.METRICS}
+
+    def pick(key, recs):
+        return metric[key].pick([dict(r, _run_file="x") for r in recs])[0]
+
+    # the proof
+    exact = {"tokens": 100, "differing_tokens": 0, "max_abs_dlogp": 0.0}
+    jobs = [{"recipe": r, "model": "/m/llama8b_l8", "mode": "default", "prompts": 144, "date": "2026-12-04", "padded": exact,
+             "packed": exact, "vendor_route": {"6144 x 4096": True, "4096 x 14336": False}} for r in ("bf16", "jet_fp8")]
+    proof = vbr.records_from(jobs, "NVIDIA H200", "cmd")
+    summary = next(r for r in proof if r["name"] == "bitwise_logprob_mismatch")
+    assert summary["backend"] == "bf16+jet_fp8+cublaslt_route(1/2 shapes)"
+    assert {r["backend"] for r in proof if r["name"] != "bitwise_logprob_mismatch"} == {
+        "bf16+cublaslt_route(1/2 shapes)", "jet_fp8+cublaslt_route(1/2 shapes)"}
+    assert pick("bitwise_logprob_mismatch_8b", proof) is None and pick("bitwise_logprob_mismatch_8b_cublaslt_route", proof) == 0.0
+    plain = vbr.records_from([{k: v for k, v in j.items() if k != "vendor_route"} for j in jobs], "NVIDIA H200", "cmd")
+    assert pick("bitwise_logprob_mismatch_8b", plain) == 0.0 and pick("bitwise_logprob_mismatch_8b_cublaslt_route", plain) is None
+
+    # the rollout cost
+    def job(recipe, tps, route=None):
+        return {"job": "throughput", "start_only": False, "recipe": recipe, "mode": "default", "layers": 32, "start_seconds": 60.0,
+                "gemm_backends": ["triton_invariant" if "bitwise" in recipe else "torch"], "quant_kernels": [], "date": "2026-12-04",
+                "runs": [{"prompts": 256, "output_tokens": 256 * 1024, "seconds": 1.0, "tokens_per_s": tps, "mean_sampled_logprob": -11.0}],
+                **({"vendor_route": route} if route is not None else {})}
+
+    (tmp_path / "throughput_jet_fp8_default.json").write_text(json.dumps(job("jet_fp8", 20000.0, route={})))
+    (tmp_path / "throughput_jet_fp8+bitwise_default.json").write_text(
+        json.dumps(job("jet_fp8+bitwise", 18400.0, route={"6144 x 4096": True, "4096 x 14336": False})))
+    recs = vllm_gpu.records_from(tmp_path, "NVIDIA H200", "cmd")
+    cost = next(r for r in recs if r["name"] == "bitwise_rollout_cost_ratio")
+    assert cost["backend"] == "jet_fp8+bitwise+cublaslt_route(1/2 shapes)" and cost["value"] == 0.92
+    assert next(r for r in recs if r["name"] == "vllm_rollout_tokens_per_s" and "bitwise" in r["backend"])["backend"] == (
+        "jet_fp8+bitwise/triton_invariant+cublaslt_route(1/2 shapes)")
+    assert pick("bitwise_rollout_cost_ratio", recs) is None and pick("bitwise_rollout_cost_ratio_cublaslt_route", recs) == 0.92
+
+    # the GRPO step: only the bitwise recipe runs triton_invariant, so only it is labelled
+    def run(recipe, step_s, route):
+        steps = [{"perf/step_s": step_s, "perf/generate_s": 1.0, "perf/old_logprob_s": 0.5, "perf/train_s": 2.0,
+                  "perf/rollout_tokens_per_s": 1000.0, "rollout_train_mismatch/abs_logp_diff_mean": 0.0} for _ in range(3)]
+        return {"part": "speed", "recipe": recipe, "rc": 0, "timed_out": False, "steps": steps, "shape": "s", "params": 1,
+                "wall_s": 1.0, "plan": {"layers": 8, "gemm_backend": "torch"}, "vendor_route": route}
+
+    recs = g.records_from([run("jet_fp8", 5.0, "probe"), run("jet_fp8+bitwise", 4.0, "probe")], {}, "cmd")
+    assert {r["backend"] for r in recs if r["name"] == "e2e_grpo_step_s"} == {"jet_fp8", "jet_fp8+bitwise+cublaslt_route(probe)"}
+    assert pick("bitwise_e2e_step_ratio", recs) is None and pick("bitwise_e2e_step_ratio_cublaslt_route", recs) == 1.25
+
+
 def test_decode_profile_groups_kernels_and_subtracts_the_prefill():
     import vllm_decode_profile as vdp
 

@@ -93,6 +93,10 @@ def run(a: argparse.Namespace) -> dict:
         with torch.no_grad():
             lp = Actor(trainer, packing=packing)(exp.sequences.cuda(), exp.attention_mask.cuda(), exp.num_actions, temperature=1.0)
         res["packed" if packing else "padded"] = _differences(rollout, lp.float().cpu(), mask)
+    from jetrl_precision.gemm import vendor_route
+
+    if vendor_route.route_enabled():  # engine and trainer ran in this process: every shape either of them probed
+        res["vendor_route"] = {k: v.passed for k, v in vendor_route.routes().items()}
     return res
 
 
