@@ -131,12 +131,12 @@ stage_kernels() {
 }
 
 stage_route() {
-  JETRL_RESULTS_DIR=/tmp/res/route timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vendor_route_gpu.py 2>&1 \
+  JETRL_RESULTS_DIR=/tmp/res/route timeout 90 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_vendor_route_gpu.py 2>&1 \
     | grep "\[\|passed\|failed\|error" | tail -14
   # 144 prompts: every decode step has >= ROUTE_MIN_M rows, so the engine's decode GEMMs take the route too (16
   # prompts would prove only the prefill's and the trainer's); 256 tokens keep the trainer's 128k-vocabulary logits small.
   JETRL_INVARIANT_VENDOR_GEMM=probe JETRL_BITWISE_8B_LAYERS=8 JETRL_VLLM_TEST_PROMPTS=144 JETRL_VLLM_TEST_NEW_TOKENS=256 \
-    JETRL_RESULTS_DIR=/tmp/res/vbw_route timeout 300 python3 -m pytest -q tests/gpu/test_vllm_bitwise_gpu.py 2>&1 | tail -4
+    JETRL_RESULTS_DIR=/tmp/res/vbw_route timeout 360 python3 -m pytest -q tests/gpu/test_vllm_bitwise_gpu.py 2>&1 | tail -4
 }
 
 stage_route32() {
