@@ -304,7 +304,8 @@ METRICS += (
     # The opt-in cuBLASLt route (JETRL_INVARIANT_VENDOR_GEMM=probe): its own rows, never mixed into the ones above.
     Metric("bitwise_logprob_mismatch_8b_cublaslt_route", "max |dlogp|",
            "bitwise_logprob_mismatch_8b with JETRL_INVARIANT_VENDOR_GEMM=probe (weight shapes whose cuBLASLt GEMM gave the "
-           "invariant kernel's bits at every probed M run on cuBLASLt, in the engine and the trainer)",
+           "invariant kernel's bits at every probed M run on cuBLASLt, in the engine and the trainer); the prompt count is "
+           "in the record (`h200_vllm.sh route`: 144 prompts x 256 tokens, so that decode batches take the route)",
            _field("bitwise_logprob_mismatch", where=lambda r: "Llama-3.1-8B" in r.get("shape", "") and _routed(r)), digits=3),
     Metric("bitwise_rollout_cost_ratio_cublaslt_route", "x jet_fp8",
            "bitwise_rollout_cost_ratio with JETRL_INVARIANT_VENDOR_GEMM=probe",
