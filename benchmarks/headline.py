@@ -309,10 +309,10 @@ METRICS += (
            _field("bitwise_logprob_mismatch", where=lambda r: "Llama-3.1-8B" in r.get("shape", "") and _routed(r)), digits=3),
     Metric("bitwise_rollout_cost_ratio_cublaslt_route", "x jet_fp8",
            "bitwise_rollout_cost_ratio with JETRL_INVARIANT_VENDOR_GEMM=probe",
-           _field("bitwise_rollout_cost_ratio", where=lambda r: r.get("backend", "").startswith("jet_fp8+bitwise+cublaslt_route")
+           _field("bitwise_rollout_cost_ratio", where=lambda r: r.get("backend", "").startswith("jet_fp8+bitwise") and _routed(r)
                   and " 256 prompts" in r.get("shape", "") and r.get("shape", "").endswith("default"))),
     Metric("bitwise_e2e_step_ratio_cublaslt_route", "x jet_fp8", "bitwise_e2e_step_ratio with JETRL_INVARIANT_VENDOR_GEMM=probe",
-           _field("bitwise_e2e_step_ratio", backend="jet_fp8+bitwise+cublaslt_route(probe)")),
+           _field("bitwise_e2e_step_ratio", where=lambda r: r.get("backend", "").startswith("jet_fp8+bitwise") and _routed(r))),
 )
 
 

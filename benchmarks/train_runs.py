@@ -60,10 +60,12 @@ def start(argv: list[str], out: Path, port: int) -> dict:
     (out / "cmd.json").write_text(json.dumps(cmd, indent=1))
     log = open(out / "log.txt", "w")
     # Its own process group: a timeout takes the launcher's worker down too (or it would hold the port and GPU).
+    from jetrl_precision.gemm.vendor_route import VENDOR_ROUTE_ENV
+
     env = run_env()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     # The opt-in cuBLASLt route changes which kernels the bitwise mode runs: results say whether it was on.
-    return {"proc": proc, "log": log, "out": out, "t0": time.time(), "vendor_route": env.get("JETRL_INVARIANT_VENDOR_GEMM", "")}
+    return {"proc": proc, "log": log, "out": out, "t0": time.time(), "vendor_route": env.get(VENDOR_ROUTE_ENV, "")}
 
 
 def finish(job: dict, timeout: float) -> dict:

@@ -116,13 +116,16 @@ def bit_differences(x: torch.Tensor, y: torch.Tensor) -> int:
 
 
 def outlier_operands(n: int, k: int, m_max: int, device: torch.device | str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight with a few heavy columns and activations whose rows differ in norm by orders of magnitude."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * 0.02
-    w[:, torch.randperm(k, generator=g)[: max(1, k // 64)]] *= 20.0
-    x = torch.randn(m_max, k, generator=g) * torch.exp(torch.randn(m_max, 1, generator=g))
-    x[torch.rand(m_max, k, generator=g) < 1e-3] *= 50.0
-    return w.to(device=device, dtype=torch.bfloat16), x.to(device=device, dtype=torch.bfloat16)
+    """A weight with a few heavy columns and activations whose rows differ in norm by orders of magnitude.
+
+    Drawn on `device` itself: an 8B lm_head's operands are 2 GB in fp32, seconds of host time at every engine start."""
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, device=device, generator=g) * 0.02
+    w[:, torch.randperm(k, device=device, generator=g)[: max(1, k // 64)]] *= 20.0
+    x = torch.randn(m_max, k, device=device, generator=g) * torch.exp(torch.randn(m_max, 1, device=device, generator=g))
+    x[torch.rand(m_max, k, device=device, generator=g) < 1e-3] *= 50.0
+    return w.bfloat16(), x.bfloat16()
 
 
 def probe_shape(n: int, k: int, *, b_block: tuple[int, int] = (128, 128), out_dtype: torch.dtype = torch.bfloat16,
