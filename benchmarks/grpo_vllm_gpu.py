@@ -348,8 +348,8 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
     device, date = env.get("device", "?"), env.get("date", time.strftime("%Y-%m-%d"))
 
     ok = [r for r in results if usable(r)]
-    # Runs with the opt-in cuBLASLt route (JETRL_INVARIANT_VENDOR_GEMM=probe) say so in their backends: the default
-    # mode's headline figures never read them.
+    # Runs with the cuBLASLt route (on unless JETRL_INVARIANT_VENDOR_GEMM=off; runs from before it was the default
+    # stored "" for off) say so in their backends, so the two modes' headline rows never mix.
     routed = {r["recipe"] for r in ok if r.get("vendor_route") == "probe" and "bitwise" in r["recipe"]}
 
     def rec(name, shape, backend, value, unit, ratio=None, **extra):

@@ -21,12 +21,14 @@
 #            `python benchmarks/attention_decode_gpu.py --record <res>/attention_decode.json`
 #   profile  benchmarks/vllm_decode_profile.py: one decode step's GPU time by kernel group, bf16 / jet_fp8 /
 #            jet_fp8+bitwise, 8 layers, 256 sequences (~5 min; needs only `install`)
-#   route    the bitwise mode with JETRL_INVARIANT_VENDOR_GEMM=probe (triton_invariant hands the weight shapes whose
-#            cuBLASLt / F.linear GEMM gave its bits at every probed M to that GEMM): tests/gpu/test_vendor_route_gpu.py
-#            and the 8B-shape proof (8 layers, 144 prompts x 256 tokens: decode batches the route takes) (~5 min;
-#            needs only `install`). Here:
+#   route    the bitwise mode's cuBLASLt route (on by default; the stages set JETRL_INVARIANT_VENDOR_GEMM=probe to say
+#            so): tests/gpu/test_vendor_route_gpu.py and the 8B-shape proof (8 layers, 144 prompts x 256 tokens: decode
+#            batches the route takes) (~3 min; needs only `install`). Here:
 #            `python benchmarks/vllm_bitwise_record.py <res>/vbw_route`
-#   route32  the same route: jet_fp8 against jet_fp8+bitwise at 32 layers, two timed passes at 256 and 64 prompts
+#   route_smol  the same proof on SmolLM2 (/tmp/smol_hf, h200_grpo.sh's `smollm2` stage), 144 chat prompts x <= 512
+#            tokens (~2 min). Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw_smol_route`
+#   route32  the route at 32 layers: ROUTE32_RECIPES (jet_fp8 and jet_fp8+bitwise; bf16 and jet_fp8+bitwise in another
+#            call: three 32-layer engines with 42 GiB of KV cache each do not fit), two timed passes at 256 and 64 prompts
 #            (~5 min; its own call). Here: `python benchmarks/vllm_gpu.py record --from <res>/route32`
 #
 # SmolLM2 travels as an xz-compressed GGUF split in three (.smol0/.smol1/.smol2, each copied to /tmp in
@@ -141,8 +143,15 @@ stage_route() {
 
 stage_route32() {
   JETRL_INVARIANT_VENDOR_GEMM=probe python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default \
-    --recipes jet_fp8 jet_fp8+bitwise --gemm-backend torch --repeats 2 --kv-gib 42 --out /tmp/res/route32 \
+    --recipes ${ROUTE32_RECIPES:-jet_fp8 jet_fp8+bitwise} --gemm-backend torch --repeats 2 --kv-gib 42 --out /tmp/res/route32 \
     --timeout "${ROUTE32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+}
+
+# SmolLM2 (T/smol_hf from h200_grpo.sh's smollm2 stage) through the route: 144 prompts so that decode batches take it
+# too, 512 tokens (EOS ends sequences early, so later decode steps fall back to the invariant kernels: both are covered).
+stage_route_smol() {
+  JETRL_INVARIANT_VENDOR_GEMM=probe JETRL_SMOLLM2=/tmp/smol_hf JETRL_VLLM_TEST_PROMPTS=144 JETRL_VLLM_TEST_NEW_TOKENS=512 \
+    JETRL_RESULTS_DIR=/tmp/res/vbw_smol_route timeout 300 python3 -m pytest -q tests/gpu/test_vllm_bitwise_gpu.py 2>&1 | tail -4
 }
 
 stage_profile() {

@@ -274,46 +274,64 @@ METRICS += (
     Metric("grpo_eval_gap_fp8_rollout_vs_bf16_pct", "pct points", FIDELITY.format("fp8_rollout (BF16 training, FP8 rollout, no TIS)"),
            _field("grpo_eval_gap_vs_bf16_pp", backend="fp8_rollout"), digits=2),
 )
+
+
+STRICT = "the same with JETRL_INVARIANT_VENDOR_GEMM=off (every GEMM on the invariant kernels: the strict mode)"
+
+
+def _bitwise(key: str, unit: str, what: str, name: str, where: Callable[[dict], bool], field: str = "value",
+             digits: int = 3, strict_where: Callable[[dict], bool] | None = None,
+             strict_what: str = STRICT) -> tuple[Metric, Metric]:
+    """A bitwise-mode figure twice: the default mode (the cuBLASLt route on, records labelled by `route_suffix`), and
+    `<key>_invariant_kernels` right below it (JETRL_INVARIANT_VENDOR_GEMM=off: every GEMM on the invariant kernels;
+    `strict_where` where its records have another shape)."""
+    strict = strict_where or where
+    return (Metric(key, unit, what, _field(name, field=field, where=lambda r: _routed(r) and where(r)), digits),
+            Metric(f"{key}_invariant_kernels", unit, strict_what,
+                   _field(name, field=field, where=lambda r: not _routed(r) and strict(r)), digits))
+
+
+def _bitwise_engine(prompts: int) -> Callable[[dict], bool]:
+    shape = VLLM_8B.format(32, prompts, "default")
+    return lambda r: r.get("shape") == shape and r.get("backend", "").startswith("jet_fp8+bitwise/triton_invariant")
+
+
+# The bitwise mode's default hands the weight shapes whose cuBLASLt GEMM gave the invariant kernel's bits at every
+# probed M to cuBLASLt, in the engine and the trainer (jetrl_precision.gemm.vendor_route); each figure also has its
+# strict-mode row.
 METRICS += (
-    Metric("bitwise_logprob_mismatch_smollm2", "max |dlogp|",
-           "--precision.bitwise on vLLM (default mode: torch.compile + CUDA graphs) against the trainer's recompute, "
-           "SmolLM2-135M-Instruct, bf16 and jet_fp8, every sampled token, padded and packed: the largest |dlogp| "
-           "(0.0: every log-prob has the trainer's bits)",
-           _field("bitwise_logprob_mismatch", where=lambda r: "SmolLM2" in r.get("shape", "") and not _routed(r)), digits=3),
-    Metric("bitwise_logprob_mismatch_8b", "max |dlogp|",
-           "the same on a Llama-3.1-8B-shaped model (8 layers, random weights), 16 prompts x 1024 sampled tokens",
-           _field("bitwise_logprob_mismatch", where=lambda r: "Llama-3.1-8B" in r.get("shape", "") and not _routed(r)), digits=3),
-    Metric("bitwise_rollout_cost_ratio", "x jet_fp8",
-           "vLLM rollout tokens/s of jet_fp8 with --precision.bitwise over plain jet_fp8, Llama-3.1-8B shape, 256 prompts, "
-           "default mode (the record's ratio_vs_bf16 is the bitwise engine against bf16)",
-           _field("bitwise_rollout_cost_ratio", backend="jet_fp8+bitwise", where=lambda r: " 256 prompts" in r.get("shape", "")
-                  and r.get("shape", "").endswith("default"))),
-    Metric("bitwise_rollout_tokens_per_s_ratio", "x bf16",
-           "vLLM rollout tokens/s of jet_fp8 with --precision.bitwise over bf16, default mode, Llama-3.1-8B shape at full "
-           "depth (32 layers), 256 prompts x 1024 new tokens", _rollout_ratio(32, 256, "default", "jet_fp8+bitwise/triton_invariant")),
-    Metric("bitwise_rollout_tokens_per_s_ratio_64", "x bf16", "the same with 64 prompts",
-           _rollout_ratio(32, 64, "default", "jet_fp8+bitwise/triton_invariant")),
-    Metric("bitwise_e2e_step_ratio", "x jet_fp8",
-           "GRPO step time of jet_fp8 over jet_fp8 with --precision.bitwise (engine log-probs proven equal and used: no "
-           "old-logprob recompute), Llama-3.1-8B shape, 8 layers, 64 prompts x 4 samples x 1024 tokens, ZeRO-2, "
-           "colocated vLLM; above 1.0 the bitwise step is faster",
-           _field("bitwise_e2e_step_ratio", backend="jet_fp8+bitwise")),
-    Metric("bitwise_e2e_mismatch", "mean |dlogp|",
-           "the same run's engine-vs-trainer mismatch on the sampled tokens it checks (0.0: exactly on-policy)",
-           _field("e2e_grpo_mismatch_abs_logp_mean", backend="jet_fp8+bitwise"), digits=3),
-    # The opt-in cuBLASLt route (JETRL_INVARIANT_VENDOR_GEMM=probe): its own rows, never mixed into the ones above.
-    Metric("bitwise_logprob_mismatch_8b_cublaslt_route", "max |dlogp|",
-           "bitwise_logprob_mismatch_8b with JETRL_INVARIANT_VENDOR_GEMM=probe (weight shapes whose cuBLASLt GEMM gave the "
-           "invariant kernel's bits at every probed M run on cuBLASLt, in the engine and the trainer); the prompt count is "
-           "in the record (`h200_vllm.sh route`: 144 prompts x 256 tokens, so that decode batches take the route)",
-           _field("bitwise_logprob_mismatch", where=lambda r: "Llama-3.1-8B" in r.get("shape", "") and _routed(r)), digits=3),
-    Metric("bitwise_rollout_cost_ratio_cublaslt_route", "x jet_fp8",
-           "bitwise_rollout_cost_ratio with JETRL_INVARIANT_VENDOR_GEMM=probe",
-           _field("bitwise_rollout_cost_ratio", where=lambda r: r.get("backend", "").startswith("jet_fp8+bitwise") and _routed(r)
-                  and " 256 prompts" in r.get("shape", "") and r.get("shape", "").endswith("default"))),
-    Metric("bitwise_e2e_step_ratio_cublaslt_route", "x jet_fp8", "bitwise_e2e_step_ratio with JETRL_INVARIANT_VENDOR_GEMM=probe",
-           _field("bitwise_e2e_step_ratio", where=lambda r: r.get("backend", "").startswith("jet_fp8+bitwise") and _routed(r))),
+    *_bitwise("bitwise_logprob_mismatch_smollm2", "max |dlogp|",
+              "--precision.bitwise on vLLM (default mode: torch.compile + CUDA graphs) against the trainer's recompute, "
+              "SmolLM2-135M-Instruct, bf16 and jet_fp8, every sampled token, padded and packed: the largest |dlogp| "
+              "(0.0: every log-prob has the trainer's bits; prompt count and length in the record)",
+              "bitwise_logprob_mismatch", lambda r: "SmolLM2" in r.get("shape", "")),
+    *_bitwise("bitwise_logprob_mismatch_8b", "max |dlogp|",
+              "the same on a Llama-3.1-8B-shaped model (8 layers, random weights; prompt count and length in the record)",
+              "bitwise_logprob_mismatch", lambda r: "Llama-3.1-8B" in r.get("shape", "")),
+    *_bitwise("bitwise_rollout_cost_ratio", "x jet_fp8",
+              "vLLM rollout tokens/s of jet_fp8 with --precision.bitwise over plain jet_fp8, default mode, Llama-3.1-8B "
+              "shape at full depth (32 layers), 256 prompts x 1024 new tokens",
+              "bitwise_rollout_cost_ratio", lambda r: r.get("shape") == VLLM_8B.format(32, 256, "default"),
+              strict_where=lambda r: r.get("shape") == VLLM_8B.format(8, 256, "default"),
+              strict_what=STRICT[:-1] + ", on the 8-layer truncation of the shape)"),
+    *_bitwise("bitwise_rollout_tokens_per_s_ratio", "x bf16",
+              "vLLM rollout tokens/s of jet_fp8 with --precision.bitwise over bf16, default mode, Llama-3.1-8B shape at "
+              "full depth (32 layers), 256 prompts x 1024 new tokens", "vllm_rollout_tokens_per_s", _bitwise_engine(256),
+              field="ratio_vs_bf16"),
+    *_bitwise("bitwise_rollout_tokens_per_s_ratio_64", "x bf16", "the same with 64 prompts", "vllm_rollout_tokens_per_s",
+              _bitwise_engine(64), field="ratio_vs_bf16"),
+    *_bitwise("bitwise_e2e_step_ratio", "x jet_fp8",
+              "GRPO step time of jet_fp8 over jet_fp8 with --precision.bitwise (engine log-probs proven equal and used: "
+              "no old-logprob recompute), Llama-3.1-8B shape, 8 layers, 64 prompts x 4 samples x 1024 tokens, ZeRO-2, "
+              "colocated vLLM; above 1.0 the bitwise step is faster",
+              "bitwise_e2e_step_ratio", lambda r: r.get("backend", "").startswith("jet_fp8+bitwise")),
+    *_bitwise("bitwise_e2e_mismatch", "mean |dlogp|",
+              "the same run's engine-vs-trainer mismatch on the sampled tokens it checks (0.0: exactly on-policy)",
+              "e2e_grpo_mismatch_abs_logp_mean", lambda r: r.get("backend", "").startswith("jet_fp8+bitwise")),
 )
+# Keys of earlier layouts, dropped from headline.json when it is rewritten.
+RETIRED = ("bitwise_logprob_mismatch_8b_cublaslt_route", "bitwise_rollout_cost_ratio_cublaslt_route",
+           "bitwise_e2e_step_ratio_cublaslt_route")
 
 
 def _round(v: float, digits: int) -> float:
@@ -326,7 +344,7 @@ def _round(v: float, digits: int) -> float:
 
 def compute_headline(records: list[dict], current: dict | None = None) -> dict:
     """headline.json's content: `current`'s entries, with every metric that has a record replaced by its newest value."""
-    metrics = dict((current or {}).get("metrics", {}))
+    metrics = {k: v for k, v in (current or {}).get("metrics", {}).items() if k not in RETIRED}
     for m in METRICS:
         value, r = m.pick(records)
         if value is None:

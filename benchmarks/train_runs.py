@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from jetrl_precision.gemm.vendor_route import route_setting
 from openrlhf.utils.network import free_port  # re-exported: the drivers import it from here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,13 +60,12 @@ def start(argv: list[str], out: Path, port: int) -> dict:
         cmd += ["--ds.param_dtype", "fp32"]
     (out / "cmd.json").write_text(json.dumps(cmd, indent=1))
     log = open(out / "log.txt", "w")
-    # Its own process group: a timeout takes the launcher's worker down too (or it would hold the port and GPU).
-    from jetrl_precision.gemm.vendor_route import VENDOR_ROUTE_ENV
-
     env = run_env()
+    # The cuBLASLt route (CUDA only) changes which kernels the bitwise mode runs: results say whether it was on.
+    route = "probe" if cuda() and route_setting(env) else "off"
+    # Its own process group: a timeout takes the launcher's worker down too (or it would hold the port and GPU).
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    # The opt-in cuBLASLt route changes which kernels the bitwise mode runs: results say whether it was on.
-    return {"proc": proc, "log": log, "out": out, "t0": time.time(), "vendor_route": env.get(VENDOR_ROUTE_ENV, "")}
+    return {"proc": proc, "log": log, "out": out, "t0": time.time(), "vendor_route": route}
 
 
 def finish(job: dict, timeout: float) -> dict:

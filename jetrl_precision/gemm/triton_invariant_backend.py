@@ -9,8 +9,8 @@ tiling reads each weight byte once per M tile, so decode-sized GEMMs stream the 
 Never picked by `auto`: ask for it with `gemm_backend="triton_invariant"` (recipe or --precision.gemm_backend).
 Asking where it cannot run (no CUDA, no Triton, pre-sm89) fails with one line saying why.
 
-With `JETRL_INVARIANT_VENDOR_GEMM=probe`, a weight shape whose cuBLASLt GEMM gave this kernel's bits at every
-probed M on this device runs on cuBLASLt instead (`vendor_route`): the same bits, at about twice the speed.
+A weight shape whose cuBLASLt GEMM gave this kernel's bits at every probed M on this device runs on cuBLASLt
+instead (`vendor_route`, on unless `JETRL_INVARIANT_VENDOR_GEMM=off`): the same bits, at about twice the speed.
 """
 
 from __future__ import annotations

@@ -7,12 +7,16 @@ kernel's exact bits for the Llama-3.1-8B qkv, o and gate_up projections and ever
 M from 1 to 16384, but not for down (K = 14336) (`benchmarks/gemm_equivalence_gpu.py`, run record
 `2026-12-02_08_gemm-equivalence.json`). That is one library version's behaviour on one device, not a contract.
 
-So the route is opt-in (`JETRL_INVARIANT_VENDOR_GEMM=probe`) and per shape: the first time a weight shape
-[N, K] (128x128-scaled, the forward's and DGrad's B operand) reaches `triton_invariant`, both GEMMs run on random
-operands with outliers at every M of `PROBE_MS`, and the shape goes to cuBLASLt only if every output bit agreed.
-Each verdict is logged once. Between the probed M the agreement is inferred, not shown; the trainer's per-step
-bitwise proof (digests and a sample of log-probs, `--precision.bitwise`) is what catches a miss, and falls back
-loudly. A shape first seen while a CUDA graph is being captured is not probed then: that call runs the kernel.
+So the route is per shape and proven where it runs: the first time a weight shape [N, K] (128x128-scaled, the
+forward's and DGrad's B operand) reaches `triton_invariant` on a CUDA device, both GEMMs run on random operands with
+outliers at every M of `PROBE_MS`, and the shape goes to cuBLASLt only if every output bit agreed. Each verdict is
+logged once. Between the probed M the agreement is inferred, not shown; the trainer's per-step bitwise proof (digests
+and a sample of log-probs, `--precision.bitwise`) is what catches a miss, and falls back loudly. A shape first seen
+while a CUDA graph is being captured is not probed then: that call runs the kernel.
+
+The route is on by default: the bitwise proofs hold with it on the H200, and it is what brings the bitwise rollout
+near plain jet_fp8's speed (`docs/precision.md`). `JETRL_INVARIANT_VENDOR_GEMM=off` keeps every GEMM on the
+invariant kernels (the strict mode: bits by construction, nothing inferred).
 
 The BF16 twin (`linear_invariant`, the lm_head and other high-precision linears) is routed the same way to
 `F.linear`, which gave `bf16_gemm_nt_invariant`'s bits at every M in the same run (`routed_linear`).
@@ -25,7 +29,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -39,6 +43,7 @@ __all__ = [
     "bit_differences",
     "outlier_operands",
     "route_enabled",
+    "route_setting",
     "probe_shape",
     "probe_linear_shape",
     "routed",
@@ -84,14 +89,24 @@ _state: dict[str, object] = {"enabled": None}
 _results: dict[tuple, ProbeResult] = {}
 
 
+_ON, _OFF = ("", "1", "on", "probe"), ("0", "off")
+
+
+def route_setting(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether `JETRL_INVARIANT_VENDOR_GEMM` in `environ` turns the route on: unset, 'probe', 'on' or '1' (the default
+    is on); '0' or 'off' turn it off. Anything else is a ValueError naming the accepted values."""
+    raw = environ.get(VENDOR_ROUTE_ENV, "").strip().lower()
+    if raw not in _ON + _OFF:
+        raise ValueError(f"{VENDOR_ROUTE_ENV}={raw!r}: use 'probe' (the default: route shapes proven equal to cuBLASLt) "
+                         f"or 'off' (every GEMM on the invariant kernels)")
+    return raw in _ON
+
+
 def route_enabled() -> bool:
-    """Whether `JETRL_INVARIANT_VENDOR_GEMM=probe` is set (read once per process; `reset()` reads it again)."""
+    """`route_setting()` of this process's environment, read once (`reset()` reads it again)."""
     on = _state["enabled"]
     if on is None:
-        raw = os.environ.get(VENDOR_ROUTE_ENV, "").strip().lower()
-        if raw not in ("", "0", "off", "probe"):
-            raise ValueError(f"{VENDOR_ROUTE_ENV}={raw!r}: use 'probe' (route proven shapes to cuBLASLt) or '0' (off)")
-        on = _state["enabled"] = raw == "probe"
+        on = _state["enabled"] = route_setting()
     return bool(on)
 
 
@@ -99,6 +114,7 @@ def reset() -> None:
     """Forget every verdict and re-read the environment (tests; a process that changed the variable)."""
     with _lock:
         _results.clear()
+        _state.clear()
         _state["enabled"] = None
 
 
@@ -193,7 +209,7 @@ def routed(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> bo
     """Whether `triton_invariant` may hand this GEMM to cuBLASLt: the route is on, A has at least `ROUTE_MIN_M` rows,
     and B's shape passed its probe on this device (probed here on first sight). Only 128x128-scaled B operands
     (weights) are routed: WGrad's operands change shape with the token count and would be probed at every new one."""
-    if not route_enabled() or b.block != (128, 128) or a.shape[0] < ROUTE_MIN_M:
+    if b.block != (128, 128) or a.shape[0] < ROUTE_MIN_M or not route_enabled():
         return False
     dev = b.data.device
     key = (int(b.shape[0]), int(b.shape[1]), (128, 128), _dtype_name(out_dtype), str(dev))
@@ -203,7 +219,7 @@ def routed(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> bo
 def routed_linear(weight: torch.Tensor, out_dtype: torch.dtype, m: int) -> bool:
     """Whether `linear_invariant` may run this bias-free product of `m` rows on `F.linear`: the route is on and the
     weight's shape and dtype passed their probe on this device (probed here on first sight)."""
-    if not route_enabled() or weight.dtype != out_dtype or weight.device.type != "cuda" or m < ROUTE_MIN_M:
+    if weight.dtype != out_dtype or weight.device.type != "cuda" or m < ROUTE_MIN_M or not route_enabled():
         return False
     key = (int(weight.shape[0]), int(weight.shape[1]), (1, 1), _dtype_name(weight.dtype), str(weight.device))
     return _verdict(key, lambda: _probe_bf16(key, weight.device, weight.dtype))
@@ -229,8 +245,10 @@ def _probe_fp8(key: tuple, dev: torch.device, out_dtype: torch.dtype) -> ProbeRe
     reason = unavailable_reason(dev)
     if reason is not None:
         result = ProbeResult(n, k, (128, 128), key[3], (), False, reason=f"cuBLASLt blockwise FP8 cannot run: {reason}")
-        logger.warning("triton_invariant: %s=probe, but %s; [%d x %d] stays on the invariant kernel", VENDOR_ROUTE_ENV,
-                       result.reason, n, k)
+        log = logger.warning if not _state.get("warned_unavailable") else logger.debug  # once per process
+        _state["warned_unavailable"] = True
+        log("triton_invariant: the cuBLASLt route is on, but %s; [%d x %d] (and every shape after it) stays on the "
+            "invariant kernel", result.reason, n, k)
         return result
     return _logged(probe_shape(n, k, out_dtype=out_dtype, device=dev, ms=_ms_for(n)), "cuBLASLt")
 

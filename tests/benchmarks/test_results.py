@@ -276,9 +276,9 @@ def test_vllm_bitwise_throughput_rows_become_the_cost_ratio(tmp_path):
     cost = {r["shape"].split(", ")[2].split(" x ")[0]: r for r in recs if r["name"] == "bitwise_rollout_cost_ratio"}
     assert cost["256 prompts"]["value"] == 0.9 and cost["64 prompts"]["value"] == 0.8
     assert cost["256 prompts"]["ratio_vs_bf16"] == pytest.approx(0.99)
-    value, _ = next(m for m in headline.METRICS if m.key == "bitwise_rollout_cost_ratio").pick(
+    value, _ = next(m for m in headline.METRICS if m.key == "bitwise_rollout_cost_ratio_invariant_kernels").pick(
         [dict(r, _run_file="x") for r in recs])
-    assert value == 0.9
+    assert value == 0.9  # no vendor_route in the jobs: the strict mode's row, 8 layers
     text = vllm_gpu.summarize([job(r, t) for r, t in (("bf16", (30000.0, 1.0)), ("jet_fp8", (33000.0, 1.0)), ("jet_fp8+bitwise", (29700.0, 1.0)))])
     assert "jet_fp8+bitwise" in text and "x jet_fp8 0.900" in text
     recipe, bitwise = vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8+bitwise", gemm_backend="torch"))
@@ -317,9 +317,10 @@ def test_grpo_bitwise_recipe_flags_and_its_step_ratio():
     assert r["engine_logprobs_used"] == [1.0, 1.0] and r["fallbacks"] == 0.0
 
 
-def test_runs_with_the_cublaslt_route_are_labelled_and_kept_out_of_the_default_headline(tmp_path):
-    """JETRL_INVARIANT_VENDOR_GEMM=probe runs other kernels: every record writer says so in the backend, and the
-    default mode's headline rows never read such a record (the route has rows of its own)."""
+def test_runs_with_the_cublaslt_route_are_labelled_and_each_mode_has_its_own_headline_rows(tmp_path):
+    """The cuBLASLt route (the bitwise default) runs other kernels than JETRL_INVARIANT_VENDOR_GEMM=off: every record
+    writer says so in the backend, the default rows read only routed records and the `_invariant_kernels` rows only
+    the others."""
     import grpo_vllm_gpu as g
     import vllm_bitwise_record as vbr
     import vllm_gpu
@@ -340,9 +341,9 @@ def test_runs_with_the_cublaslt_route_are_labelled_and_kept_out_of_the_default_h
     assert summary["backend"] == "bf16+jet_fp8+cublaslt_route(1/2 shapes)"
     assert {r["backend"] for r in proof if r["name"] != "bitwise_logprob_mismatch"} == {
         "bf16+cublaslt_route(1/2 shapes)", "jet_fp8+cublaslt_route(1/2 shapes)"}
-    assert pick("bitwise_logprob_mismatch_8b", proof) is None and pick("bitwise_logprob_mismatch_8b_cublaslt_route", proof) == 0.0
+    assert pick("bitwise_logprob_mismatch_8b", proof) == 0.0 and pick("bitwise_logprob_mismatch_8b_invariant_kernels", proof) is None
     plain = vbr.records_from([{k: v for k, v in j.items() if k != "vendor_route"} for j in jobs], "NVIDIA H200", "cmd")
-    assert pick("bitwise_logprob_mismatch_8b", plain) == 0.0 and pick("bitwise_logprob_mismatch_8b_cublaslt_route", plain) is None
+    assert pick("bitwise_logprob_mismatch_8b", plain) is None and pick("bitwise_logprob_mismatch_8b_invariant_kernels", plain) == 0.0
 
     # the rollout cost
     def job(recipe, tps, route=None):
@@ -359,7 +360,7 @@ def test_runs_with_the_cublaslt_route_are_labelled_and_kept_out_of_the_default_h
     assert cost["backend"] == "jet_fp8+bitwise+cublaslt_route(1/2 shapes)" and cost["value"] == 0.92
     assert next(r for r in recs if r["name"] == "vllm_rollout_tokens_per_s" and "bitwise" in r["backend"])["backend"] == (
         "jet_fp8+bitwise/triton_invariant+cublaslt_route(1/2 shapes)")
-    assert pick("bitwise_rollout_cost_ratio", recs) is None and pick("bitwise_rollout_cost_ratio_cublaslt_route", recs) == 0.92
+    assert pick("bitwise_rollout_cost_ratio", recs) == 0.92 and pick("bitwise_rollout_cost_ratio_invariant_kernels", recs) is None
 
     # the GRPO step: only the bitwise recipe runs triton_invariant, so only it is labelled
     def run(recipe, step_s, route):
@@ -370,7 +371,14 @@ def test_runs_with_the_cublaslt_route_are_labelled_and_kept_out_of_the_default_h
 
     recs = g.records_from([run("jet_fp8", 5.0, "probe"), run("jet_fp8+bitwise", 4.0, "probe")], {}, "cmd")
     assert {r["backend"] for r in recs if r["name"] == "e2e_grpo_step_s"} == {"jet_fp8", "jet_fp8+bitwise+cublaslt_route(probe)"}
-    assert pick("bitwise_e2e_step_ratio", recs) is None and pick("bitwise_e2e_step_ratio_cublaslt_route", recs) == 1.25
+    assert pick("bitwise_e2e_step_ratio", recs) == 1.25 and pick("bitwise_e2e_step_ratio_invariant_kernels", recs) is None
+    for off in ("off", ""):  # "": runs from before the route was the default
+        recs = g.records_from([run("jet_fp8", 5.0, off), run("jet_fp8+bitwise", 4.0, off)], {}, "cmd")
+        assert pick("bitwise_e2e_step_ratio", recs) is None and pick("bitwise_e2e_step_ratio_invariant_kernels", recs) == 1.25
+
+    # keys of the earlier layout leave headline.json when it is rewritten
+    stale = {"metrics": {"bitwise_rollout_cost_ratio_cublaslt_route": {"value": 0.9}, "own_figure": {"value": 1.0}}}
+    assert set(headline.compute_headline([], stale)["metrics"]) == {"own_figure"}
 
 
 def test_decode_profile_groups_kernels_and_subtracts_the_prefill():
@@ -430,9 +438,11 @@ def test_the_rollout_headline_is_the_full_depth_model_and_the_8_layer_figure_has
                 "value": 1.0, "ratio_vs_bf16": ratio, "_run_file": f"{layers}-{prompts}-{mode}-{backend}"}
 
     recs = [rec(8, 256, "default", 0.75), rec(32, 256, "default", 1.15), rec(32, 64, "default", 1.09), rec(32, 256, "eager", 0.92),
-            rec(8, 256, "eager", 1.07), rec(32, 256, "default", 0.94, "jet_fp8+bitwise/triton_invariant")]
+            rec(8, 256, "eager", 1.07), rec(32, 256, "default", 0.94, "jet_fp8+bitwise/triton_invariant"),
+            rec(32, 256, "default", 1.21, "jet_fp8+bitwise/triton_invariant+cublaslt_route(4/5 shapes)")]
     picked = {m.key: m.pick(recs)[0] for m in headline.METRICS if m.key.startswith(("vllm_rollout_tokens", "bitwise_rollout_tokens"))}
     assert picked == {"vllm_rollout_tokens_per_s_ratio": 1.15, "vllm_rollout_tokens_per_s_ratio_64": 1.09,
                       "vllm_rollout_tokens_per_s_ratio_eager": 0.92, "vllm_rollout_tokens_per_s_ratio_8layers": 0.75,
                       "vllm_rollout_tokens_per_s_ratio_8layers_64": None, "vllm_rollout_tokens_per_s_ratio_8layers_eager": 1.07,
-                      "bitwise_rollout_tokens_per_s_ratio": 0.94, "bitwise_rollout_tokens_per_s_ratio_64": None}
+                      "bitwise_rollout_tokens_per_s_ratio": 1.21, "bitwise_rollout_tokens_per_s_ratio_invariant_kernels": 0.94,
+                      "bitwise_rollout_tokens_per_s_ratio_64": None, "bitwise_rollout_tokens_per_s_ratio_64_invariant_kernels": None}

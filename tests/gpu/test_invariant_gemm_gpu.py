@@ -9,6 +9,9 @@
 - the premise of the configuration split: every candidate tile under one numerics gives the same bits, at every
   M, so the tile may follow N and M's bucket; and a fused projection's columns (qkv, gate_up) are the bits of the
   separate projections the trainer runs.
+
+These tests are about the kernel itself, so the cuBLASLt route is off here (tests/gpu/test_vendor_route_gpu.py and
+the bitwise model tests run with it).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from torch import nn
 from gpu_testutil import outlier_data, requires_cuda_reason
 from jetrl_precision import Fp8Linear, get_recipe, quantize_fp8
 from jetrl_precision.formats import QuantizedTensor
-from jetrl_precision.gemm import available_backends, gemm_nt
+from jetrl_precision.gemm import available_backends, gemm_nt, vendor_route
 from jetrl_precision.integrations import vllm_plugin  # noqa: F401  (registers torch.ops.jetrl.fp8_linear)
 from jetrl_precision.integrations.engine_linear import EngineLinear
 
@@ -39,6 +42,14 @@ SIZES = (1, 3, 64, 130, 256)
 # truncation allowed).
 U_FP8_MMA = 2.0**-13
 U_BF16_MMA = 2.0**-23
+
+
+@pytest.fixture(autouse=True)
+def _kernel_only(monkeypatch):
+    monkeypatch.setenv(vendor_route.VENDOR_ROUTE_ENV, "off")
+    vendor_route.reset()
+    yield
+    vendor_route.reset()
 
 
 @pytest.fixture(scope="module")

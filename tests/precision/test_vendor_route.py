@@ -1,4 +1,4 @@
-"""The triton_invariant backend's opt-in route to cuBLASLt: the probe's verdict, when it runs, and what it routes.
+"""The triton_invariant backend's route to cuBLASLt (on unless JETRL_INVARIANT_VENDOR_GEMM=off): the probe's verdict, when it runs, and what it routes.
 
 On CPU the probe runs with stand-in GEMMs (the float64 reference and a copy of it that changes one output bit from
 some M on); the real pair runs in tests/gpu/test_vendor_route_gpu.py.
@@ -65,8 +65,13 @@ def test_bit_differences_counts_bits_not_values_and_operands_have_outliers():
     assert float(col_max.max() / col_max.median()) > 5  # a few heavy weight columns
 
 
-def test_off_by_default_and_a_bad_value_is_one_clear_line(monkeypatch):
+def test_on_by_default_off_when_asked_and_a_bad_value_is_one_clear_line(monkeypatch):
+    assert vendor_route.route_enabled()  # unset: the route is the default
+    for raw, on in (("probe", True), ("1", True), (" ON ", True), ("off", False), ("0", False)):
+        assert vendor_route.route_setting({vendor_route.VENDOR_ROUTE_ENV: raw}) is on, raw
     a, b = _operands()
+    monkeypatch.setenv(vendor_route.VENDOR_ROUTE_ENV, "off")
+    vendor_route.reset()
     monkeypatch.setattr(vendor_route, "probe_shape", lambda *a, **k: pytest.fail("probed while the route is off"))
     assert not vendor_route.route_enabled() and not vendor_route.routed(a, b, torch.bfloat16)
     monkeypatch.setenv(vendor_route.VENDOR_ROUTE_ENV, "yes")
@@ -106,8 +111,9 @@ def test_no_probe_while_capturing_and_no_route_without_cublaslt(monkeypatch, cap
     monkeypatch.setattr(vendor_route, "_capturing", lambda: False)
     with caplog.at_level(logging.WARNING, logger=vendor_route.__name__):
         assert not vendor_route.routed(a, b, torch.bfloat16)  # CPU: cuBLASLt's blockwise FP8 cannot run here
-    (verdict,) = vendor_route.routes().values()
-    assert not verdict.passed and "cuBLASLt blockwise FP8 cannot run" in verdict.reason
+        assert not vendor_route.routed(a, _operands(n=384)[1], torch.bfloat16)  # a second shape: no second warning
+    verdicts = list(vendor_route.routes().values())
+    assert len(verdicts) == 2 and all(not v.passed and "cuBLASLt blockwise FP8 cannot run" in v.reason for v in verdicts)
     assert len([r for r in caplog.records if "stays on the invariant kernel" in r.getMessage()]) == 1
 
 
