@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..gemm.dispatch import resolve_backend
+from ..gemm.vendor_route import route_state
 from ..linear import Fp8Linear
 from .attention import register_triton_attention
 from .common import (
@@ -33,6 +34,7 @@ class NumericsReport:
     fp8_gemm: str  # the FP8 GEMM backends, or "-" when there is no FP8 linear
     norm: str = "model"  # "triton" when the RMSNorms are InvariantRMSNorm, else the model's own
     not_invariant: tuple[str, ...] = ()
+    vendor_route: str = "-"  # the invariant GEMMs' cuBLASLt route on CUDA ("on"/"off"; gemm.vendor_route), else "-"
 
     @property
     def mode(self) -> str:
@@ -41,6 +43,7 @@ class NumericsReport:
     def detail(self) -> str:
         s = f"attention={self.attention} linear={self.linear} fp8_gemm={self.fp8_gemm}"
         s += " norm=triton" if self.norm == "triton" else ""
+        s += f" vendor_route={self.vendor_route}" if self.vendor_route != "-" else ""
         return s if self.batch_invariant else f"{s} (not batch-invariant: {', '.join(self.not_invariant)})"
 
 
@@ -82,9 +85,11 @@ def numerics_of(model: nn.Module, device: torch.device | str | None = None) -> N
     if norms and (attn == TRITON_ATTENTION or device.type == "cuda"):  # CPU reduces a row alone; CUDA does not
         bad.append(f"{len(norms)} ordinary RMSNorm(s) (e.g. {norms[0]})")
     detail_norm = "triton" if any(isinstance(m, InvariantRMSNorm) for m in model.modules()) else "model"
+    invariant_gemms = "triton_invariant" in backends or "triton_invariant" in linear
     return NumericsReport(
         batch_invariant=not bad, attention=attn, linear="ordinary" if plain or unconverted else linear,
         fp8_gemm=",".join(backends) or "-", norm=detail_norm, not_invariant=tuple(bad),
+        vendor_route=route_state(device) if invariant_gemms else "-",
     )
 
 

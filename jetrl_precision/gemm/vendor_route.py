@@ -44,6 +44,7 @@ __all__ = [
     "outlier_operands",
     "route_enabled",
     "route_setting",
+    "route_state",
     "probe_shape",
     "probe_linear_shape",
     "routed",
@@ -108,6 +109,14 @@ def route_enabled() -> bool:
     if on is None:
         on = _state["enabled"] = route_setting()
     return bool(on)
+
+
+def route_state(device: torch.device | str) -> str:
+    """What the precision graph records for invariant GEMMs on `device`: 'on' or 'off' on CUDA, '-' elsewhere (no
+    vendor GEMM to route to)."""
+    if torch.device(device).type != "cuda":
+        return "-"
+    return "on" if route_enabled() else "off"
 
 
 def reset() -> None:

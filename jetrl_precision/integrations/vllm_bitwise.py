@@ -326,4 +326,8 @@ def engine_numerics(worker: Any, model: torch.nn.Module) -> tuple[str, str]:
         bad.append(f"log-probs from {type(sampler).__name__} (install_bitwise_sampler has not run)")
     if bad:
         return "ordinary", "bitwise engine with vLLM ops left: " + "; ".join(bad)
-    return "batch_invariant", INVARIANT_DETAIL.format(fp8="triton_invariant" if fp8 else "-")
+    from ..gemm.vendor_route import route_state
+
+    route = route_state(device)  # recorded as the trainer's numerics_of records it
+    detail = INVARIANT_DETAIL.format(fp8="triton_invariant" if fp8 else "-")
+    return "batch_invariant", detail + (f" vendor_route={route}" if route != "-" else "")

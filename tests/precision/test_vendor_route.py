@@ -80,6 +80,19 @@ def test_on_by_default_off_when_asked_and_a_bad_value_is_one_clear_line(monkeypa
         vendor_route.routed(a, b, torch.bfloat16)
 
 
+def test_the_precision_graph_records_the_route_on_cuda_only(monkeypatch):
+    from jetrl_precision.batch_invariant import NumericsReport
+
+    assert vendor_route.route_state("cpu") == "-" and vendor_route.route_state("cuda") == "on"
+    report = NumericsReport(True, "jetrl_invariant_triton", "triton_invariant", "triton_invariant", "triton",
+                            vendor_route=vendor_route.route_state("cuda"))
+    assert report.detail().endswith(" norm=triton vendor_route=on")
+    monkeypatch.setenv(vendor_route.VENDOR_ROUTE_ENV, "off")
+    vendor_route.reset()
+    assert vendor_route.route_state(torch.device("cuda", 1)) == "off"
+    assert "vendor_route" not in NumericsReport(True, "jetrl_invariant", "fp64", "emulated").detail()
+
+
 def test_a_shape_is_probed_once_and_only_weights_are_routed(monkeypatch):
     monkeypatch.setenv(vendor_route.VENDOR_ROUTE_ENV, "probe")
     monkeypatch.setattr(torch_backend, "unavailable_reason", lambda device: None)
