@@ -1,10 +1,14 @@
 """Section `host`: host (CPU) time per call at decode size, where the GPU work is shorter than the Python around
 it: every launch of an Fp8Linear step one by one, the legacy `torch._scaled_mm` shortcut's bitwise check, and
-cProfile rankings of the forward and the fwd+bwd step."""
+cProfile rankings of the forward and the fwd+bwd step (also written to gpu_bench_host_profile.txt beside the JSON)."""
 
 from __future__ import annotations
 
+import cProfile
+import io
 import itertools
+import pstats
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -109,28 +113,25 @@ def section_host(args):
         rec("host_us_per_call", f"M=64 K=N=4096 {name}", "host", round(us, 1), "us")
         rec("host_us_per_call", f"M=64 K=N=4096 {name} behind a sleep kernel", "host", round(pure[name], 1), "us",
             host_ratio_vs_bf16=round(pure[name] / pure["nn.Linear fwd+bwd"], 3))
-    with torch.no_grad():
-        # Where the Fp8Linear host time goes (cProfile inflates the totals; the ranking is what matters).
-        import cProfile
-        import io
-        import pstats
-
+    # Where the Fp8Linear host time goes (cProfile inflates the totals; the ranking is what matters). cProfile sees
+    # only the calling thread, and on CUDA the autograd engine runs the backward on a device thread of its own: the
+    # fwd+bwd ranking runs it on the calling thread, so the backward's Python is in it. The rankings also go to
+    # gpu_bench_host_profile.txt beside the JSON (a device call's output tail cuts them).
+    def ranking(title, step, n, rows):
         prof = cProfile.Profile()
         prof.enable()
-        for _ in range(300):
-            f8(xs[next(cyc)])
+        for _ in range(n):
+            step()
         prof.disable()
         torch.cuda.synchronize()
         buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
-        print(buf.getvalue())
-    # The same for a training step (fwd+bwd): what an eager o_proj step at M=8192 has to hide.
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        f8(xg[next(cyc)]).backward(dyg)
-    prof.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(26)
-    print("cProfile, 200 Fp8Linear fwd+bwd steps:\n" + buf.getvalue())
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+        return f"cProfile, {title}:\n{buf.getvalue()}"
+
+    with torch.no_grad():
+        fwd = ranking("300 Fp8Linear forwards (no grad)", lambda: f8(xs[next(cyc)]), 300, 22)
+    with torch.autograd.set_multithreading_enabled(False):
+        step = ranking("200 Fp8Linear fwd+bwd steps, autograd on the calling thread",
+                       lambda: f8(xg[next(cyc)]).backward(dyg), 200, 30)
+    print(fwd + "\n" + step)
+    Path(args.out).with_name("gpu_bench_host_profile.txt").write_text(fwd + "\n" + step)
