@@ -5,8 +5,8 @@
 #   bench8b  benchmarks/vllm_gpu.py throughput + host on a Llama-3.1-8B-shaped model (8 layers)
 #   smollm2  SmolLM2-135M-Instruct from its GGUF (.smol parts, see below), then the vLLM GPU tests
 #   sync     benchmarks/vllm_gpu.py sync (32 layers) + warm start
-#   bench32  rollout throughput of bf16 and jet_fp8 at Llama-3.1-8B's full depth (32 layers), default mode, two
-#            timed passes each at 256 and 64 prompts (~5 min; needs only `install`)
+#   bench32  rollout throughput of bf16 and jet_fp8 at Llama-3.1-8B's full depth (32 layers), default mode, three
+#            timed passes each at 256 and 64 prompts (REPEATS32; ~6 min; needs only `install`)
 #   bitwise  --precision.bitwise on vLLM, Llama-3.1-8B shape (8 layers): tests/gpu/test_vllm_bitwise_gpu.py at
 #            16 prompts x 1024 tokens, throughput of jet_fp8+bitwise against jet_fp8 and bf16 (default mode), and a
 #            weight sync into the bitwise engine with its digest check (~8 min; needs only `install`, so it also
@@ -115,8 +115,9 @@ stage_bench32() {
   # At 8 layers a decode step's host work (scheduling, sampling) lasts about as long as its kernels, which hides the
   # GEMM saving; the full depth weighs the layers as a real 8B model does. 42 GiB of KV cache holds all 256
   # sequences at 1280 tokens, so neither engine preempts; two engines of 32 layers fit the H200 side by side.
+  # Three timed passes each: bf16's 256-prompt passes have spread by 20% within one lease.
   python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes bf16 jet_fp8 --gemm-backend torch \
-    --repeats 2 --kv-gib 42 --out /tmp/res/vllm32 --timeout "${BENCH32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+    --repeats "${REPEATS32:-3}" --kv-gib 42 --out /tmp/res/vllm32 --timeout "${BENCH32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
   grep -h "median of\|engine up" /tmp/res/vllm32/*.log
 }
 
