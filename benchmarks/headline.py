@@ -298,7 +298,7 @@ def _bitwise_engine(prompts: int) -> Callable[[dict], bool]:
 
 # The bitwise mode's default hands the weight shapes whose cuBLASLt GEMM gave the invariant kernel's bits at every
 # probed M to cuBLASLt, in the engine and the trainer (jetrl_precision.gemm.vendor_route); each figure also has its
-# strict-mode row.
+# strict-mode row right below it, so every default row says in full what it measures.
 METRICS += (
     *_bitwise("bitwise_logprob_mismatch_smollm2", "max |dlogp|",
               "--precision.bitwise on vLLM (default mode: torch.compile + CUDA graphs) against the trainer's recompute, "
@@ -306,7 +306,8 @@ METRICS += (
               "(0.0: every log-prob has the trainer's bits; prompt count and length in the record)",
               "bitwise_logprob_mismatch", lambda r: "SmolLM2" in r.get("shape", "")),
     *_bitwise("bitwise_logprob_mismatch_8b", "max |dlogp|",
-              "the same on a Llama-3.1-8B-shaped model (8 layers, random weights; prompt count and length in the record)",
+              "--precision.bitwise on vLLM (default mode) against the trainer's recompute on a Llama-3.1-8B-shaped model "
+              "(8 layers, random weights), bf16 and jet_fp8: the largest |dlogp| (prompt count and length in the record)",
               "bitwise_logprob_mismatch", lambda r: "Llama-3.1-8B" in r.get("shape", "")),
     *_bitwise("bitwise_rollout_cost_ratio", "x jet_fp8",
               "vLLM rollout tokens/s of jet_fp8 with --precision.bitwise over plain jet_fp8, default mode, Llama-3.1-8B "
@@ -318,7 +319,9 @@ METRICS += (
               "vLLM rollout tokens/s of jet_fp8 with --precision.bitwise over bf16, default mode, Llama-3.1-8B shape at "
               "full depth (32 layers), 256 prompts x 1024 new tokens", "vllm_rollout_tokens_per_s", _bitwise_engine(256),
               field="ratio_vs_bf16"),
-    *_bitwise("bitwise_rollout_tokens_per_s_ratio_64", "x bf16", "the same with 64 prompts", "vllm_rollout_tokens_per_s",
+    *_bitwise("bitwise_rollout_tokens_per_s_ratio_64", "x bf16",
+              "vLLM rollout tokens/s of jet_fp8 with --precision.bitwise over bf16, default mode, Llama-3.1-8B shape at "
+              "full depth (32 layers), 64 prompts x 1024 new tokens", "vllm_rollout_tokens_per_s",
               _bitwise_engine(64), field="ratio_vs_bf16"),
     *_bitwise("bitwise_e2e_step_ratio", "x jet_fp8",
               "GRPO step time of jet_fp8 over jet_fp8 with --precision.bitwise (engine log-probs proven equal and used: "
@@ -326,7 +329,7 @@ METRICS += (
               "colocated vLLM; above 1.0 the bitwise step is faster",
               "bitwise_e2e_step_ratio", lambda r: r.get("backend", "").startswith("jet_fp8+bitwise")),
     *_bitwise("bitwise_e2e_mismatch", "mean |dlogp|",
-              "the same run's engine-vs-trainer mismatch on the sampled tokens it checks (0.0: exactly on-policy)",
+              "the bitwise GRPO run's engine-vs-trainer mismatch on the sampled tokens it checks (0.0: exactly on-policy)",
               "e2e_grpo_mismatch_abs_logp_mean", lambda r: r.get("backend", "").startswith("jet_fp8+bitwise")),
 )
 # Keys of earlier layouts, dropped from headline.json when it is rewritten.
