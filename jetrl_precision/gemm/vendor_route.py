@@ -123,7 +123,7 @@ def reset() -> None:
     """Forget every verdict and re-read the environment (tests; a process that changed the variable)."""
     with _lock:
         _results.clear()
-        _state.clear()
+        _state.clear()  # the one-time warning too
         _state["enabled"] = None
 
 

@@ -32,6 +32,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 
 from ..batch_invariant import engine_ops
 from ..batch_invariant.common import BitwiseUnavailable
+from ..gemm.vendor_route import route_state
 from .vllm_plugin import JetFp8Settings
 
 __all__ = [
@@ -326,8 +327,6 @@ def engine_numerics(worker: Any, model: torch.nn.Module) -> tuple[str, str]:
         bad.append(f"log-probs from {type(sampler).__name__} (install_bitwise_sampler has not run)")
     if bad:
         return "ordinary", "bitwise engine with vLLM ops left: " + "; ".join(bad)
-    from ..gemm.vendor_route import route_state
-
     route = route_state(device)  # recorded as the trainer's numerics_of records it
     detail = INVARIANT_DETAIL.format(fp8="triton_invariant" if fp8 else "-")
     return "batch_invariant", detail + (f" vendor_route={route}" if route != "-" else "")
