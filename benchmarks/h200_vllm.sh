@@ -27,6 +27,9 @@
 #            `python benchmarks/vllm_bitwise_record.py <res>/vbw_route`
 #   route_smol  the same proof on SmolLM2 (/tmp/smol_hf, h200_grpo.sh's `smollm2` stage), 144 chat prompts x <= 512
 #            tokens (~2 min). Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw_smol_route`
+#   decode32 the engine's auto (DeepGEMM for decode batches, M <= 512, cuBLASLt above) against cuBLASLt at every M
+#            (jet_fp8@torch), 32 layers, two timed passes at 256 and 64 prompts (~6 min with DeepGEMM's cold compile;
+#            needs only `install`). Here: `python benchmarks/vllm_gpu.py record --from <res>/decode32`
 #   route32  the route at 32 layers: ROUTE32_RECIPES (jet_fp8 and jet_fp8+bitwise; bf16 and jet_fp8+bitwise in another
 #            call: three 32-layer engines with 42 GiB of KV cache each do not fit), two timed passes at 256 and 64 prompts
 #            (~5 min; its own call). Here: `python benchmarks/vllm_gpu.py record --from <res>/route32`
@@ -116,9 +119,18 @@ stage_bench32() {
   # GEMM saving; the full depth weighs the layers as a real 8B model does. 42 GiB of KV cache holds all 256
   # sequences at 1280 tokens, so neither engine preempts; two engines of 32 layers fit the H200 side by side.
   # Three timed passes each: bf16's 256-prompt passes have spread by 20% within one lease.
-  python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes bf16 jet_fp8 --gemm-backend torch \
+  python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes bf16 jet_fp8 \
     --repeats "${REPEATS32:-3}" --kv-gib 42 --out /tmp/res/vllm32 --timeout "${BENCH32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
   grep -h "median of\|engine up" /tmp/res/vllm32/*.log
+}
+
+# The engine's `auto` runs DeepGEMM (vLLM's vendored copy) for decode batches (M <= 512) and cuBLASLt above; against
+# cuBLASLt at every M (jet_fp8@torch), the same lease, engines taking turns. DeepGEMM compiles its decode kernels
+# while vLLM captures its CUDA graphs: the first start is the cold figure (no ~/.deep_gemm cache on a fresh machine).
+stage_decode32() {
+  python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes ${DECODE32_RECIPES:-jet_fp8@torch jet_fp8} \
+    --repeats "${REPEATS32:-2}" --kv-gib 42 --out /tmp/res/decode32 --timeout "${DECODE32_S:-540}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+  grep -h "median of\|engine up\|decode-sized" /tmp/res/decode32/*.log
 }
 
 stage_kernels() {

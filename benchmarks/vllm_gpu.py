@@ -195,7 +195,7 @@ def job_throughput(a: argparse.Namespace) -> dict:
     backends = sorted({e.attrs.backend for e in graph.edges if e.attrs.backend})
     kernels = sorted({e.attrs.kernel for e in graph.edges if getattr(e.attrs, "kernel", None)})
     result = {"job": "throughput", "start_only": a.start_only, "recipe": a.recipe, "mode": a.mode, "layers": a.layers, "start_seconds": round(start_s, 1),
-              "gemm_backends": backends, "quant_kernels": kernels, "runs": []}
+              "gemm_backends": backends, "decode_gemm": graph.meta.get("decode_gemm", ""), "quant_kernels": kernels, "runs": []}
     if a.start_only:
         engine.shutdown()
         return result
@@ -464,6 +464,12 @@ def summarize(results: list[dict]) -> str:
 SHAPE_8B = "Llama-3.1-8B shape, {layers} layers, {prompts} prompts x 256 + {new} new tokens, {mode}"
 
 
+def _backend_label(job: dict) -> str:
+    """recipe/backends, plus the decode-size backend when one ran: 'jet_fp8/torch+deep_gemm(M<=512)'."""
+    label = f"{job['recipe']}/{','.join(job['gemm_backends'])}" if job["gemm_backends"] else job["recipe"]
+    return label + ("+" + job["decode_gemm"].replace(" ", "") if job.get("decode_gemm") else "")
+
+
 def records_from(folder: Path, device: str, command: str) -> list[dict]:
     """Run records from a results folder of this script's jobs and of tests/gpu/test_vllm_gpu.py."""
     from headline import route_suffix  # benchmarks/headline.py
@@ -478,7 +484,7 @@ def records_from(folder: Path, device: str, command: str) -> list[dict]:
     tp = {(j["recipe"], j["mode"]): j for j in jobs if j.get("job") == "throughput" and not j.get("start_only")}
     for (recipe, mode), j in sorted(tp.items()):
         base = tp.get(("bf16", mode))
-        backend = f"{recipe}/{','.join(j['gemm_backends'])}" if j["gemm_backends"] else recipe
+        backend = _backend_label(j)
         route = route_suffix(j.get("vendor_route"))  # triton_invariant handed shapes to cuBLASLt (same bits, other kernels)
         backend += route
         for i, run in enumerate(j["runs"]):
@@ -493,7 +499,7 @@ def records_from(folder: Path, device: str, command: str) -> list[dict]:
             backend, j["start_seconds"], "s", date=j.get("date"))
     for j in jobs:
         if j.get("job") == "throughput" and j.get("start_only"):  # `warm`: a restart after an earlier start compiled
-            backend = f"{j['recipe']}/{','.join(j['gemm_backends'])}" if j["gemm_backends"] else j["recipe"]
+            backend = _backend_label(j)
             rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, default, warm compile cache", backend,
                 j["start_seconds"], "s", date=j.get("date"))
         elif j.get("job") == "sync":

@@ -18,6 +18,7 @@ from .dispatch import (
     prepare_gemm,
     register_backend,
     resolve_backend,
+    resolve_decode_backend,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "prepare_gemm",
     "register_backend",
     "resolve_backend",
+    "resolve_decode_backend",
 ]

@@ -18,8 +18,10 @@ __all__ = [
     "get_backend",
     "register_backend",
     "resolve_backend",
+    "resolve_decode_backend",
     "AUTO_ORDER_CUDA",
     "AUTO_ORDER_CUDA_ROLLOUT",
+    "ROLLOUT_DECODE_MAX_M",
     "PreparedGemm",
     "prepare_gemm",
 ]
@@ -79,9 +81,14 @@ def prepare_gemm(name: str, device: torch.device | str) -> PreparedGemm:
 _REGISTRY: dict[str, GemmBackend] = {}
 # Fastest first on the H200 for training shapes (thousands of tokens per GEMM; GEMM figures in docs/benchmarks.md).
 AUTO_ORDER_CUDA = ("deep_gemm", "torch", "triton")
-# For a rollout engine: decode GEMMs have M = batch size, where cuBLASLt beats DeepGEMM (whose kernels are also
-# compiled per shape at first use, minutes of engine start-up); benchmarks/results/runs/2026-12-01_*vllm-gpu*.json.
+# For a rollout engine at every M above its decode sizes: cuBLASLt. DeepGEMM JIT-compiles a kernel per tiling its
+# heuristic picks for an M, so an engine whose prefill batches take it compiles while it serves (the 8-layer 8B
+# shape ran at 0.39x bf16 so; benchmarks/results/runs/2026-12-01_01_vllm-gpu-auto-deep-gemm.json).
 AUTO_ORDER_CUDA_ROLLOUT = ("torch", "deep_gemm", "triton")
+# Decode batches (M <= this: the batch sizes vLLM captures in CUDA graphs by default) are where DeepGEMM gains most
+# over cuBLASLt blockwise (at M = 64: 1.3-2.1x bf16 against 0.6-1.7x, docs/benchmarks.md), and their kernels are
+# compiled while the engine captures its graphs, before it serves.
+ROLLOUT_DECODE_MAX_M = 512
 # `triton_invariant` (batch-invariant, swap-AB for decode) is in neither order: it is chosen by name, until the
 # H200 shows it faster than cuBLASLt at decode sizes (benchmarks/decode_gemm_triton.py).
 _logged_choices: set[tuple[str, str]] = set()
@@ -139,6 +146,24 @@ def resolve_backend(name: str, device: torch.device | str, role: str = "train") 
     if reason is not None:
         raise BackendUnavailable(f"GEMM backend {name!r} cannot run on {device}: {reason}. Use --precision.gemm_backend auto")
     return name
+
+
+def resolve_decode_backend(name: str, device: torch.device | str, backend: str) -> str | None:
+    """The backend an inference engine runs for M <= ROLLOUT_DECODE_MAX_M, when it differs from `backend` (what
+    `resolve_backend(name, device, role="rollout")` gave for every M): 'deep_gemm' where `name` is 'auto', the engine
+    runs cuBLASLt and DeepGEMM imports. None otherwise: a named backend runs at every M."""
+    _ensure_registered()
+    device = torch.device(device)
+    if name != "auto" or backend != "torch" or device.type != "cuda":
+        return None
+    reason = _REGISTRY["deep_gemm"].unavailable_reason(device)
+    if reason is not None:
+        _log_choice("decode:torch", device, f"decode-sized GEMMs (M <= {ROLLOUT_DECODE_MAX_M}) on 'torch' on {device}, "
+                    f"slower there than DeepGEMM: {reason}", warn=reason.startswith(NOT_INSTALLED))
+        return None
+    _log_choice("decode:deep_gemm", device, f"auto picked 'deep_gemm' on {device} for decode-sized GEMMs "
+                f"(M <= {ROLLOUT_DECODE_MAX_M}), 'torch' above")
+    return "deep_gemm"
 
 
 def get_backend(name: str = "auto", device: torch.device | str = "cpu") -> GemmBackend:

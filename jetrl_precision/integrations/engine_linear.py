@@ -6,6 +6,10 @@ time and refreshed in place after each sync (`refresh`), keeping buffers that a 
 reads at the same addresses. Per call only the activation is quantized (1x128, the training
 quantizer) and the GEMM runs: two launches on the cuBLASLt path.
 
+An engine may run a second backend for decode-sized batches (`decode_backend` for M <= `decode_max_m`;
+`auto` picks DeepGEMM there, `gemm.resolve_decode_backend`): the same FP8 operands, another kernel's
+accumulation, as between any two backends.
+
 `EngineLinear.from_op_args` rebuilds the same object from the custom op's arguments, so the
 compiled path (`torch.ops.jetrl.fp8_linear`) and the eager path run one implementation.
 
@@ -56,12 +60,16 @@ class EngineLinear:
         block_cols: int,
         input_spec: TensorSpec,
         backend: str,
+        decode_backend: str = "",
+        decode_max_m: int = 0,
     ) -> None:
         self.weight, self.weight_scale = weight, weight_scale
         self.groups = tuple((int(r), int(sr), int(b0)) for r, sr, b0 in groups)
         self.block_cols = int(block_cols)
         self.input_spec = input_spec
         self.backend = backend
+        # "" = `backend` at every M; else this backend for M <= decode_max_m (the plan's fast path only)
+        self.decode_backend, self.decode_max_m = decode_backend or "", int(decode_max_m) if decode_backend else 0
         self.n, self.k = weight.shape
         b0s = {b0 for _, _, b0 in self.groups}
         # The groups tile one block grid when every part but the last fills whole block rows.
@@ -70,14 +78,23 @@ class EngineLinear:
         self.refresh()
 
     @classmethod
-    def from_op_args(cls, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend):
-        return cls(weight, weight_scale, list(zip(group_rows, group_scale_rows, group_block_rows)), block_cols, spec_from_code(input_code), backend)
+    def from_op_args(cls, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend,
+                     decode_backend="", decode_max_m=0):
+        return cls(weight, weight_scale, list(zip(group_rows, group_scale_rows, group_block_rows)), block_cols, spec_from_code(input_code), backend,
+                   decode_backend, decode_max_m)
 
     @property
     def op_args(self) -> tuple:
         """The custom op's arguments after (x, weight, weight_scale)."""
         rows, srows, b0s = (list(col) for col in zip(*self.groups))
-        return (rows, srows, b0s, self.block_cols, spec_code(self.input_spec), self.backend)
+        return (rows, srows, b0s, self.block_cols, spec_code(self.input_spec), self.backend, self.decode_backend, self.decode_max_m)
+
+    @property
+    def decode_gemm(self) -> str:
+        """What runs the decode-sized GEMMs when it is not `backend`: e.g. 'deep_gemm (M <= 512)'; '' otherwise."""
+        if not self._fast or self._fast.decode is None:
+            return ""
+        return f"{self.decode_backend} (M <= {self.decode_max_m})"
 
     def views(self) -> list[QuantizedTensor]:
         out, r, sr = [], 0, 0
@@ -117,13 +134,21 @@ class EngineLinear:
 class _CublasPlan:
     """The cuBLASLt blockwise call with its weight operands prepared: activation quantized into an
     M-padded buffer by the Triton kernel, then one scaled_mm. The same call `torch_gemm_nt` makes
-    (same operands, same padded M), so the bytes equal the general path's."""
+    (same operands, same padded M), so the bytes equal the general path's.
 
-    def __init__(self, lin: EngineLinear, quantize, mm) -> None:
+    With a decode backend (DeepGEMM), batches of M <= decode_max_m run its 1x128.128x128 kernel on the same
+    quantized activation instead: the same call the `deep_gemm` backend makes, so the bytes equal `gemm_nt`'s
+    on that backend."""
+
+    def __init__(self, lin: EngineLinear, quantize, mm, decode=None) -> None:
         self.quantize, self.mm = quantize, mm
         self.pow2 = lin.input_spec.pow2_scale
         self.w_t = lin.weight.t()
         self.sb_buf: torch.Tensor | None = None
+        self.n = lin.n
+        # (fp8_gemm_nt, its keywords): DeepGEMM for M <= decode_max (bf16 outputs: the only ones its kernel writes)
+        self.decode, self.decode_max = decode, lin.decode_max_m
+        self.w_dg = (lin.weight, lin.weight_scale)  # DeepGEMM reads the row-major (N/128, K/128) scale parameter itself
         self.refresh(lin)
 
     @classmethod
@@ -143,7 +168,15 @@ class _CublasPlan:
         from ..gemm import torch_backend
         from ..kernels import quant
 
-        return cls(lin, quant.quantize_1x128, torch_backend.prepared_scaled_mm(lin.weight.device))
+        decode = None
+        if lin.decode_backend == "deep_gemm" and lin.decode_max_m > 0 and _row_major(lin.weight_scale):
+            from ..gemm.deep_gemm_backend import DeepGemmPreparedGemm
+
+            dg = DeepGemmPreparedGemm(lin.weight.device)
+            decode = (dg.fn, dg.kw)
+        elif lin.decode_backend:
+            raise ValueError(f"EngineLinear: decode backend {lin.decode_backend!r} is not supported here; use 'deep_gemm' or ''")
+        return cls(lin, quant.quantize_1x128, torch_backend.prepared_scaled_mm(lin.weight.device), decode)
 
     def refresh(self, lin: EngineLinear) -> None:
         from ..kernels.layout import row_major_padded_t
@@ -162,5 +195,16 @@ class _CublasPlan:
         m = x2.shape[0]
         mp = -(-m // 4) * 4  # cuBLASLt refuses an MN-major scale_a whose M is not a multiple of 4
         xq = self.quantize(x2, self.pow2, rows_alloc=mp)
+        if m <= self.decode_max and self.decode is not None and x2.dtype == torch.bfloat16:
+            # The first m rows, scales still strided by mp: the TMA-aligned MN-major layout DeepGEMM reads as is.
+            fn, kw = self.decode
+            y = torch.empty((m, self.n), dtype=torch.bfloat16, device=x2.device)
+            fn((xq.data[:m], xq.scale[:m]), self.w_dg, y, **kw)
+            return y
         y = self.mm(xq.data, self.w_t, xq.scale, self.sb, x2.dtype)
         return y if mp == m else y[:m]
+
+
+def _row_major(scale: torch.Tensor) -> bool:
+    """A 128x128 scale grid DeepGEMM reads in place (so weight installs, which copy into it, reach the kernel)."""
+    return scale.dtype == torch.float32 and scale.is_contiguous()

@@ -197,13 +197,17 @@ def _register_custom_op() -> None:
         "jetrl::fp8_linear",
         mutates_args=(),
         schema="(Tensor x, Tensor weight, Tensor weight_scale, int[] group_rows, int[] group_scale_rows, "
-        "int[] group_block_rows, int block_cols, str input_code, str backend) -> Tensor",
+        "int[] group_block_rows, int block_cols, str input_code, str backend, str decode_backend=\"\", "
+        "int decode_max_m=0) -> Tensor",
     )
-    def _op(x, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend):
-        return EngineLinear.from_op_args(weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend)(x)
+    def _op(x, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend,
+            decode_backend="", decode_max_m=0):
+        return EngineLinear.from_op_args(weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend,
+                                         decode_backend, decode_max_m)(x)
 
     @_op.register_fake
-    def _(x, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend):
+    def _(x, weight, weight_scale, group_rows, group_scale_rows, group_block_rows, block_cols, input_code, backend,
+          decode_backend="", decode_max_m=0):
         # Contiguous [M, N]: compiled graphs read the real output with these strides (EngineLinear guarantees them).
         return x.new_empty(x.shape[0], weight.shape[0])
 

@@ -23,7 +23,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 
 from .. import ops
 from ..formats import QuantizedTensor
-from ..gemm import resolve_backend
+from ..gemm import resolve_backend, resolve_decode_backend
+from ..gemm.dispatch import ROLLOUT_DECODE_MAX_M
 from .engine_linear import EngineLinear
 from .vllm_plugin import QUANT_NAME, JetFp8Settings, Scope, plan_quant_groups
 
@@ -187,9 +188,11 @@ class JetFp8LinearMethod(LinearMethodBase):
         # Resolve the backend and derive the GEMM's operands now, not in apply(): torch.compile must not
         # trace the dispatch registry, and eager calls should not pay for it.
         groups = [(g.rows, g.scale_rows, g.block[0]) for g in layer.jetrl_groups]
+        device = layer.weight.device
+        decode = self.decode_backend_for(device)
         layer.jetrl_gemm = EngineLinear(
             layer.weight, layer.weight_scale, groups, layer.jetrl_groups[0].block[1], self.fprop.input,
-            self.backend_for(layer.weight.device),
+            self.backend_for(device), decode or "", ROLLOUT_DECODE_MAX_M if decode else 0,
         )
 
     # -- views used by the weight sync and the digests ---------------------------------------------
@@ -207,6 +210,11 @@ class JetFp8LinearMethod(LinearMethodBase):
             # a bitwise engine asks for triton_invariant; resolve_backend refuses it where it cannot run
             self._backends[key] = resolve_backend(self.settings.gemm_backend, device, role="rollout")
         return self._backends[key]
+
+    def decode_backend_for(self, device: torch.device) -> str | None:
+        """The backend of decode-sized batches (M <= ROLLOUT_DECODE_MAX_M) where `auto` picks one other than
+        `backend_for`'s; None: that backend at every M."""
+        return resolve_decode_backend(self.settings.gemm_backend, device, self.backend_for(device))
 
     # -- forward ------------------------------------------------------------------------------------
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

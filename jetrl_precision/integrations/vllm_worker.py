@@ -336,6 +336,10 @@ def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
             dt = _dtype_name(w.dtype) if isinstance(w, torch.Tensor) else "fp32"
             g.add_node(name, "norm")
             g.add_edge(name, "weight", EdgeAttrs(dtype=dt, quantizer_id=f"{dt}/none"))
+    # The edges name each layer's backend; decode-sized batches may run another (auto: DeepGEMM up to M = 512).
+    decode = sorted({m.jetrl_gemm.decode_gemm for m in model.modules() if getattr(m, "jetrl_gemm", None) is not None} - {""})
+    if decode:
+        g.meta["decode_gemm"] = ", ".join(decode)
     return g.to_dict()
 
 

@@ -9,7 +9,8 @@ from torch import nn
 
 from gpu_testutil import outlier_data, rel_err, requires_cuda_reason
 from jetrl_precision import Fp8Linear, get_recipe, quantize_fp8
-from jetrl_precision.gemm import available_backends
+from jetrl_precision.formats import QuantizedTensor
+from jetrl_precision.gemm import available_backends, gemm_nt
 from jetrl_precision.integrations import vllm_plugin  # noqa: F401  (registers torch.ops.jetrl.fp8_linear)
 from jetrl_precision.integrations.engine_linear import EngineLinear
 
@@ -58,6 +59,39 @@ def test_engine_forward_equals_the_trainers_fp8_forward(parts, k, m):
     assert torch.equal(op, y)
     hp = x.float() @ torch.cat([t.weight.float() for t in trainers]).t()
     assert rel_err(y, hp) < 0.08  # FP8 error against the unquantized layer: sanity, not the contract
+
+
+@pytest.mark.parametrize("m", [1, 3, 64, 130, 512, 513, 2048])
+def test_decode_batches_run_deep_gemm_with_its_backends_bytes(m):
+    """With DeepGEMM as the decode backend, M <= 512 gives `gemm_nt`'s bytes on deep_gemm, larger M cuBLASLt's."""
+    if available_backends("cuda")["deep_gemm"] is not None:
+        pytest.skip(f"deep_gemm backend: {available_backends('cuda')['deep_gemm']}")
+    plain, _ = _engine_and_trainer([6144], 4096)
+    eng = EngineLinear(plain.weight, plain.weight_scale, plain.groups, 128, RECIPE.rollout.input, "torch", "deep_gemm", 512)
+    assert eng.decode_gemm == "deep_gemm (M <= 512)"
+    x = outlier_data(m, 4096, seed=11)
+    y = eng(x)
+    xq = quantize_fp8(x, (1, 128))
+    wq = QuantizedTensor(eng.weight, eng.weight_scale, (128, 128))
+    ref = gemm_nt(xq, wq, torch.bfloat16, "deep_gemm" if m <= 512 else "torch")
+    assert y.is_contiguous() and y.shape == (m, 6144)
+    assert torch.equal(y, ref), f"max diff {(y.float() - ref.float()).abs().max():.3g}"
+    assert torch.equal(torch.ops.jetrl.fp8_linear(x, eng.weight, eng.weight_scale, *eng.op_args), y)
+    hp = x.float() @ (wq.dequantize(torch.float32)).t()
+    assert rel_err(y, hp) < 0.01  # the FP8 operands' exact product, rounded to bf16 (DeepGEMM accumulates in fp32)
+    if m <= 512:  # under a CUDA graph (how vLLM runs decode batches), after a weight install
+        g = torch.cuda.CUDAGraph()
+        eng(x)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            y_static = eng(x)
+        new = quantize_fp8(outlier_data(6144, 4096, seed=12) * 0.02, (128, 128))
+        eng.weight.copy_(new.data)
+        eng.weight_scale.copy_(new.scale)
+        eng.refresh()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y_static, gemm_nt(xq, new, torch.bfloat16, "deep_gemm"))
 
 
 def test_refresh_after_an_in_place_install_keeps_the_graph_buffers():

@@ -97,6 +97,25 @@ def test_op_args_round_trip():
     assert again.groups == lin.groups and again.input_spec == INPUT and again.one_grid is False
     assert lin.op_args[4] == spec_code(INPUT)
     assert vllm_plugin.spec_from_code(spec_code(INPUT)) == INPUT
+    split = EngineLinear(weight, scale, groups, 128, INPUT, "emulated", "deep_gemm", 512)
+    again = EngineLinear.from_op_args(weight, scale, *split.op_args)
+    assert (again.decode_backend, again.decode_max_m) == ("deep_gemm", 512) and split.op_args[-2:] == ("deep_gemm", 512)
+    assert lin.op_args[-2:] == ("", 0) and split.decode_gemm == ""  # no fast path on CPU: one backend at every M
+
+
+def test_decode_backend_is_deep_gemm_only_for_auto_over_cublaslt(monkeypatch):
+    """An engine's auto runs DeepGEMM for decode-sized batches where it would run cuBLASLt and DeepGEMM is usable;
+    a named backend runs at every M."""
+    dispatch._ensure_registered()
+    real = dispatch._REGISTRY["deep_gemm"]
+    assert dispatch.resolve_decode_backend("auto", "cpu", "emulated") is None
+    monkeypatch.setitem(dispatch._REGISTRY, "deep_gemm", dispatch.GemmBackend("deep_gemm", real.gemm_nt, lambda d: None))
+    assert dispatch.resolve_decode_backend("auto", "cuda", "torch") == "deep_gemm"
+    assert dispatch.resolve_decode_backend("torch", "cuda", "torch") is None
+    assert dispatch.resolve_decode_backend("auto", "cuda", "triton_invariant") is None  # the bitwise engine's
+    monkeypatch.setitem(dispatch._REGISTRY, "deep_gemm", dispatch.GemmBackend(
+        "deep_gemm", real.gemm_nt, lambda d: f"{dispatch.NOT_INSTALLED} (test)"))
+    assert dispatch.resolve_decode_backend("auto", "cuda", "torch") is None
 
 
 def test_auto_backend_order_for_rollout_engines(monkeypatch):
