@@ -198,8 +198,13 @@ def _routed(record: dict) -> bool:
     return "+cublaslt_route(" in record.get("backend", "")
 
 
-def _rollout_ratio(layers: int, prompts: int, mode: str, backend: str = "jet_fp8/torch"):
-    return _field("vllm_rollout_tokens_per_s", VLLM_8B.format(layers, prompts, mode), backend, field="ratio_vs_bf16")
+# What the engine's `auto` ran, newest last: cuBLASLt at every M, then DeepGEMM for decode batches (M <= 512).
+ENGINE_AUTO = ("jet_fp8/torch", "jet_fp8/torch+deep_gemm(M<=512)")
+
+
+def _rollout_ratio(layers: int, prompts: int, mode: str):
+    return _field("vllm_rollout_tokens_per_s", VLLM_8B.format(layers, prompts, mode), field="ratio_vs_bf16",
+                  where=lambda r: r.get("backend") in ENGINE_AUTO)
 
 
 METRICS += (
@@ -207,10 +212,17 @@ METRICS += (
     # (docs/vllm.md), which a real 8B model does not see. The 8-layer figures stay for comparison.
     Metric("vllm_rollout_tokens_per_s_ratio", "x bf16",
            "vLLM rollout output tokens/s, jet_fp8 over bf16, default mode (torch.compile + CUDA graphs), "
-           "Llama-3.1-8B shape at full depth (32 layers, random weights), 256 prompts x 1024 new tokens, cuBLASLt "
-           "blockwise (what auto picks in the engine)", _rollout_ratio(32, 256, "default")),
+           "Llama-3.1-8B shape at full depth (32 layers, random weights), 256 prompts x 1024 new tokens, what auto "
+           "picks in the engine (DeepGEMM for decode batches up to 512 rows where it imports, cuBLASLt blockwise above)",
+           _rollout_ratio(32, 256, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_64", "x bf16", "the same with 64 prompts", _rollout_ratio(32, 64, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_eager", "x bf16", "the same, 256 prompts, eager mode", _rollout_ratio(32, 256, "eager")),
+    Metric("vllm_decode_gemm_gain_64", "x cuBLASLt",
+           "the engine's auto (DeepGEMM for decode batches) over cuBLASLt at every M, jet_fp8, 32 layers, 64 prompts, "
+           "default mode, one lease, engines taking turns",
+           _field("vllm_decode_gemm_gain", VLLM_8B.format(32, 64, "default"))),
+    Metric("vllm_decode_gemm_gain_256", "x cuBLASLt", "the same with 256 prompts",
+           _field("vllm_decode_gemm_gain", VLLM_8B.format(32, 256, "default"))),
     Metric("vllm_rollout_tokens_per_s_ratio_8layers", "x bf16",
            "the same, default mode, 256 prompts, on the 8-layer truncation of the shape (a quarter of the GPU work per "
            "step, the same host work)",
@@ -226,10 +238,14 @@ METRICS += (
     Metric("vllm_logprob_mismatch_smollm2_fp8_rollout", "mean |dlogp|", "the same, fp8_rollout against its BF16 trainer (off-policy)",
            _field("vllm_logprob_mismatch_abs_mean", VLLM_SMOL, "fp8_rollout"), digits=2),
     Metric("vllm_first_start_seconds_jet_fp8", "s",
-           "first start of a jet_fp8 vLLM engine, default mode, empty compile cache (8-layer 8B shape, 4 engines compiling "
-           "at once on 16 cores)",
-           _field("vllm_first_start_seconds", "Llama-3.1-8B shape, 8 layers, default, cold cache, 4 engines starting together",
-                  "jet_fp8/torch"), digits=2),
+           "first start of a jet_fp8 vLLM engine on a fresh machine, default mode, empty compile caches (torch.compile, "
+           "and DeepGEMM's decode kernels compiled while vLLM captures its CUDA graphs), 32-layer 8B shape, a bf16 engine "
+           "starting beside it",
+           _field("vllm_first_start_seconds", "Llama-3.1-8B shape, 32 layers, default, cold cache, 2 engines starting together",
+                  where=lambda r: r.get("backend") in ENGINE_AUTO), digits=3),
+    Metric("vllm_warm_start_seconds_jet_fp8", "s", "the same engine started again on that machine (both compile caches warm)",
+           _field("vllm_first_start_seconds", where=lambda r: r.get("backend") in ENGINE_AUTO and "32 layers" in r["shape"]
+                  and "warm compile caches" in r["shape"]), digits=3),
     Metric("vllm_weight_sync_seconds_8b", "s",
            "FP8 weight sync into a colocated in-process vLLM engine, 32-layer Llama-3.1-8B shape (9.1 GB: e4m3 bytes + "
            "scales, bf16 embeddings and norms; bf16 moves 16.1 GB)", _field("vllm_weight_sync_seconds", VLLM_SYNC, "jet_fp8"), digits=2),

@@ -495,6 +495,10 @@ def records_from(folder: Path, device: str, command: str) -> list[dict]:
             if recipe.endswith("+bitwise") and plain and i < len(plain["runs"]):
                 rec("bitwise_rollout_cost_ratio", shape, recipe + route, round(run["tokens_per_s"] / plain["runs"][i]["tokens_per_s"], 4),
                     f"x {recipe.partition('+')[0]}", ratio, date=j.get("date"))
+            pinned = tp.get((f"{recipe}@torch", mode))  # the engine's auto against cuBLASLt at every M (decode32)
+            if j.get("decode_gemm") and pinned and i < len(pinned["runs"]):
+                rec("vllm_decode_gemm_gain", shape, backend, round(run["tokens_per_s"] / pinned["runs"][i]["tokens_per_s"], 4),
+                    f"x {recipe}@torch", ratio, date=j.get("date"))
         rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, {mode}, cold cache, {len(tp)} engines starting together",
             backend, j["start_seconds"], "s", date=j.get("date"))
     for j in jobs:

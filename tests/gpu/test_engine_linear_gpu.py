@@ -77,8 +77,8 @@ def test_decode_batches_run_deep_gemm_with_its_backends_bytes(m):
     assert y.is_contiguous() and y.shape == (m, 6144)
     assert torch.equal(y, ref), f"max diff {(y.float() - ref.float()).abs().max():.3g}"
     assert torch.equal(torch.ops.jetrl.fp8_linear(x, eng.weight, eng.weight_scale, *eng.op_args), y)
-    hp = x.float() @ (wq.dequantize(torch.float32)).t()
-    assert rel_err(y, hp) < 0.01  # the FP8 operands' exact product, rounded to bf16 (DeepGEMM accumulates in fp32)
+    exact = xq.dequantize(torch.float32) @ wq.dequantize(torch.float32).t()
+    assert rel_err(y, exact) < 0.01  # the FP8 operands' product, rounded to bf16 (both kernels accumulate in fp32)
     if m <= 512:  # under a CUDA graph (how vLLM runs decode batches), after a weight install
         g = torch.cuda.CUDAGraph()
         eng(x)
