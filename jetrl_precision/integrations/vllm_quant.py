@@ -6,6 +6,7 @@ imports vLLM at module level. What the method does is described in `vllm_plugin`
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -28,7 +29,10 @@ from ..gemm.dispatch import ROLLOUT_DECODE_MAX_M
 from .engine_linear import EngineLinear
 from .vllm_plugin import QUANT_NAME, JetFp8Settings, Scope, plan_quant_groups
 
-__all__ = ["JetFp8Config", "JetFp8LinearMethod", "shard_window", "check_aligned"]
+__all__ = ["JetFp8Config", "JetFp8LinearMethod", "shard_window", "check_aligned", "captured_batch_max"]
+
+logger = logging.getLogger(__name__)
+_logged: set[str] = set()
 
 # shard ids vLLM's loaders pass for the parts of fused projections
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
@@ -189,10 +193,10 @@ class JetFp8LinearMethod(LinearMethodBase):
         # trace the dispatch registry, and eager calls should not pay for it.
         groups = [(g.rows, g.scale_rows, g.block[0]) for g in layer.jetrl_groups]
         device = layer.weight.device
-        decode = self.decode_backend_for(device)
+        decode, decode_max = self.decode_backend_for(device)
         layer.jetrl_gemm = EngineLinear(
             layer.weight, layer.weight_scale, groups, layer.jetrl_groups[0].block[1], self.fprop.input,
-            self.backend_for(device), decode or "", ROLLOUT_DECODE_MAX_M if decode else 0,
+            self.backend_for(device), decode or "", decode_max,
         )
 
     # -- views used by the weight sync and the digests ---------------------------------------------
@@ -211,10 +215,25 @@ class JetFp8LinearMethod(LinearMethodBase):
             self._backends[key] = resolve_backend(self.settings.gemm_backend, device, role="rollout")
         return self._backends[key]
 
-    def decode_backend_for(self, device: torch.device) -> str | None:
-        """The backend of decode-sized batches (M <= ROLLOUT_DECODE_MAX_M) where `auto` picks one other than
-        `backend_for`'s; None: that backend at every M."""
-        return resolve_decode_backend(self.settings.gemm_backend, device, self.backend_for(device))
+    def decode_backend_for(self, device: torch.device) -> tuple[str | None, int]:
+        """(backend, largest M) of decode-sized batches where `auto` picks a backend other than `backend_for`'s, else
+        (None, 0): that backend at every M.
+
+        DeepGEMM compiles a kernel per tiling at first use, so it only takes batches that vLLM replays from captured
+        CUDA graphs (compiled during the capture's warm-up, before the engine serves): none in an eager engine.
+        """
+        decode = resolve_decode_backend(self.settings.gemm_backend, device, self.backend_for(device))
+        if decode is None:
+            return None, 0
+        captured = captured_batch_max()
+        max_m = ROLLOUT_DECODE_MAX_M if captured is None else min(ROLLOUT_DECODE_MAX_M, captured)
+        if max_m <= 0:
+            if "eager" not in _logged:
+                _logged.add("eager")
+                logger.info("jetrl_fp8: the engine captures no CUDA graphs (eager), so its decode GEMMs stay on %s: "
+                            "%s would compile kernels for new batch sizes while it serves", self.backend_for(device), decode)
+            return None, 0
+        return decode, max_m
 
     # -- forward ------------------------------------------------------------------------------------
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -231,6 +250,22 @@ class JetFp8LinearMethod(LinearMethodBase):
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def captured_batch_max() -> int | None:
+    """The largest batch the engine being built replays from captured CUDA graphs: 0 when it captures none (eager),
+    None outside an engine's construction (no vLLM config is current)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None:
+        return None
+    cc = cfg.compilation_config
+    mode = getattr(cc, "cudagraph_mode", None)
+    if getattr(cfg.model_config, "enforce_eager", False) or mode is None or getattr(mode, "name", "") == "NONE":
+        return 0
+    sizes = getattr(cc, "cudagraph_capture_sizes", None) or []
+    return int(max(sizes)) if sizes else int(getattr(cc, "max_cudagraph_capture_size", 0) or 0)
 
 
 def _forget_cached_rotaries() -> None:

@@ -129,3 +129,32 @@ def test_auto_backend_order_for_rollout_engines(monkeypatch):
     assert dispatch.resolve_backend("deep_gemm", "cuda", role="rollout") == "deep_gemm"  # an explicit choice stands
     with pytest.raises(ValueError, match="role must be"):
         dispatch.resolve_backend("auto", "cuda", role="decode")
+
+
+def test_decode_gemm_takes_only_batches_vllm_replays_from_cuda_graphs(monkeypatch):
+    """DeepGEMM compiles per tiling at first use: the engine gives it batches up to the largest captured size, and
+    none in an eager engine (where it would compile while serving)."""
+    pytest.importorskip("vllm")
+    from vllm.config import CUDAGraphMode, VllmConfig, set_current_vllm_config
+
+    from jetrl_precision.integrations.vllm_plugin import JetFp8Settings
+    from jetrl_precision.integrations.vllm_quant import JetFp8LinearMethod, captured_batch_max
+
+    dispatch._ensure_registered()
+    for name in ("deep_gemm", "torch"):
+        b = dispatch._REGISTRY[name]
+        monkeypatch.setitem(dispatch._REGISTRY, name, dispatch.GemmBackend(name, b.gemm_nt, lambda d: None))
+    cuda = torch.device("cuda", 0)
+    assert captured_batch_max() is None  # outside an engine's construction
+    assert JetFp8LinearMethod(JetFp8Settings.default(), "x").decode_backend_for(cuda) == ("deep_gemm", 512)
+    cfg = VllmConfig()
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    for sizes, want in (([1, 2, 4, 8, 16, 32, 64, 128, 256], 256), ([1, 2, 4] + list(range(8, 1025, 8)), 512)):
+        cfg.compilation_config.cudagraph_capture_sizes = sizes
+        with set_current_vllm_config(cfg):
+            assert captured_batch_max() == sizes[-1]
+            assert JetFp8LinearMethod(JetFp8Settings.default(), "x").decode_backend_for(cuda) == ("deep_gemm", want)
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    with set_current_vllm_config(cfg):
+        assert captured_batch_max() == 0
+        assert JetFp8LinearMethod(JetFp8Settings.default(), "x").decode_backend_for(cuda) == (None, 0)
