@@ -151,7 +151,8 @@ def resolve_backend(name: str, device: torch.device | str, role: str = "train") 
 def resolve_decode_backend(name: str, device: torch.device | str, backend: str) -> str | None:
     """The backend an inference engine runs for M <= ROLLOUT_DECODE_MAX_M, when it differs from `backend` (what
     `resolve_backend(name, device, role="rollout")` gave for every M): 'deep_gemm' where `name` is 'auto', the engine
-    runs cuBLASLt and DeepGEMM imports. None otherwise: a named backend runs at every M."""
+    runs cuBLASLt and DeepGEMM imports. None otherwise: a named backend runs at every M. The caller logs its choice
+    (it may still decline, e.g. an engine without CUDA graphs); a DeepGEMM that would run but is absent is logged here."""
     _ensure_registered()
     device = torch.device(device)
     if name != "auto" or backend != "torch" or device.type != "cuda":
@@ -161,8 +162,6 @@ def resolve_decode_backend(name: str, device: torch.device | str, backend: str) 
         _log_choice("decode:torch", device, f"decode-sized GEMMs (M <= {ROLLOUT_DECODE_MAX_M}) on 'torch' on {device}, "
                     f"slower there than DeepGEMM: {reason}", warn=reason.startswith(NOT_INSTALLED))
         return None
-    _log_choice("decode:deep_gemm", device, f"auto picked 'deep_gemm' on {device} for decode-sized GEMMs "
-                f"(M <= {ROLLOUT_DECODE_MAX_M}), 'torch' above")
     return "deep_gemm"
 
 

@@ -32,7 +32,7 @@ from .vllm_plugin import QUANT_NAME, JetFp8Settings, Scope, plan_quant_groups
 __all__ = ["JetFp8Config", "JetFp8LinearMethod", "shard_window", "check_aligned", "captured_batch_max"]
 
 logger = logging.getLogger(__name__)
-_logged: set[str] = set()
+_logged: set = set()
 
 # shard ids vLLM's loaders pass for the parts of fused projections
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
@@ -233,6 +233,10 @@ class JetFp8LinearMethod(LinearMethodBase):
                 logger.info("jetrl_fp8: the engine captures no CUDA graphs (eager), so its decode GEMMs stay on %s: "
                             "%s would compile kernels for new batch sizes while it serves", self.backend_for(device), decode)
             return None, 0
+        if ("decode", max_m) not in _logged:
+            _logged.add(("decode", max_m))
+            logger.info("jetrl_fp8: decode batches of up to %d rows run %s (compiled while vLLM captures its CUDA "
+                        "graphs), larger ones %s", max_m, decode, self.backend_for(device))
         return decode, max_m
 
     # -- forward ------------------------------------------------------------------------------------
