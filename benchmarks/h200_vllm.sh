@@ -21,6 +21,9 @@
 #            `python benchmarks/attention_decode_gpu.py --record <res>/attention_decode.json`
 #   profile  benchmarks/vllm_decode_profile.py: one decode step's GPU time by kernel group, bf16 / jet_fp8 /
 #            jet_fp8+bitwise, 8 layers, 256 sequences (~5 min; needs only `install`)
+#   profile32  the same for bf16 and jet_fp8 (the engine's auto: DeepGEMM decode) at 32 layers, 64 sequences
+#            (~6 min with DeepGEMM's cold compile; needs only `install`). Here:
+#            `python benchmarks/vllm_decode_profile.py --from <res>/profile32 --record --command "..."`
 #   route    the bitwise mode's cuBLASLt route (on by default; the stages set JETRL_INVARIANT_VENDOR_GEMM=probe to say
 #            so): tests/gpu/test_vendor_route_gpu.py and the 8B-shape proof (8 layers, 144 prompts x 256 tokens: decode
 #            batches the route takes) (~3 min; needs only `install`). Here:
@@ -169,6 +172,13 @@ stage_route_smol() {
 
 stage_profile() {
   python3 benchmarks/vllm_decode_profile.py --layers 8 --prompts 256 --out /tmp/res/profile8b --timeout 200 2>&1 | tail -60
+}
+
+# One decode step of 64 sequences at full depth, the engine's auto (DeepGEMM for decode batches): what is left between
+# the measured 1.15-1.20x and the 1.48x that the bytes allow (GEMMs, quantizer launches, lm_head, attention, host).
+stage_profile32() {
+  python3 benchmarks/vllm_decode_profile.py --layers 32 --prompts 64 --recipes bf16 jet_fp8 --gemm-backend auto \
+    --kv-gib 24 --out /tmp/res/profile32 --timeout 260 2>&1 | tail -40
 }
 
 for s in "$@"; do
