@@ -80,34 +80,31 @@ def test_decode_batches_run_deep_gemm_with_its_backends_bytes(m):
     exact = xq.dequantize(torch.float32) @ wq.dequantize(torch.float32).t()
     assert rel_err(y, exact) < 0.01  # the FP8 operands' product, rounded to bf16 (both kernels accumulate in fp32)
     if m <= 512:  # under a CUDA graph (how vLLM runs decode batches), after a weight install
-        g = torch.cuda.CUDAGraph()
-        eng(x)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g):
-            y_static = eng(x)
-        new = quantize_fp8(outlier_data(6144, 4096, seed=12) * 0.02, (128, 128))
-        eng.weight.copy_(new.data)
-        eng.weight_scale.copy_(new.scale)
-        eng.refresh()
-        g.replay()
-        torch.cuda.synchronize()
+        y_static, new = _replay_after_install(eng, x, seed=12)
         assert torch.equal(y_static, gemm_nt(xq, new, torch.bfloat16, "deep_gemm"))
 
 
-def test_refresh_after_an_in_place_install_keeps_the_graph_buffers():
-    eng, _ = _engine_and_trainer([512], 1024)
-    x = outlier_data(64, 1024, seed=3)
+def _replay_after_install(eng: EngineLinear, x: torch.Tensor, seed: int):
+    """Capture eng(x) in a CUDA graph, install new FP8 weights in place (as a sync does), refresh, replay:
+    (the replay's output, the installed weights)."""
     g = torch.cuda.CUDAGraph()
-    y_static = eng(x)
+    eng(x)  # warm-up outside the capture (kernels compiled, autotuned)
     torch.cuda.synchronize()
     with torch.cuda.graph(g):
         y_static = eng(x)
-    new = quantize_fp8(outlier_data(512, 1024, seed=9) * 0.02, (128, 128))
+    new = quantize_fp8(outlier_data(eng.n, eng.k, seed=seed) * 0.02, (128, 128))
     eng.weight.copy_(new.data)
     eng.weight_scale.copy_(new.scale)
     eng.refresh()
     g.replay()
     torch.cuda.synchronize()
+    return y_static, new
+
+
+def test_refresh_after_an_in_place_install_keeps_the_graph_buffers():
+    eng, _ = _engine_and_trainer([512], 1024)
+    x = outlier_data(64, 1024, seed=3)
+    y_static, _ = _replay_after_install(eng, x, seed=9)
     assert torch.equal(y_static, eng(x)), "a captured graph must read the installed weights"
 
 
