@@ -294,6 +294,33 @@ def test_vllm_bitwise_throughput_rows_become_the_cost_ratio(tmp_path):
     assert "jet_fp8@triton" in text and "x bf16 1.050" in text
 
 
+def test_decode_gemm_runs_are_labelled_and_give_the_gain_over_cublaslt(tmp_path):
+    """decode32's A/B (the engine's auto against jet_fp8@torch) becomes vllm_decode_gemm_gain; the rollout headline
+    reads the engine's auto whichever decode GEMM it ran, and never a pinned recipe."""
+    import vllm_gpu
+
+    def job(recipe, tps, decode=""):
+        return {"job": "throughput", "start_only": False, "recipe": recipe, "mode": "default", "layers": 32, "start_seconds": 60.0,
+                "gemm_backends": ["torch"] if recipe != "bf16" else [], "decode_gemm": decode, "quant_kernels": [],
+                "date": "2026-12-03",
+                "runs": [{"prompts": p, "output_tokens": p * 1024, "seconds": 1.0, "tokens_per_s": t, "mean_sampled_logprob": -11.0}
+                         for p, t in zip((256, 64), tps)]}
+
+    (tmp_path / "a.json").write_text(json.dumps(job("jet_fp8", (16800.0, 10260.0), "deep_gemm (M <= 512)")))
+    (tmp_path / "b.json").write_text(json.dumps(job("jet_fp8@torch", (16000.0, 9000.0))))
+    recs = vllm_gpu.records_from(tmp_path, "NVIDIA H200", "cmd")
+    gain = {r["shape"].split(", ")[2].split(" x ")[0]: r for r in recs if r["name"] == "vllm_decode_gemm_gain"}
+    assert gain["256 prompts"]["value"] == 1.05 and gain["64 prompts"]["value"] == 1.14
+    assert gain["64 prompts"]["backend"] == "jet_fp8/torch+deep_gemm(M<=512)"
+    value, _ = next(m for m in headline.METRICS if m.key == "vllm_decode_gemm_gain_64").pick([dict(r, _run_file="x") for r in recs])
+    assert value == 1.14
+    (tmp_path / "c.json").write_text(json.dumps(job("bf16", (15000.0, 9000.0))))
+    recs = vllm_gpu.records_from(tmp_path, "NVIDIA H200", "cmd")
+    ratio = next(m for m in headline.METRICS if m.key == "vllm_rollout_tokens_per_s_ratio_64")
+    value, rec = ratio.pick([dict(r, _run_file="x") for r in recs])
+    assert value == pytest.approx(10260.0 / 9000.0) and "@" not in rec["backend"]
+
+
 def test_grpo_bitwise_recipe_flags_and_its_step_ratio():
     import grpo_vllm_gpu as g
 
