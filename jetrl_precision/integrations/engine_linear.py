@@ -22,6 +22,7 @@ Layouts handled:
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -169,11 +170,12 @@ class _CublasPlan:
         from ..kernels import quant
 
         decode = None
-        if lin.decode_backend == "deep_gemm" and lin.decode_max_m > 0 and _row_major(lin.weight_scale):
-            from ..gemm.deep_gemm_backend import DeepGemmPreparedGemm
+        if lin.decode_backend == "deep_gemm" and lin.decode_max_m > 0:
+            from ..gemm.deep_gemm_backend import _sm90_sfb
 
-            dg = DeepGemmPreparedGemm(lin.weight.device)
-            decode = (dg.fn, dg.kw)
+            # Only a scale grid DeepGEMM reads in place: weight installs copy into it, and the kernel must see them.
+            if _sm90_sfb(lin.weight_scale) is lin.weight_scale:
+                decode = _deep_gemm_call(lin.weight.device)
         elif lin.decode_backend:
             raise ValueError(f"EngineLinear: decode backend {lin.decode_backend!r} is not supported here; use 'deep_gemm' or ''")
         return cls(lin, quant.quantize_1x128, torch_backend.prepared_scaled_mm(lin.weight.device), decode)
@@ -205,6 +207,11 @@ class _CublasPlan:
         return y if mp == m else y[:m]
 
 
-def _row_major(scale: torch.Tensor) -> bool:
-    """A 128x128 scale grid DeepGEMM reads in place (so weight installs, which copy into it, reach the kernel)."""
-    return scale.dtype == torch.float32 and scale.is_contiguous()
+@functools.lru_cache(maxsize=None)
+def _deep_gemm_call(device: torch.device) -> tuple:
+    """(fp8_gemm_nt, its keywords) of the deep_gemm backend on `device`, resolved once: the compiled engine's custom
+    op rebuilds its plan on every call it makes outside a captured graph (prefill batches)."""
+    from ..gemm.deep_gemm_backend import DeepGemmPreparedGemm
+
+    dg = DeepGemmPreparedGemm(device)
+    return dg.fn, dg.kw
