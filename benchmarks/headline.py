@@ -217,6 +217,7 @@ METRICS += (
            _rollout_ratio(32, 256, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_64", "x bf16", "the same with 64 prompts", _rollout_ratio(32, 64, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_eager", "x bf16", "the same, 256 prompts, eager mode", _rollout_ratio(32, 256, "eager")),
+    Metric("vllm_rollout_tokens_per_s_ratio_eager_64", "x bf16", "the same, 64 prompts, eager mode", _rollout_ratio(32, 64, "eager")),
     Metric("vllm_decode_gemm_gain_64", "x cuBLASLt",
            "the engine's auto (DeepGEMM for decode batches) over cuBLASLt at every M, jet_fp8, 32 layers, 64 prompts, "
            "default mode, one lease, engines taking turns",
