@@ -8,8 +8,7 @@ quantizer) and the GEMM runs: two launches on the cuBLASLt path.
 
 An engine may run a second backend for decode-sized batches (`decode_backend` for M <= `decode_max_m`;
 `auto` picks DeepGEMM there, `gemm.resolve_decode_backend`): the same FP8 operands, another kernel's
-accumulation, as between any two backends. DeepGEMM compiles per tiling at first use, so an engine that does not
-capture CUDA graphs runs it once at every decode size at load (`warm_up_decode`).
+accumulation, as between any two backends.
 
 `EngineLinear.from_op_args` rebuilds the same object from the custom op's arguments, so the
 compiled path (`torch.ops.jetrl.fp8_linear`) and the eager path run one implementation.
@@ -24,7 +23,6 @@ Layouts handled:
 from __future__ import annotations
 
 import functools
-import time
 from typing import Sequence
 
 import torch
@@ -98,14 +96,6 @@ class EngineLinear:
         if not self._fast or self._fast.decode is None:
             return ""
         return f"{self.decode_backend} (M <= {self.decode_max_m})"
-
-    def warm_up_decode(self) -> float:
-        """Run the decode backend once at every M it takes (1..decode_max_m), so that a kernel compiled per tiling at
-        first use (DeepGEMM's) compiles now, not while the engine serves. Once per device and weight shape in a
-        process; returns the seconds it took (0.0 when nothing ran)."""
-        if not self._fast or self._fast.decode is None:
-            return 0.0
-        return self._fast.warm_up()
 
     def views(self) -> list[QuantizedTensor]:
         out, r, sr = [], 0, 0
@@ -203,19 +193,6 @@ class _CublasPlan:
             self.sb_buf.copy_(sb)  # same buffer, so a captured graph keeps reading valid scales
         self.sb = self.sb_buf
 
-    def warm_up(self) -> float:
-        k = self.w_t.shape[0]
-        key = (str(self.w_t.device), self.n, k, self.decode_max)
-        if key in _WARMED:
-            return 0.0
-        start = time.perf_counter()
-        x = torch.randn(self.decode_max, k, dtype=torch.bfloat16, device=self.w_t.device)
-        for m in range(1, self.decode_max + 1):
-            self(x[:m])  # the serving call itself: the same kernels, scale strides and tilings
-        torch.cuda.synchronize(self.w_t.device)
-        _WARMED.add(key)
-        return time.perf_counter() - start
-
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
         m = x2.shape[0]
         mp = -(-m // 4) * 4  # cuBLASLt refuses an MN-major scale_a whose M is not a multiple of 4
@@ -228,10 +205,6 @@ class _CublasPlan:
             return y
         y = self.mm(xq.data, self.w_t, xq.scale, self.sb, x2.dtype)
         return y if mp == m else y[:m]
-
-
-# (device, N, K, decode_max) whose decode kernels ran at every M: compiled kernels are per process, not per layer.
-_WARMED: set[tuple] = set()
 
 
 @functools.lru_cache(maxsize=None)

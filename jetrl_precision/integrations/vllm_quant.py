@@ -198,12 +198,6 @@ class JetFp8LinearMethod(LinearMethodBase):
             layer.weight, layer.weight_scale, groups, layer.jetrl_groups[0].block[1], self.fprop.input,
             self.backend_for(device), decode or "", decode_max,
         )
-        if decode and captured_batch_max() == 0:
-            # An eager engine meets every batch size up to decode_max: compile each tiling before serving.
-            seconds = layer.jetrl_gemm.warm_up_decode()
-            if seconds:
-                logger.info("jetrl_fp8: %s decode kernels for N=%d K=%d ready for M = 1..%d in %.1f s (eager engine: "
-                            "compiled before it serves)", decode, layer.jetrl_gemm.n, layer.jetrl_gemm.k, decode_max, seconds)
 
     # -- views used by the weight sync and the digests ---------------------------------------------
     def group_tensor(self, layer: torch.nn.Module, group: int) -> QuantizedTensor:
@@ -225,20 +219,27 @@ class JetFp8LinearMethod(LinearMethodBase):
         """(backend, largest M) of decode-sized batches where `auto` picks a backend other than `backend_for`'s, else
         (None, 0): that backend at every M.
 
-        DeepGEMM compiles a kernel per tiling at first use. In an engine with CUDA graphs it takes the batches vLLM
-        replays from them (compiled during the capture, before the engine serves); an eager engine, which meets every
-        batch size, has it run at each M up to the limit at load time (`process_weights_after_loading`).
+        DeepGEMM only takes batches that vLLM replays from captured CUDA graphs: it compiles a kernel per tiling at
+        first use (the capture's warm-up does that before the engine serves), and an eager engine ran slower with it
+        even with every tiling compiled at load (docs/vllm.md has the measurement): host-bound decode steps pay for
+        its calls, which a replay skips. An eager engine stays on `backend_for`'s backend.
         """
         decode = resolve_decode_backend(self.settings.gemm_backend, device, self.backend_for(device))
         if decode is None:
             return None, 0
         captured = captured_batch_max()
-        max_m = ROLLOUT_DECODE_MAX_M if not captured else min(ROLLOUT_DECODE_MAX_M, captured)
-        if ("decode", max_m, captured == 0) not in _logged:
-            _logged.add(("decode", max_m, captured == 0))
-            how = "compiled for every size at load (eager)" if captured == 0 else "compiled while vLLM captures its CUDA graphs"
-            logger.info("jetrl_fp8: decode batches of up to %d rows run %s (%s), larger ones %s", max_m, decode, how,
-                        self.backend_for(device))
+        max_m = ROLLOUT_DECODE_MAX_M if captured is None else min(ROLLOUT_DECODE_MAX_M, captured)
+        if max_m <= 0:
+            if "eager" not in _logged:
+                _logged.add("eager")
+                logger.info("jetrl_fp8: the engine captures no CUDA graphs (eager), so its decode GEMMs stay on %s: "
+                            "%s runs slower there than on graph replays",
+                            self.backend_for(device), decode)
+            return None, 0
+        if ("decode", max_m) not in _logged:
+            _logged.add(("decode", max_m))
+            logger.info("jetrl_fp8: decode batches of up to %d rows run %s (compiled while vLLM captures its CUDA "
+                        "graphs), larger ones %s", max_m, decode, self.backend_for(device))
         return decode, max_m
 
     # -- forward ------------------------------------------------------------------------------------

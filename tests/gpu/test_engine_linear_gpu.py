@@ -84,26 +84,6 @@ def test_decode_batches_run_deep_gemm_with_its_backends_bytes(m):
         assert torch.equal(y_static, gemm_nt(xq, new, torch.bfloat16, "deep_gemm"))
 
 
-def test_eager_warm_up_runs_every_decode_size_once_per_shape():
-    """An eager engine meets every batch size: `warm_up_decode` runs DeepGEMM at each M up to the limit at load
-    (compiling each tiling then, not while serving), once per weight shape in a process; it changes no output."""
-    if available_backends("cuda")["deep_gemm"] is not None:
-        pytest.skip(f"deep_gemm backend: {available_backends('cuda')['deep_gemm']}")
-    plain, _ = _engine_and_trainer([2048], 1024)
-    make = lambda: EngineLinear(plain.weight, plain.weight_scale, plain.groups, 128, RECIPE.rollout.input, "torch", "deep_gemm", 40)
-    eng = make()
-    fn, kw = eng._fast.decode
-    seen = []
-    eng._fast.decode = (lambda a, b, out, **k: (seen.append(a[0].shape[0]), fn(a, b, out, **k)), kw)
-    assert eng.warm_up_decode() > 0
-    assert seen == list(range(1, 41)), "every M from 1 to decode_max_m, once"
-    assert make().warm_up_decode() == 0.0  # the same shape again: compiled already
-    assert EngineLinear(plain.weight, plain.weight_scale, plain.groups, 128, RECIPE.rollout.input, "torch").warm_up_decode() == 0.0
-    x = outlier_data(33, 1024, seed=13)
-    ref = gemm_nt(quantize_fp8(x, (1, 128)), QuantizedTensor(eng.weight, eng.weight_scale, (128, 128)), torch.bfloat16, "deep_gemm")
-    assert torch.equal(eng(x), ref)
-
-
 def _replay_after_install(eng: EngineLinear, x: torch.Tensor, seed: int):
     """Capture eng(x) in a CUDA graph, install new FP8 weights in place (as a sync does), refresh, replay:
     (the replay's output, the installed weights)."""
