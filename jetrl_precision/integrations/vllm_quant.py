@@ -233,8 +233,7 @@ class JetFp8LinearMethod(LinearMethodBase):
             if "eager" not in _logged:
                 _logged.add("eager")
                 logger.info("jetrl_fp8: the engine captures no CUDA graphs (eager), so its decode GEMMs stay on %s: "
-                            "%s runs slower there than on graph replays",
-                            self.backend_for(device), decode)
+                            "%s runs slower there than on graph replays", self.backend_for(device), decode)
             return None, 0
         if ("decode", max_m) not in _logged:
             _logged.add(("decode", max_m))
