@@ -163,3 +163,31 @@ def test_one_definition_of_fp8_layers():
     as_is = {n: digest(p) for n, p in plain.named_parameters()}
     engine_fp8 = {n.rsplit(".", 1)[0] for n in quantized if quantized[n] != as_is[n]}
     assert engine_fp8 == converted
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_same_fp8_gradients(reentrant):
+    """`--actor.gradient_checkpointing_enable` (what 8B recipes run) recomputes each layer's forward in backward: the
+    FP8 layers must quantize the same bytes again, so loss and every gradient equal the run without it, bit for bit."""
+    torch.manual_seed(0)
+    base = tiny_causal_lm(arch="llama")
+    ids = torch.randint(0, base.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for ckpt in (False, True):
+        model = convert_to_fp8(copy.deepcopy(base), JET)
+        model.train()
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            model.config.use_cache = False
+        calls, down = [], model.model.layers[0].mlp.down_proj
+        # counted in forward itself: a non-reentrant recompute does not run module hooks
+        down.forward = lambda x, fwd=down.forward: (calls.append(1), fwd(x))[1]
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        assert len(calls) == (2 if ckpt else 1), "checkpointing must recompute the layer's forward in backward"
+        out[ckpt] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    (loss0, g0), (loss1, g1) = out[False], out[True]
+    assert torch.equal(loss0, loss1)
+    assert g0.keys() == g1.keys() and any(".mlp.down_proj." in n for n in g0)
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
