@@ -200,11 +200,12 @@ def _routed(record: dict) -> bool:
 
 # What the engine's `auto` ran, newest last: cuBLASLt at every M, then DeepGEMM for decode batches (M <= 512).
 ENGINE_AUTO = ("jet_fp8/torch", "jet_fp8/torch+deep_gemm(M<=512)")
+# What it runs eagerly: cuBLASLt at every M (DeepGEMM there was measured slower, and is not what it runs).
+ENGINE_AUTO_EAGER = ("jet_fp8/torch",)
 
 
 def _rollout_ratio(layers: int, prompts: int, mode: str):
-    # An eager engine's auto is cuBLASLt at every M (DeepGEMM there was measured slower, and is not what it runs).
-    picks = ENGINE_AUTO if mode != "eager" else ENGINE_AUTO[:1]
+    picks = ENGINE_AUTO_EAGER if mode == "eager" else ENGINE_AUTO
     return _field("vllm_rollout_tokens_per_s", VLLM_8B.format(layers, prompts, mode), field="ratio_vs_bf16",
                   where=lambda r: r.get("backend") in picks)
 

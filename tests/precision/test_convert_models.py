@@ -178,7 +178,6 @@ def test_activation_checkpointing_gives_the_same_fp8_gradients(reentrant):
         model.train()
         if ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-            model.config.use_cache = False
         calls, down = [], model.model.layers[0].mlp.down_proj
         # counted in forward itself: a non-reentrant recompute does not run module hooks
         down.forward = lambda x, fwd=down.forward: (calls.append(1), fwd(x))[1]
