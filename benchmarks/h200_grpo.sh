@@ -21,9 +21,12 @@
 #   2. carry [".vc1", ".gw", ".gs1"]   bash benchmarks/h200_grpo.sh unpack install speed           bf16 + jet_fp8 speed
 #   3. carry [".gs2"]                  bash benchmarks/h200_grpo.sh unpack smollm2 learn           3 recipes side by side
 #   4. no carry                        RECIPES=fp8_rollout bash benchmarks/h200_grpo.sh speed      optional
+#   any call after 2                   bash benchmarks/h200_grpo.sh update_profile   the update's micro-step alone, kernel
+#                                      by kernel (PROFILE_MICRO "4", PROFILE_VARIANTS "plain deepspeed deepspeed-nosync")
 # A call on a fresh machine (the previous one was given back) starts again from 1.
 # Knobs: RECIPES (speed, default "bf16 jet_fp8"; jet_fp8+bitwise adds --precision.bitwise on vLLM), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64),
-# TRAIN_MICRO (4 sequences per training micro-batch), GRAD_CKPT (set: activation checkpointing, for LAYERS=16 and up), GEMM_BACKEND
+# TRAIN_MICRO (4 sequences per training micro-batch), GRAD_CKPT (set: activation checkpointing, for LAYERS=16 and up),
+# RUN_TIMEOUT (seconds per recipe's run, 290; deeper models need more: run one recipe per call), GEMM_BACKEND
 # (torch: cuBLASLt blockwise on both sides; auto would JIT-build vLLM's vendored DeepGEMM inside the run),
 # LEARN_STEPS (24), BUDGET (seconds a call may spend, 570); TINY=1 runs the speed and learn stages on CPU with tiny
 # models (a dry run of the stages here: STAGE_TMP=/tmp/dry TINY=1 OUT=/tmp/dry bash benchmarks/h200_grpo.sh speed learn).
@@ -132,9 +135,16 @@ stage_install() {
 stage_speed() {
   enough 120 speed || return 1
   timeout "$(left)" python3 benchmarks/grpo_vllm_gpu.py speed ${TINY:+--tiny} --recipes ${RECIPES:-bf16 jet_fp8} --layers "${LAYERS:-8}" \
-    --train_micro "${TRAIN_MICRO:-4}" ${GRAD_CKPT:+--grad_ckpt} --steps "${STEPS:-3}" --prompts "${PROMPTS:-64}" --gemm_backend "${GEMM_BACKEND:-torch}" --out "$RES" --workdir "$T/grpo_work" \
+    --train_micro "${TRAIN_MICRO:-4}" ${GRAD_CKPT:+--grad_ckpt} ${RUN_TIMEOUT:+--run_timeout "$RUN_TIMEOUT"} --steps "${STEPS:-3}" --prompts "${PROMPTS:-64}" --gemm_backend "${GEMM_BACKEND:-torch}" --out "$RES" --workdir "$T/grpo_work" \
     --deadline "$(($(left) - 15))" 2>&1 | grep "^\[grpo_vllm\|rror" | tail -20
   python3 benchmarks/grpo_vllm_gpu.py report --table_only --from "$RES"
+}
+
+stage_update_profile() {  # the actor update's micro-step alone, kernel by kernel (benchmarks/update_profile.py)
+  enough 90 update_profile || return 1
+  timeout "$(left)" python3 benchmarks/update_profile.py --out "$RES/update_profile" --layers "${LAYERS:-8}" \
+    --micro ${PROFILE_MICRO:-4} --variants ${PROFILE_VARIANTS:-plain deepspeed deepspeed-nosync} ${GRAD_CKPT:+--grad-ckpt} \
+    --gemm-backend "${GEMM_BACKEND:-torch}" --timeout 150
 }
 
 stage_smollm2() {
