@@ -1,0 +1,67 @@
+"""benchmarks/update_profile.py on CPU (`--tiny`): the actor update's micro-step runs for bf16 and jet_fp8, under plain
+autograd and under the trainer's DeepSpeed strategy (gloo), and the profiles become a table and a run record.
+
+The H200 profiles (`bash benchmarks/h200_grpo.sh update_profile`) go through the same code; only the sizes, the
+device and the kernels the profiler sees differ.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import update_profile  # noqa: E402
+from _rl_helpers import ENV  # noqa: E402
+
+
+@pytest.mark.parametrize("name, group", [
+    ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", "gemm fp8"),
+    ("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT", "gemm bf16"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1x1_kernel0", "attention"),
+    ("_quant_1x128_kernel", "quantize"),
+    ("_silu_mul_quant_kernel", "quantize"),
+    ("requant_1x128_to_128x1_t", "quantize"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3> >", "elementwise"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)", "copy/fill"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>", "log-softmax"),
+    ("void multi_tensor_apply_kernel<at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4>>", "optimizer"),
+])
+def test_kernel_groups_name_the_h200_kernels(name, group):
+    assert update_profile.kernel_group(name) == group
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_tiny_profiles_run_and_file_a_record(tmp_path):
+    out = tmp_path / "prof"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/update_profile.py", "--tiny", "--layers", "2", "--prompt-len", "16", "--new-tokens", "32",
+         "--update-seqs", "16", "--micro", "4", "--variants", "plain", "deepspeed", "--warmup", "1", "--steps", "2",
+         "--profile-steps", "1", "--fwd-micro", "4", "--out", str(out)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = {p.stem: json.loads(p.read_text()) for p in out.glob("profile_*.json")}
+    assert set(results) == {f"profile_{v}_m4_{r}" for v in ("plain", "deepspeed") for r in ("bf16", "jet_fp8")}, proc.stdout
+    for r in results.values():
+        assert r["micro_step_wall_ms"] > 0 and r["fwd_nograd_ms"] > 0 and r["kernels_captured"] > 0
+        assert abs(sum(r["groups_ms"].values()) - r["micro_step_kernel_ms"]) < 0.05 + 0.01 * r["micro_step_kernel_ms"]
+    # The FP8 model really ran its FP8 layers: their autograd function shows up among the profiled ops.
+    fp8_ops = [name for name, _, _ in results["profile_plain_m4_jet_fp8"]["top_kernels_us"]]
+    assert any("Fp8Linear" in n or "quant" in n for n in fp8_ops), fp8_ops
+    assert "| micro-step wall |" in proc.stdout and "bf16 / jet_fp8" in proc.stdout
+
+    runs = tmp_path / "runs"
+    recs = json.loads(update_profile.record(list(results.values()), "cpu", "test", runs).read_text())
+    walls = [r for r in recs if r["name"] == "update_micro_step_wall_ms"]
+    assert len(walls) == 4 and all(r["unit"] == "ms" for r in walls)
+    bf, fp8 = ({(r["shape"], r["backend"]): r for r in walls}[(walls[0]["shape"], b)] for b in ("bf16", "jet_fp8"))
+    assert bf["ratio_vs_bf16"] == 1.0 and fp8["ratio_vs_bf16"] == pytest.approx(bf["value"] / fp8["value"], rel=1e-3)
