@@ -201,7 +201,7 @@ def job(a: argparse.Namespace) -> dict:
 
 # ---- the table ---------------------------------------------------------------------------------------
 def _key(r: dict) -> tuple:
-    return (r["variant"], r["micro"], r.get("grad_ckpt", False))
+    return (r["gemm_backend"], r["variant"], r["micro"], r.get("grad_ckpt", False))
 
 
 def summarize(results: list[dict]) -> str:
@@ -209,12 +209,12 @@ def summarize(results: list[dict]) -> str:
         return "no profiles"
     r0 = results[0]
     lines = [f"Actor update micro-step, Llama-3.1-8B shape{' (tiny)' if r0.get('tiny') else ''}, {r0['layers']} layers, "
-             f"prompt <= {r0['prompt_len']} + {r0['new_tokens']} response tokens per sequence, FP8 GEMMs: {r0['gemm_backend']}", ""]
+             f"prompt <= {r0['prompt_len']} + {r0['new_tokens']} response tokens per sequence", ""]
     groups = [g for g, _ in KERNEL_GROUPS] + ["other"]
     for key in sorted({_key(r) for r in results}):
         rows = [r for r in results if _key(r) == key]
         bf = next((r for r in rows if r["recipe"] == "bf16"), None)
-        lines += [f"{key[0]}, micro-batch {key[1]} sequences{', activation checkpointing' if key[2] else ''}", "",
+        lines += [f"{key[1]}, micro-batch {key[2]} sequences{', activation checkpointing' if key[3] else ''}, FP8 GEMMs {key[0]}", "",
                   "| ms | " + " | ".join(r["recipe"] for r in rows) + (" | bf16 / jet_fp8 |" if bf and len(rows) > 1 else " |"),
                   "|---" * (len(rows) + 1 + (bf is not None and len(rows) > 1)) + "|"]
 
@@ -238,7 +238,7 @@ def summarize(results: list[dict]) -> str:
         if not r["kernels_captured"]:
             lines.append(f"{r['recipe']} ({r['variant']}): the profiler recorded no GPU kernels (CUPTI unavailable?)")
     for r in results:
-        if r["variant"] == "plain" and r["micro"] == min(x["micro"] for x in results):
+        if r["variant"] == "plain" and r["micro"] == min(x["micro"] for x in results) and not r["grad_ckpt"]:
             lines += [f"{r['recipe']} ({r['variant']}, micro {r['micro']}), top kernels per micro-step:"]
             lines += [f"  {us / 1e3:8.2f} ms  {g:12s} {name[:100]}" for name, us, g in r["top_kernels_us"][:14]]
     return "\n".join(lines)
@@ -257,7 +257,8 @@ def record(results: list[dict], device: str, command: str, runs_dir: Path | None
     for r in results:
         bf = next((flat(x) for x in results if x["recipe"] == "bf16" and _key(x) == _key(r)), {})
         shape = (f"Llama-3.1-8B shape, {r['layers']} layers, {r['variant']}, micro-batch {r['micro']} x (<= {r['prompt_len']} + "
-                 f"{r['new_tokens']}) tokens{', activation checkpointing' if r['grad_ckpt'] else ''}")
+                 f"{r['new_tokens']}) tokens{', activation checkpointing' if r['grad_ckpt'] else ''}"
+                 f"{'' if r['gemm_backend'] == 'torch' else ', FP8 GEMMs ' + r['gemm_backend']}")
         for key, v in flat(r).items():
             name, _, group = key.partition("/")
             ref = bf.get(key)
@@ -312,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         for variant in a.variants:
             for micro in a.micro:
                 for r in a.recipes:  # one at a time: each job has the GPU to itself
-                    f = out / f"profile_{variant}_m{micro}{'_ckpt' if a.grad_ckpt else ''}_{r}.json"
+                    tag = f"{variant}_m{micro}{'_ckpt' if a.grad_ckpt else ''}{'' if a.gemm_backend == 'torch' else '_' + a.gemm_backend}"
+                    f = out / f"profile_{tag}_{r}.json"
                     cmd = [sys.executable, __file__, "--recipe", r, "--variant", variant, "--micro", str(micro), "--json", str(f),
                            "--layers", str(a.layers), "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens),
                            "--update-seqs", str(a.update_seqs), "--fwd-micro", str(a.fwd_micro), "--gemm-backend", a.gemm_backend,
