@@ -19,7 +19,8 @@ rollouts are), jet_fp8 converted by the trainer's `Fp8Converter`. Variants:
 Per job (one recipe, variant and micro-batch size, each in its own process) it reports the wall time per micro-step
 (steps back to back), the GPU kernel time per micro-step and its split by kernel group (torch.profiler / CUPTI,
 `KERNEL_GROUPS`), the wall time of a no-grad log-prob forward (the old-logprob and reference passes), and the peak
-memory. Wall well above kernel time means the GPU waits on the host; a kernel group that FP8 does not shrink is
+memory. `--import-vllm restore|no-restore` imports vLLM's platform first, as a colocated engine does, with and without
+the trainer's `restore_cudnn_sdpa`. Wall well above kernel time means the GPU waits on the host; a kernel group that FP8 does not shrink is
 where the update's FP8 gain goes.
 """
 
@@ -109,6 +110,15 @@ def job(a: argparse.Namespace) -> dict:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    if a.import_vllm:  # what a colocated engine does to the trainer's process (vllm/platforms/cuda.py on a GPU)
+        from vllm.platforms import current_platform
+
+        current_platform.is_cuda()
+        if a.import_vllm == "no-restore":
+            import openrlhf.models.actor as actor_mod
+
+            actor_mod.restore_cudnn_sdpa = lambda: False
+    cudnn_sdpa_after_import = torch.backends.cuda.cudnn_sdp_enabled()
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = TINY if a.tiny else LLAMA_8B
     torch.manual_seed(0)
@@ -192,7 +202,8 @@ def job(a: argparse.Namespace) -> dict:
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
     return {"job": "update_profile", "recipe": a.recipe, "variant": a.variant, "micro": a.micro, "layers": a.layers,
             "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "grad_ckpt": a.grad_ckpt, "gemm_backend": a.gemm_backend,
-            "tiny": a.tiny, "kernels_captured": len(per_kernel), "micro_step_wall_ms": round(step_ms, 2),
+            "tiny": a.tiny, "import_vllm": a.import_vllm, "cudnn_sdpa_after_import": cudnn_sdpa_after_import,
+            "cudnn_sdpa_in_steps": torch.backends.cuda.cudnn_sdp_enabled(), "kernels_captured": len(per_kernel), "micro_step_wall_ms": round(step_ms, 2),
             "micro_step_kernel_ms": round(sum(per_kernel.values()) / 1e3, 2),
             "groups_ms": {g: round(v / 1e3, 3) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
             "fwd_nograd_ms": round(fwd_ms, 2), "fwd_micro": a.fwd_micro, "peak_allocated_gib": round(peak, 2),
@@ -201,7 +212,7 @@ def job(a: argparse.Namespace) -> dict:
 
 # ---- the table ---------------------------------------------------------------------------------------
 def _key(r: dict) -> tuple:
-    return (r["gemm_backend"], r["variant"], r["micro"], r.get("grad_ckpt", False))
+    return (r["gemm_backend"], r["variant"], r["micro"], r.get("grad_ckpt", False), r.get("import_vllm", ""))
 
 
 def summarize(results: list[dict]) -> str:
@@ -214,7 +225,9 @@ def summarize(results: list[dict]) -> str:
     for key in sorted({_key(r) for r in results}):
         rows = [r for r in results if _key(r) == key]
         bf = next((r for r in rows if r["recipe"] == "bf16"), None)
-        lines += [f"{key[1]}, micro-batch {key[2]} sequences{', activation checkpointing' if key[3] else ''}, FP8 GEMMs {key[0]}", "",
+        vllm_note = {"": "", "restore": ", vLLM imported", "no-restore": ", vLLM imported, cuDNN attention left off"}[key[4]]
+        lines += [f"{key[1]}, micro-batch {key[2]} sequences{', activation checkpointing' if key[3] else ''}, FP8 GEMMs {key[0]}"
+                  f"{vllm_note}", "",
                   "| ms | " + " | ".join(r["recipe"] for r in rows) + (" | bf16 / jet_fp8 |" if bf and len(rows) > 1 else " |"),
                   "|---" * (len(rows) + 1 + (bf is not None and len(rows) > 1)) + "|"]
 
@@ -258,7 +271,8 @@ def record(results: list[dict], device: str, command: str, runs_dir: Path | None
         bf = next((flat(x) for x in results if x["recipe"] == "bf16" and _key(x) == _key(r)), {})
         shape = (f"Llama-3.1-8B shape, {r['layers']} layers, {r['variant']}, micro-batch {r['micro']} x (<= {r['prompt_len']} + "
                  f"{r['new_tokens']}) tokens{', activation checkpointing' if r['grad_ckpt'] else ''}"
-                 f"{'' if r['gemm_backend'] == 'torch' else ', FP8 GEMMs ' + r['gemm_backend']}")
+                 f"{'' if r['gemm_backend'] == 'torch' else ', FP8 GEMMs ' + r['gemm_backend']}"
+                 f"{', vLLM imported' + (' (cuDNN attention left off)' if r.get('import_vllm') == 'no-restore' else '') if r.get('import_vllm') else ''}")
         for key, v in flat(r).items():
             name, _, group = key.partition("/")
             ref = bf.get(key)
@@ -282,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fwd-micro", type=int, default=8, help="sequences per no-grad forward (the rollout micro-batch)")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing, as --actor.gradient_checkpointing_enable")
     ap.add_argument("--gemm-backend", default=None, help="the FP8 GEMM backend (default: torch, cuBLASLt, on a GPU; auto on CPU)")
+    ap.add_argument("--import-vllm", default="", choices=["", "restore", "no-restore"],
+                    help="import vLLM's platform first, as a colocated engine does (on a GPU it switches cuDNN attention off "
+                         "process-wide); no-restore also keeps the trainer from switching it back on")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile-steps", type=int, default=2)
@@ -313,13 +330,15 @@ def main(argv: list[str] | None = None) -> int:
         for variant in a.variants:
             for micro in a.micro:
                 for r in a.recipes:  # one at a time: each job has the GPU to itself
-                    tag = f"{variant}_m{micro}{'_ckpt' if a.grad_ckpt else ''}{'' if a.gemm_backend == 'torch' else '_' + a.gemm_backend}"
+                    tag = (f"{variant}_m{micro}{'_ckpt' if a.grad_ckpt else ''}{'' if a.gemm_backend == 'torch' else '_' + a.gemm_backend}"
+                           f"{'_vllm-' + a.import_vllm if a.import_vllm else ''}")
                     f = out / f"profile_{tag}_{r}.json"
                     cmd = [sys.executable, __file__, "--recipe", r, "--variant", variant, "--micro", str(micro), "--json", str(f),
                            "--layers", str(a.layers), "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens),
                            "--update-seqs", str(a.update_seqs), "--fwd-micro", str(a.fwd_micro), "--gemm-backend", a.gemm_backend,
                            "--warmup", str(a.warmup), "--steps", str(a.steps), "--profile-steps", str(a.profile_steps),
-                           *(["--grad-ckpt"] if a.grad_ckpt else []), *(["--tiny"] if a.tiny else [])]
+                           *(["--grad-ckpt"] if a.grad_ckpt else []), *(["--tiny"] if a.tiny else []),
+                           *(["--import-vllm", a.import_vllm] if a.import_vllm else [])]
                     t0 = time.time()
                     with open(f.with_suffix(".log"), "w") as log:
                         try:

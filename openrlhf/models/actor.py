@@ -19,6 +19,7 @@ from torch import nn
 from jetrl_precision.batch_invariant import invariant_log_probs, uses_triton_kernels
 
 from .packing import pack_batch, unpack_to_actions
+from .sdpa_backends import restore_cudnn_sdpa
 from .utils import log_probs_from_logits
 
 __all__ = ["Actor", "Critic", "position_ids_from_mask", "load_causal_lm", "read_checkpoint_tensor"]
@@ -66,6 +67,7 @@ class Actor(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-probs [B, num_actions] of the response tokens under the (temperature-scaled) policy;
         with `return_entropy`, also the policy's entropy at each of those positions."""
+        restore_cudnn_sdpa()  # an in-process vLLM switches it off for everyone
         if self.packing:
             packed = pack_batch(sequences, attention_mask, num_actions)
             out = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
@@ -162,6 +164,7 @@ class Critic(nn.Module):
 
     def forward(self, sequences: torch.Tensor, attention_mask: torch.Tensor, num_actions: int) -> torch.Tensor:
         """Values [B, num_actions]: V(state before each response token)."""
+        restore_cudnn_sdpa()
         if self.packing:
             packed = pack_batch(sequences, attention_mask, num_actions)
             out = self.model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)

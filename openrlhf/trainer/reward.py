@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from openrlhf.models.sdpa_backends import restore_cudnn_sdpa
 from openrlhf.rewards.math_reward import math_reward
 from openrlhf.rewards.remote import load_reward_fn
 
@@ -51,6 +52,7 @@ class RewardModelFn:
     def __call__(self, prompts: list[str], responses: list[str], labels: list[str | None]) -> list[float]:
         enc = self.tok([p + r for p, r in zip(prompts, responses)], return_tensors="pt", padding=True).to(self.device)
         self.model.to(self.device)
+        restore_cudnn_sdpa()
         try:
             return self.model(**enc).logits[:, 0].float().cpu().tolist()
         finally:
