@@ -19,9 +19,11 @@ K and N are padded to multiples of 128 when needed (logged once). Any M works fo
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from types import ModuleType
+from typing import Iterator
 
 import torch
 
@@ -48,7 +50,8 @@ def import_deep_gemm() -> ModuleType | None:
     except Exception as e:  # noqa: BLE001 - any import failure means "not usable"
         errors.append(("deep_gemm", e))
         try:
-            from vllm.third_party import deep_gemm as mod  # type: ignore[no-redef]
+            with _attention_flags_kept():
+                from vllm.third_party import deep_gemm as mod  # type: ignore[no-redef]
         except Exception as e2:  # noqa: BLE001
             errors.append(("vllm.third_party.deep_gemm", e2))
             mod = None
@@ -65,6 +68,19 @@ def import_deep_gemm() -> ModuleType | None:
     else:
         _import_error.append("")
     return mod
+
+
+@contextlib.contextmanager
+def _attention_flags_kept() -> Iterator[None]:
+    """Importing vLLM (for its copy of DeepGEMM) switches torch's cuDNN SDPA off process-wide (vllm/platforms/cuda.py),
+    which would send a training process's attention to a slower kernel for want of a GEMM library: put it back."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        yield
+    finally:
+        if torch.backends.cuda.cudnn_sdp_enabled() != before:
+            torch.backends.cuda.enable_cudnn_sdp(before)
+            logger.info("jetrl_precision: importing vLLM's DeepGEMM switched torch's cuDNN attention off; switched back on")
 
 
 def _not_found(what: str, e: Exception) -> bool:

@@ -4,6 +4,7 @@ the weight-quantization cache, saved-activation memory, NaN behaviour, and GEMM 
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -376,3 +377,28 @@ def test_emulated_gemm_matches_float64(out_dtype):
     assert ((out.double() - ref).abs() <= bound).all()
     with pytest.raises(ValueError, match="K mismatch"):
         gemm_nt(a, quantize_fp8(outlier_data((64, 256)), (128, 128)), torch.float32, "emulated")
+
+
+def test_importing_vllms_deep_gemm_leaves_torch_attention_flags_alone(monkeypatch, tmp_path):
+    """vLLM's import switches cuDNN SDPA off process-wide (vllm/platforms/cuda.py); the deep_gemm backend imports vLLM
+    only for its copy of DeepGEMM, and must not leave a training process's attention on a slower kernel. A stand-in
+    for the vendored package does what that import does."""
+    import vllm.third_party
+
+    from jetrl_precision.gemm import deep_gemm_backend as dgb
+
+    pkg = tmp_path / "deep_gemm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import torch\ntorch.backends.cuda.enable_cudnn_sdp(False)\n\ndef fp8_gemm_nt(*a, **k):\n    pass\n")
+    monkeypatch.setattr(vllm.third_party, "__path__", [*vllm.third_party.__path__, str(tmp_path)])
+    monkeypatch.setattr(dgb, "_module", [])
+    monkeypatch.setattr(dgb, "_import_error", [])
+    monkeypatch.delitem(sys.modules, "vllm.third_party.deep_gemm", raising=False)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        mod = dgb.import_deep_gemm()
+        assert mod is not None and mod.__name__ == "vllm.third_party.deep_gemm"
+        assert torch.backends.cuda.cudnn_sdp_enabled() is before is True
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+        sys.modules.pop("vllm.third_party.deep_gemm", None)
