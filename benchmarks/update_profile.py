@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -39,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+
+from vllm_decode_profile import category, kernel_times  # noqa: E402  (benchmarks/, no vLLM import)
 
 __all__ = ["KERNEL_GROUPS", "kernel_group", "summarize", "record", "main"]
 
@@ -63,11 +64,7 @@ KERNEL_GROUPS = (
 
 
 def kernel_group(kernel: str) -> str:
-    name = kernel.lower()
-    for group, pattern in KERNEL_GROUPS:
-        if re.search(pattern, name):
-            return group
-    return "other"
+    return category(kernel, KERNEL_GROUPS)
 
 
 # ---- one job (the child process) -------------------------------------------------------------------
@@ -83,20 +80,6 @@ def _batch(micro: int, prompt_len: int, new_tokens: int, vocab: int, device, see
         seq[i, :p], mask[i, :p] = 0, 0
     adv = torch.randn(micro, new_tokens, generator=g)
     return seq.to(device), mask.to(device), adv.to(device)
-
-
-def _kernel_us(prof, cuda: bool) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for ev in prof.key_averages():
-        if cuda:
-            us = getattr(ev, "device_time_total", None)
-            us = getattr(ev, "cuda_time_total", 0.0) if us is None else us
-            keep = us and "CUDA" in str(getattr(ev, "device_type", ""))
-        else:  # --tiny on CPU: ops' own time (a plumbing check, not kernels)
-            us, keep = ev.self_cpu_time_total, ev.self_cpu_time_total > 0
-        if keep:
-            out[ev.key] = out.get(ev.key, 0.0) + float(us)
-    return out
 
 
 def job(a: argparse.Namespace) -> dict:
@@ -183,7 +166,7 @@ def job(a: argparse.Namespace) -> dict:
         for i in range(a.profile_steps):
             micro_step(i)
         sync()
-    per_kernel = {k: v / a.profile_steps for k, v in _kernel_us(prof, cuda).items()}
+    per_kernel = {k: v / a.profile_steps for k, v in kernel_times(prof, cuda).items()}
     groups: dict[str, float] = {}
     for k, us in per_kernel.items():
         groups[kernel_group(k)] = groups.get(kernel_group(k), 0.0) + us

@@ -31,7 +31,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-__all__ = ["CATEGORIES", "category", "decode_kernels", "summarize", "main"]
+__all__ = ["CATEGORIES", "category", "kernel_times", "decode_kernels", "summarize", "main"]
 
 # First match wins: the attention and norm names come before the GEMM patterns some of them would also match.
 CATEGORIES = (
@@ -45,12 +45,28 @@ CATEGORIES = (
 )
 
 
-def category(kernel: str) -> str:
+def category(kernel: str, table: tuple[tuple[str, str], ...] = CATEGORIES) -> str:
+    """The first group of `table` whose pattern the kernel's name matches, else "other"."""
     name = kernel.lower()
-    for cat, pattern in CATEGORIES:
+    for cat, pattern in table:
         if re.search(pattern, name):
             return cat
     return "other"
+
+
+def kernel_times(prof, cuda: bool) -> dict[str, float]:
+    """Device us per kernel name in a finished torch.profiler run; on CPU (tiny plumbing runs), ops' own time."""
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if cuda:  # GPU kernels
+            us = getattr(ev, "device_time_total", None)
+            us = getattr(ev, "cuda_time_total", 0.0) if us is None else us
+            keep = us and "CUDA" in str(getattr(ev, "device_type", ""))
+        else:  # --tiny on CPU: ops' own time (a plumbing check; these are not kernels)
+            us, keep = ev.self_cpu_time_total, ev.self_cpu_time_total > 0
+        if keep:
+            out[ev.key] = out.get(ev.key, 0.0) + float(us)
+    return out
 
 
 def decode_kernels(short: dict[str, float], long: dict[str, float], steps: int) -> dict[str, float]:
@@ -74,17 +90,7 @@ def _profile(llm, prompts, max_tokens: int) -> tuple[dict[str, float], float]:
         llm.generate(prompts, params, use_tqdm=False)
         sync()
         wall = time.perf_counter() - t0
-    out: dict[str, float] = {}
-    for ev in prof.key_averages():
-        if cuda:  # GPU kernels
-            us = getattr(ev, "device_time_total", None)
-            us = getattr(ev, "cuda_time_total", 0.0) if us is None else us
-            keep = us and "CUDA" in str(getattr(ev, "device_type", ""))
-        else:  # --tiny on CPU: ops' own time (a plumbing check; these are not kernels)
-            us, keep = ev.self_cpu_time_total, ev.self_cpu_time_total > 0
-        if keep:
-            out[ev.key] = out.get(ev.key, 0.0) + float(us)
-    return out, wall
+    return kernel_times(prof, cuda), wall
 
 
 def job(a: argparse.Namespace) -> dict:
