@@ -40,6 +40,7 @@ def convert_to_fp8(
     *,
     side: Side = "train",
     fuse_swiglu: bool = True,
+    cache_weights: bool = True,
 ) -> nn.Module:
     """Swap the model's nn.Linear layers for Fp8Linear in place and return the model.
 
@@ -55,6 +56,10 @@ def convert_to_fp8(
     With `fuse_swiglu` (the default) the Llama/Qwen/Mistral SwiGLU MLPs become `swiglu.SwiGLUMLP`: silu(gate) * up
     and the down projection's 1x128 quantization of it run as one kernel on CUDA, and backward keeps gate and up
     instead of also silu(gate). Same values bit for bit; pass False to keep the model's own MLP modules.
+
+    `cache_weights` (the default) keeps each layer's quantized weight, and after a backward its transpose, until the
+    weight changes: one byte per weight each, beside the BF16 weight. False quantizes them in every forward and
+    backward instead (the same bytes): for runs whose memory is mostly weights (activation checkpointing).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 converts an nn.Module, got {type(model).__name__}")
@@ -74,7 +79,7 @@ def convert_to_fp8(
         for child_name, child in list(module.named_children()):
             child_fqn = f"{fqn}.{child_name}" if fqn else child_name
             if type(child) is nn.Linear and keep(child, child_fqn):
-                setattr(module, child_name, Fp8Linear.from_linear(child, fprop, backward, recipe.gemm_backend, child_fqn))
+                setattr(module, child_name, Fp8Linear.from_linear(child, fprop, backward, recipe.gemm_backend, child_fqn, cache_weights))
                 converted += 1
     if fuse_swiglu:
         _fuse_swiglu(model)
@@ -106,10 +111,12 @@ class Fp8Converter:
     side: Side = "train"
     module_filter: ModuleFilter | None = None
     fuse_swiglu: bool = True
+    cache_weights: bool = True
 
     def convert(self, model: nn.Module) -> nn.Module:
         """`convert_to_fp8(model, recipe, ...)` with this converter's settings; in place, returns the model."""
-        return convert_to_fp8(model, self.recipe, self.module_filter, side=self.side, fuse_swiglu=self.fuse_swiglu)
+        return convert_to_fp8(model, self.recipe, self.module_filter, side=self.side, fuse_swiglu=self.fuse_swiglu,
+                              cache_weights=self.cache_weights)
 
     def post_optimizer_hook(self, model: nn.Module | Iterable[nn.Module]) -> None:
         """The weights changed: drop the cached FP8 weights (and the step's shared activation quantizations).

@@ -194,6 +194,9 @@ class Fp8Linear(nn.Linear):
         self.backward_spec = None
         self.gemm_backend = "auto"
         self.backward_gemm_backend: str | None = None  # None: the forward's
+        # Keep Q(W) (and, after a backward, Q(W)^T) between calls until the weight changes: 1 byte per weight each.
+        # False: quantize in every call instead, as under ZeRO-3 (same bytes; no weight memory beyond BF16's).
+        self.cache_weights = True
         self.fqn = ""
         self._resolved: dict[str, str] = {}
         self._plans: dict[torch.device, _StepPlan] = {}
@@ -210,6 +213,7 @@ class Fp8Linear(nn.Linear):
         backward: BackwardSpec | None = None,
         gemm_backend: str = "auto",
         fqn: str = "",
+        cache_weights: bool = True,
     ) -> "Fp8Linear":
         # Build on the meta device, then adopt the original Parameters (no copy, same objects).
         with torch.device("meta"):
@@ -217,6 +221,7 @@ class Fp8Linear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new.fprop, new.backward_spec, new.gemm_backend, new.fqn = fprop, backward, gemm_backend, fqn
+        new.cache_weights = cache_weights
         # Carry over hooks/attributes DeepSpeed or PEFT may have set on the module itself.
         for key in ("ds_id", "_z3_leaf"):
             if hasattr(linear, key):
@@ -247,8 +252,10 @@ class Fp8Linear(nn.Linear):
 
     # ---- weight quantization cache ---------------------------------------------------
     def _cache_key(self, weight: torch.Tensor) -> tuple | None:
-        if _is_zero3_param(weight):
-            return None  # the gathered buffer is transient under ZeRO-3; quantizing is deterministic anyway
+        if not self.cache_weights or _is_zero3_param(weight):
+            # Not kept: the caller asked for no weight memory, or the gathered ZeRO-3 buffer is transient.
+            # Quantizing is deterministic, so every call still sees the same bytes.
+            return None
         return (weight.data_ptr(), weight._version, weight.shape, weight.dtype, _current_generation[0])
 
     def quantized_weight(self, weight: torch.Tensor | None = None) -> QuantizedTensor:

@@ -492,6 +492,12 @@ class PrecisionConfig:
         "vLLM with --rollout.engine vllm), so the engine's logprobs are the trainer's bit for bit; a step whose sample "
         "check proves it skips the old-logprob recompute (docs/precision.md, Bitwise mode)",
     )
+    requantize_weights: bool = opt(
+        False,
+        "quantize each FP8 layer's weight (and, in backward, its transpose) in every call instead of keeping both until "
+        "the next optimizer step: no weight memory beyond BF16's (2 bytes per weight less), at one quantization pass "
+        "per call; for runs short of memory under activation checkpointing. Same bytes either way",
+    )
     bitwise_check_samples: int = opt(
         2,
         "with --precision.bitwise: sequences per rank recomputed each step to prove the engine's logprobs exact "

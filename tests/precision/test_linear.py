@@ -13,6 +13,7 @@ from torch import nn
 from precision_testutil import gamma, matmul_bound, outlier_data, sqnr_db
 from jetrl_precision import (
     BackendUnavailable,
+    Fp8Converter,
     Fp8Linear,
     available_backends,
     convert_to_fp8,
@@ -402,3 +403,32 @@ def test_importing_vllms_deep_gemm_leaves_torch_attention_flags_alone(monkeypatc
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
         sys.modules.pop("vllm.third_party.deep_gemm", None)
+
+
+def test_uncached_weights_give_the_same_bytes_and_keep_nothing():
+    """cache_weights=False (--precision.requantize_weights): every forward and backward quantizes W itself, as under
+    ZeRO-3; outputs and gradients are the cached layer's bit for bit, and no quantized weight outlives a call."""
+    x = outlier_data((64, 256))
+    lin = make_linear(256, 384)
+    cached = make_fp8(copy.deepcopy(lin))
+    fresh = Fp8Linear.from_linear(copy.deepcopy(lin), JET.train_fprop, JET.train_backward, "emulated", cache_weights=False)
+    assert fresh.cache_weights is False and cached.cache_weights is True
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    for layer, xi in zip((cached, fresh), xs):
+        for _ in range(2):  # two micro-steps: the cached layer reuses Q(W) and Q(W)^T on the second
+            layer(xi).square().mean().backward()
+    assert torch.equal(cached(x), fresh(x))
+    assert torch.equal(xs[0].grad, xs[1].grad) and torch.equal(cached.weight.grad, fresh.weight.grad)
+    assert torch.equal(cached.bias.grad, fresh.bias.grad)
+    assert cached._wq_cache is not None and cached._wq_t_cache is not None
+    assert fresh._wq_cache is None and fresh._wq_t_cache is None
+    # What the weight sync sends: the same bytes, quantized on request.
+    a, b = cached.quantized_weight(), fresh.quantized_weight()
+    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+    assert fresh._wq_cache is None
+
+
+def test_converter_passes_the_weight_cache_choice_to_every_layer():
+    model = nn.Sequential(make_linear(256, 256), nn.ReLU(), make_linear(256, 128))
+    Fp8Converter(JET, cache_weights=False).convert(model)
+    assert [m.cache_weights for m in fp8_linears(model).values()] == [False, False]

@@ -440,3 +440,15 @@ def test_docs_tables_are_current():
         assert block.group(1) == render(), "docs/cli.md is stale: run python -m openrlhf.config.docs docs/cli.md"
     flags = render_flag_table()
     assert all(f"`{s.flag}`" in flags for s in flag_specs())
+
+
+@pytest.mark.parametrize("argv, cache", [([], True), (["--precision.requantize_weights"], False)])
+def test_requantize_weights_reaches_every_converter(argv, cache):
+    """--precision.requantize_weights: the policy's, the reference's and the critic's FP8 layers keep no quantized
+    weights between calls (tests/precision/test_linear.py checks that the bytes are the same)."""
+    from openrlhf.trainer.ppo_trainer import PPOTrainer
+
+    cfg = parse_config([*BASE, "--fp8_unified", *argv])
+    assert cfg.precision.requantize_weights is (not cache)
+    tr = PPOTrainer(cfg, strategy=None, engine_factory=None)
+    assert tr.converter.cache_weights is cache and tr.aux_converter.cache_weights is cache

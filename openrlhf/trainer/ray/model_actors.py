@@ -45,7 +45,8 @@ class RefActor:
         pin_assigned_gpus()
         self.actor_id = actor_id
         model = load_causal_lm(cfg.ref_model_path, _dtype(cfg), cfg.ds.attn_implementation)
-        convert_to_fp8(model, cfg.precision.load_recipe(policy=False), side="train")
+        convert_to_fp8(model, cfg.precision.load_recipe(policy=False), side="train",
+                       cache_weights=not cfg.precision.requantize_weights)
         self.model = Actor(model).requires_grad_(False).eval().to(_device())
 
     def info(self) -> dict[str, Any]:
@@ -129,7 +130,8 @@ class CriticActor:
         cfg = self.cfg
         self.strategy = make_strategy(cfg)
         self.strategy.setup_distributed()
-        self.converter = Fp8Converter(cfg.precision.load_recipe(policy=False), side="train")
+        self.converter = Fp8Converter(cfg.precision.load_recipe(policy=False), side="train",
+                                      cache_weights=not cfg.precision.requantize_weights)
         # The SPMD trainer's critic (optimizer, schedule, clipping norm), for the same number of updates.
         self.critic_engine = prepare_critic(cfg, self.strategy, self.converter, total_updates)
         self.value_loss = ValueLoss(cfg.critic.value_clip)
