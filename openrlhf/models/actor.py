@@ -9,6 +9,7 @@ identical positions.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import logging
 from pathlib import Path
@@ -59,6 +60,9 @@ class Actor(nn.Module):
         super().__init__()
         self.model = model
         self.packing = packing
+        # Models that take `logits_to_keep` (transformers' causal LMs) run the lm_head on the response positions only:
+        # the prompt's logits over the whole vocabulary are never used.
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         # A model on the batch-invariant Triton kernels scores tokens with their log-softmax, as its engine does.
         self._log_probs = invariant_log_probs if uses_triton_kernels(model) else log_probs_from_logits
 
@@ -75,7 +79,9 @@ class Actor(nn.Module):
             labels = packed.input_ids[0, packed.target_index]
             logp = unpack_to_actions(self._log_probs(logits, labels, temperature=temperature), packed)
         else:
-            out = self.model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+            keep = {"logits_to_keep": num_actions + 1} if self._logits_to_keep else {}
+            out = self.model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+                             use_cache=False, **keep)
             logits = out.logits[:, -num_actions - 1 : -1]
             logp = self._log_probs(logits, sequences[:, -num_actions:], temperature=temperature)
         if not return_entropy:
