@@ -24,7 +24,8 @@
 #   any call after 2                   bash benchmarks/h200_grpo.sh update_profile   the update's micro-step alone, kernel
 #                                      by kernel (PROFILE_MICRO "4", PROFILE_VARIANTS "plain deepspeed deepspeed-nosync",
 #                                      PROFILE_TIMEOUT 150 s per job, DeepGEMM compiling its kernels cold needs more;
-#                                      PROFILE_VLLM restore|no-restore: vLLM imported first, as a colocated engine is)
+#                                      PROFILE_VLLM restore|no-restore: vLLM imported first, as a colocated engine is;
+#                                      PROFILE_REQUANT=1: --precision.requantize_weights)
 # A call on a fresh machine (the previous one was given back) starts again from 1.
 # Knobs: RECIPES (speed, default "bf16 jet_fp8"; jet_fp8+bitwise adds --precision.bitwise on vLLM), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64),
 # TRAIN_MICRO (4 sequences per training micro-batch), GRAD_CKPT (set: activation checkpointing, for LAYERS=16 and up),
@@ -146,7 +147,7 @@ stage_update_profile() {  # the actor update's micro-step alone, kernel by kerne
   enough 90 update_profile || return 1
   timeout "$(left)" python3 benchmarks/update_profile.py --out "$RES/update_profile" --layers "${LAYERS:-8}" \
     --micro ${PROFILE_MICRO:-4} --variants ${PROFILE_VARIANTS:-plain deepspeed deepspeed-nosync} ${GRAD_CKPT:+--grad-ckpt} \
-    ${PROFILE_VLLM:+--import-vllm "$PROFILE_VLLM"} \
+    ${PROFILE_VLLM:+--import-vllm "$PROFILE_VLLM"} ${PROFILE_REQUANT:+--requantize-weights} \
     --gemm-backend "${GEMM_BACKEND:-torch}" --timeout "${PROFILE_TIMEOUT:-150}"
 }
 

@@ -110,7 +110,8 @@ def job(a: argparse.Namespace) -> dict:
         model = LlamaForCausalLM(cfg).to(dtype)
     if a.recipe != "bf16":
         recipe = get_recipe(a.recipe)
-        Fp8Converter(recipe if a.gemm_backend == "auto" else recipe.replace(gemm_backend=a.gemm_backend), side="train").convert(model)
+        Fp8Converter(recipe if a.gemm_backend == "auto" else recipe.replace(gemm_backend=a.gemm_backend), side="train",
+                     cache_weights=not a.requantize_weights).convert(model)
     actor = Actor(model)
     if a.grad_ckpt:
         actor.gradient_checkpointing_enable()
@@ -185,7 +186,7 @@ def job(a: argparse.Namespace) -> dict:
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
     return {"job": "update_profile", "recipe": a.recipe, "variant": a.variant, "micro": a.micro, "layers": a.layers,
             "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "grad_ckpt": a.grad_ckpt, "gemm_backend": a.gemm_backend,
-            "tiny": a.tiny, "import_vllm": a.import_vllm, "cudnn_sdpa_after_import": cudnn_sdpa_after_import,
+            "tiny": a.tiny, "import_vllm": a.import_vllm, "requantize_weights": a.requantize_weights, "cudnn_sdpa_after_import": cudnn_sdpa_after_import,
             "cudnn_sdpa_in_steps": torch.backends.cuda.cudnn_sdp_enabled(), "kernels_captured": len(per_kernel), "micro_step_wall_ms": round(step_ms, 2),
             "micro_step_kernel_ms": round(sum(per_kernel.values()) / 1e3, 2),
             "groups_ms": {g: round(v / 1e3, 3) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
@@ -195,7 +196,8 @@ def job(a: argparse.Namespace) -> dict:
 
 # ---- the table ---------------------------------------------------------------------------------------
 def _key(r: dict) -> tuple:
-    return (r["gemm_backend"], r["variant"], r["micro"], r.get("grad_ckpt", False), r.get("import_vllm", ""))
+    return (r["gemm_backend"], r["variant"], r["micro"], r.get("grad_ckpt", False), r.get("import_vllm", ""),
+            r.get("requantize_weights", False))
 
 
 def summarize(results: list[dict]) -> str:
@@ -210,7 +212,7 @@ def summarize(results: list[dict]) -> str:
         bf = next((r for r in rows if r["recipe"] == "bf16"), None)
         vllm_note = {"": "", "restore": ", vLLM imported", "no-restore": ", vLLM imported, cuDNN attention left off"}[key[4]]
         lines += [f"{key[1]}, micro-batch {key[2]} sequences{', activation checkpointing' if key[3] else ''}, FP8 GEMMs {key[0]}"
-                  f"{vllm_note}", "",
+                  f"{vllm_note}{', FP8 weights re-quantized every call' if key[5] else ''}", "",
                   "| ms | " + " | ".join(r["recipe"] for r in rows) + (" | bf16 / jet_fp8 |" if bf and len(rows) > 1 else " |"),
                   "|---" * (len(rows) + 1 + (bf is not None and len(rows) > 1)) + "|"]
 
@@ -255,7 +257,8 @@ def record(results: list[dict], device: str, command: str, runs_dir: Path | None
         shape = (f"Llama-3.1-8B shape, {r['layers']} layers, {r['variant']}, micro-batch {r['micro']} x (<= {r['prompt_len']} + "
                  f"{r['new_tokens']}) tokens{', activation checkpointing' if r['grad_ckpt'] else ''}"
                  f"{'' if r['gemm_backend'] == 'torch' else ', FP8 GEMMs ' + r['gemm_backend']}"
-                 f"{', vLLM imported' + (' (cuDNN attention left off)' if r.get('import_vllm') == 'no-restore' else '') if r.get('import_vllm') else ''}")
+                 f"{', vLLM imported' + (' (cuDNN attention left off)' if r.get('import_vllm') == 'no-restore' else '') if r.get('import_vllm') else ''}"
+                 f"{', FP8 weights re-quantized every call' if r.get('requantize_weights') else ''}")
         for key, v in flat(r).items():
             name, _, group = key.partition("/")
             ref = bf.get(key)
@@ -282,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--import-vllm", default="", choices=["", "restore", "no-restore"],
                     help="import vLLM's platform first, as a colocated engine does (on a GPU it switches cuDNN attention off "
                          "process-wide); no-restore also keeps the trainer from switching it back on")
+    ap.add_argument("--requantize-weights", action="store_true",
+                    help="FP8 layers keep no quantized weights between calls (--precision.requantize_weights)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile-steps", type=int, default=2)
@@ -314,14 +319,15 @@ def main(argv: list[str] | None = None) -> int:
             for micro in a.micro:
                 for r in a.recipes:  # one at a time: each job has the GPU to itself
                     tag = (f"{variant}_m{micro}{'_ckpt' if a.grad_ckpt else ''}{'' if a.gemm_backend == 'torch' else '_' + a.gemm_backend}"
-                           f"{'_vllm-' + a.import_vllm if a.import_vllm else ''}")
+                           f"{'_vllm-' + a.import_vllm if a.import_vllm else ''}{'_requant' if a.requantize_weights else ''}")
                     f = out / f"profile_{tag}_{r}.json"
                     cmd = [sys.executable, __file__, "--recipe", r, "--variant", variant, "--micro", str(micro), "--json", str(f),
                            "--layers", str(a.layers), "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens),
                            "--update-seqs", str(a.update_seqs), "--fwd-micro", str(a.fwd_micro), "--gemm-backend", a.gemm_backend,
                            "--warmup", str(a.warmup), "--steps", str(a.steps), "--profile-steps", str(a.profile_steps),
                            *(["--grad-ckpt"] if a.grad_ckpt else []), *(["--tiny"] if a.tiny else []),
-                           *(["--import-vllm", a.import_vllm] if a.import_vllm else [])]
+                           *(["--import-vllm", a.import_vllm] if a.import_vllm else []),
+                           *(["--requantize-weights"] if a.requantize_weights else [])]
                     t0 = time.time()
                     with open(f.with_suffix(".log"), "w") as log:
                         try:

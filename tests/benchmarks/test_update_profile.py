@@ -60,6 +60,17 @@ def test_tiny_profiles_run_and_file_a_record(tmp_path):
     assert any("Fp8Linear" in n or "quant" in n for n in fp8_ops), fp8_ops
     assert "| micro-step wall |" in proc.stdout and "bf16 / jet_fp8" in proc.stdout
 
+    # --requantize-weights: a job of its own, named and recorded as such.
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/update_profile.py", "--tiny", "--layers", "1", "--prompt-len", "16", "--new-tokens", "32",
+         "--update-seqs", "16", "--micro", "4", "--variants", "plain", "--recipes", "jet_fp8", "--requantize-weights", "--warmup",
+         "1", "--steps", "1", "--profile-steps", "1", "--fwd-micro", "4", "--out", str(out)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    requant = json.loads((out / "profile_plain_m4_auto_requant_jet_fp8.json").read_text())
+    assert requant["requantize_weights"] is True and "FP8 weights re-quantized every call" in proc.stdout
+
     runs = tmp_path / "runs"
     recs = json.loads(update_profile.record(list(results.values()), "cpu", "test", runs).read_text())
     walls = [r for r in recs if r["name"] == "update_micro_step_wall_ms"]
