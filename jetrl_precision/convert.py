@@ -79,7 +79,8 @@ def convert_to_fp8(
         for child_name, child in list(module.named_children()):
             child_fqn = f"{fqn}.{child_name}" if fqn else child_name
             if type(child) is nn.Linear and keep(child, child_fqn):
-                setattr(module, child_name, Fp8Linear.from_linear(child, fprop, backward, recipe.gemm_backend, child_fqn, cache_weights))
+                new = Fp8Linear.from_linear(child, fprop, backward, recipe.gemm_backend, child_fqn, cache_weights)
+                setattr(module, child_name, new)
                 converted += 1
     if fuse_swiglu:
         _fuse_swiglu(model)
