@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+
+from precision_testutil import tiny_causal_lm
 
 from openrlhf.models.actor import Actor, position_ids_from_mask
 from openrlhf.models.utils import log_probs_from_logits
 
 
-def _lm() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=96, attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg)
+def _lm():
+    return tiny_causal_lm(hidden=64, intermediate=128, layers=2, vocab=96)
 
 
 def test_lm_head_runs_on_the_response_positions_and_gives_the_full_logits_log_probs():
@@ -41,7 +39,7 @@ def test_lm_head_runs_on_the_response_positions_and_gives_the_full_logits_log_pr
 class _NoKeep(nn.Module):
     """A causal LM whose forward has no logits_to_keep: the Actor computes every position's logits, as before."""
 
-    def __init__(self, lm: LlamaForCausalLM) -> None:
+    def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm
 

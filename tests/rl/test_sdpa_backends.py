@@ -11,7 +11,8 @@ import logging
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+from precision_testutil import tiny_causal_lm
 
 from openrlhf.models import sdpa_backends
 from openrlhf.models.actor import Actor, Critic
@@ -26,11 +27,8 @@ def cudnn_off():
     torch.backends.cuda.enable_cudnn_sdp(before)
 
 
-def _tiny_lm() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=96, attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg)
+def _tiny_lm():
+    return tiny_causal_lm(hidden=64, intermediate=128, layers=1, vocab=96)
 
 
 def _batch():
