@@ -389,6 +389,9 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
                           ("memory/host_peak_rss_gib", "e2e_grpo_host_peak_rss_gib")):
             v = max((s[key] for s in r["steps"] if key in s), default=None)
             rec(name, r["shape"], recipe, None if v is None else round(v, 3), "GiB")
+        retries = [s["memory/alloc_retries"] for s in steps if "memory/alloc_retries" in s]
+        if retries:  # allocator retries: each frees the cache and syncs, a slowdown that no phase names
+            rec("e2e_grpo_alloc_retries_per_step", r["shape"], recipe, _mean(retries), "retries")
         rec("e2e_grpo_mismatch_abs_logp_mean", r["shape"], recipe, _mean([s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps]),
             "mean |dlogp|", kl_k3=_mean([s.get("rollout_train_mismatch/kl_k3") for s in steps]))
         plain = speed.get("jet_fp8")
@@ -491,8 +494,8 @@ def table(results: list[dict]) -> str:
     speed = sorted((r for r in results if r["part"] == "speed"), key=lambda r: ALL_RECIPES.index(r["recipe"]))
     if speed:
         cols = [label for label, _ in PHASES] + ["other", "step"]
-        lines += ["| recipe | " + " | ".join(cols) + " | vs bf16 | peak alloc GiB | awake / asleep device GiB | mismatch |",
-                  "|---" * (len(cols) + 5) + "|"]
+        lines += ["| recipe | " + " | ".join(cols) + " | vs bf16 | peak alloc GiB | awake / asleep device GiB | alloc retries | mismatch |",
+                  "|---" * (len(cols) + 6) + "|"]
         base = next((phase_means(r)["step"] for r in speed if r["recipe"] == "bf16" and usable(r)), None)
         for r in speed:
             if not usable(r):
@@ -503,6 +506,7 @@ def table(results: list[dict]) -> str:
             ratio = f"{base / p['step']:.3f}x" if base else "-"
             lines.append(f"| {r['recipe']} | " + " | ".join(f"{p[c]:.2f}" for c in cols) + f" | {ratio} | {mem('memory/peak_allocated_gib')} | "
                          f"{mem('memory/rollout_engine_awake_device_used_gib')} / {mem('memory/train_engine_asleep_device_used_gib')} | "
+                         f"{mem('memory/alloc_retries')} | "
                          f"{last['rollout_train_mismatch/abs_logp_diff_mean']:.3g} |")
     learn = sorted((r for r in results if r["part"] == "learn"), key=lambda r: ALL_RECIPES.index(r["recipe"]))
     if learn:

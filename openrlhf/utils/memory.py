@@ -4,7 +4,9 @@ On a GPU, torch's allocator peak is read and reset at the end of each phase (rol
 train, sync), so each phase reports its own peak; the device-wide use (`cudaMemGetInfo`: what the
 allocator reserved plus what lives outside it, such as a sleeping vLLM engine's pool, NCCL buffers and
 CUDA graphs) is sampled at chosen points, e.g. with the rollout engine awake and asleep. Everywhere the
-host process's resident memory is reported too. Every value is the maximum over ranks.
+host process's resident memory is reported too. `memory/alloc_retries` counts the allocator's retries in the
+step: each one frees every cached block and synchronizes the device, the silent cost of running near capacity.
+Every value is the maximum over ranks.
 """
 
 from __future__ import annotations
@@ -38,11 +40,16 @@ class StepMemory:
         self.reduce_max = reduce_max
         self.cuda = torch.cuda.is_available()
         self.values: dict[str, float] = {}
+        self._retries_at_begin = 0
+
+    def _alloc_retries(self) -> int:
+        return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
     def begin(self) -> None:
         self.values = {}
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+            self._retries_at_begin = self._alloc_retries()
 
     def end_phase(self, phase: str) -> None:
         """The allocator's peak since the previous phase ended (or `begin`)."""
@@ -61,6 +68,8 @@ class StepMemory:
         peaks = [v for k, v in out.items() if k.endswith("_peak_allocated_gib")]
         if peaks:
             out["memory/peak_allocated_gib"] = max(peaks)
+        if self.cuda:
+            out["memory/alloc_retries"] = float(self._alloc_retries() - self._retries_at_begin)
         rss = _host_rss_bytes() / GiB
         out["memory/host_rss_gib"] = rss
         # ru_maxrss is KiB on Linux, and the kernel updates that high-water mark lazily: never below the current RSS.

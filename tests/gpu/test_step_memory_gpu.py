@@ -21,3 +21,23 @@ def test_gpu_phase_peaks_are_per_phase():
     assert m["memory/rollout_peak_allocated_gib"] >= 2.0 and m["memory/train_peak_allocated_gib"] < 1.0
     assert m["memory/peak_allocated_gib"] == m["memory/rollout_peak_allocated_gib"]
     assert m["memory/train_engine_asleep_device_used_gib"] > 0
+
+
+def test_gpu_alloc_retries_are_counted_per_step():
+    # A cached 3 GiB block cannot serve 3.5 GiB; under a 5 GiB cap the allocator must free its cache and retry.
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_allocated() + 5 * GiB) / total))
+    try:
+        mem = StepMemory(lambda t: t)
+        mem.begin()
+        a = torch.empty(int(3 * GiB), dtype=torch.uint8, device="cuda")
+        del a
+        b = torch.empty(int(3.5 * GiB), dtype=torch.uint8, device="cuda")
+        del b
+        assert mem.metrics()["memory/alloc_retries"] >= 1
+        mem.begin()
+        assert mem.metrics()["memory/alloc_retries"] == 0
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
