@@ -84,6 +84,7 @@ class SpeedPlan:
     train_micro: int = 4
     zero_stage: int = 2
     grad_ckpt: bool = False  # activation checkpointing: what lets deeper models fit beside the engine, on both sides
+    liger: bool = False  # --ds.use_liger_kernel on both sides
     gpu_mem: float = 0.3
     gemm_backend: str = "torch"  # cuBLASLt blockwise on both sides: no JIT build inside a timed run
     lr: float = 1e-6
@@ -101,13 +102,14 @@ class SpeedPlan:
             "--actor.adam.lr", str(self.lr), "--ds.zero_stage", str(self.zero_stage),
             "--vllm.gpu_memory_utilization", str(self.gpu_mem), "--precision.gemm_backend", self.gemm_backend, *SLEEP,
             *(["--actor.gradient_checkpointing_enable"] if self.grad_ckpt else []),
+            *(["--ds.use_liger_kernel"] if self.liger else []),
         ]
 
     def shape(self, model_cfg: dict, params: int) -> str:
         kind = "Llama-3.1-8B shape" if model_cfg["hidden_size"] == LLAMA_8B["hidden_size"] else f"tiny Llama h{model_cfg['hidden_size']}"
         return (f"{kind}, {model_cfg['num_hidden_layers']} layers ({params / 1e9:.2f}B), {self.prompts} prompts x {self.n} samples x "
                 f"{self.new_tokens} new tokens, ZeRO-{self.zero_stage}, train micro-batch {self.train_micro}"
-                f"{', activation checkpointing' if self.grad_ckpt else ''}, colocated vLLM (default mode, asleep in training)")
+                f"{', activation checkpointing' if self.grad_ckpt else ''}{', Liger kernels' if self.liger else ''}, colocated vLLM (default mode, asleep in training)")
 
 
 @dataclass(frozen=True)
@@ -294,10 +296,10 @@ def gemm_backend(a: argparse.Namespace) -> str:
 def speed_plan(a: argparse.Namespace) -> SpeedPlan:
     if a.tiny:
         return SpeedPlan(layers=2, prompts=4, n=4, new_tokens=16, steps=2, rollout_micro=8, train_micro=4, gpu_mem=0.3,
-                         gemm_backend="auto", timeout=400.0, tiny=True)
+                         gemm_backend="auto", liger=a.liger, timeout=400.0, tiny=True)
     return SpeedPlan(layers=a.layers, prompts=a.prompts, n=a.n, new_tokens=a.new_tokens, steps=a.steps, gpu_mem=a.gpu_mem,
                      gemm_backend=gemm_backend(a), zero_stage=a.zero_stage, train_micro=a.train_micro, grad_ckpt=a.grad_ckpt,
-                     timeout=a.run_timeout or SpeedPlan.timeout)
+                     liger=a.liger, timeout=a.run_timeout or SpeedPlan.timeout)
 
 
 def learn_plan(a: argparse.Namespace) -> LearnPlan:
@@ -583,6 +585,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="sequences per training micro-batch (larger: bigger GEMMs, more activation memory)")
     sp.add_argument("--grad_ckpt", action="store_true",
                     help="activation checkpointing in the actor (deeper models fit; the update recomputes each forward)")
+    sp.add_argument("--liger", action="store_true", help="--ds.use_liger_kernel on both sides (CUDA and liger-kernel)")
     sp.add_argument("--gemm_backend", default=None, help="both sides' FP8 GEMM backend (default: torch on a GPU; auto may JIT-build DeepGEMM kernels)")
     lp = ap.add_argument_group("learn")
     lp.add_argument("--model", default=None, help="SmolLM2-135M-Instruct folder")

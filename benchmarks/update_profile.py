@@ -112,6 +112,10 @@ def job(a: argparse.Namespace) -> dict:
         recipe = get_recipe(a.recipe)
         Fp8Converter(recipe if a.gemm_backend == "auto" else recipe.replace(gemm_backend=a.gemm_backend), side="train",
                      cache_weights=not a.requantize_weights).convert(model)
+    if a.liger:  # the trainer's --ds.use_liger_kernel: after the conversion, as there
+        from openrlhf.models.liger import apply_liger_kernels
+
+        apply_liger_kernels(model)
     actor = Actor(model)
     if a.grad_ckpt:
         actor.gradient_checkpointing_enable()
@@ -186,7 +190,7 @@ def job(a: argparse.Namespace) -> dict:
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:25]
     return {"job": "update_profile", "recipe": a.recipe, "variant": a.variant, "micro": a.micro, "layers": a.layers,
             "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "grad_ckpt": a.grad_ckpt, "gemm_backend": a.gemm_backend,
-            "tiny": a.tiny, "import_vllm": a.import_vllm, "requantize_weights": a.requantize_weights, "cudnn_sdpa_after_import": cudnn_sdpa_after_import,
+            "tiny": a.tiny, "import_vllm": a.import_vllm, "requantize_weights": a.requantize_weights, "liger": a.liger, "cudnn_sdpa_after_import": cudnn_sdpa_after_import,
             "cudnn_sdpa_in_steps": torch.backends.cuda.cudnn_sdp_enabled(), "kernels_captured": len(per_kernel), "micro_step_wall_ms": round(step_ms, 2),
             "micro_step_kernel_ms": round(sum(per_kernel.values()) / 1e3, 2),
             "groups_ms": {g: round(v / 1e3, 3) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
@@ -197,7 +201,7 @@ def job(a: argparse.Namespace) -> dict:
 # ---- the table ---------------------------------------------------------------------------------------
 def _key(r: dict) -> tuple:
     return (r["gemm_backend"], r["variant"], r["micro"], r.get("grad_ckpt", False), r.get("import_vllm", ""),
-            r.get("requantize_weights", False))
+            r.get("requantize_weights", False), r.get("liger", False))
 
 
 def summarize(results: list[dict]) -> str:
@@ -212,7 +216,7 @@ def summarize(results: list[dict]) -> str:
         bf = next((r for r in rows if r["recipe"] == "bf16"), None)
         vllm_note = {"": "", "restore": ", vLLM imported", "no-restore": ", vLLM imported, cuDNN attention left off"}[key[4]]
         lines += [f"{key[1]}, micro-batch {key[2]} sequences{', activation checkpointing' if key[3] else ''}, FP8 GEMMs {key[0]}"
-                  f"{vllm_note}{', FP8 weights re-quantized every call' if key[5] else ''}", "",
+                  f"{vllm_note}{', FP8 weights re-quantized every call' if key[5] else ''}{', Liger kernels' if key[6] else ''}", "",
                   "| ms | " + " | ".join(r["recipe"] for r in rows) + (" | bf16 / jet_fp8 |" if bf and len(rows) > 1 else " |"),
                   "|---" * (len(rows) + 1 + (bf is not None and len(rows) > 1)) + "|"]
 
@@ -258,7 +262,8 @@ def record(results: list[dict], device: str, command: str, runs_dir: Path | None
                  f"{r['new_tokens']}) tokens{', activation checkpointing' if r['grad_ckpt'] else ''}"
                  f"{'' if r['gemm_backend'] == 'torch' else ', FP8 GEMMs ' + r['gemm_backend']}"
                  f"{', vLLM imported' + (' (cuDNN attention left off)' if r.get('import_vllm') == 'no-restore' else '') if r.get('import_vllm') else ''}"
-                 f"{', FP8 weights re-quantized every call' if r.get('requantize_weights') else ''}")
+                 f"{', FP8 weights re-quantized every call' if r.get('requantize_weights') else ''}"
+                 f"{', Liger kernels (--ds.use_liger_kernel)' if r.get('liger') else ''}")
         for key, v in flat(r).items():
             name, _, group = key.partition("/")
             ref = bf.get(key)
@@ -287,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                          "process-wide); no-restore also keeps the trainer from switching it back on")
     ap.add_argument("--requantize-weights", action="store_true",
                     help="FP8 layers keep no quantized weights between calls (--precision.requantize_weights)")
+    ap.add_argument("--liger", action="store_true", help="Liger's kernels, as --ds.use_liger_kernel (CUDA and liger-kernel)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--profile-steps", type=int, default=2)
@@ -319,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
             for micro in a.micro:
                 for r in a.recipes:  # one at a time: each job has the GPU to itself
                     tag = (f"{variant}_m{micro}{'_ckpt' if a.grad_ckpt else ''}{'' if a.gemm_backend == 'torch' else '_' + a.gemm_backend}"
-                           f"{'_vllm-' + a.import_vllm if a.import_vllm else ''}{'_requant' if a.requantize_weights else ''}")
+                           f"{'_vllm-' + a.import_vllm if a.import_vllm else ''}{'_requant' if a.requantize_weights else ''}"
+                           f"{'_liger' if a.liger else ''}")
                     f = out / f"profile_{tag}_{r}.json"
                     cmd = [sys.executable, __file__, "--recipe", r, "--variant", variant, "--micro", str(micro), "--json", str(f),
                            "--layers", str(a.layers), "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens),
@@ -327,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                            "--warmup", str(a.warmup), "--steps", str(a.steps), "--profile-steps", str(a.profile_steps),
                            *(["--grad-ckpt"] if a.grad_ckpt else []), *(["--tiny"] if a.tiny else []),
                            *(["--import-vllm", a.import_vllm] if a.import_vllm else []),
-                           *(["--requantize-weights"] if a.requantize_weights else [])]
+                           *(["--requantize-weights"] if a.requantize_weights else []), *(["--liger"] if a.liger else [])]
                     t0 = time.time()
                     with open(f.with_suffix(".log"), "w") as log:
                         try:

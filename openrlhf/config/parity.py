@@ -119,9 +119,10 @@ OPENRLHF_V0_11: dict[str, Parity] = {
         "(float64, batch-invariant, for bit-exact verification on CPU)"
     ),
     "--ds.experts_implementation": _same("deepgemm is refused without a CUDA GPU and deep_gemm"),
-    "--ds.use_liger_kernel": _refused(
-        "Liger's Triton kernels replace the MLP and loss modules the FP8 flow converts, so training would no longer "
-        "run the rollout's precision"
+    "--ds.use_liger_kernel": _differs(
+        "Liger's RMSNorm and rotary kernels in the policy and reference forwards, its SwiGLU only where the MLP stays "
+        "BF16 (an FP8 MLP keeps the flow's fused SwiGLU + quantizer); no fused-linear cross-entropy (the trainer needs "
+        "per-token log-probs); needs a CUDA GPU and liger-kernel; refused with --precision.bitwise"
     ),
     "--ds.grad_accum_dtype": _same(),
     "--ds.overlap_comm": _same(),

@@ -390,7 +390,7 @@ class DeepSpeedConfig:
         None, "MoE expert kernels, passed to transformers' from_pretrained (deepgemm: CUDA only)"
     )
     deepcompile: bool = opt(False, "DeepSpeed DeepCompile; refused: see docs/cli.md")
-    use_liger_kernel: bool = opt(False, "Liger kernels; refused: see docs/cli.md", aliases=["--use_liger_kernel"])
+    use_liger_kernel: bool = opt(False, "Liger's fused RMSNorm, rotary (and BF16 SwiGLU) kernels in training; CUDA only", aliases=["--use_liger_kernel"])
     load_in_4bit: bool = opt(False, "4-bit base weights (QLoRA); refused: see docs/cli.md", aliases=["--load_in_4bit"])
     lora: LoraConfig = section(LoraConfig, "LoRA adapters (refused when rank > 0)")
     grad_accum_dtype: Literal["fp16", "bf16", "fp32"] | None = opt(

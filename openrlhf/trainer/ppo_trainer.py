@@ -37,6 +37,7 @@ from jetrl_precision.weight_sync import WeightSyncError, compare_digests, iter_s
 from openrlhf.config import ActorConfig, ConfigError, CriticConfig
 from openrlhf.datasets.prompts_dataset import PromptDataset, blend_prompt_records
 from openrlhf.models.actor import Actor, Critic, load_causal_lm
+from openrlhf.models.liger import apply_liger_kernels
 from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss, sequence_mean_weights
 from openrlhf.models.utils import masked_mean
 from openrlhf.utils.deepspeed import DeepspeedStrategy
@@ -251,6 +252,8 @@ class PPOTrainer:
         with st.model_init_context(train=True):
             policy = load_causal_lm(cfg.actor.model_name_or_path, st.dtype, cfg.policy_attn_implementation, cfg.ds.experts_implementation)
         self.converter.convert(policy)
+        if cfg.ds.use_liger_kernel:  # after the conversion: an FP8 MLP keeps the flow's SwiGLU
+            apply_liger_kernels(policy)
         self.proof = None
         if cfg.precision.bitwise:  # the policy's forward runs the engine's batch-invariant numerics
             make_batch_invariant(policy, device=st.device)  # converted before DeepSpeed moves it there
@@ -274,6 +277,8 @@ class PPOTrainer:
             with st.model_init_context(train=False):
                 ref = load_causal_lm(cfg.ref_model_path, st.dtype, cfg.ds.attn_implementation, cfg.ds.experts_implementation)
             self.aux_converter.convert(ref)  # the reference runs the training forward's precision
+            if cfg.ds.use_liger_kernel:
+                apply_liger_kernels(ref)
             ref_actor = Actor(ref, packing=cfg.packing).requires_grad_(False).eval()
             if cfg.ds.zero_stage == 3:  # sharded like the actor; --ref.offload keeps the shards on CPU
                 self.ref_engine = st.prepare(ref_actor, train=False)

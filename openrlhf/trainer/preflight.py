@@ -125,10 +125,15 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
             "rollout and training would not share one precision flow"
         )
     if ds.use_liger_kernel:
-        errors.append(
-            "--ds.use_liger_kernel is not supported: Liger's Triton kernels replace the MLP and loss modules the FP8 "
-            "flow converts, so training would no longer run the rollout's precision"
-        )
+        from openrlhf.models.liger import liger_missing
+
+        if cfg.precision.bitwise:
+            errors.append(
+                "--ds.use_liger_kernel with --precision.bitwise: the bitwise mode's policy runs the engine's batch-invariant "
+                "norm and rotary kernels, which Liger's would replace; drop one of the two"
+            )
+        elif missing := liger_missing(cuda):
+            errors.append(f"--ds.use_liger_kernel needs a CUDA GPU with Liger: {missing}; or drop the flag")
     if ds.deepcompile:
         errors.append(
             "--ds.deepcompile is not supported: DeepCompile traces ZeRO-3 into torch.compile graphs on CUDA, "

@@ -99,7 +99,7 @@ def test_records_headline_figures_and_plots(tiny_run):
 
 
 def test_speed_plan_knobs_reach_the_trainer_config(tmp_path):
-    """TRAIN_MICRO and GRAD_CKPT (h200_grpo.sh) become trainer flags that the CLI parses into its config."""
+    """TRAIN_MICRO, GRAD_CKPT and LIGER (h200_grpo.sh) become trainer flags that the CLI parses into its config."""
     import grpo_vllm_gpu as g
 
     from openrlhf.config import parse_config
@@ -107,9 +107,10 @@ def test_speed_plan_knobs_reach_the_trainer_config(tmp_path):
     reward, data = tmp_path / "reward.py", tmp_path / "d.jsonl"
     reward.write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
     data.write_text('{"input": "1+1", "label": "2"}\n')
-    plan = g.SpeedPlan(train_micro=8, grad_ckpt=True)
+    plan = g.SpeedPlan(train_micro=8, grad_ckpt=True, liger=True)
     cfg = parse_config([*plan.argv(tmp_path, data, reward), "--fp8_unified"])
-    assert cfg.train.micro_batch_size == 8 and cfg.actor.gradient_checkpointing_enable
-    assert "activation checkpointing" in plan.shape({"hidden_size": 4096, "num_hidden_layers": 16}, 4.5e9)
+    assert cfg.train.micro_batch_size == 8 and cfg.actor.gradient_checkpointing_enable and cfg.ds.use_liger_kernel
+    shape = plan.shape({"hidden_size": 4096, "num_hidden_layers": 16}, 4.5e9)
+    assert "activation checkpointing" in shape and "Liger" in shape
     plain = parse_config(g.SpeedPlan().argv(tmp_path, data, reward))
-    assert plain.train.micro_batch_size == 4 and not plain.actor.gradient_checkpointing_enable
+    assert plain.train.micro_batch_size == 4 and not plain.actor.gradient_checkpointing_enable and not plain.ds.use_liger_kernel

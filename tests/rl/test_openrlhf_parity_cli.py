@@ -119,7 +119,6 @@ REFUSAL_TRIGGERS = {
     "--train.async_queue_size": ["--train.async_enable", "--train.async_queue_size", "4"],
     "--train.partial_rollout_enable": ["--train.partial_rollout_enable"],
     "--ds.deepcompile": ["--ds.deepcompile"],
-    "--ds.use_liger_kernel": ["--ds.use_liger_kernel"],
     "--ds.tensor_parallel_size": ["--ds.tensor_parallel_size", "2"],
     "--ds.load_in_4bit": ["--ds.load_in_4bit"],
     "--ds.lora.rank": ["--ds.lora.rank", "8"],

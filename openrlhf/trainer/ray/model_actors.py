@@ -47,6 +47,10 @@ class RefActor:
         model = load_causal_lm(cfg.ref_model_path, _dtype(cfg), cfg.ds.attn_implementation)
         convert_to_fp8(model, cfg.precision.load_recipe(policy=False), side="train",
                        cache_weights=not cfg.precision.requantize_weights)
+        if cfg.ds.use_liger_kernel:
+            from openrlhf.models.liger import apply_liger_kernels
+
+            apply_liger_kernels(model)
         self.model = Actor(model).requires_grad_(False).eval().to(_device())
 
     def info(self) -> dict[str, Any]:
