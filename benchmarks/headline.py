@@ -261,7 +261,13 @@ METRICS += (
            "GRPO speed-up on 1 GPU (bf16 step time over jet_fp8 step time): Llama-3.1-8B-shaped model (layer count in the record), 1024-token "
            "rollouts, n=4, vLLM engine colocated (default mode, asleep in training), ZeRO-2, FP8 sync + digest check every step; "
            "both sides' GEMM backend is the record's gemm_backend (auto: DeepGEMM in training and for the engine's decode batches)",
-           _field("e2e_grpo_step_s", backend="jet_fp8", field="ratio_vs_bf16", where=lambda r: r.get("gpus") == 1)),
+           _field("e2e_grpo_step_s", backend="jet_fp8", field="ratio_vs_bf16",
+                  where=lambda r: r.get("gpus") == 1 and "Liger" not in r["shape"])),
+    Metric("e2e_grpo_step_ratio_1gpu_liger", "x bf16",
+           "the same with --ds.use_liger_kernel on both sides (Liger's RMSNorm and rotary kernels; its SwiGLU for bf16, the FP8 "
+           "flow's fused SwiGLU for jet_fp8)",
+           _field("e2e_grpo_step_s", backend="jet_fp8", field="ratio_vs_bf16",
+                  where=lambda r: r.get("gpus") == 1 and "Liger" in r["shape"])),
     Metric("grpo_reward_gap_jet_fp8_vs_bf16_pct", "pct points",
            "GRPO on SmolLM2-135M-Instruct, generated arithmetic word problems, math-verify reward: jet_fp8's mean reward over "
            "the last quarter of the steps minus bf16's, in percentage points (the same run's fp8_rollout + TIS is in the record)",

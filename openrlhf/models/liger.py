@@ -10,8 +10,11 @@ What is replaced, and why not more:
   fused SwiGLU (`jetrl_precision.swiglu`), which also quantizes the product for the down projection.
 - Fused linear cross-entropy: never. The trainer needs per-token log-probs, not a loss over labels.
 
-Liger patches transformers' module-level `apply_rotary_pos_emb`, so every model of that family in the process
-uses it. The bitwise mode runs its own batch-invariant norm and rotary kernels (the engine's) and refuses Liger.
+Only this model's modules are patched: Liger's apply functions also swap the classes in transformers' modeling
+module (a later model of the family would be built from Liger's classes, and an FP8 conversion would no longer
+recognize its MLP); those are put back. The rotary function stays patched at module level, the only place it can
+be: every model of that family in the process uses it. The bitwise mode runs its own batch-invariant norm and
+rotary kernels (the engine's) and refuses Liger.
 
     kernels = apply_liger_kernels(model)   # after convert_to_fp8 / Fp8Converter.convert
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -66,9 +70,16 @@ def apply_liger_kernels(model: nn.Module) -> tuple[str, ...]:
             f"--ds.use_liger_kernel: Liger has no kernels for model type {model_type!r}; drop the flag for this model"
         )
     swiglu = not _has_fp8_linears(model)
-    _apply_liger_kernel_to_instance(
-        model=model, rope=True, rms_norm=True, swiglu=swiglu, cross_entropy=False, fused_linear_cross_entropy=False
-    )
+    modeling = sys.modules[type(model).__module__]
+    classes = {k: v for k, v in vars(modeling).items() if isinstance(v, type)}
+    try:
+        _apply_liger_kernel_to_instance(
+            model=model, rope=True, rms_norm=True, swiglu=swiglu, cross_entropy=False, fused_linear_cross_entropy=False
+        )
+    finally:
+        for k, v in classes.items():
+            if getattr(modeling, k) is not v:
+                setattr(modeling, k, v)
     if _liger_norms(model) == 0:  # an apply function that found no norm modules: say so rather than run unpatched
         raise ValueError(f"--ds.use_liger_kernel: Liger patched no RMSNorm in this {model_type} model; drop the flag")
     kernels = ("rms_norm", "rope", *(("swiglu",) if swiglu else ()))
