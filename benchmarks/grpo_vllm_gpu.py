@@ -85,6 +85,7 @@ class SpeedPlan:
     zero_stage: int = 2
     grad_ckpt: bool = False  # activation checkpointing: what lets deeper models fit beside the engine, on both sides
     liger: bool = False  # --ds.use_liger_kernel on both sides
+    profile_step: int = 0  # --profile.step: kernel times of that step's trainer phases, under <run>/profile
     gpu_mem: float = 0.3
     gemm_backend: str = "torch"  # cuBLASLt blockwise on both sides: no JIT build inside a timed run
     lr: float = 1e-6
@@ -103,6 +104,7 @@ class SpeedPlan:
             "--vllm.gpu_memory_utilization", str(self.gpu_mem), "--precision.gemm_backend", self.gemm_backend, *SLEEP,
             *(["--actor.gradient_checkpointing_enable"] if self.grad_ckpt else []),
             *(["--ds.use_liger_kernel"] if self.liger else []),
+            *(["--profile.step", str(self.profile_step)] if self.profile_step else []),
         ]
 
     def shape(self, model_cfg: dict, params: int) -> str:
@@ -299,7 +301,7 @@ def speed_plan(a: argparse.Namespace) -> SpeedPlan:
                          gemm_backend="auto", liger=a.liger, timeout=400.0, tiny=True)
     return SpeedPlan(layers=a.layers, prompts=a.prompts, n=a.n, new_tokens=a.new_tokens, steps=a.steps, gpu_mem=a.gpu_mem,
                      gemm_backend=gemm_backend(a), zero_stage=a.zero_stage, train_micro=a.train_micro, grad_ckpt=a.grad_ckpt,
-                     liger=a.liger, timeout=a.run_timeout or SpeedPlan.timeout)
+                     liger=a.liger, profile_step=a.profile_step, timeout=a.run_timeout or SpeedPlan.timeout)
 
 
 def learn_plan(a: argparse.Namespace) -> LearnPlan:
@@ -525,10 +527,55 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def profile_groups(prof: dict) -> dict[str, float]:
+    """Seconds per kernel group (benchmarks/update_profile.py's groups) of one profiled phase."""
+    from update_profile import KERNEL_GROUPS, kernel_group
+
+    out = {g: 0.0 for g, _ in KERNEL_GROUPS}
+    for name, us in prof["kernels_us"].items():
+        g = kernel_group(name)
+        out[g] = out.get(g, 0.0) + us / 1e6
+    return {g: v for g, v in out.items() if v > 0}
+
+
+def profile_table(profiles: dict[tuple[str, str], dict]) -> str:
+    """Per profiled phase: wall, kernel and idle seconds, then each kernel group, one column per recipe."""
+    recipes = sorted({r for r, _ in profiles}, key=lambda r: ALL_RECIPES.index(r) if r in ALL_RECIPES else 99)
+    lines = []
+    for phase in ("experience", "update", "weight_sync"):
+        cols = [r for r in recipes if (r, phase) in profiles]
+        if not cols:
+            continue
+        ps = [profiles[(r, phase)] for r in cols]
+        groups = [profile_groups(p) for p in ps]
+        names = sorted({g for gr in groups for g in gr}, key=lambda g: -max(gr.get(g, 0.0) for gr in groups))
+        lines += [f"profiled step {ps[0]['step']}, {phase} (s)", "", "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines.append("| wall | " + " | ".join(f"{p['wall_s']:.3f}" for p in ps) + " |")
+        lines.append("| kernels | " + " | ".join(f"{p['kernel_s']:.3f}" for p in ps) + " |")
+        lines.append("| device idle | " + " | ".join(f"{p['idle_s']:.3f}" for p in ps) + " |")
+        lines += [f"|   {g} | " + " | ".join(f"{gr.get(g, 0.0):.3f}" for gr in groups) + " |" for g in names]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def profile_records(profiles: dict[tuple[str, str], dict], results: list[dict], env: dict, command: str) -> list[dict]:
+    shapes = {r["recipe"]: r["shape"] for r in results if r["part"] == "speed"}
+    recs = []
+    for (recipe, phase), p in sorted(profiles.items()):
+        shape = f"{shapes.get(recipe, '?')}, step {p['step']} {phase}"
+        base = dict(backend=recipe, unit="s", ratio_vs_bf16=None, command=command, date=env.get("date") or time.strftime("%Y-%m-%d"),
+                    device=env.get("device", p.get("device", "?")), gpus=1, phase=phase)
+        for what in ("wall", "kernel", "idle"):
+            recs.append({"name": f"e2e_grpo_profiled_{what}_s", "shape": shape, "value": round(p[f"{what}_s"], 4), **base})
+        for g, v in profile_groups(p).items():
+            recs.append({"name": "e2e_grpo_profiled_group_s", "shape": f"{shape}, {g}", "value": round(v, 4), **base})
+    return recs
+
+
 def cmd_report(a: argparse.Namespace) -> None:
     from headline import RUNS, write_run  # benchmarks/headline.py
 
-    results, env = [], {}
+    results, env, profiles = [], {}, {}
     for d in map(Path, a.from_dirs):
         for f in sorted(d.rglob("*.json")):
             data = json.loads(f.read_text())
@@ -536,6 +583,8 @@ def cmd_report(a: argparse.Namespace) -> None:
                 env = data
             elif isinstance(data, dict) and data.get("part") in ("speed", "learn"):
                 results.append(data)
+            elif isinstance(data, dict) and "kernels_us" in data and f.parent.name == "profile" and data.get("rank") == 0:
+                profiles[(f.parent.parent.name, data["phase"])] = data  # <out>/speed/<recipe>/profile/step<N>_rank0_<phase>.json
     if not results:
         raise SystemExit(f"report: no speed_*.json or learn_*.json results under {', '.join(a.from_dirs)}")
     latest = {}
@@ -544,10 +593,14 @@ def cmd_report(a: argparse.Namespace) -> None:
     results = list(latest.values())
     if a.table_only:  # on the device: no plotting library, and the records are written where the results come back to
         print(table(results))
+        if profiles:
+            print("\n" + profile_table(profiles))
         return
     if a.device_name:
         env["device"] = a.device_name
-    recs = records_from(results, env, a.command)
+    recs = records_from(results, env, a.command) + profile_records(profiles, results, env, a.command)
+    if profiles:
+        print(profile_table(profiles))
     runs_dir = Path(a.runs_dir) if a.runs_dir else RUNS
     if recs:
         path = write_run(recs, a.label, env.get("date") or time.strftime("%Y-%m-%d"), runs_dir)
@@ -585,6 +638,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="sequences per training micro-batch (larger: bigger GEMMs, more activation memory)")
     sp.add_argument("--grad_ckpt", action="store_true",
                     help="activation checkpointing in the actor (deeper models fit; the update recomputes each forward)")
+    sp.add_argument("--profile_step", type=int, default=0,
+                    help="profile this step's trainer phases (the trainer's --profile.step; 0: off)")
     sp.add_argument("--liger", action="store_true", help="--ds.use_liger_kernel on both sides (CUDA and liger-kernel)")
     sp.add_argument("--gemm_backend", default=None, help="both sides' FP8 GEMM backend (default: torch on a GPU; auto may JIT-build DeepGEMM kernels)")
     lp = ap.add_argument_group("learn")

@@ -31,6 +31,8 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from openrlhf.utils.profiling import kernel_times  # noqa: E402  (torch only; no vLLM import)
+
 __all__ = ["CATEGORIES", "category", "kernel_times", "decode_kernels", "summarize", "main"]
 
 # First match wins: the attention and norm names come before the GEMM patterns some of them would also match.
@@ -52,21 +54,6 @@ def category(kernel: str, table: tuple[tuple[str, str], ...] = CATEGORIES) -> st
         if re.search(pattern, name):
             return cat
     return "other"
-
-
-def kernel_times(prof, cuda: bool) -> dict[str, float]:
-    """Device us per kernel name in a finished torch.profiler run; on CPU (tiny plumbing runs), ops' own time."""
-    out: dict[str, float] = {}
-    for ev in prof.key_averages():
-        if cuda:  # GPU kernels
-            us = getattr(ev, "device_time_total", None)
-            us = getattr(ev, "cuda_time_total", 0.0) if us is None else us
-            keep = us and "CUDA" in str(getattr(ev, "device_type", ""))
-        else:  # --tiny on CPU: ops' own time (a plumbing check; these are not kernels)
-            us, keep = ev.self_cpu_time_total, ev.self_cpu_time_total > 0
-        if keep:
-            out[ev.key] = out.get(ev.key, 0.0) + float(us)
-    return out
 
 
 def decode_kernels(short: dict[str, float], long: dict[str, float], steps: int) -> dict[str, float]:

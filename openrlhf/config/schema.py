@@ -476,6 +476,16 @@ class LoggerConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    step: int = opt(
+        0, "profile this step's trainer phases (experience, update, weight sync) with torch.profiler: kernel times per "
+        "phase as JSON (0: off)", ge=0,
+    )
+    dir: str | None = opt(None, "where the step's profiles go (default: <ckpt.output_dir>/profile)")
+    trace: bool = opt(False, "also write a Chrome trace per phase (large: tens of MB per profiled second)")
+
+
+@dataclass(frozen=True)
 class PrecisionConfig:
     recipe: str = opt(
         "bf16",
@@ -534,6 +544,7 @@ class PPOConfig:
     vllm: VLLMConfig = section(VLLMConfig, "vLLM rollout engines")
     ckpt: CkptConfig = section(CkptConfig, "checkpoints and model export")
     logger: LoggerConfig = section(LoggerConfig, "logging")
+    profile: ProfileConfig = section(ProfileConfig, "profiling one training step")
     precision: PrecisionConfig = section(PrecisionConfig, "precision flow shared by rollout and training (Jet-RL)")
     eval: EvalConfig = section(EvalConfig, "periodic evaluation on a held-out dataset")
     use_ms: bool = opt(False, "ModelScope hub; refused: see docs/cli.md")

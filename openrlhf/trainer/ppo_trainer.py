@@ -41,6 +41,7 @@ from openrlhf.models.liger import apply_liger_kernels
 from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_loss, kl_loss, sequence_mean_weights
 from openrlhf.models.utils import masked_mean
 from openrlhf.utils.deepspeed import DeepspeedStrategy
+from openrlhf.utils.profiling import ProfileSettings, StepProfiler
 
 from .engines.base import RolloutEngine, SamplingConfig
 from .health import TrainingDivergedError, check_optimizer_step, nonfinite_parameters
@@ -339,6 +340,10 @@ class PPOTrainer:
         from openrlhf.utils.memory import StepMemory
 
         self._memory = StepMemory(lambda t: st.all_reduce(t, "max"))
+        prof = cfg.profile
+        self._profiler = StepProfiler(
+            ProfileSettings(prof.step, prof.dir or str(Path(cfg.ckpt.output_dir) / "profile"), prof.trace), rank=st.rank
+        )
 
         self.metrics_logger = MetricsLogger(
             enabled=st.is_rank_0, tensorboard_dir=cfg.logger.tensorboard_dir, wandb_cfg=cfg.logger.wandb, run_config=cfg.to_dict()
@@ -534,8 +539,9 @@ class PPOTrainer:
     def step(self) -> StepResult | None:
         """One rollout -> train iteration; None when the prompt data is used up."""
         cfg, st = self.cfg, self.strategy
-        mem = self._memory
+        mem, profiler = self._memory, self._profiler
         mem.begin()
+        profiler.begin_step(self.global_step + 1)
         t0 = time.perf_counter()
         rollout = self.collect_rollout()
         if rollout is None:
@@ -561,7 +567,8 @@ class PPOTrainer:
             ),
         )
         self.actor_engine.eval()
-        exp = maker.make(samples, prompts, labels, scores=scores, rewards=rewards)
+        with profiler.phase("experience"):
+            exp = maker.make(samples, prompts, labels, scores=scores, rewards=rewards)
         t2 = time.perf_counter()
         mem.end_phase("experience")
 
@@ -573,13 +580,15 @@ class PPOTrainer:
         for key in sorted({k for d in agent_logs for k in d}):
             vals = [d[key] for d in agent_logs if key in d]
             metrics[f"agent/{key}"] = st.all_reduce(float(sum(vals))).item() / max(st.all_reduce(float(len(vals))).item(), 1.0)
-        metrics.update(self._train(exp))
+        with profiler.phase("update"):
+            metrics.update(self._train(exp))
         t3 = time.perf_counter()
         mem.end_phase("train")
         mem.sample_device("train_engine_asleep")
 
         self.global_step += 1
-        metrics.update(self.sync_weights())
+        with profiler.phase("weight_sync"):
+            metrics.update(self.sync_weights())
         t4 = time.perf_counter()
         mem.end_phase("sync")
         self.kl_ctl.update(metrics.get("rollout/kl", 0.0), cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt)

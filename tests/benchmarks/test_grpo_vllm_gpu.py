@@ -30,7 +30,7 @@ def tiny_run(tmp_path_factory):
     env = {**ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run(
         [sys.executable, "benchmarks/grpo_vllm_gpu.py", "all", "--tiny", "--out", str(d / "out"), "--workdir", str(d / "work"),
-         "--runs_dir", str(d / "runs"), "--docs_dir", str(d / "docs")],
+         "--runs_dir", str(d / "runs"), "--docs_dir", str(d / "docs"), "--profile_step", "2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -96,6 +96,20 @@ def test_records_headline_figures_and_plots(tiny_run):
         data = (d / "docs" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, png
     assert "| jet_fp8 |" in stdout and "last-quarter reward" in stdout
+
+
+def test_the_profiled_step_shows_each_trainer_phase_by_kernel_group(tiny_run):
+    """--profile_step 2 reaches the trainer (--profile.step): step 2's experience, update and sync phases, per recipe."""
+    d, _, stdout = tiny_run
+    for recipe in RECIPES:
+        prof = d / "out" / "speed" / recipe / "profile"
+        assert sorted(p.name for p in prof.glob("*.json")) == [f"step2_rank0_{ph}.json" for ph in ("experience", "update", "weight_sync")]
+        update = json.loads((prof / "step2_rank0_update.json").read_text())
+        assert update["wall_s"] > 0 and update["kernels_us"]
+    assert "profiled step 2, update (s)" in stdout
+    (run_file,) = (d / "runs").glob("*.json")
+    groups = [r for r in json.loads(run_file.read_text()) if r["name"] == "e2e_grpo_profiled_group_s" and r["phase"] == "update"]
+    assert {r["backend"] for r in groups} == set(RECIPES) and all(r["value"] > 0 for r in groups)
 
 
 def test_speed_plan_knobs_reach_the_trainer_config(tmp_path):
