@@ -10,7 +10,11 @@
   from HF's by one bf16 ulp on a few elements; Q(y) is byte-exact with the reference quantizer of
   this kernel's own `y` (returned when `return_hp=True`).
 
-Neither kernel writes the high-precision result unless asked: the GEMM only needs the FP8 bytes.
+- `silu_mul_backward(dh, gate, up)`: the gradients of h = silu(gate) * up in one pass, in the order and at the
+  rounding points of autograd's kernels for that expression (`silu_backward(dh * up, gate)` and
+  `dh * silu(gate)`), instead of four elementwise kernels over the MLP-wide tensors.
+
+The quantizing kernels do not write the high-precision result unless asked: the GEMM only needs the FP8 bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ try:  # Triton >= 3.2 spells the CUDA libdevice module like this
 except ImportError:  # pragma: no cover
     from triton.language.extra.cuda import libdevice as _libdevice
 
-__all__ = ["silu_mul_quantize", "rmsnorm_quantize", "KERNEL_DTYPES"]
+__all__ = ["silu_mul_quantize", "silu_mul_backward", "rmsnorm_quantize", "KERNEL_DTYPES"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -91,6 +95,53 @@ def silu_mul_quantize(
     )
     qt = QuantizedTensor.trusted(q, scale, (1, 128))
     return (qt, h) if return_hp else qt
+
+
+@triton.jit
+def _silu_mul_bwd_kernel(
+    dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, R, C,
+    sdr, sdc, sgr, sgc, sur, suc, sdgr, sdgc, sdur, sduc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):
+    rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rr[:, None] < R) & (cc[None, :] < C)
+    r64 = rr[:, None].to(tl.int64)
+    dh = tl.load(dh_ptr + r64 * sdr + cc[None, :] * sdc, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + r64 * sgr + cc[None, :] * sgc, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r64 * sur + cc[None, :] * suc, mask=mask, other=0.0).to(tl.float32)
+    e = _libdevice.exp(-g)
+    # dgate: aten's silu_backward(dh * up, gate), its product rounded first; 1 + x * (1 - s) is one fma in torch's build.
+    t = (dh * u).to(OUT_DTYPE).to(tl.float32)
+    sig = tl.math.div_rn(1.0, 1.0 + e)
+    dg = (t * sig) * tl.math.fma(g, 1.0 - sig, 1.0)
+    # dup: dh * silu(gate), silu rounded to the input dtype first as F.silu returns it.
+    silu = tl.math.div_rn(g, 1.0 + e).to(OUT_DTYPE).to(tl.float32)
+    du = dh * silu
+    tl.store(dg_ptr + r64 * sdgr + cc[None, :] * sdgc, dg.to(OUT_DTYPE), mask=mask)
+    tl.store(du_ptr + r64 * sdur + cc[None, :] * sduc, du.to(OUT_DTYPE), mask=mask)
+
+
+_kern_silu_mul_bwd = TritonLauncher(_silu_mul_bwd_kernel)
+
+
+def silu_mul_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup) of h = silu(gate) * up for 2-D operands of one shape and dtype; new contiguous tensors."""
+    if not (dh.shape == gate.shape == up.shape) or gate.dim() != 2:
+        raise ValueError(f"silu_mul_backward needs three 2-D tensors of one shape, got {tuple(dh.shape)}, "
+                         f"{tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dtype not in _TL_DTYPE or not (dh.dtype == up.dtype == gate.dtype):
+        raise TypeError(f"silu_mul_backward supports bf16/fp16/fp32 inputs of one dtype, got {dh.dtype}, {gate.dtype}, {up.dtype}")
+    rows, cols = gate.shape
+    dgate, dup = torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
+    br, bc = 8, 256
+    _kern_silu_mul_bwd((_cdiv(rows, br), _cdiv(cols, bc)),
+        dh, gate, up, dgate, dup, rows, cols,
+        dh.stride(0), dh.stride(1), gate.stride(0), gate.stride(1), up.stride(0), up.stride(1),
+        dgate.stride(0), dgate.stride(1), dup.stride(0), dup.stride(1),
+        BLOCK_R=br, BLOCK_C=bc, OUT_DTYPE=_TL_DTYPE[gate.dtype], num_warps=4,
+    )
+    return dgate, dup
 
 
 @triton.jit

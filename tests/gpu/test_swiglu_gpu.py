@@ -111,3 +111,22 @@ def test_precision_graph_names_the_fused_producer():
     assert node.attrs["input_producer"] == "silu_mul_quantize"
     assert g.edges_into("0.down_proj")["input"].attrs.kernel == "triton:silu_mul_quantize"
     assert g.edges_into("0.gate_proj")["input"].attrs.kernel == "triton"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_backward_is_autograds_bytes(dtype):
+    """silu_mul_backward: the bytes of aten's silu_backward(dh * up, gate) and dh * silu(gate), for gate and up
+    as the two halves of one fused gate_up output (strided views), with outliers and large |gate|."""
+    m, i = 1000, 1408
+    gu = outlier_data(m, 2 * i, dtype=torch.float32, seed=5).to(dtype)
+    gu[:, :8] = torch.tensor([30.0, -30.0, 88.0, -88.0, 1e-3, -1e-3, 0.5, -0.5], device="cuda").to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    dh = outlier_data(m, i, dtype=torch.float32, seed=6).to(dtype)
+    dgate, dup = fused.silu_mul_backward(dh, gate, up)
+    ref_dgate = torch.ops.aten.silu_backward(dh * up, gate)
+    ref_dup = dh * torch.nn.functional.silu(gate)
+    assert dgate.is_contiguous() and dup.is_contiguous()
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    diff_g = (dgate.view(bits) != ref_dgate.view(bits)).sum().item()
+    diff_u = (dup.view(bits) != ref_dup.view(bits)).sum().item()
+    assert (diff_g, diff_u) == (0, 0), f"{diff_g} dgate and {diff_u} dup elements differ from autograd's kernels"
