@@ -213,7 +213,8 @@ class PrecisionGraph:
         for n in shown:
             edges = self.edges_into(n.name)
             desc = "  ".join(f"{role}={e.attrs.short()}{' pad(' + e.attrs.padding + ')' if e.attrs.padding else ''}" for role, e in edges.items())
-            lines.append(f"  {n.name:<{width}}  {n.op:<11} {desc}")
+            impl = f"  impl={n.attrs['impl']}" if "impl" in n.attrs else ""
+            lines.append(f"  {n.name:<{width}}  {n.op:<11} {desc}{impl}")
         if max_rows is not None and len(rows) > max_rows:
             lines.append(f"  ... {len(rows) - max_rows} more ops")
         return "\n".join(lines)
@@ -404,9 +405,13 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
             name = canonical_name(fqn)
             w = getattr(m, "weight", None)
             dt = _dtype_name(w.dtype) if isinstance(w, torch.Tensor) else "fp32"
-            g.add_node(name, "norm")
+            impl = m._get_name()  # a module whose forward another library replaced names that one (Liger's do)
+            g.add_node(name, "norm", **({"impl": impl} if impl != type(m).__name__ else {}))
             if phase != "train_bwd":
                 g.add_edge(name, "weight", EdgeAttrs(dtype=dt, quantizer_id=f"{dt}/none"))
+    impls = sorted({n.attrs["impl"] for n in g.nodes.values() if n.op == "norm" and "impl" in n.attrs})
+    if impls:
+        g.meta["norm_impl"] = ",".join(impls)
     _mark_fused_swiglu(g, model)
     if phase == "train_bwd":
         _mark_wgrad_requantizer(g, model)

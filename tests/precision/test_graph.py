@@ -327,3 +327,16 @@ def test_build_rejects_bad_phase_and_accepts_recipe_name():
     with pytest.raises(ValueError, match="phase"):
         build_precision_graph(m, JET, "eval")
     assert build_precision_graph(m, "jet_fp8", "train_fwd").recipe == "jet_fp8"
+
+
+def test_a_norm_whose_forward_another_library_replaced_is_named_in_the_graph():
+    """Liger binds its forward and name onto transformers' norm instances; the training graph says which ran."""
+    lm = tiny_causal_lm(hidden=128, intermediate=256, layers=1, vocab=64)
+    plain = build_precision_graph(lm, "bf16", "train_fwd")
+    assert "norm_impl" not in plain.meta
+    lm.model.norm._get_name = lambda: "FusedRMSNorm"  # what an instance patch looks like from outside
+    g = build_precision_graph(lm, "bf16", "train_fwd")
+    assert g.meta["norm_impl"] == "FusedRMSNorm" and g.nodes["model.norm"].attrs["impl"] == "FusedRMSNorm"
+    assert "impl=FusedRMSNorm" in g.report() and "impl=" not in plain.report()
+    rollout = build_precision_graph(tiny_causal_lm(hidden=128, intermediate=256, layers=1, vocab=64), "bf16", "rollout")
+    assert check_subgraph(rollout, g) == []  # a norm kernel is not a precision difference

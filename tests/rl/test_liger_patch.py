@@ -32,6 +32,7 @@ def test_bf16_model_gets_norm_rope_and_swiglu_and_the_module_keeps_its_classes(m
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from precision_testutil import tiny_causal_lm
 
+    from jetrl_precision import build_precision_graph
     from openrlhf.models.liger import apply_liger_kernels
 
     classes = (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP)
@@ -40,6 +41,7 @@ def test_bf16_model_gets_norm_rope_and_swiglu_and_the_module_keeps_its_classes(m
     names = _names(lm)
     assert names["LlamaRMSNorm"] == "LigerRMSNorm" and names["LlamaMLP"] == "LigerSwiGLUMLP"
     assert modeling_llama.apply_rotary_pos_emb is liger_rotary_pos_emb
+    assert build_precision_graph(lm, "bf16", "train_fwd").meta["norm_impl"] == "LigerRMSNorm"  # what the log shows
     assert (modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP) == classes  # a later model is transformers' own
     assert _names(tiny_causal_lm(hidden=128, intermediate=256, layers=1, vocab=64))["LlamaMLP"] == "LlamaMLP"
 
