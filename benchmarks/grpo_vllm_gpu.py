@@ -298,7 +298,7 @@ def gemm_backend(a: argparse.Namespace) -> str:
 def speed_plan(a: argparse.Namespace) -> SpeedPlan:
     if a.tiny:
         return SpeedPlan(layers=2, prompts=4, n=4, new_tokens=16, steps=2, rollout_micro=8, train_micro=4, gpu_mem=0.3,
-                         gemm_backend="auto", liger=a.liger, timeout=400.0, tiny=True)
+                         gemm_backend="auto", liger=a.liger, profile_step=a.profile_step, timeout=400.0, tiny=True)
     return SpeedPlan(layers=a.layers, prompts=a.prompts, n=a.n, new_tokens=a.new_tokens, steps=a.steps, gpu_mem=a.gpu_mem,
                      gemm_backend=gemm_backend(a), zero_stage=a.zero_stage, train_micro=a.train_micro, grad_ckpt=a.grad_ckpt,
                      liger=a.liger, profile_step=a.profile_step, timeout=a.run_timeout or SpeedPlan.timeout)
@@ -551,8 +551,9 @@ def profile_table(profiles: dict[tuple[str, str], dict]) -> str:
         names = sorted({g for gr in groups for g in gr}, key=lambda g: -max(gr.get(g, 0.0) for gr in groups))
         lines += [f"profiled step {ps[0]['step']}, {phase} (s)", "", "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         lines.append("| wall | " + " | ".join(f"{p['wall_s']:.3f}" for p in ps) + " |")
-        lines.append("| kernels | " + " | ".join(f"{p['kernel_s']:.3f}" for p in ps) + " |")
-        lines.append("| device idle | " + " | ".join(f"{p['idle_s']:.3f}" for p in ps) + " |")
+        cpu = any(p.get("device") == "cpu" for p in ps)  # on CPU the "kernels" are the ops' own host time
+        lines.append(f"| {'ops (CPU)' if cpu else 'kernels'} | " + " | ".join(f"{p['kernel_s']:.3f}" for p in ps) + " |")
+        lines.append(f"| {'wall - ops' if cpu else 'device idle'} | " + " | ".join(f"{p['idle_s']:.3f}" for p in ps) + " |")
         lines += [f"|   {g} | " + " | ".join(f"{gr.get(g, 0.0):.3f}" for gr in groups) + " |" for g in names]
         lines.append("")
     return "\n".join(lines)
