@@ -309,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.record and not a.from_dir:
         ap.error("--record files profiles already made: pass --from DIR (the folder a profile run wrote)")
+    if a.liger and not a.from_dir:
+        from openrlhf.models.liger import liger_missing
+
+        if missing := liger_missing():
+            ap.error(f"--liger needs a CUDA GPU with Liger: {missing}")
     if a.gemm_backend is None:
         import torch
 

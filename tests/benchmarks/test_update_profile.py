@@ -78,3 +78,9 @@ def test_tiny_profiles_run_and_file_a_record(tmp_path):
     assert len(walls) == 2 and all(r["unit"] == "ms" for r in walls)
     bf, fp8 = ({(r["shape"], r["backend"]): r for r in walls}[(walls[0]["shape"], b)] for b in ("bf16", "jet_fp8"))
     assert bf["ratio_vs_bf16"] == 1.0 and fp8["ratio_vs_bf16"] == pytest.approx(bf["value"] / fp8["value"], rel=1e-3)
+
+
+def test_liger_without_a_gpu_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "update_profile.py"), "--liger", "--tiny"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--liger needs a CUDA GPU with Liger: no CUDA device" in proc.stderr.strip().splitlines()[-1]
