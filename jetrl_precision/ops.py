@@ -143,6 +143,13 @@ def silu_mul_quantized(gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec) -
     return fn(gate, up, spec.granularity.block(tuple(gate.shape)), spec.pow2_scale)
 
 
+def silu_mul_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(dgate, dup) of h = silu(gate) * up for 2-D operands from a fused kernel, byte-equal to autograd's kernels
+    for that expression; None when no implementation can (the caller runs autograd's ops)."""
+    fn = getattr(_impl_for(gate.device), "silu_mul_backward", None)
+    return None if fn is None else fn(dh, gate, up)
+
+
 def release_shared_results() -> None:
     """Drop the quantizations implementations keep for sibling layers and fused producers.
 
@@ -209,5 +216,5 @@ def transposed_requantizer(spec: TensorSpec, device: torch.device | str):
     return lambda qt: requantize_transposed(qt, spec)
 
 
-__all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual", "silu_mul_quantized", "release_shared_results",
+__all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual", "silu_mul_quantized", "silu_mul_backward", "release_shared_results",
             "quantizer", "dual_quantizer", "transposed_quantizer", "transposed_requantizer"]

@@ -7,8 +7,10 @@ and up. `SwiGLUMLP` computes h = silu(gate) * up and Q(h, 1x128) in one Triton k
 share cache, so that layer does not quantize h again. Its backward recomputes silu(gate) from the saved gate.
 
 Nothing changes numerically: the kernel's h is bit-for-bit `F.silu(gate) * up` and its Q(h) is the reference
-quantizer's (GPU tests), and the backward runs the very aten ops autograd runs for the unfused expression. On a
-device without the kernel the forward is the plain expression; only the saved-tensor saving remains.
+quantizer's (GPU tests). The backward gives the bytes of the aten ops autograd runs for the unfused expression: in
+one kernel (`kernels.fused.silu_mul_backward`) where a probe on the device found every byte equal
+(`kernels.swiglu_probe`), else those ops themselves. On a device without the kernels the forward is the plain
+expression; only the saved-tensor saving remains.
 
     fuse_swiglu(model)            # after convert_to_fp8 (which calls it unless fuse_swiglu=False)
 """
@@ -56,6 +58,11 @@ class _SiluMulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dh: torch.Tensor):
         gate, up = ctx.saved_tensors
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            width = gate.shape[-1]
+            grads = ops.silu_mul_backward(dh.reshape(-1, width), gate.reshape(-1, width), up.reshape(-1, width))
+            if grads is not None:  # one kernel, autograd's bytes (checked per device)
+                return grads[0].view(gate.shape), grads[1].view(up.shape), None
         # The ops autograd records for F.silu(gate) * up, in its order: mul's backward, then silu's.
         dgate = torch.ops.aten.silu_backward(dh * up, gate) if ctx.needs_input_grad[0] else None
         dup = dh * F.silu(gate) if ctx.needs_input_grad[1] else None

@@ -7,7 +7,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
-from . import cast_transpose, fused, quant
+from . import cast_transpose, fused, quant, swiglu_probe
 
 __all__ = ["TritonQuantizeImpl"]
 
@@ -150,6 +150,17 @@ class TritonQuantizeImpl:
         qt, h = fused.silu_mul_quantize(gate, up, pow2_scale, return_hp=True)
         self._last_q.put(h, (block, pow2_scale), qt)
         return h
+
+    def silu_mul_backward(self, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(dgate, dup) of silu(gate) * up from one fused kernel, where the device probe found its bytes equal to
+        autograd's kernels (`swiglu_probe`); None otherwise, or for operands it does not take."""
+        if gate.dim() != 2 or gate.numel() == 0 or gate.dtype not in fused.KERNEL_DTYPES:
+            return None
+        if not (dh.shape == gate.shape == up.shape) or not (dh.dtype == up.dtype == gate.dtype):
+            return None
+        if not swiglu_probe.fused_backward_ok(fused.silu_mul_backward, gate.device, gate.dtype):
+            return None
+        return fused.silu_mul_backward(dh, gate, up)
 
     # ---- bound entry points: resolved once per (block, scale rule, device) by a layer's step plan --------------
     # Each returns a function of the 2-D floating input only (no per-call dispatch on block, dtype or device) that

@@ -15,7 +15,7 @@ from jetrl_precision.swiglu import SwiGLUMLP, fuse_swiglu
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_cuda_reason)
 
 if torch.cuda.is_available():  # the kernel modules import Triton, which CPU installs do not have
-    from jetrl_precision.kernels import fused, quant
+    from jetrl_precision.kernels import fused, quant, swiglu_probe
 
 
 class _MLP(nn.Module):
@@ -53,12 +53,18 @@ def _step(model, x, dy):
 
 
 @pytest.mark.parametrize("backend", ["auto", "triton"])
-def test_fused_mlp_is_bitwise_the_unfused_one(backend):
+def test_fused_mlp_is_bitwise_the_unfused_one(backend, monkeypatch):
     plain, fused_model = _pair(backend)
     x = outlier_data(300, 512, seed=1).view(3, 100, 512)  # 300 tokens: a partial 128-row block
     dy = outlier_data(300, 512, seed=2).view(3, 100, 512)
     y0, dx0, g0 = _step(plain, x, dy)
+    # On the H200 the fused backward's bytes are autograd's (the probe passes), so the MLP takes it.
+    assert swiglu_probe.fused_backward_ok(fused.silu_mul_backward, torch.device("cuda"), torch.bfloat16)
+    calls = []
+    real = fused.silu_mul_backward
+    monkeypatch.setattr(fused, "silu_mul_backward", lambda *a: calls.append(a[1].shape) or real(*a))
     y1, dx1, g1 = _step(fused_model, x, dy)
+    assert calls == [(300, 1408)]  # the fused backward ran (the device probe passed), on every token at once
     assert torch.equal(y0, y1)
     assert torch.equal(dx0, dx1)
     for name in g0:
