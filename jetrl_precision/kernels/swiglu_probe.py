@@ -51,12 +51,16 @@ def fused_backward_ok(fn: Backward, device: torch.device, dtype: torch.dtype) ->
     """The probe's verdict for `fn` on (device, dtype), computed on first use; a mismatch is logged once."""
     key = (str(device), dtype)
     if key not in _verdicts:
-        bad = mismatch(fn, *probe_values(device, dtype))
-        _verdicts[key] = bad == 0
-        if bad:
+        try:
+            bad = mismatch(fn, *probe_values(device, dtype))
+            why = f"differs from autograd's kernels in {bad} probe values" if bad else ""
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here is reported, not fatal
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            why = f"failed to run ({type(e).__name__}: {msg})"
+        _verdicts[key] = not why
+        if why:
             logger.warning(
-                "jetrl_precision: the fused SwiGLU backward differs from autograd's kernels in %d probe values on %s "
-                "(%s); SwiGLU MLPs run autograd's four elementwise kernels there instead (same result, more memory traffic)",
-                bad, device, dtype,
+                "jetrl_precision: the fused SwiGLU backward %s on %s (%s); SwiGLU MLPs run autograd's four elementwise "
+                "kernels there instead (same result, more memory traffic)", why, device, dtype,
             )
     return _verdicts[key]

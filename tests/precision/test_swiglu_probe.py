@@ -49,3 +49,14 @@ def test_verdict_is_computed_once_per_device_and_dtype_and_a_mismatch_is_logged(
     (rec,) = caplog.records
     assert "differs from autograd's kernels in 1 probe values" in rec.getMessage()
     assert swiglu_probe.fused_backward_ok(_autograds, torch.device("cpu"), torch.float32)
+
+
+def test_a_kernel_that_cannot_run_is_reported_not_raised(monkeypatch, caplog):
+    monkeypatch.setattr(swiglu_probe, "_verdicts", {})
+
+    def broken(*a):
+        raise RuntimeError("PTX assembly failed\nmore lines")
+
+    with caplog.at_level(logging.WARNING, logger="jetrl_precision.kernels.swiglu_probe"):
+        assert not swiglu_probe.fused_backward_ok(broken, torch.device("cpu"), torch.bfloat16)
+    assert "failed to run (RuntimeError: PTX assembly failed)" in caplog.records[0].getMessage()
