@@ -610,6 +610,8 @@ def cmd_report(a: argparse.Namespace) -> None:
     # A speed run without bf16 compares the bitwise mode with plain jet_fp8: its own plot, the bf16 one kept.
     speed = {r["recipe"] for r in results if r["part"] == "speed"}
     phases = "grpo_vllm_phase_split.png" if "bf16" in speed or not speed else "grpo_vllm_bitwise_phase_split.png"
+    if any("Liger" in r.get("shape", "") for r in results if r["part"] == "speed"):  # not the default setup's plot
+        phases = phases.replace("grpo_vllm_", "grpo_vllm_liger_")
     for p in (plot_phases(results, docs / phases), plot_learning(results, docs / "grpo_vllm_learning.png")):
         if p:
             print(f"wrote {p}")
