@@ -228,7 +228,7 @@ def test_help_lists_sections_in_order(capsys):
     assert titles[:2] == ["--actor.*", "--actor.adam.*"]
     top = [t for t in titles if t.count(".") == 1]
     assert top == [f"--{s}.*" for s in ("actor", "ref", "critic", "reward", "data", "rollout", "train", "algo", "ds",
-                                         "vllm", "ckpt", "logger", "precision", "eval")]
+                                         "vllm", "ckpt", "logger", "profile", "precision", "eval")]
     assert "--fp8_unified" in out and "short for --precision.recipe jet_fp8" in out
     assert "(alias: --pretrain)" in out and "[default: 1024]" in out
 
