@@ -390,6 +390,7 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
         for key, name in (("memory/peak_allocated_gib", "e2e_grpo_peak_allocated_gib"),
                           ("memory/rollout_engine_awake_device_used_gib", "e2e_grpo_device_used_engine_awake_gib"),
                           ("memory/train_engine_asleep_device_used_gib", "e2e_grpo_device_used_engine_asleep_gib"),
+                          ("memory/train_peak_device_used_gib", "e2e_grpo_train_peak_device_used_gib"),
                           ("memory/host_peak_rss_gib", "e2e_grpo_host_peak_rss_gib")):
             v = max((s[key] for s in r["steps"] if key in s), default=None)
             rec(name, r["shape"], recipe, None if v is None else round(v, 3), "GiB")
@@ -498,7 +499,7 @@ def table(results: list[dict]) -> str:
     speed = sorted((r for r in results if r["part"] == "speed"), key=lambda r: ALL_RECIPES.index(r["recipe"]))
     if speed:
         cols = [label for label, _ in PHASES] + ["other", "step"]
-        lines += ["| recipe | " + " | ".join(cols) + " | vs bf16 | peak alloc GiB | awake / asleep device GiB | alloc retries | mismatch |",
+        lines += ["| recipe | " + " | ".join(cols) + " | vs bf16 | peak alloc GiB | awake / asleep / training peak device GiB | alloc retries | mismatch |",
                   "|---" * (len(cols) + 6) + "|"]
         base = next((phase_means(r)["step"] for r in speed if r["recipe"] == "bf16" and usable(r)), None)
         for r in speed:
@@ -509,7 +510,8 @@ def table(results: list[dict]) -> str:
             mem = lambda k: f"{last[k]:.1f}" if k in last else "-"  # noqa: E731
             ratio = f"{base / p['step']:.3f}x" if base else "-"
             lines.append(f"| {r['recipe']} | " + " | ".join(f"{p[c]:.2f}" for c in cols) + f" | {ratio} | {mem('memory/peak_allocated_gib')} | "
-                         f"{mem('memory/rollout_engine_awake_device_used_gib')} / {mem('memory/train_engine_asleep_device_used_gib')} | "
+                         f"{mem('memory/rollout_engine_awake_device_used_gib')} / {mem('memory/train_engine_asleep_device_used_gib')} / "
+                         f"{mem('memory/train_peak_device_used_gib')} | "
                          f"{mem('memory/alloc_retries')} | "
                          f"{last['rollout_train_mismatch/abs_logp_diff_mean']:.3g} |")
     learn = sorted((r for r in results if r["part"] == "learn"), key=lambda r: ALL_RECIPES.index(r["recipe"]))

@@ -567,7 +567,7 @@ class PPOTrainer:
             ),
         )
         self.actor_engine.eval()
-        with profiler.phase("experience"):
+        with profiler.phase("experience"), mem.watch_device("experience"):
             exp = maker.make(samples, prompts, labels, scores=scores, rewards=rewards)
         t2 = time.perf_counter()
         mem.end_phase("experience")
@@ -580,7 +580,7 @@ class PPOTrainer:
         for key in sorted({k for d in agent_logs for k in d}):
             vals = [d[key] for d in agent_logs if key in d]
             metrics[f"agent/{key}"] = st.all_reduce(float(sum(vals))).item() / max(st.all_reduce(float(len(vals))).item(), 1.0)
-        with profiler.phase("update"):
+        with profiler.phase("update"), mem.watch_device("train"):
             metrics.update(self._train(exp))
         t3 = time.perf_counter()
         mem.end_phase("train")

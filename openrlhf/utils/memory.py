@@ -7,12 +7,19 @@ CUDA graphs) is sampled at chosen points, e.g. with the rollout engine awake and
 host process's resident memory is reported too. `memory/alloc_retries` counts the allocator's retries in the
 step: each one frees every cached block and synchronizes the device, the silent cost of running near capacity.
 Every value is the maximum over ranks.
+
+The allocator's peak counts every block it handed out, including a sleeping vLLM engine's: sleep mode releases
+their pages but torch still counts the blocks, so with a colocated engine that peak can exceed the GPU. What the
+GPU really held at its fullest during a phase comes from `watch_device(phase)`: a thread samples the device-wide
+use every 20 ms (`memory/<phase>_peak_device_used_gib`; a peak shorter than that can be missed).
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
-from typing import Callable
+import threading
+from typing import Callable, Iterator
 
 import torch
 
@@ -31,8 +38,23 @@ def _host_rss_bytes() -> float:
             return float(f.read().split()[1]) * resource.getpagesize()
 
 
+def _device_used_reader(device: int) -> Callable[[], float]:
+    """A function giving the bytes in use on the device by any process: NVML where torch can reach it (no CUDA call
+    from the sampling thread), else the CUDA runtime's free/total."""
+    try:
+        torch.cuda.device_memory_used(device)
+        return lambda: float(torch.cuda.device_memory_used(device))
+    except Exception:  # noqa: BLE001 - no NVML binding (pynvml) here
+        def runtime_view() -> float:
+            free, total = torch.cuda.mem_get_info(device)
+            return float(total - free)
+
+        return runtime_view
+
+
 class StepMemory:
-    """Collects `memory/<phase>_peak_allocated_gib`, `memory/<point>_device_used_gib` and host RSS for one step.
+    """Collects `memory/<phase>_peak_allocated_gib`, `memory/<point>_device_used_gib`,
+    `memory/<phase>_peak_device_used_gib` and host RSS for one step.
 
     `reduce_max(tensor)` returns the element-wise maximum over ranks (the strategy's all_reduce)."""
 
@@ -56,6 +78,30 @@ class StepMemory:
         if self.cuda:
             self.values[f"memory/{phase}_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GiB
             torch.cuda.reset_peak_memory_stats()
+
+    @contextlib.contextmanager
+    def watch_device(self, phase: str, interval_s: float = 0.02) -> Iterator[None]:
+        """The largest device-wide use sampled while the block runs, as `memory/<phase>_peak_device_used_gib`."""
+        if not self.cuda:
+            yield
+            return
+        used = _device_used_reader(torch.cuda.current_device())
+        peak = [used()]
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(interval_s):
+                peak[0] = max(peak[0], used())
+
+        thread = threading.Thread(target=sample, name=f"memory-watch-{phase}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            peak[0] = max(peak[0], used())
+            self.values[f"memory/{phase}_peak_device_used_gib"] = peak[0] / GiB
 
     def sample_device(self, point: str) -> None:
         """Device memory in use right now, by anything in any process (what nvidia-smi shows)."""

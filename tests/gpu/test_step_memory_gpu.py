@@ -41,3 +41,24 @@ def test_gpu_alloc_retries_are_counted_per_step():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_gpu_watch_device_sees_a_transient_peak_the_samples_after_it_miss():
+    import time
+
+    mem = StepMemory(lambda t: t)
+    mem.begin()
+    torch.cuda.empty_cache()
+    before = torch.cuda.mem_get_info()
+    with mem.watch_device("train"):
+        big = torch.empty(int(3 * GiB), dtype=torch.uint8, device="cuda")
+        big.fill_(1)
+        torch.cuda.synchronize()
+        time.sleep(0.2)  # ten sampling intervals
+        del big
+        torch.cuda.empty_cache()
+    mem.sample_device("after")
+    m = mem.metrics()
+    held_before = (before[1] - before[0]) / GiB
+    assert m["memory/train_peak_device_used_gib"] >= held_before + 2.9
+    assert m["memory/after_device_used_gib"] < m["memory/train_peak_device_used_gib"] - 2.5
