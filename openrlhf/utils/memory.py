@@ -80,12 +80,14 @@ class StepMemory:
             torch.cuda.reset_peak_memory_stats()
 
     @contextlib.contextmanager
-    def watch_device(self, phase: str, interval_s: float = 0.02) -> Iterator[None]:
-        """The largest device-wide use sampled while the block runs, as `memory/<phase>_peak_device_used_gib`."""
-        if not self.cuda:
+    def watch_device(self, phase: str, interval_s: float = 0.02, reader: Callable[[], float] | None = None) -> Iterator[None]:
+        """The largest device-wide use sampled while the block runs, as `memory/<phase>_peak_device_used_gib`.
+
+        `reader` gives the bytes in use (default: the current GPU's, and nothing is watched without one)."""
+        if reader is None and not self.cuda:
             yield
             return
-        used = _device_used_reader(torch.cuda.current_device())
+        used = reader or _device_used_reader(torch.cuda.current_device())
         peak = [used()]
         stop = threading.Event()
 

@@ -29,3 +29,22 @@ def test_host_rss_follows_an_allocation_and_values_are_reduced_over_ranks():
     assert during["memory/host_peak_rss_gib"] >= during["memory/host_rss_gib"] - 1e-6
     if not torch.cuda.is_available():  # no allocator statistics on CPU: host figures only
         assert not any("allocated" in k or "device_used" in k for k in during)
+
+
+def test_watch_device_catches_a_peak_that_neither_end_of_the_phase_sees():
+    """The sampling thread behind memory/<phase>_peak_device_used_gib: the level rises and falls inside the block."""
+    import time
+
+    from openrlhf.utils.memory import GiB
+
+    level = [1 * GiB]
+    mem = StepMemory(lambda t: t)
+    mem.begin()
+    with mem.watch_device("train", interval_s=0.005, reader=lambda: level[0]):
+        level[0] = 5 * GiB
+        time.sleep(0.1)  # twenty sampling intervals
+        level[0] = 1 * GiB
+    assert mem.metrics()["memory/train_peak_device_used_gib"] == 5.0
+    with mem.watch_device("experience"):  # no reader and no GPU: nothing to watch
+        pass
+    assert "memory/experience_peak_device_used_gib" not in mem.metrics() or torch.cuda.is_available()
