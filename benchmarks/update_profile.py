@@ -204,6 +204,13 @@ def _key(r: dict) -> tuple:
             r.get("requantize_weights", False), r.get("liger", False))
 
 
+def _settings_note(r: dict) -> str:
+    """The job's non-default settings, as the table headings and the records' shapes name them."""
+    vllm = {"": "", "restore": ", vLLM imported", "no-restore": ", vLLM imported (cuDNN attention left off)"}[r.get("import_vllm", "")]
+    return (f"{vllm}{', FP8 weights re-quantized every call' if r.get('requantize_weights') else ''}"
+            f"{', Liger kernels (--ds.use_liger_kernel)' if r.get('liger') else ''}")
+
+
 def summarize(results: list[dict]) -> str:
     if not results:
         return "no profiles"
@@ -214,9 +221,8 @@ def summarize(results: list[dict]) -> str:
     for key in sorted({_key(r) for r in results}):
         rows = [r for r in results if _key(r) == key]
         bf = next((r for r in rows if r["recipe"] == "bf16"), None)
-        vllm_note = {"": "", "restore": ", vLLM imported", "no-restore": ", vLLM imported, cuDNN attention left off"}[key[4]]
         lines += [f"{key[1]}, micro-batch {key[2]} sequences{', activation checkpointing' if key[3] else ''}, FP8 GEMMs {key[0]}"
-                  f"{vllm_note}{', FP8 weights re-quantized every call' if key[5] else ''}{', Liger kernels' if key[6] else ''}", "",
+                  f"{_settings_note(rows[0])}", "",
                   "| ms | " + " | ".join(r["recipe"] for r in rows) + (" | bf16 / jet_fp8 |" if bf and len(rows) > 1 else " |"),
                   "|---" * (len(rows) + 1 + (bf is not None and len(rows) > 1)) + "|"]
 
@@ -261,9 +267,7 @@ def record(results: list[dict], device: str, command: str, runs_dir: Path | None
         shape = (f"Llama-3.1-8B shape, {r['layers']} layers, {r['variant']}, micro-batch {r['micro']} x (<= {r['prompt_len']} + "
                  f"{r['new_tokens']}) tokens{', activation checkpointing' if r['grad_ckpt'] else ''}"
                  f"{'' if r['gemm_backend'] == 'torch' else ', FP8 GEMMs ' + r['gemm_backend']}"
-                 f"{', vLLM imported' + (' (cuDNN attention left off)' if r.get('import_vllm') == 'no-restore' else '') if r.get('import_vllm') else ''}"
-                 f"{', FP8 weights re-quantized every call' if r.get('requantize_weights') else ''}"
-                 f"{', Liger kernels (--ds.use_liger_kernel)' if r.get('liger') else ''}")
+                 f"{_settings_note(r)}")
         for key, v in flat(r).items():
             name, _, group = key.partition("/")
             ref = bf.get(key)
