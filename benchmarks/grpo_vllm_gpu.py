@@ -327,9 +327,12 @@ def usable(res: dict) -> bool:
 
 
 def timed_steps(res: dict) -> list[dict]:
-    """The steps a speed figure averages: all but the first (warm-up), or the only one."""
+    """The steps a speed figure averages: all but the first (warm-up) and the profiled one (torch.profiler slows it,
+    and writing its tables is timed as part of its phases), or the only one."""
     steps = res["steps"]
-    return steps[1:] or steps
+    profiled = (res.get("plan") or {}).get("profile_step", 0)
+    clean = [s for s in steps[1:] if s.get("step") != profiled]
+    return clean or steps[1:] or steps
 
 
 def phase_means(res: dict) -> dict[str, float]:

@@ -5,6 +5,9 @@ Each phase writes `<dir>/step<N>_rank<r>_<phase>.json`: its wall time, the devic
 ops' own time), and how long the device sat idle. `--profile.trace` also writes a Chrome trace per phase
 (tens of MB per profiled second). The rollout engine's generation is not profiled here: vLLM has its own profiler.
 
+On a GPU only device activity is recorded unless a trace is asked for: the host-side op events of a large update
+(millions of them) took torch.profiler minutes to turn into tables, longer than the step itself.
+
     profiler = StepProfiler(ProfileSettings(step=2, out_dir="ckpt/profile"), rank=0)
     profiler.begin_step(2)
     with profiler.phase("update"):
@@ -23,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["ProfileSettings", "StepProfiler", "kernel_times"]
+__all__ = ["ProfileSettings", "StepProfiler", "kernel_times", "profiler_activities"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,15 @@ def kernel_times(prof, cuda: bool) -> dict[str, float]:
         if keep:
             out[ev.key] = out.get(ev.key, 0.0) + float(us)
     return out
+
+
+def profiler_activities(cuda: bool, trace: bool) -> list:
+    """What torch.profiler records: the device's kernels on a GPU (plus host ops for a trace), host ops on CPU."""
+    from torch.profiler import ProfilerActivity
+
+    if not cuda:
+        return [ProfilerActivity.CPU]
+    return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if trace else [ProfilerActivity.CUDA]
 
 
 @dataclass(frozen=True)
@@ -72,13 +84,12 @@ class StepProfiler:
         if not self._active:
             yield
             return
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import profile
 
         cuda = torch.cuda.is_available()
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
-        with profile(activities=acts) as prof:
+        with profile(activities=profiler_activities(cuda, self.settings.trace)) as prof:
             t0 = time.perf_counter()
             yield
             sync()
@@ -86,6 +97,7 @@ class StepProfiler:
         self._write(name, prof, wall, cuda)
 
     def _write(self, name: str, prof, wall_s: float, cuda: bool) -> None:
+        t0 = time.perf_counter()
         per_kernel = sorted(kernel_times(prof, cuda).items(), key=lambda kv: -kv[1])
         device_us = sum(us for _, us in per_kernel)
         kept = dict(per_kernel[:TOP_KERNELS])
@@ -100,5 +112,5 @@ class StepProfiler:
         if self.settings.trace:
             prof.export_chrome_trace(str(stem) + ".trace.json")
         if self.rank == 0:
-            logger.info("profile of step %d, %s: %.2f s wall, %.2f s in kernels -> %s", self.settings.step, name, wall_s,
-                        device_us / 1e6, stem.with_suffix(".json"))
+            logger.info("profile of step %d, %s: %.2f s wall, %.2f s in kernels -> %s (%.1f s to write)", self.settings.step,
+                        name, wall_s, device_us / 1e6, stem.with_suffix(".json"), time.perf_counter() - t0)

@@ -128,3 +128,14 @@ def test_speed_plan_knobs_reach_the_trainer_config(tmp_path):
     assert "activation checkpointing" in shape and "Liger" in shape
     plain = parse_config(g.SpeedPlan().argv(tmp_path, data, reward))
     assert plain.train.micro_batch_size == 4 and not plain.actor.gradient_checkpointing_enable and not plain.ds.use_liger_kernel
+
+
+def test_the_profiled_step_is_not_timed():
+    import grpo_vllm_gpu as g
+
+    steps = [{"step": i, "perf/step_s": t} for i, t in ((1, 50.0), (2, 30.0), (3, 80.0))]
+    res = {"steps": steps, "plan": {"profile_step": 3}}
+    assert [s["step"] for s in g.timed_steps(res)] == [2]  # step 1 warms up, step 3 ran under the profiler
+    assert [s["step"] for s in g.timed_steps({"steps": steps, "plan": {"profile_step": 0}})] == [2, 3]
+    # Nothing else to time: the profiled step is better than no figure (the report's profile tables say it was).
+    assert [s["step"] for s in g.timed_steps({"steps": steps[:2], "plan": {"profile_step": 2}})] == [2]

@@ -47,3 +47,14 @@ def test_trace_is_written_when_asked(tmp_path):
         _work()
     assert (tmp_path / "step1_rank3_experience.trace.json").stat().st_size > 0
     assert (tmp_path / "step1_rank3_experience.json").exists()
+
+
+def test_a_gpu_profile_records_kernels_only_unless_traced():
+    from torch.profiler import ProfilerActivity
+
+    from openrlhf.utils.profiling import profiler_activities
+
+    # Host op events of a whole update take minutes to tabulate; the phase tables need only the kernels.
+    assert profiler_activities(cuda=True, trace=False) == [ProfilerActivity.CUDA]
+    assert set(profiler_activities(cuda=True, trace=True)) == {ProfilerActivity.CPU, ProfilerActivity.CUDA}
+    assert profiler_activities(cuda=False, trace=False) == [ProfilerActivity.CPU]

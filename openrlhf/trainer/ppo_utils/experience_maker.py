@@ -71,8 +71,17 @@ class Experience:
         for start in range(0, len(self), size):
             yield self.select(slice(start, start + size))
 
-    def to(self, device: torch.device) -> "Experience":
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Experience":
+        """The tensors on `device`. `non_blocking` stages CPU tensors in pinned memory first, so the copies queue
+        behind the GPU's work instead of waiting for it (a pageable copy synchronizes the stream)."""
+        stage = non_blocking and torch.device(device).type == "cuda"
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if stage and t.device.type == "cpu":
+                t = t.pin_memory()
+            return t.to(device, non_blocking=stage)
+
+        return replace(self, **{f.name: move(getattr(self, f.name)) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def samples_to_tensors(samples: Sequence[RolloutSample], pad_token_id: int) -> Experience:

@@ -148,8 +148,9 @@ class CriticActor:
     def train_micro_step(self, mb, global_tokens: float, scale: float) -> dict[str, float]:
         from openrlhf.trainer.ppo_trainer import critic_micro_step
 
-        # The SPMD code path itself, run where the critic lives.
-        return critic_micro_step(self.critic_engine, self.value_loss, self.converter, mb.to(self.strategy.device), global_tokens, scale)
+        # The SPMD code path itself, run where the critic lives; its statistics cross the process boundary as floats.
+        stats = critic_micro_step(self.critic_engine, self.value_loss, self.converter, mb.to(self.strategy.device), global_tokens, scale)
+        return {k: float(v) for k, v in stats.items()}
 
     def nonfinite_parameters(self) -> list[str]:
         """The critic's NaN/inf parameters, agreed over the critic group (every critic rank must be asked at once)."""
