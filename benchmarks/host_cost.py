@@ -267,8 +267,10 @@ def _emulate_triton(name: str, grid, args, meta) -> None:
         _strided(q, (r, c), (sqr, sqc)).copy_(ref.data)
         _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
     elif name == "_quant_128x1_kernel":
-        x, in_s, q, s, r, c, sxr, sxc, sir, sig, sqr, sqc, ssb, ssc = args
+        x, in_s, q, s, r, c, sxr, sxc, sir, sig, sqr, sqc, ssb, ssc, r_out = args
         xv = _strided(x, (r, c), (sxr, sxc))
+        if r_out > r:  # the padded rows of a transposed WGrad operand: zeros
+            _strided(q, (r_out, c), (sqr, sqc)).zero_()
         if meta["DEQ"]:
             src = QuantizedTensor(xv, _strided(in_s, (r, cdiv(c, 128)), (sir, sig)), (1, 128))
             ref = requantize_fp8(src, (128, 1), pow2_scale=meta["POW2"])
@@ -298,10 +300,11 @@ def _emulate_triton(name: str, grid, args, meta) -> None:
         _strided(q, (r, c), (sqr, sqc)).copy_(ref.data)
         _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
     elif name == "requant_1x128_to_128x1_t":
-        x, s_in, q, s_out, m, k, ldx_words, s_row, s_grp = args
+        x, s_in, q, s_out, m, k, ldx_words, s_row, s_grp, ldq, m_out = args
         src = QuantizedTensor(_strided(x, (m, k), (4 * ldx_words, 1)), _strided(s_in, (m, cdiv(k, 128)), (s_row, s_grp)), (1, 128))
         ref = requantize_fp8(src, (128, 1), pow2_scale=meta.get("POW2", False)).t()
-        _strided(q, (k, m), (m, 1)).copy_(ref.data)
+        _strided(q, (k, m_out), (ldq, 1)).zero_()
+        _strided(q, (k, m), (ldq, 1)).copy_(ref.data)
         _strided(s_out, (k, cdiv(m, 128)), (1, k)).copy_(ref.scale)
     else:
         raise NotImplementedError(f"host_cost: no CPU emulation of kernel {name!r}")

@@ -84,13 +84,16 @@ class _StepPlan:
         self.fp8_wgrad = bw.wgrad_grad_output.is_fp8 and bw.wgrad_input.is_fp8
         self.save_fp8 = bw.saved_input.is_fp8 and self.fp8_x
         self.quantize_dy = ops.quantizer(bw.dgrad_grad_output, device) if self.fp8_dgrad else None
-        self.quantize_dy_t = ops.transposed_quantizer(bw.wgrad_grad_output, device) if self.fp8_wgrad else None
+        # WGrad's operands come with their token count padded as the backward GEMM wants it (cuBLASLt and DeepGEMM:
+        # a multiple of 128), zeros written by the quantizers, instead of the GEMM copying both into padded buffers.
+        pad = self.bwd_gemm.wgrad_k_multiple
+        self.quantize_dy_t = ops.transposed_quantizer(bw.wgrad_grad_output, device, pad) if self.fp8_wgrad else None
         # Both layouts of dY in one call, so an implementation can produce them from one read.
-        self.quantize_dy_dual = (ops.dual_quantizer(bw.dgrad_grad_output, bw.wgrad_grad_output, device)
+        self.quantize_dy_dual = (ops.dual_quantizer(bw.dgrad_grad_output, bw.wgrad_grad_output, device, pad)
                                  if self.fp8_dgrad and self.fp8_wgrad else None)
         # WGrad's input: the saved FP8 input re-grouped along tokens, or (no FP8 input saved) the saved one quantized so.
-        self.requantize_x_t = ops.transposed_requantizer(bw.wgrad_input, device) if self.fp8_wgrad else None
-        self.quantize_x_t = ops.transposed_quantizer(bw.wgrad_input, device) if self.fp8_wgrad else None
+        self.requantize_x_t = ops.transposed_requantizer(bw.wgrad_input, device, pad) if self.fp8_wgrad else None
+        self.quantize_x_t = ops.transposed_quantizer(bw.wgrad_input, device, pad) if self.fp8_wgrad else None
 
 
 def _fprop(layer: "Fp8Linear", plan: _StepPlan, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 import torch
 
 from .formats import Block, Granularity, QuantizedTensor
+from .kernels.layout import pad_columns
 from .quantize import quantize_fp8, requantize_fp8
 from .recipe import TensorSpec
 
@@ -187,33 +188,44 @@ def quantizer(spec: TensorSpec, device: torch.device | str) -> Callable[[torch.T
     return lambda x: quantize(x, spec)
 
 
-def dual_quantizer(spec: TensorSpec, t_spec: TensorSpec, device: torch.device | str):
+# `pad_to` below: the transposed (WGrad) result's columns, the tokens, zero-padded to a multiple of it (a multiple of
+# 128): the operand a GEMM backend that needs K % 128 == 0 would otherwise copy into a padded buffer per call.
+# The Triton implementation's kernels write the zeros in the same pass; other implementations pad afterwards.
+
+
+def dual_quantizer(spec: TensorSpec, t_spec: TensorSpec, device: torch.device | str, pad_to: int = 0):
     """`lambda x: quantize_dual(x, spec, t_spec)` for inputs on `device`, resolved once."""
     fn, block = _bindable(spec, device, "bind_quantize_dual")
     t_fn, t_block = _bindable(t_spec, device, "bind_quantize_dual")
     if fn is not None and t_fn is not None:
-        bound = fn(block, spec.pow2_scale, t_block, t_spec.pow2_scale)
+        bound = fn(block, spec.pow2_scale, t_block, t_spec.pow2_scale, pad_to=pad_to)
         if bound is not None:
             return bound
+    if pad_to > 1:
+        def padded(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+            q, qt = quantize_dual(x, spec, t_spec)
+            return q, pad_columns(qt, pad_to)
+
+        return padded
     return lambda x: quantize_dual(x, spec, t_spec)
 
 
-def transposed_quantizer(spec: TensorSpec, device: torch.device | str):
+def transposed_quantizer(spec: TensorSpec, device: torch.device | str, pad_to: int = 0):
     """`lambda x: quantize_transposed(x, spec)` for inputs on `device`, resolved once."""
     impl = _impl_for(torch.device(device)) if spec.is_fp8 else None
     fn = getattr(impl, "quantize_transposed", None) if impl is not None else None
     if fn is not None and spec.granularity in _FAST_GRANULARITIES:
         block, pow2 = spec.granularity.block((1, 1)), spec.pow2_scale
-        return lambda x: fn(x, block, pow2)
-    return lambda x: quantize_transposed(x, spec)
+        return lambda x: pad_columns(fn(x, block, pow2), pad_to)
+    return lambda x: pad_columns(quantize_transposed(x, spec), pad_to)
 
 
-def transposed_requantizer(spec: TensorSpec, device: torch.device | str):
+def transposed_requantizer(spec: TensorSpec, device: torch.device | str, pad_to: int = 0):
     """`lambda qt: requantize_transposed(qt, spec)` for inputs on `device`, resolved once."""
     fn, block = _bindable(spec, device, "bind_requantize_transposed")
     if fn is not None:
-        return fn(block, spec.pow2_scale, torch.device(device))
-    return lambda qt: requantize_transposed(qt, spec)
+        return fn(block, spec.pow2_scale, torch.device(device), pad_to=pad_to)
+    return lambda qt: pad_columns(requantize_transposed(qt, spec), pad_to)
 
 
 __all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual", "silu_mul_quantized", "silu_mul_backward", "release_shared_results",

@@ -207,6 +207,8 @@ class DeepGemmPreparedGemm(PreparedGemm):
     once and the keyword set resolved once; WGrad on the torch backend's prepared cuBLASLt call where that works
     (as `deep_gemm_gemm_nt` routes it). Everything else goes through `deep_gemm_gemm_nt`."""
 
+    wgrad_k_multiple = 128  # `pad_operands` pads K to 128 on both of its WGrad routes
+
     def __init__(self, device: torch.device) -> None:
         super().__init__("deep_gemm")
         dg = _module_or_raise()

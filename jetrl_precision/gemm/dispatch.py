@@ -55,6 +55,10 @@ class PreparedGemm:
     operands do not fit the prepared form. This generic form prepares nothing.
     """
 
+    # WGrad's K (the token count) must be a multiple of this, or `nt` pads both operands with a copy first; a layer
+    # asks its transposed quantizers for operands already padded so (zero columns, written by the kernels).
+    wgrad_k_multiple: int = 1
+
     def __init__(self, name: str) -> None:
         self.name = name
         self._gemm = _REGISTRY[name].gemm_nt

@@ -133,6 +133,8 @@ class TorchPreparedGemm(PreparedGemm):
     that need padding (M not a multiple of 4; K, N or the WGrad token count not multiples of 128) or a copy
     (non-contiguous data) go through `torch_gemm_nt`, which does it."""
 
+    wgrad_k_multiple = 128  # cuBLASLt's blockwise K
+
     def __init__(self, device: torch.device) -> None:
         super().__init__("torch")
         self.mm = prepared_scaled_mm(device)

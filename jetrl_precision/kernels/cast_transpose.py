@@ -91,7 +91,8 @@ __device__ __forceinline__ float quotient(float x, float recip, float s_res) {
 template <bool POW2>
 __global__ void __launch_bounds__(128)
 requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_in, u32* __restrict__ q,
-                          float* __restrict__ s_out, int M, int K, int ldx_words, int s_row, int s_grp) {
+                          float* __restrict__ s_out, int M, int K, int ldx_words, int s_row, int s_grp, int ldq,
+                          int M_out) {
     constexpr int ROWS = 32, WARPS = 4, THREADS = 128;
     __shared__ float4 red[WARPS][32];
     __shared__ __align__(16) float fin[2][THREADS];  // per column: 1/scale, and the scale for the correction
@@ -187,8 +188,10 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
     for (int p = 0; p < 1024 / THREADS; ++p) {
         const int idx = p * THREADS + threadIdx.x, row = idx >> 3, chunk = idx & 7;
         const int m = tm + 16 * chunk;
-        if (tk + row < K && m < M)  // M % 16 == 0: a 16-token chunk is all in or all out
-            *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(q) + (size_t)(tk + row) * M + m) =
+        // M % 16 == 0: a 16-token chunk is all in or all out. Tokens M..M_out-1 (output rows ldq long, padded for
+        // the WGrad GEMM) were loaded as zeros and store zeros.
+        if (tk + row < K && m < M_out)
+            *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(q) + (size_t)(tk + row) * ldq + m) =
                 tile[row][chunk ^ ((row >> 2) & 7)];
     }
 }
@@ -211,7 +214,7 @@ class _Kernel:
     argument block per kernel and refills it (cuLaunchKernel copies the arguments before it returns)."""
 
     _launch = None
-    N_PTRS, N_INTS = 4, 5
+    N_PTRS, N_INTS = 4, 7
 
     def __init__(self, compiled, name: str, device_index: int) -> None:
         self.compiled = compiled  # keeps torch's handle (and its module) alive
@@ -341,15 +344,18 @@ def supported_layout(qt: QuantizedTensor) -> bool:
     )
 
 
-def requantize_1x128_to_128x1_t(qt: QuantizedTensor, pow2_scale: bool = False) -> QuantizedTensor:
-    """requantize_fp8(qt, (128, 1)).t(): data [K, M] e4m3, scales (K, ceil(M/128)) with strides (1, K)."""
+def requantize_1x128_to_128x1_t(qt: QuantizedTensor, pow2_scale: bool = False, pad_to: int = 0) -> QuantizedTensor:
+    """requantize_fp8(qt, (128, 1)).t(): data [K, M] e4m3, scales (K, ceil(M/128)) with strides (1, K); `pad_to`
+    (a multiple of 128) zero-pads the data's columns to a multiple of it in the same pass."""
     if not supported_shape(qt):
         raise ValueError(
             f"the CUDA requantizer needs a 1x128 CUDA input with contiguous columns, K % 4 == 0 and M % 16 == 0; "
             f"got block {qt.block}, shape {tuple(qt.shape)}, strides {qt.data.stride()} "
             f"(quant.requantize_1x128_to_128x1 takes any shape and falls back to Triton)"
         )
-    return launch(qt, kernel_for(qt.data.device, pow2_scale))
+    if pad_to > 1 and pad_to % 128:
+        raise ValueError(f"pad_to must be a multiple of 128, got {pad_to}")
+    return launch(qt, kernel_for(qt.data.device, pow2_scale), pad_to)
 
 
 def kernel_for(device: torch.device, pow2_scale: bool) -> _Kernel:
@@ -357,15 +363,16 @@ def kernel_for(device: torch.device, pow2_scale: bool) -> _Kernel:
     return _compile(device.index if device.index is not None else torch.cuda.current_device(), pow2_scale)
 
 
-def launch(qt: QuantizedTensor, kern: _Kernel) -> QuantizedTensor:
+def launch(qt: QuantizedTensor, kern: _Kernel, pad_to: int = 0) -> QuantizedTensor:
     """`requantize_1x128_to_128x1_t` without its checks, for callers that checked `supported_shape` already
     (a layer's step plan, once per input layout)."""
     data, s_in = qt.data, qt.scale
     rows, cols = data.shape
     dev = data.device
     nrb = -(-rows // 128)
-    q = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev)
+    rows_out = -(-rows // pad_to) * pad_to if pad_to > 1 else rows  # within the last 128-token block
+    q = torch.empty((cols, rows_out), dtype=FP8_DTYPE, device=dev)
     # The kernel writes a row-major (nrb, K) buffer: the logical (K, nrb) scale with strides (1, K).
     scale = torch.empty_strided((cols, nrb), (1, cols), dtype=torch.float32, device=dev)
-    kern((nrb, -(-cols // 128)), 128, (data, s_in, q, scale), (rows, cols, data.stride(0) // 4, *s_in.stride()))
+    kern((nrb, -(-cols // 128)), 128, (data, s_in, q, scale), (rows, cols, data.stride(0) // 4, *s_in.stride(), rows_out, rows_out))
     return QuantizedTensor.trusted(q, scale, (1, 128))

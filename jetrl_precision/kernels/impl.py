@@ -8,6 +8,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
 from . import cast_transpose, fused, quant, swiglu_probe
+from .layout import pad_columns
 
 __all__ = ["TritonQuantizeImpl"]
 
@@ -180,33 +181,35 @@ class TritonQuantizeImpl:
             return quantize_shared
         return lambda x: self.quantize(x, block, pow2_scale)
 
-    def bind_quantize_dual(self, block: Block, pow2_scale: bool, t_block: Block, t_pow2_scale: bool):
+    def bind_quantize_dual(self, block: Block, pow2_scale: bool, t_block: Block, t_pow2_scale: bool, pad_to: int = 0):
+        """`pad_to`: the transposed result's columns (the tokens) zero-padded to a multiple of it by the kernel."""
         if block == (1, 128) and t_block == (128, 1):
 
             def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
-                return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale)
+                return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pad_to=pad_to)
 
             return dual
         return None
 
-    def bind_requantize_transposed(self, block: Block, pow2_scale: bool, device: torch.device):
+    def bind_requantize_transposed(self, block: Block, pow2_scale: bool, device: torch.device, pad_to: int = 0):
         """requantize_transposed for 1x128 inputs: the CUDA kernel (resolved once) where the input's layout fits
-        it, else the Triton one; kept for siblings that saved the same FP8 input (q/k/v)."""
+        it, else the Triton one; kept for siblings that saved the same FP8 input (q/k/v). `pad_to` as in
+        `bind_quantize_dual`."""
         if block != (128, 1):
-            return lambda qt: self.requantize_transposed(qt, block, pow2_scale)
+            return lambda qt: pad_columns(self.requantize_transposed(qt, block, pow2_scale), pad_to)
         cuda_kernel = cast_transpose.kernel_for(device, pow2_scale) if cast_transpose.usable(device) else None
 
         def make_for(qt: QuantizedTensor):
             if cuda_kernel is not None and cast_transpose.supported_shape(qt):
-                return cast_transpose.launch(qt, cuda_kernel)
-            return quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale, kernel="triton")
+                return cast_transpose.launch(qt, cuda_kernel, pad_to)
+            return quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale, kernel="triton", pad_to=pad_to)
 
         def requantize_t(qt: QuantizedTensor) -> QuantizedTensor:
             if qt.block != (1, 128):
-                return self.requantize_transposed(qt, block, pow2_scale)
+                return pad_columns(self.requantize_transposed(qt, block, pow2_scale), pad_to)
             if not self.share_results:
                 return make_for(qt)
-            extra = (block, pow2_scale, qt.scale.data_ptr(), qt.scale.stride())
+            extra = (block, pow2_scale, pad_to, qt.scale.data_ptr(), qt.scale.stride())
             return self._last_rq_t.lookup(qt.data, extra, make_for, qt)
 
         return requantize_t

@@ -22,6 +22,7 @@ from ..formats import FP8_DTYPE, QuantizedTensor
 from . import cast_transpose
 from ._common import abs_max, group_scale, quantize_values
 from .launch import TritonLauncher
+from .layout import padded_columns
 
 __all__ = [
     "quantize_1x128",
@@ -113,9 +114,11 @@ def quantize_1x128(x: torch.Tensor, pow2_scale: bool = False, block_r: int | Non
 @triton.jit
 def _quant_128x1_kernel(
     x_ptr, in_s_ptr, q_ptr, s_ptr, R, C,
-    sxr, sxc, sir, sig, sqr, sqc, ssb, ssc,
+    sxr, sxc, sir, sig, sqr, sqc, ssb, ssc, R_OUT,
     BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr, COL_FASTEST: tl.constexpr,
 ):
+    # R_OUT >= R: rows R..R_OUT-1 of the last block are stored as zeros (masked loads read 0, which quantizes to 0
+    # and leaves the block's amax alone), a WGrad operand padded along tokens at no extra pass.
     # COL_FASTEST: consecutive programs walk along the columns of one 128-row block (their reads share rows).
     if COL_FASTEST:
         pid_c = tl.program_id(0)
@@ -134,7 +137,7 @@ def _quant_128x1_kernel(
         x = x * s_in
     scale = group_scale(abs_max(x, 0), POW2)
     q = quantize_values(x, scale[None, :], POW2)
-    tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=mask)
+    tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=(rr[:, None] < R_OUT) & (cc[None, :] < C))
     tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
 
 
@@ -159,17 +162,19 @@ TILE_128x1_T = Tile128x1(block_c=64, num_warps=2, col_fastest=False)
 TILE_REQUANT_T = Tile128x1(block_c=16, num_warps=1, col_fastest=True)
 
 
-def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, tile: Tile128x1) -> QuantizedTensor:
+def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, tile: Tile128x1, pad_to: int = 0) -> QuantizedTensor:
     if 128 % tile.block_c:
         raise ValueError(f"block_c must divide 128, got {tile.block_c}")
     nrb = _cdiv(rows, 128)
     dev = x.device
+    rows_out = rows
     # The kernel writes scales as a row-major (nrb, C) buffer; transposed, the result's scale is its (C, nrb)
     # view with strides (1, C), allocated as such (one call, no view op).
     if transposed:
+        rows_out = padded_columns(rows, pad_to)  # within the last 128-row block: the grid covers it already
         scale = torch.empty_strided((cols, nrb), (1, cols), dtype=torch.float32, device=dev)
-        q = torch.empty((cols, rows), dtype=FP8_DTYPE, device=dev)
-        sqr, sqc = 1, rows
+        q = torch.empty((cols, rows_out), dtype=FP8_DTYPE, device=dev)
+        sqr, sqc = 1, rows_out
     else:
         scale = torch.empty((nrb, cols), dtype=torch.float32, device=dev)
         q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=dev)
@@ -180,7 +185,7 @@ def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, t
     ncb = _cdiv(cols, tile.block_c)
     grid = (ncb, nrb) if tile.col_fastest else (nrb, ncb)
     _kern_128x1(grid,
-        x, in_scale if deq else scale, q, scale, rows, cols, sxr, sxc, sir, sig, sqr, sqc, cols, 1,
+        x, in_scale if deq else scale, q, scale, rows, cols, sxr, sxc, sir, sig, sqr, sqc, cols, 1, rows_out,
         BLOCK_C=tile.block_c, POW2=pow2_scale, DEQ=deq, COL_FASTEST=tile.col_fastest, num_warps=tile.num_warps,
     )
     # Transposed: quantize(x, 128x1).t(): data x^T [C, R], 1x128 groups, scale (C, ceil(R/128)) MN-major.
@@ -191,22 +196,33 @@ def quantize_128x1(x: torch.Tensor, pow2_scale: bool = False, tile: Tile128x1 | 
     return _launch_128x1(x, None, x.shape[0], x.shape[1], False, pow2_scale, tile or TILE_128x1)
 
 
-def quantize_128x1_t(x: torch.Tensor, pow2_scale: bool = False, tile: Tile128x1 | None = None) -> QuantizedTensor:
-    """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy)."""
-    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, tile or TILE_128x1_T)
+def quantize_128x1_t(x: torch.Tensor, pow2_scale: bool = False, tile: Tile128x1 | None = None, pad_to: int = 0) -> QuantizedTensor:
+    """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy); `pad_to` (a multiple
+    of 128) zero-pads its columns (x's rows) to a multiple of it, as `layout.pad_columns` would."""
+    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, tile or TILE_128x1_T, _check_pad(pad_to))
+
+
+def _check_pad(pad_to: int) -> int:
+    if pad_to > 1 and pad_to % 128:
+        raise ValueError(f"pad_to must be a multiple of 128 (the padded columns stay within the last scale group), got {pad_to}")
+    return pad_to
 
 
 def requantize_1x128_to_128x1(
     qt: QuantizedTensor, transposed: bool, pow2_scale: bool = False, tile: Tile128x1 | None = None,
-    kernel: Literal["auto", "cuda", "triton"] = "auto",
+    kernel: Literal["auto", "cuda", "triton"] = "auto", pad_to: int = 0,
 ) -> QuantizedTensor:
     """requantize_fp8(qt, (128, 1)) (optionally transposed) for a 1x128 input: one read of the FP8 bytes.
 
     Transposed, `kernel="auto"` takes the CUDA cast-transpose kernel (`cast_transpose`, which is faster on the
     H200: figures in docs/benchmarks.md) where it compiled and the
     shape fits it (M % 16 == 0, K % 4 == 0), else this module's Triton kernel; both give the reference's bytes.
-    A `tile` asks for the Triton kernel.
+    A `tile` asks for the Triton kernel. Transposed, `pad_to` (a multiple of 128) zero-pads the result's columns
+    (the tokens) to a multiple of it, in the same pass.
     """
+    _check_pad(pad_to)
+    if pad_to > 1 and not transposed:
+        raise ValueError("pad_to pads the transposed layout's columns: pass transposed=True")
     if qt.block != (1, 128):
         raise ValueError(f"requantize_1x128_to_128x1 needs a 1x128 input, got block {qt.block}")
     if kernel not in ("auto", "cuda", "triton"):
@@ -217,13 +233,13 @@ def requantize_1x128_to_128x1(
         ok, why = cast_transpose.status(qt.data.device)
         if not ok:
             raise RuntimeError(f"kernel='cuda': the CUDA requantizer is unavailable on {qt.data.device}: {why}")
-        return cast_transpose.requantize_1x128_to_128x1_t(qt, pow2_scale)
+        return cast_transpose.requantize_1x128_to_128x1_t(qt, pow2_scale, pad_to)
     if transposed and tile is None and kernel == "auto":
         if cast_transpose.usable(qt.data.device) and cast_transpose.supported_shape(qt):
-            return cast_transpose.requantize_1x128_to_128x1_t(qt, pow2_scale)
+            return cast_transpose.requantize_1x128_to_128x1_t(qt, pow2_scale, pad_to)
     rows, cols = qt.shape
     tile = tile or (TILE_REQUANT_T if transposed else TILE_128x1)
-    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, tile)
+    return _launch_128x1(qt.data, qt.scale, rows, cols, transposed, pow2_scale, tile, pad_to)
 
 
 # ---------------------------------------------------------------------------------------------

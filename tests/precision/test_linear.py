@@ -314,6 +314,8 @@ def test_backward_gemms_run_on_the_layers_backward_backend(monkeypatch):
     calls = []
 
     class Recording:
+        wgrad_k_multiple = 1  # a PreparedGemm attribute, not a call
+
         def __init__(self, name, device):
             self.name, self.real = name, real_prepare("emulated", device)
 

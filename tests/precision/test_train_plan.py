@@ -113,6 +113,41 @@ def test_zero3_style_weights_are_not_kept_from_forward_to_backward():
         assert torch.equal(g, w)
 
 
+def test_wgrad_operands_come_padded_as_the_backward_gemm_asks(monkeypatch):
+    """A backward GEMM that needs the token count (WGrad's K) in multiples of 128 gets both operands padded by the
+    quantizers: zero columns, the same scales, and the same weight gradient as unpadded operands give."""
+    from jetrl_precision.gemm.dispatch import PreparedGemm
+    from jetrl_precision.kernels.layout import pad_columns
+
+    x, dy = outlier_data((200, 256)), outlier_data((200, 384)) * 1e-2
+    _, plain = _layer()
+    want = _fwd_bwd(plain, x, dy)
+    seen = []
+
+    class Padded(PreparedGemm):
+        wgrad_k_multiple = 128
+
+        def nt(self, a, b, out_dtype):
+            seen.append((tuple(a.shape), tuple(b.shape)))
+            return super().nt(a, b, out_dtype)
+
+    import jetrl_precision.linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "prepare_gemm", lambda name, device: Padded(name))  # the plan's GEMMs want K % 128
+    _, f8 = _layer()
+    got = _fwd_bwd(f8, x, dy)
+    assert seen == [((384, 256), (256, 256))], seen  # K = 200 tokens -> 256
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    # The helper other implementations pad with: zeros after the data, scales untouched; K already a multiple stays.
+    q = quantize_fp8(x, (128, 1)).t()
+    p = pad_columns(q, 128)
+    assert p.shape == (256, 256) and torch.equal(p.scale, q.scale) and not p.data[:, 200:].view(torch.uint8).any()
+    assert torch.equal(_bytes(p.data[:, :200]), _bytes(q.data)) and pad_columns(p, 128) is p and pad_columns(q, 0) is q
+    with pytest.raises(ValueError, match="multiple of 128"):
+        pad_columns(q, 64)
+
+
 def test_dgrad_uses_the_transpose_of_the_forwards_weight():
     lin, f8 = _layer()
     x, dy = outlier_data((16, 256)), outlier_data((16, 384))
