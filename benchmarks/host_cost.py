@@ -389,7 +389,7 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
     install_triton_stand_in()
     from jetrl_precision import ops
     from jetrl_precision.gemm import dispatch, torch_backend
-    from jetrl_precision.kernels import cast_transpose, launch
+    from jetrl_precision.kernels import cast_transpose, launch, padding_probe
     from jetrl_precision.kernels.impl import TritonQuantizeImpl
 
     ops._load_optional()
@@ -410,6 +410,10 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
     cast_transpose.supported_shape = cast_transpose.supported_layout  # the layout rules, on CPU tensors
     cast_transpose.kernel_for = lambda device, pow2: _RequantStub(pow2, cast_transpose.KERNEL_NAME, launch.launch_override)
     cast_transpose._usable["cpu"] = True
+    # The padding probe's verdict where the kernels pad WGrad operands right (the emulation below is the reference,
+    # and --check compares the padded path's bytes): the path the layers take then.
+    saved_pad = dict(padding_probe._verdicts)
+    padding_probe._verdicts["cpu"] = True
 
     def override(name, grid, args, meta):
         c = _COUNTER[0]
@@ -437,6 +441,8 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
         cast_transpose.supported_shape, cast_transpose.kernel_for = saved_ct[:2]
         cast_transpose._usable.clear()
         cast_transpose._usable.update(saved_ct[2])
+        padding_probe._verdicts.clear()
+        padding_probe._verdicts.update(saved_pad)
 
 
 class _RequantStub:

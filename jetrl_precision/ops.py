@@ -198,7 +198,7 @@ def dual_quantizer(spec: TensorSpec, t_spec: TensorSpec, device: torch.device | 
     fn, block = _bindable(spec, device, "bind_quantize_dual")
     t_fn, t_block = _bindable(t_spec, device, "bind_quantize_dual")
     if fn is not None and t_fn is not None:
-        bound = fn(block, spec.pow2_scale, t_block, t_spec.pow2_scale, pad_to=pad_to)
+        bound = fn(block, spec.pow2_scale, t_block, t_spec.pow2_scale, pad_to=pad_to, device=torch.device(device))
         if bound is not None:
             return bound
     if pad_to > 1:

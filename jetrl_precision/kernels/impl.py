@@ -7,7 +7,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
-from . import cast_transpose, fused, quant, swiglu_probe
+from . import cast_transpose, fused, padding_probe, quant, swiglu_probe
 from .layout import pad_columns
 
 __all__ = ["TritonQuantizeImpl"]
@@ -181,14 +181,46 @@ class TritonQuantizeImpl:
             return quantize_shared
         return lambda x: self.quantize(x, block, pow2_scale)
 
-    def bind_quantize_dual(self, block: Block, pow2_scale: bool, t_block: Block, t_pow2_scale: bool, pad_to: int = 0):
-        """`pad_to`: the transposed result's columns (the tokens) zero-padded to a multiple of it by the kernel."""
+    @staticmethod
+    def _kernel_pad(device: torch.device, pad_to: int) -> int:
+        """`pad_to` where the probe found the kernels' padded outputs byte-exact on `device`, else 0 (the callers
+        then pad with `pad_columns`, a copy)."""
+        if pad_to <= 1:
+            return pad_to
+        if _capturing():  # the probe reads results back: never inside a graph capture
+            return 0
+
+        def producers():
+            cuda = cast_transpose.kernel_for(device, False) if cast_transpose.usable(device) else None
+            out = {
+                "128x1^T quantizer": lambda x, p: quant.quantize_128x1_t(x, pad_to=p),
+                "Triton requantizer": lambda x, p: quant.requantize_1x128_to_128x1(
+                    quant.quantize_1x128(x), transposed=True, kernel="triton", pad_to=p),
+            }
+            if cuda is not None:
+                out["CUDA requantizer"] = lambda x, p: cast_transpose.launch(quant.quantize_1x128(x[: x.shape[0] // 16 * 16]), cuda, p)
+            return out
+
+        return pad_to if padding_probe.kernels_pad_ok(device, producers) else 0
+
+    def bind_quantize_dual(self, block: Block, pow2_scale: bool, t_block: Block, t_pow2_scale: bool, pad_to: int = 0,
+                           device: torch.device | None = None):
+        """`pad_to`: the transposed result's columns (the tokens) zero-padded to a multiple of it, by the kernel where
+        the device's probe passed."""
         if block == (1, 128) and t_block == (128, 1):
+            kpad = self._kernel_pad(device, pad_to) if device is not None else 0
 
             def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
-                return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pad_to=pad_to)
+                return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pad_to=kpad)
 
-            return dual
+            if kpad == pad_to:
+                return dual
+
+            def dual_copy_padded(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                q, qt = dual(x)
+                return q, pad_columns(qt, pad_to)
+
+            return dual_copy_padded
         return None
 
     def bind_requantize_transposed(self, block: Block, pow2_scale: bool, device: torch.device, pad_to: int = 0):
@@ -198,11 +230,14 @@ class TritonQuantizeImpl:
         if block != (128, 1):
             return lambda qt: pad_columns(self.requantize_transposed(qt, block, pow2_scale), pad_to)
         cuda_kernel = cast_transpose.kernel_for(device, pow2_scale) if cast_transpose.usable(device) else None
+        kpad = self._kernel_pad(device, pad_to)
 
         def make_for(qt: QuantizedTensor):
             if cuda_kernel is not None and cast_transpose.supported_shape(qt):
-                return cast_transpose.launch(qt, cuda_kernel, pad_to)
-            return quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale, kernel="triton", pad_to=pad_to)
+                out = cast_transpose.launch(qt, cuda_kernel, kpad)
+            else:
+                out = quant.requantize_1x128_to_128x1(qt, transposed=True, pow2_scale=pow2_scale, kernel="triton", pad_to=kpad)
+            return out if kpad == pad_to else pad_columns(out, pad_to)
 
         def requantize_t(qt: QuantizedTensor) -> QuantizedTensor:
             if qt.block != (1, 128):

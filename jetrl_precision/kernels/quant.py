@@ -22,7 +22,6 @@ from ..formats import FP8_DTYPE, QuantizedTensor
 from . import cast_transpose
 from ._common import abs_max, group_scale, quantize_values
 from .launch import TritonLauncher
-from .layout import padded_columns
 
 __all__ = [
     "quantize_1x128",
@@ -171,7 +170,7 @@ def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, t
     # The kernel writes scales as a row-major (nrb, C) buffer; transposed, the result's scale is its (C, nrb)
     # view with strides (1, C), allocated as such (one call, no view op).
     if transposed:
-        rows_out = padded_columns(rows, pad_to)  # within the last 128-row block: the grid covers it already
+        rows_out = -(-rows // pad_to) * pad_to if pad_to > 1 else rows  # within the last 128-row block, which the grid covers
         scale = torch.empty_strided((cols, nrb), (1, cols), dtype=torch.float32, device=dev)
         q = torch.empty((cols, rows_out), dtype=FP8_DTYPE, device=dev)
         sqr, sqc = 1, rows_out
@@ -199,7 +198,9 @@ def quantize_128x1(x: torch.Tensor, pow2_scale: bool = False, tile: Tile128x1 | 
 def quantize_128x1_t(x: torch.Tensor, pow2_scale: bool = False, tile: Tile128x1 | None = None, pad_to: int = 0) -> QuantizedTensor:
     """quantize_fp8(x, (128, 1)).t(), written transposed in one pass (no .contiguous() copy); `pad_to` (a multiple
     of 128) zero-pads its columns (x's rows) to a multiple of it, as `layout.pad_columns` would."""
-    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, tile or TILE_128x1_T, _check_pad(pad_to))
+    if pad_to % 128 and pad_to > 1:
+        _check_pad(pad_to)
+    return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, tile or TILE_128x1_T, pad_to)
 
 
 def _check_pad(pad_to: int) -> int:

@@ -41,6 +41,15 @@ def test_padded_transposed_quantizers_match_the_padded_reference(shape, pow2):
         _same(cast_transpose.requantize_1x128_to_128x1_t(q1, pow2, pad_to=128), want_r, f"cuda requant^T {shape}")
 
 
+def test_the_device_probe_passes_on_this_gpu():
+    """Where the kernels are right the probe must say so: otherwise every layer silently pads by a copy again."""
+    from jetrl_precision.kernels import padding_probe
+    from jetrl_precision.kernels.impl import TritonQuantizeImpl
+
+    padding_probe._verdicts.pop(str(torch.device("cuda")), None)
+    assert TritonQuantizeImpl._kernel_pad(torch.device("cuda"), 128) == 128, padding_probe._verdicts
+
+
 def test_a_layer_gets_the_same_weight_gradient_without_the_gemms_padding_copy(monkeypatch):
     from jetrl_precision import Fp8Linear, get_recipe
     from jetrl_precision.gemm import torch_backend
