@@ -420,7 +420,7 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
 
 def _mark_wgrad_requantizer(g: PrecisionGraph, model: nn.Module) -> None:
     """Record which kernel re-quantizes the saved FP8 input for WGrad (CUDA cast-transpose, or Triton and why)."""
-    from .kernels import cast_transpose
+    from .kernels import cast_transpose, padding_probe
     from .ops import kernel_name
 
     for fqn, m in model.named_modules():
@@ -439,6 +439,9 @@ def _mark_wgrad_requantizer(g: PrecisionGraph, model: nn.Module) -> None:
             _set_edge_kernel(g, name, "wgrad.input", cast_transpose.GRAPH_KERNEL)
         elif name in g.nodes:
             g.nodes[name].attrs["requantizer_fallback"] = cast_transpose.status(dev)[1]
+        # Known once a backward ran on the device: its WGrad operands are padded by a copy, not by the quantizers.
+        if (why := padding_probe.failure(dev)) is not None and name in g.nodes:
+            g.nodes[name].attrs["wgrad_padding_fallback"] = why
 
 
 def _set_edge_kernel(g: PrecisionGraph, dst: str, role: str, kernel: str) -> None:

@@ -18,7 +18,7 @@ import torch
 from ..formats import QuantizedTensor
 from .layout import pad_columns
 
-__all__ = ["probe_inputs", "mismatch", "kernels_pad_ok"]
+__all__ = ["probe_inputs", "mismatch", "kernels_pad_ok", "failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 Producer = Callable[[torch.Tensor, int], QuantizedTensor]
 
 _verdicts: dict[str, bool] = {}
+_reasons: dict[str, str] = {}
 
 
 def probe_inputs(device: torch.device | str) -> list[torch.Tensor]:
@@ -70,8 +71,14 @@ def kernels_pad_ok(device: torch.device, producers: Callable[[], dict[str, Produ
             why = f"a kernel failed to run ({type(e).__name__}: {msg})"
         _verdicts[key] = not why
         if why:
+            _reasons[key] = why
             logger.warning(
                 "jetrl_precision: the quantizers' token padding of WGrad operands is wrong on %s (%s); the operands "
                 "are padded by a copy instead (same bytes, one more pass over each)", device, why,
             )
     return _verdicts[key]
+
+
+def failure(device: torch.device | str) -> str | None:
+    """Why the probe refused the kernels' padding on `device`, if it ran there and did (for the precision graph)."""
+    return _reasons.get(str(device)) if _verdicts.get(str(device)) is False else None

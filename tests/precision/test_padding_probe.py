@@ -56,3 +56,20 @@ def test_verdict_is_computed_once_per_device_and_a_failure_is_logged(monkeypatch
     assert "failed to run (RuntimeError: nvrtc: error)" in caplog.records[-1].getMessage()
     monkeypatch.setattr(padding_probe, "_verdicts", {})
     assert padding_probe.kernels_pad_ok(torch.device("cpu"), lambda: {"quantizer": _exact})
+
+
+def test_a_refused_padding_is_named_in_the_precision_graph(monkeypatch):
+    from torch import nn
+
+    from jetrl_precision import build_precision_graph, convert_to_fp8, ops
+    from jetrl_precision.kernels import cast_transpose
+
+    model = convert_to_fp8(nn.Sequential(nn.Linear(256, 256)), "jet_fp8")
+    monkeypatch.setattr(ops, "kernel_name", lambda device: "triton")  # as on a GPU with the Triton quantizers
+    monkeypatch.setattr(cast_transpose, "usable", lambda device: True)
+    monkeypatch.setattr(padding_probe, "_verdicts", {})
+    monkeypatch.setattr(padding_probe, "_reasons", {})
+    assert "wgrad_padding_fallback" not in build_precision_graph(model, "jet_fp8", "train_bwd").nodes["0"].attrs
+    padding_probe.kernels_pad_ok(torch.device("cpu"), lambda: {"requantizer": _dirty_padding})
+    g = build_precision_graph(model, "jet_fp8", "train_bwd")
+    assert "requantizer differs in 2 bytes" in g.nodes["0"].attrs["wgrad_padding_fallback"]
