@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_S
 
 TESTS ?= tests
 
-.PHONY: demo test test-fast test-liger setup clean
+.PHONY: demo test test-fast test-triton setup clean
 
 $(STAMP): setup.py
 	$(PY) -m venv $(VENV)
@@ -36,18 +36,19 @@ demo: $(STAMP)
 JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist load) $(TESTS)
-	$(MAKE) --no-print-directory test-liger
+	$(MAKE) --no-print-directory test-triton
 
-# Liger's model patching (not its kernels, which need a GPU) runs on CPU once Triton imports. Triton stays out of the
-# main venv, whose CPU code paths expect it absent: both live in their own folder, on PYTHONPATH for these tests only.
+# Tests that need Triton on CPU: Liger's model patching (not its kernels, which need a GPU) and the quantizer kernels'
+# WGrad padding in Triton's interpreter. Triton stays out of the main venv, whose CPU code paths expect it absent:
+# Triton and Liger live in their own folder, on PYTHONPATH for these tests only.
 LIGER_SITE := .liger-site
 LIGER_STAMP := $(LIGER_SITE)/.installed
 $(LIGER_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps --target $(LIGER_SITE) 'triton==3.6.0' 'liger-kernel==0.8.5'
 	touch $(LIGER_STAMP)
 
-test-liger: $(LIGER_STAMP)
-	PYTHONPATH=$(CURDIR)/$(LIGER_SITE) $(BIN)/python -m pytest -q tests/rl/test_liger_patch.py
+test-triton: $(LIGER_STAMP)
+	PYTHONPATH=$(CURDIR)/$(LIGER_SITE) $(BIN)/python -m pytest -q tests/rl/test_liger_patch.py tests/precision/test_kernels_interpreted.py
 
 # The edit-test loop: unit tests of both packages, no end-to-end runs or real engines (about a minute).
 test-fast: $(STAMP)

@@ -189,10 +189,10 @@ requant_1x128_to_128x1_t(const u32* __restrict__ x, const float* __restrict__ s_
         const int idx = p * THREADS + threadIdx.x, row = idx >> 3, chunk = idx & 7;
         const int m = tm + 16 * chunk;
         // M % 16 == 0: a 16-token chunk is all in or all out. Tokens M..M_out-1 (output rows ldq long, padded for
-        // the WGrad GEMM) were loaded as zeros and store zeros.
+        // the WGrad GEMM) store zeros: their tile entries are 0 / scale, NaN in a column whose scale is NaN.
         if (tk + row < K && m < M_out)
             *reinterpret_cast<uint4*>(reinterpret_cast<unsigned char*>(q) + (size_t)(tk + row) * ldq + m) =
-                tile[row][chunk ^ ((row >> 2) & 7)];
+                m < M ? tile[row][chunk ^ ((row >> 2) & 7)] : make_uint4(0u, 0u, 0u, 0u);
     }
 }
 """

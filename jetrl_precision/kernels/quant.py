@@ -116,8 +116,8 @@ def _quant_128x1_kernel(
     sxr, sxc, sir, sig, sqr, sqc, ssb, ssc, R_OUT,
     BLOCK_C: tl.constexpr, POW2: tl.constexpr, DEQ: tl.constexpr, COL_FASTEST: tl.constexpr,
 ):
-    # R_OUT >= R: rows R..R_OUT-1 of the last block are stored as zeros (masked loads read 0, which quantizes to 0
-    # and leaves the block's amax alone), a WGrad operand padded along tokens at no extra pass.
+    # R_OUT > R: rows R..R_OUT-1 of the last block are stored as zeros, a WGrad operand padded along tokens without
+    # another pass. Stored explicitly: quantizing the masked loads' zeros gives NaN in a column whose scale is NaN.
     # COL_FASTEST: consecutive programs walk along the columns of one 128-row block (their reads share rows).
     if COL_FASTEST:
         pid_c = tl.program_id(0)
@@ -136,7 +136,11 @@ def _quant_128x1_kernel(
         x = x * s_in
     scale = group_scale(abs_max(x, 0), POW2)
     q = quantize_values(x, scale[None, :], POW2)
-    tl.store(q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc, q, mask=(rr[:, None] < R_OUT) & (cc[None, :] < C))
+    q_ptrs = q_ptr + rr[:, None] * sqr + cc[None, :].to(tl.int64) * sqc
+    tl.store(q_ptrs, q, mask=mask)
+    if R_OUT > R:
+        pad = (rr[:, None] >= R) & (rr[:, None] < R_OUT) & (cc[None, :] < C)
+        tl.store(q_ptrs, tl.zeros([128, BLOCK_C], tl.float32).to(tl.float8e4nv), mask=pad)
     tl.store(s_ptr + rb * ssb + cc * ssc, scale, mask=cc < C)
 
 

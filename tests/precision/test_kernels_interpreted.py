@@ -1,0 +1,59 @@
+"""The WGrad padding of the Triton quantizer kernels, run in Triton's CPU interpreter (`TRITON_INTERPRET=1`).
+
+The interpreter's FP8 arithmetic is not the GPU's (its bytes differ from the reference quantizer's in places), so
+this does not replace the byte-exact GPU tests (tests/gpu/test_wgrad_padding_gpu.py). It checks what the padding
+itself must do, which no GPU is needed for: a kernel run with `pad_to` writes its unpadded result, then zeros, in
+every column, including columns whose scale is NaN or inf. Needs Triton importable (`make test` runs it with
+Triton from .liger-site/); the kernels run in a subprocess because TRITON_INTERPRET is read when they are defined.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (make test puts it on the path)")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_SCRIPT = r"""
+import json, torch
+from jetrl_precision.kernels import quant
+from jetrl_precision.kernels.layout import pad_columns
+from jetrl_precision.quantize import quantize_fp8
+
+g = torch.Generator().manual_seed(1)
+out = []
+for rows in (200, 16):
+    x = (torch.randn(rows, 256, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))).to(torch.bfloat16)
+    x[0, 0] = float("inf")          # its 1x128 group quantizes to NaN: NaN scales in the requantizer's columns
+    x[rows - 1, 200] = float("nan")  # a NaN amax in the 128x1 quantizer's column 200
+    q1 = quantize_fp8(x, (1, 128), nonfinite="propagate")
+    for pow2 in (False, True):
+        for name, fn in (("quantize_128x1_t", lambda p: quant.quantize_128x1_t(x, pow2, pad_to=p)),
+                         ("requantize_t", lambda p: quant.requantize_1x128_to_128x1(q1, True, pow2, kernel="triton", pad_to=p))):
+            plain, padded = fn(0), fn(128)
+            want = pad_columns(plain, 128)
+            out.append({"kernel": name, "rows": rows, "pow2": pow2, "shape": list(padded.data.shape),
+                        "diff": int((padded.data.view(torch.uint8) != want.data.view(torch.uint8)).sum()),
+                        "scales_same": bool(torch.equal(padded.scale.nan_to_num(7.0), plain.scale.nan_to_num(7.0))),
+                        "nan_scale": bool(torch.isnan(plain.scale).any())})
+print(json.dumps(out))
+"""
+
+
+def test_padded_outputs_are_the_unpadded_ones_then_zeros():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 8
+    for row in rows:
+        assert row["shape"][1] % 128 == 0 and row["diff"] == 0 and row["scales_same"], row
+    assert any(row["nan_scale"] for row in rows), "the NaN-scale columns this checks were not produced"
