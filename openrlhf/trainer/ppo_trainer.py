@@ -158,7 +158,8 @@ def _to_floats(stats: dict[str, torch.Tensor | float]) -> dict[str, float]:
     keys = [k for k, v in stats.items() if isinstance(v, torch.Tensor)]
     out = {k: float(v) for k, v in stats.items() if not isinstance(v, torch.Tensor)}
     if keys:
-        out.update(zip(keys, torch.stack([stats[k].detach().float().reshape(()) for k in keys]).tolist()))
+        dev = stats[keys[0]].device
+        out.update(zip(keys, torch.stack([stats[k].detach().float().reshape(()).to(dev) for k in keys]).tolist()))
     return {k: out[k] for k in stats}
 
 
