@@ -285,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=["plain", "deepspeed"], choices=["plain", "deepspeed", "deepspeed-nosync"])
     ap.add_argument("--micro", nargs="+", type=int, default=[4], help="sequences per training micro-batch")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=256,
+                    help="prompt tokens per sequence (left-padded). micro x (prompt + new tokens) is the GEMMs' M: the "
+                         "trainer trims each micro-batch to its longest prompt, so its M is rarely a multiple of 128 "
+                         "(WGrad's K); 256 and 64 give multiples, 40 does not")
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--update-seqs", type=int, default=256, help="sequences per optimizer step (the loss's normalization)")
     ap.add_argument("--fwd-micro", type=int, default=8, help="sequences per no-grad forward (the rollout micro-batch)")
