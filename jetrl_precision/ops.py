@@ -198,7 +198,7 @@ def dual_quantizer(spec: TensorSpec, t_spec: TensorSpec, device: torch.device | 
     fn, block = _bindable(spec, device, "bind_quantize_dual")
     t_fn, t_block = _bindable(t_spec, device, "bind_quantize_dual")
     if fn is not None and t_fn is not None:
-        bound = fn(block, spec.pow2_scale, t_block, t_spec.pow2_scale, pad_to=pad_to, device=torch.device(device))
+        bound = fn(block, spec.pow2_scale, t_block, t_spec.pow2_scale, torch.device(device), pad_to)
         if bound is not None:
             return bound
     if pad_to > 1:
@@ -216,8 +216,10 @@ def transposed_quantizer(spec: TensorSpec, device: torch.device | str, pad_to: i
     fn = getattr(impl, "quantize_transposed", None) if impl is not None else None
     if fn is not None and spec.granularity in _FAST_GRANULARITIES:
         block, pow2 = spec.granularity.block((1, 1)), spec.pow2_scale
-        return lambda x: pad_columns(fn(x, block, pow2), pad_to)
-    return lambda x: pad_columns(quantize_transposed(x, spec), pad_to)
+        quantize_t = lambda x: fn(x, block, pow2)  # noqa: E731
+    else:
+        quantize_t = lambda x: quantize_transposed(x, spec)  # noqa: E731
+    return _padded(quantize_t, pad_to)
 
 
 def transposed_requantizer(spec: TensorSpec, device: torch.device | str, pad_to: int = 0):
@@ -225,7 +227,14 @@ def transposed_requantizer(spec: TensorSpec, device: torch.device | str, pad_to:
     fn, block = _bindable(spec, device, "bind_requantize_transposed")
     if fn is not None:
         return fn(block, spec.pow2_scale, torch.device(device), pad_to=pad_to)
-    return lambda qt: pad_columns(requantize_transposed(qt, spec), pad_to)
+    return _padded(lambda qt: requantize_transposed(qt, spec), pad_to)
+
+
+def _padded(fn: Callable[..., QuantizedTensor], pad_to: int) -> Callable[..., QuantizedTensor]:
+    """`fn` with its result's columns padded by `pad_columns`; `fn` itself when nothing is padded (a hot path)."""
+    if pad_to <= 1:
+        return fn
+    return lambda t: pad_columns(fn(t), pad_to)
 
 
 __all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual", "silu_mul_quantized", "silu_mul_backward", "release_shared_results",

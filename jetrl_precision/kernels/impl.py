@@ -203,12 +203,12 @@ class TritonQuantizeImpl:
 
         return pad_to if padding_probe.kernels_pad_ok(device, producers) else 0
 
-    def bind_quantize_dual(self, block: Block, pow2_scale: bool, t_block: Block, t_pow2_scale: bool, pad_to: int = 0,
-                           device: torch.device | None = None):
+    def bind_quantize_dual(self, block: Block, pow2_scale: bool, t_block: Block, t_pow2_scale: bool, device: torch.device,
+                           pad_to: int = 0):
         """`pad_to`: the transposed result's columns (the tokens) zero-padded to a multiple of it, by the kernel where
         the device's probe passed."""
         if block == (1, 128) and t_block == (128, 1):
-            kpad = self._kernel_pad(device, pad_to) if device is not None else 0
+            kpad = self._kernel_pad(device, pad_to)
 
             def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
                 return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pad_to=kpad)

@@ -12,7 +12,7 @@ import torch
 
 from ..formats import QuantizedTensor
 
-__all__ = ["mn_major", "row_major_padded_t", "pad_operands", "pad_columns", "padded_columns", "padding_events"]
+__all__ = ["mn_major", "row_major_padded_t", "pad_operands", "pad_columns", "padding_events"]
 
 logger = logging.getLogger(__name__)
 padding_events: dict[str, int] = {}
@@ -53,17 +53,12 @@ def _pad_data(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
-def padded_columns(cols: int, multiple: int) -> int:
-    """`cols` rounded up to `multiple` (0 or 1: unchanged)."""
-    return _round_up(cols, multiple) if multiple > 1 else cols
-
-
 def pad_columns(qt: QuantizedTensor, multiple: int) -> QuantizedTensor:
     """A 1x128-grouped tensor with its columns (K) zero-padded to a multiple of `multiple` (a multiple of 128, so
     the scale's ceil(K/128) groups do not change): the operand `pad_operands` would build, for implementations
     whose kernels cannot write it padded themselves."""
     rows, cols = qt.shape
-    kp = padded_columns(cols, multiple)
+    kp = _round_up(cols, multiple) if multiple > 1 else cols
     if kp == cols:
         return qt
     if qt.block != (1, 128) or multiple % 128:

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from ..formats import QuantizedTensor
+from ._probe import verdict_once
 from .layout import pad_columns
 
 __all__ = ["probe_inputs", "mismatch", "kernels_pad_ok", "failure"]
@@ -61,22 +62,18 @@ def mismatch(producers: dict[str, Producer], inputs: list[torch.Tensor], pad_to:
 
 def kernels_pad_ok(device: torch.device, producers: Callable[[], dict[str, Producer]]) -> bool:
     """The probe's verdict on `device`, computed on first use (`producers()` builds the kernels to check)."""
-    key = str(device)
-    if key not in _verdicts:
-        try:
-            bad = {k: v for k, v in mismatch(producers(), probe_inputs(device)).items() if v}
-            why = "; ".join(f"{k} differs in {v} bytes" for k, v in bad.items())
-        except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here is reported, not fatal
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            why = f"a kernel failed to run ({type(e).__name__}: {msg})"
-        _verdicts[key] = not why
-        if why:
-            _reasons[key] = why
-            logger.warning(
-                "jetrl_precision: the quantizers' token padding of WGrad operands is wrong on %s (%s); the operands "
-                "are padded by a copy instead (same bytes, one more pass over each)", device, why,
-            )
-    return _verdicts[key]
+
+    def check() -> str:
+        bad = {k: v for k, v in mismatch(producers(), probe_inputs(device)).items() if v}
+        return "; ".join(f"{k} differs in {v} bytes" for k, v in bad.items())
+
+    def warn(why: str) -> None:
+        logger.warning(
+            "jetrl_precision: the quantizers' token padding of WGrad operands is wrong on %s (%s); the operands "
+            "are padded by a copy instead (same bytes, one more pass over each)", device, why,
+        )
+
+    return verdict_once(_verdicts, _reasons, str(device), check, warn)
 
 
 def failure(device: torch.device | str) -> str | None:

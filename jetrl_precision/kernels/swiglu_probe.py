@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ._probe import verdict_once
+
 __all__ = ["probe_values", "mismatch", "fused_backward_ok"]
 
 logger = logging.getLogger(__name__)
@@ -22,6 +24,7 @@ logger = logging.getLogger(__name__)
 Backward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 _verdicts: dict[tuple[str, torch.dtype], bool] = {}
+_reasons: dict[tuple[str, torch.dtype], str] = {}
 
 
 def probe_values(device: torch.device | str, dtype: torch.dtype, rows: int = 256, cols: int = 1024):
@@ -49,18 +52,15 @@ def mismatch(fn: Backward, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
 
 def fused_backward_ok(fn: Backward, device: torch.device, dtype: torch.dtype) -> bool:
     """The probe's verdict for `fn` on (device, dtype), computed on first use; a mismatch is logged once."""
-    key = (str(device), dtype)
-    if key not in _verdicts:
-        try:
-            bad = mismatch(fn, *probe_values(device, dtype))
-            why = f"differs from autograd's kernels in {bad} probe values" if bad else ""
-        except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here is reported, not fatal
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            why = f"failed to run ({type(e).__name__}: {msg})"
-        _verdicts[key] = not why
-        if why:
-            logger.warning(
-                "jetrl_precision: the fused SwiGLU backward %s on %s (%s); SwiGLU MLPs run autograd's four elementwise "
-                "kernels there instead (same result, more memory traffic)", why, device, dtype,
-            )
-    return _verdicts[key]
+
+    def check() -> str:
+        bad = mismatch(fn, *probe_values(device, dtype))
+        return f"differs from autograd's kernels in {bad} probe values" if bad else ""
+
+    def warn(why: str) -> None:
+        logger.warning(
+            "jetrl_precision: the fused SwiGLU backward %s on %s (%s); SwiGLU MLPs run autograd's four elementwise "
+            "kernels there instead (same result, more memory traffic)", why, device, dtype,
+        )
+
+    return verdict_once(_verdicts, _reasons, (str(device), dtype), check, warn)
