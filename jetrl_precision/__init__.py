@@ -6,6 +6,7 @@ Public API (stable; see docs/precision.md):
 """
 
 from .convert import Fp8Converter, convert_to_fp8, default_module_filter, fp8_linears
+from .coverage import Fp8Coverage, fp8_coverage
 from .formats import E4M3_MAX, FP8_DTYPE, Granularity, QuantizedTensor
 from .gemm import BackendUnavailable, available_backends, resolve_backend
 from .graph import PrecisionGraph, Violation, build_precision_graph, check_subgraph, format_violations
@@ -30,6 +31,7 @@ __all__ = [
     "E4M3_MAX",
     "FP8_DTYPE",
     "Fp8Converter",
+    "Fp8Coverage",
     "Fp8Linear",
     "FpropSpec",
     "Granularity",
@@ -43,6 +45,7 @@ __all__ = [
     "default_module_filter",
     "dequantize_fp8",
     "format_violations",
+    "fp8_coverage",
     "fp8_linears",
     "mark_weights_updated",
     "requantize_fp8",

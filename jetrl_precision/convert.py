@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Literal
 
 from torch import nn
 
+from .coverage import UNCOVERED_WARN_FRACTION, fp8_coverage
 from .linear import Fp8Linear, mark_weights_updated
 from .recipe import PrecisionRecipe, get_recipe
 from .swiglu import fuse_swiglu as _fuse_swiglu
@@ -86,9 +87,22 @@ def convert_to_fp8(
         _fuse_swiglu(model)
     if converted == 0:
         logger.warning("convert_to_fp8(%s, side=%s): no nn.Linear matched the module filter; nothing converted", recipe.name, side)
-    else:
-        logger.info("convert_to_fp8: %d linear layers -> FP8 (%s, side=%s)", converted, recipe.name, side)
+        return model
+    cov = fp8_coverage(model)
+    logger.info("convert_to_fp8: %d linear layers -> FP8 (%s, side=%s): %s", converted, recipe.name, side, cov.summary())
+    if cov.share(cov.other) >= UNCOVERED_WARN_FRACTION:
+        logger.warning(
+            "convert_to_fp8: %.0f%% of %s's weights sit in %d modules that are not nn.Linear (e.g. %s) and stay in "
+            "%s on both trainer and engine; only its nn.Linear projections run in FP8",
+            100 * cov.share(cov.other), type(model).__name__, len(cov.other_modules), cov.other_modules[0],
+            _dtype_of(model),
+        )
     return model
+
+
+def _dtype_of(model: nn.Module) -> str:
+    p = next(model.parameters(), None)
+    return "their own dtype" if p is None else str(p.dtype).replace("torch.", "")
 
 
 def fp8_linears(model: nn.Module) -> dict[str, Fp8Linear]:

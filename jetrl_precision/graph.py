@@ -15,6 +15,7 @@ them proves nothing).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import re
@@ -357,6 +358,14 @@ def add_linear(
             g.add_edge(pname, "grad_between_ops", EdgeAttrs(dtype=bw.grad_dtype.value if bw.is_fp8 else hp_dtype))
 
 
+def _own_linear_weight(m: nn.Module) -> torch.Tensor | None:
+    """The 2-D `weight` Parameter of a module that is neither nn.Linear nor nn.Embedding, else None."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        return None
+    w = m._parameters.get("weight")
+    return w if w is not None and w.dim() == 2 else None
+
+
 def _is_norm(m: nn.Module) -> bool:
     return "norm" in type(m).__name__.lower() and not any(True for _ in m.children())
 
@@ -396,6 +405,11 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
             hp = _dtype_name(m.weight.dtype)
             backend = m.backend if isinstance(m, InvariantLinear) else None  # batch-invariant: fp64 or triton_invariant
             add_linear(g, fqn, m.in_features, m.out_features, FpropSpec(), None, hp_dtype=hp, backend=backend)
+        elif _own_linear_weight(m) is not None:
+            # A module multiplying by its own [out, in] weight (an MoE router that calls F.linear): an engine
+            # builds it as a linear, kept in high precision on both sides.
+            w = _own_linear_weight(m)
+            add_linear(g, fqn, w.shape[1], w.shape[0], FpropSpec(), None, hp_dtype=_dtype_name(w.dtype), backend=None)
         elif isinstance(m, nn.Embedding):
             name = canonical_name(fqn)
             g.add_node(name, "embedding", num_embeddings=m.num_embeddings, dim=m.embedding_dim)
@@ -481,6 +495,47 @@ def _is_fp8_op(g: PrecisionGraph, name: str) -> bool:
     return any(e.attrs.dtype == "e4m3" for e in g.edges_into(name).values())
 
 
+def _merge_fused_parts(sub: PrecisionGraph, sup: PrecisionGraph) -> PrecisionGraph:
+    """`sub` with an engine's fused projection merged back into one op wherever `sup` holds it whole: a checkpoint
+    that stores qkv_proj / gate_up_proj fused (Phi-3) gives the trainer one linear, which quantizes its weight as
+    one matrix. That equals the engine's per-part quantization only when every part starts on a block row; a part
+    that does not gets `block_origin` "parts@<row>" on the merged weight edge, which the comparison reports."""
+    groups: dict[str, list[str]] = {}
+    for name, node in sub.nodes.items():
+        whole = node.attrs.get("fused_from")
+        if whole and whole in sup.nodes and whole not in sub.nodes and name not in sup.nodes:
+            groups.setdefault(whole, []).append(name)
+    if not groups:
+        return sub
+    part_of = {p: whole for whole, parts in groups.items() for p in parts}
+    merged = PrecisionGraph(sub.phase, sub.recipe, meta=dict(sub.meta))
+    for name, node in sub.nodes.items():
+        whole = part_of.get(name)
+        if whole is None:
+            merged.nodes[name] = node
+        elif whole not in merged.nodes:
+            sizes = [sub.nodes[p].attrs.get("out_features") or 0 for p in groups[whole]]
+            merged.add_node(whole, node.op, in_features=node.attrs.get("in_features"), out_features=sum(sizes))
+    for e in sub.edges:
+        whole = part_of.get(e.dst)
+        if whole is None:
+            merged.edges.append(e)
+        elif e.dst == groups[whole][0]:  # one edge per role: the first part's, adjusted for the whole matrix
+            parts = groups[whole]
+            attrs = e.attrs
+            if e.role == "weight" and attrs.dtype == "e4m3":
+                rows = int(attrs.granularity.split("x")[0]) if re.fullmatch(r"\d+x\d+", attrs.granularity or "") else BLOCK
+                n = merged.nodes[whole].attrs["out_features"]  # the whole matrix's partial last block row
+                pad = [f"N {n}->{n + (-n) % rows}"] if n % rows else []
+                attrs = dataclasses.replace(attrs, padding=",".join(pad + [p for p in attrs.padding.split(",") if p.startswith("K ")]))
+                starts = itertools.accumulate(sub.nodes[p].attrs.get("out_features") or 0 for p in parts[:-1])
+                off = next((r for r in starts if r % rows), None)
+                if off is not None:
+                    attrs = dataclasses.replace(attrs, block_origin=f"parts@{off}")
+            merged.edges.append(Edge(whole, e.role, attrs))
+    return merged
+
+
 def compare_graphs(sub: PrecisionGraph, sup: PrecisionGraph) -> list[Violation]:
     """Every difference that breaks `sub` being a subgraph of `sup`; backend differences have severity 'warning'.
 
@@ -497,6 +552,7 @@ def compare_graphs(sub: PrecisionGraph, sup: PrecisionGraph) -> list[Violation]:
             f"check_subgraph compares forward graphs (rollout against train_fwd); got {sub.phase} against {sup.phase}: "
             "build the training side with phase='train_fwd'"
         )
+    sub = _merge_fused_parts(sub, sup)
     out: list[Violation] = []
     # Batch-invariant numerics on one side only cannot give identical bits ("numerics" in meta; absent = ordinary).
     modes = sub.meta.get("numerics", "ordinary"), sup.meta.get("numerics", "ordinary")

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 # model package has to be imported. Other classes opt in through `fuse_swiglu(model, classes=...)`.
 SWIGLU_MLP_CLASSES: tuple[str, ...] = (
     "LlamaMLP",
+    "GraniteMLP",
+    "Olmo2MLP",
     "MistralMLP",
     "Qwen2MLP",
     "Qwen3MLP",

@@ -110,6 +110,31 @@ def digest(t: torch.Tensor) -> str:
     return f"{h1:08x}{h2:08x}-{n}"  # "-": ":" separates the data and scale digests of an FP8 tensor
 
 
+def _checkpoint_layout(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+    """Maps high-precision tensors named as the live model holds them to the names and layout of its checkpoint,
+    which is what an engine's loader reads: transformers converts some weights on load (MoE experts become 3-D
+    stacks; their checkpoints store one matrix per expert) and reverts that on save. None when nothing is converted."""
+    hf = next((m for m in model.modules() if hasattr(m, "base_model_prefix") and hasattr(m, "config")), None)
+    if hf is None:
+        return None
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers < 5 keeps checkpoint names and layouts in memory
+        return None
+    conversions = getattr(hf, "_weight_conversions", None)  # what from_pretrained applied; else the defaults
+    if conversions is None:  # (a model built from a config): as revert_weight_conversion reads them
+        conversions = [c for c in get_model_conversion_mapping(hf, add_legacy=False) if type(c).__name__ != "PrefixChange"]
+    if not conversions:
+        return None
+    return lambda tensors: revert_weight_conversion(hf, tensors)
+
+
+def _module_tensors(layout, prefix: str, params: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    named = {(f"{prefix}.{n}" if prefix else n): p.detach() for n, p in params}
+    yield from (layout(named) if layout is not None else named).items()
+
+
 def iter_sync_tensors(
     model: nn.Module,
     gather: Callable[[list[nn.Parameter]], ContextManager] | None = None,
@@ -121,8 +146,10 @@ def iter_sync_tensors(
     (DeepSpeed ZeRO-3: `deepspeed.zero.GatheredParameters(params)`); tensors are yielded
     inside it, so consume each before asking for the next. With `fp8=False` every weight
     travels in high precision (the bf16 baseline, or fp8_rollout where the engine quantizes).
+    High-precision tensors go by their checkpoint names and layout (`_checkpoint_layout`: MoE experts per expert).
     """
     gather = gather or (lambda params: contextlib.nullcontext())
+    layout = _checkpoint_layout(model)
     seen: set[int] = set()  # tied weights (lm_head = embed_tokens) travel once; the engine ties them too
     for fqn, module in model.named_modules():
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
@@ -131,13 +158,12 @@ def iter_sync_tensors(
             continue
         prefix = canonical_name(fqn)
         with gather([p for _, p in params]):
-            for pname, p in params:
-                name = f"{prefix}.{pname}" if prefix else pname
-                if fp8 and isinstance(module, Fp8Linear) and pname == "weight" and module.fprop.weight.is_fp8:
-                    wq = module.quantized_weight(p)
-                    yield SyncTensor(name, wq.data, wq.scale, wq.block)
-                else:
-                    yield SyncTensor(name, p.detach())
+            if fp8 and isinstance(module, Fp8Linear) and module.fprop.weight.is_fp8 and any(n == "weight" for n, _ in params):
+                wq = module.quantized_weight(module.weight)
+                yield SyncTensor(f"{prefix}.weight" if prefix else "weight", wq.data, wq.scale, wq.block)
+                params = [(n, p) for n, p in params if n != "weight"]
+            for name, t in _module_tensors(layout, prefix, params):
+                yield SyncTensor(name, t)
 
 
 def sync_nbytes(model: nn.Module, fp8: bool = True) -> int:
@@ -170,16 +196,17 @@ def expected_engine_digests(
     """
     engine_weight_spec = engine_recipe.rollout.weight if engine_recipe is not None else None
     wanted = set(names) if names is not None else None
+    layout = _checkpoint_layout(model)
     out: dict[str, str] = {}
     for fqn, module in model.named_modules():
         prefix = canonical_name(fqn)
+        plain: list[tuple[str, torch.Tensor]] = []
         for pname, p in module.named_parameters(recurse=False):
             name = f"{prefix}.{pname}" if prefix else pname
-            if wanted is not None and name not in wanted:
-                continue
             if fp8 and isinstance(module, Fp8Linear) and pname == "weight" and module.fprop.weight.is_fp8:
-                wq = module.quantized_weight(p)
-                out[name] = f"{digest(wq.data)}:{digest(wq.scale)}"
+                if wanted is None or name in wanted:
+                    wq = module.quantized_weight(p)
+                    out[name] = f"{digest(wq.data)}:{digest(wq.scale)}"
             elif (
                 engine_weight_spec is not None
                 and engine_weight_spec.is_fp8
@@ -187,11 +214,17 @@ def expected_engine_digests(
                 and pname == "weight"
                 and not engine_recipe.keeps_high_precision(prefix)
             ):
-                with torch.no_grad():
-                    wq = ops.quantize(p.detach(), engine_weight_spec)
-                out[name] = f"{digest(wq.data)}:{digest(wq.scale)}"
+                if wanted is None or name in wanted:
+                    with torch.no_grad():
+                        wq = ops.quantize(p.detach(), engine_weight_spec)
+                    out[name] = f"{digest(wq.data)}:{digest(wq.scale)}"
             else:
-                out[name] = digest(p)
+                plain.append((pname, p))
+        # As sent: by checkpoint name and layout.
+        if plain and (wanted is None or any(n.startswith(prefix) for n in wanted)):
+            for name, t in _module_tensors(layout, prefix, plain):
+                if wanted is None or name in wanted:
+                    out[name] = digest(t)
     if wanted is not None and wanted - set(out):
         raise KeyError(f"trainer model has no parameter(s) {sorted(wanted - set(out))}")
     return out

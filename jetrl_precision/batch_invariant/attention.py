@@ -15,9 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .common import TRITON_ATTENTION, require_triton
+from .common import INVARIANT_ATTENTION, TRITON_ATTENTION, require_triton
 
 __all__ = ["fp64_attention", "triton_attention", "register_triton_attention"]
+
+
+def _refuse_sinks(kwargs: dict, name: str) -> None:
+    if kwargs.get("s_aux") is not None:
+        raise ValueError(f"{name}: attention sinks (s_aux) have no batch-invariant kernel")
 
 
 def fp64_attention(module: nn.Module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -28,7 +33,11 @@ def fp64_attention(module: nn.Module, query, key, value, attention_mask, scaling
     k = key.double().repeat_interleave(groups, dim=1)
     v = value.double().repeat_interleave(groups, dim=1)
     scores = torch.matmul(query.double(), k.transpose(2, 3)) * scaling
-    if attention_mask is not None:  # additive mask
+    _refuse_sinks(kwargs, INVARIANT_ATTENTION)
+    softcap = kwargs.get("softcap")
+    if softcap is not None:  # logit soft-capping (Gemma2), where transformers' eager attention applies it
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:  # additive mask; a sliding window arrives in it
         scores = scores + attention_mask[:, :, :, : k.shape[-2]].double()
     probs = torch.softmax(scores, dim=-1)
     if dropout and module.training:
@@ -169,11 +178,19 @@ def triton_attention(module: nn.Module, query, key, value, attention_mask, scali
     flash-attention mask builder); packed rows are read from `position_ids`."""
     if dropout:
         raise ValueError(f"{TRITON_ATTENTION}: attention dropout {dropout} is not supported (bitwise mode samples none)")
-    require_triton(query, TRITON_ATTENTION)
     b, _, tq, d = query.shape
     tk = key.shape[2]
     if tq > tk:
         raise ValueError(f"{TRITON_ATTENTION}: {tq} queries against {tk} keys")
+    # What the kernel does not compute is refused, not skipped: the trainer would run another model than the engine.
+    _refuse_sinks(kwargs, TRITON_ATTENTION)
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{TRITON_ATTENTION}: attention logit soft-capping ({kwargs['softcap']}) has no batch-invariant kernel")
+    window = kwargs.get("sliding_window")
+    if window is not None and tk > window:
+        raise ValueError(f"{TRITON_ATTENTION}: {tk} keys exceed the layer's sliding window of {window}, which the "
+                         "batch-invariant kernel does not apply; keep prompt + generation within the window")
+    require_triton(query, TRITON_ATTENTION)
     seg = _segments(attention_mask, kwargs.get("position_ids"), b, tq, tk, query.device)
     scale = float(scaling) if scaling is not None else d**-0.5
     return _TritonAttentionFunction.apply(query, key, value, seg, scale), None

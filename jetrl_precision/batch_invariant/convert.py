@@ -54,6 +54,16 @@ def _params_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def _own_matmul_modules(model: nn.Module) -> list[str]:
+    """Modules that hold a weight matrix of their own and are none of the layers the conversion makes invariant
+    (nn.Linear is reported apart): MoE experts stored as 3-D tensors, routers calling F.linear on their own
+    Parameter, custom heads. Their products run on the backend's ordinary kernels, whose blocking can follow the
+    row count, so a model holding one is not batch-invariant whatever else it runs."""
+    # Fp8Linear and InvariantLinear subclass nn.Linear.
+    return [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
+            if not isinstance(m, (nn.Linear, nn.Embedding)) and any(p.dim() >= 2 for p in m.parameters(recurse=False))]
+
+
 def _ordinary_norms(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm") and not isinstance(m, InvariantRMSNorm)]
 
@@ -79,6 +89,9 @@ def numerics_of(model: nn.Module, device: torch.device | str | None = None) -> N
         bad.append(f"attention {attn} on cuda")
     if plain or unconverted:
         bad.append(f"{len(plain) + len(unconverted)} ordinary linear(s)" + (f" (e.g. {plain[0]})" if plain else ""))
+    own = _own_matmul_modules(model)
+    if own:
+        bad.append(f"{len(own)} module(s) with matrix products of their own, which no invariant kernel covers (e.g. {own[0]})")
     gemm_ok = CUDA_INVARIANT_GEMM_BACKENDS if device.type == "cuda" else INVARIANT_GEMM_BACKENDS
     bad += [f"FP8 GEMM backend {b}" + (" on cuda" if device.type == "cuda" else "") for b in backends if b not in gemm_ok]
     norms = _ordinary_norms(model)
@@ -125,6 +138,10 @@ def make_batch_invariant(
                       if type(m).__name__.endswith("RMSNorm") and type(m).__name__ not in NORM_CLASSES and not isinstance(m, InvariantRMSNorm)})
         if odd:
             raise BitwiseUnavailable(f"no batch-invariant kernel for {', '.join(odd)} (the Triton RMSNorm covers {', '.join(NORM_CLASSES)})")
+        softcap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
+        if softcap:
+            raise BitwiseUnavailable(f"no batch-invariant Triton kernel for attention logit soft-capping "
+                                     f"(attn_logit_softcapping={softcap}, Gemma2)")
         if not hasattr(model, "set_attn_implementation"):
             raise BitwiseUnavailable(f"{type(model).__name__} is not a transformers model: its attention cannot be switched to {TRITON_ATTENTION}")
         model.set_attn_implementation(register_triton_attention())
@@ -141,6 +158,12 @@ def make_batch_invariant(
                 setattr(module, name, InvariantLinear.from_linear(child, kernels))
             elif kernels == "triton" and type(child).__name__ in NORM_CLASSES:
                 setattr(module, name, InvariantRMSNorm.from_norm(child))
+    own = _own_matmul_modules(model)
+    if own:
+        raise BitwiseUnavailable(
+            f"no batch-invariant kernel for {len(own)} module(s) with matrix products of their own (e.g. {own[0]}): "
+            "bitwise numerics cover nn.Linear, the FP8 linears, embeddings, RMSNorm and attention (not MoE experts or routers)"
+        )
     report = numerics_of(model, dev)
     if kernels == "fp64" and not report.batch_invariant:
         raise BitwiseUnavailable(

@@ -287,7 +287,7 @@ def engine_numerics(worker: Any, model: torch.nn.Module) -> tuple[str, str]:
     else ("ordinary", what is not, one item per kind). The precision check compares this with the trainer's
     `numerics_of`, so an engine that silently built a vLLM op somewhere is refused before any rollout."""
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     from .vllm_plugin import jetrl_method_of
 
@@ -319,6 +319,11 @@ def engine_numerics(worker: Any, model: torch.nn.Module) -> tuple[str, str]:
         elif not isinstance(quant, InvariantLinearMethod if isinstance(m, LinearBase) else InvariantEmbeddingMethod):
             plain.append(f"{n}: {type(quant).__name__}")
     first_of("linear(s) outside the invariant GEMMs", plain)
+    # Anything else holding a weight matrix (FusedMoE's expert tensors, a model's own head) multiplies on vLLM's
+    # kernels, whose tiling follows the batch: the trainer's numerics_of refuses the same modules.
+    first_of("module(s) with matrix products of their own (MoE experts?)",
+             [f"{n}: {type(m).__name__}" for n, m in model.named_modules()
+              if not isinstance(m, (LinearBase, VocabParallelEmbedding)) and any(p.dim() >= 2 for p in m.parameters(recurse=False))])
     attention = _attention_not_bitwise(model)
     if attention:
         bad.append(attention)

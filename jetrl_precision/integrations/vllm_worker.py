@@ -81,6 +81,32 @@ def _shard_of(layer: nn.Module, part: int, qt: QuantizedTensor) -> QuantizedTens
     return QuantizedTensor(data, scale, qt.block)
 
 
+def _whole_fused(layer: nn.Module, part: int | None, rows: int) -> bool:
+    """Whether a training tensor is a fused projection whole (a checkpoint that stores qkv_proj / gate_up_proj
+    fused, as Phi-3's does), not one part of it."""
+    sizes = getattr(layer, "jetrl_part_sizes", None)
+    return part is None and sizes is not None and len(sizes) > 1 and rows == sum(sizes)
+
+
+def _split_parts(layer: nn.Module, qt: QuantizedTensor, name: str) -> list[QuantizedTensor]:
+    """The parts of a fused FP8 projection quantized as one matrix. Exact when every part starts on a block
+    row (then no block straddles two parts and each part's blocks are its own quantization's)."""
+    if getattr(layer, "tp_size", 1) != 1:
+        raise WeightSyncError(f"FP8 weight {name}: a projection fused in the checkpoint cannot be split over tensor-parallel ranks yet")
+    b0 = qt.block[0]
+    parts, row = [], 0
+    for rows in layer.jetrl_part_sizes:
+        if row % b0:
+            raise WeightSyncError(
+                f"FP8 weight {name}: the trainer quantized the fused projection as one matrix, and its part sizes "
+                f"{list(layer.jetrl_part_sizes)} put a {b0}-row block across two parts, so the engine's per-part "
+                f"blocks cannot hold those bytes; part sizes must be multiples of {b0} (real models' are)"
+            )
+        parts.append(QuantizedTensor(qt.data[row : row + rows], qt.scale[row // b0 : -(-(row + rows) // b0)], qt.block))
+        row += rows
+    return parts
+
+
 def _install_fp8(model: nn.Module, t: SyncTensor) -> None:
     target = _resolve(model, t.name)
     if target is None:
@@ -98,11 +124,15 @@ def _install_fp8(model: nn.Module, t: SyncTensor) -> None:
             f"{layer.prefix} quantizes the fused projection as one matrix (weight_quant_scope=fused): the trainer's "
             "per-part FP8 bytes cannot be installed without re-quantizing. Use weight_quant_scope=per_part."
         )
-    part = part or 0
     block = method.fprop.weight.granularity.block(tuple(t.data.shape))
     if t.block is not None and tuple(t.block) != tuple(block):
         raise WeightSyncError(f"FP8 weight {t.name}: trainer block {tuple(t.block)} != engine block {block}")
     qt = QuantizedTensor(t.data.to(layer.weight.device), t.scale.to(layer.weight.device), tuple(block))
+    if _whole_fused(layer, part, qt.data.shape[0]):
+        for i, piece in enumerate(_split_parts(layer, qt, t.name)):
+            method.install_group(layer, i, piece)
+        return
+    part = part or 0
     method.install_group(layer, part, _shard_of(layer, part, qt))
 
 
@@ -166,8 +196,10 @@ def install_sync_tensors(worker: Any, tensors: Iterable[SyncTensor]) -> dict[str
                 packed = pname == "weight" and _unquantized_packed(layer)
                 needs_reload |= packed
                 p = getattr(layer, pname, None)
-                transformed = packed or (pname == "weight" and jetrl_method_of(layer) is not None) or (
-                    isinstance(p, torch.Tensor) and p.dtype != t.data.dtype
+                # No tensor under the training name: vLLM's loader lays it out anew (MoE experts become FusedMoE's
+                # stacked w13/w2), so only its arrival can be digested.
+                transformed = not isinstance(p, torch.Tensor) or packed or (pname == "weight" and jetrl_method_of(layer) is not None) or (
+                    p.dtype != t.data.dtype
                 )
             if transformed:
                 pending.append((t.name, digest(t.data)))
@@ -183,8 +215,16 @@ def install_sync_tensors(worker: Any, tensors: Iterable[SyncTensor]) -> dict[str
             # Both paths: a tied lm_head is in no checkpoint, so the reload puts its old packed copy back while
             # the shared weight moves on (the engine sampled from the previous step's head).
             _refresh_embeddings(model)
+        unreadable = []
         for name, sent in pending:
             records[name] = (sent, _held_digest(model, name))
+            if records[name][1] is None:
+                unreadable.append(name)
+        if unreadable and not getattr(model, "_jetrl_unreadable_logged", False):
+            model._jetrl_unreadable_logged = True
+            logger.warning(
+                "vLLM engine: %d synced tensor(s) cannot be read back under their training names (e.g. %s): the "
+                "digest check verifies what arrived for them, not the engine's copy", len(unreadable), unreadable[0])
     return counts
 
 
@@ -198,6 +238,14 @@ def _held(model: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | Non
     if getattr(layer, "tp_size", 1) > 1:
         raise NotImplementedError("weight digests with tensor parallelism > 1 are not supported yet")
     method = jetrl_method_of(layer)
+    if method is not None and pname == "weight" and method.scope == "per_part" and part is None and len(layer.jetrl_groups) > 1:
+        # A fused projection asked for whole (its checkpoint stores it fused): the parts' blocks, stacked, are the
+        # one-matrix quantization when every part starts on a block row; otherwise there is no such tensor.
+        b0 = layer.jetrl_groups[0].block[0]
+        if any(sum(layer.jetrl_part_sizes[:i]) % b0 for i in range(1, len(layer.jetrl_part_sizes))):
+            return None
+        qts = [method.group_tensor(layer, i) for i in range(len(layer.jetrl_groups))]
+        return torch.cat([q.data for q in qts]), torch.cat([q.scale for q in qts])
     if method is not None and pname == "weight":
         group = 0 if method.scope == "fused" else (part or 0)
         if method.scope == "fused" and len(layer.jetrl_groups) == 1 and len(layer.jetrl_part_sizes) > 1:

@@ -44,12 +44,26 @@ def load_causal_lm(path: str, dtype: torch.dtype, attn_implementation: str = "sd
 
     extra = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **extra)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation, **extra)
     except OSError as e:
         raise FileNotFoundError(
             f"could not load a model from {path!r}: {e}. Pass a local folder saved with save_pretrained "
             "(there is no model hub on this machine)"
         ) from None
+    _check_attention_covers(model, attn_implementation)
+    return model
+
+
+def _check_attention_covers(model: nn.Module, attn_implementation: str) -> None:
+    """Refuse an attention implementation that drops part of the model's attention: transformers' sdpa path skips
+    logit soft-capping (Gemma2) without a word, so the trainer would score tokens with another model than the
+    pretrained one, and than a vLLM engine, which applies it."""
+    softcap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
+    if softcap and "sdpa" in attn_implementation:
+        raise ValueError(
+            f"{type(model).__name__} soft-caps its attention logits (attn_logit_softcapping={softcap}), which the "
+            f"{attn_implementation} attention skips; use --ds.attn_implementation eager or flash_attention_2"
+        )
 
 
 class Actor(nn.Module):

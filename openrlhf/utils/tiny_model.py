@@ -1,8 +1,8 @@
 """Tiny models and tokenizers built locally (there is no model hub on CI or dev machines).
 
-A character-level tokenizer over printable ASCII and a small Llama/Qwen2 built from a
-config. Saved with `save_pretrained`, so transformers, DeepSpeed and vLLM load them the same
-way they load a real checkpoint.
+A character-level tokenizer over printable ASCII and a small causal LM of one of the architectures in
+`TINY_ARCHS`, built from a config. Saved with `save_pretrained`, so transformers, DeepSpeed and vLLM load them
+the same way they load a real checkpoint.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["TinyModelSpec", "build_char_tokenizer", "build_tiny_model", "PAD", "BOS", "EOS"]
+__all__ = ["TINY_ARCHS", "TinyModelSpec", "build_char_tokenizer", "build_tiny_model", "PAD", "BOS", "EOS"]
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 
@@ -39,9 +39,28 @@ def build_char_tokenizer(vocab_size: int = 128):
     return fast
 
 
+# arch -> (transformers config class name, what that architecture's config needs beyond the common fields).
+# Each differs from Llama in a way the FP8 flow must handle: biases (qwen2), q/k norms (qwen3, olmo2),
+# fused qkv_proj and gate_up_proj checkpoints (phi3), residual/logit multipliers (granite), (1 + w) norms, GELU
+# MLPs, soft-capping and tied embeddings (gemma2/gemma3), expert weights that are not nn.Linear (qwen3_moe).
+TINY_ARCHS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": None}),
+    "mistral": ("MistralConfig", {}),
+    "phi3": ("Phi3Config", {}),
+    "granite": ("GraniteConfig", {"residual_multiplier": 0.5, "logits_scaling": 2.0, "embedding_multiplier": 2.0}),
+    "olmo2": ("Olmo2Config", {}),
+    "gemma2": ("Gemma2Config", {"head_dim": None, "query_pre_attn_scalar": None, "tie_word_embeddings": True}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": None, "query_pre_attn_scalar": None, "tie_word_embeddings": True}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": None, "num_experts": 4, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": None}),
+}
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
-    arch: str = "llama"  # llama | qwen2
+    arch: str = "llama"  # a key of TINY_ARCHS
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 2
@@ -56,14 +75,19 @@ class TinyModelSpec:
 
 def build_tiny_model(save_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), tokenizer=None, dtype: torch.dtype = torch.float32) -> Path:
     """Build a randomly initialised causal LM plus char tokenizer and save both to `save_dir`."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     save_dir = Path(save_dir)
     tokenizer = tokenizer or build_char_tokenizer(spec.vocab_size)
-    cfg_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}.get(spec.arch)
-    if cfg_cls is None:
-        raise ValueError(f"unknown tiny arch {spec.arch!r}; use 'llama' or 'qwen2'")
-    config = cfg_cls(
+    if spec.arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {spec.arch!r}; use one of {', '.join(TINY_ARCHS)}")
+    cfg_name, extra = TINY_ARCHS[spec.arch]
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    # None in the table: derived from the spec (head_dim, the attention scale, the expert width).
+    derived = {"head_dim": head_dim, "query_pre_attn_scalar": head_dim, "moe_intermediate_size": spec.intermediate_size // 2}
+    extra = {k: derived[k] if v is None else v for k, v in extra.items()}
+    config = getattr(transformers, cfg_name)(
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -71,11 +95,11 @@ def build_tiny_model(save_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()
         num_key_value_heads=spec.num_key_value_heads,
         vocab_size=spec.vocab_size,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
         initializer_range=spec.initializer_range,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **{"tie_word_embeddings": spec.tie_word_embeddings, **extra},
     )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -153,6 +153,37 @@ def test_make_batch_invariant_refuses_a_norm_without_a_kernel(monkeypatch):
         make_batch_invariant(model, device="cuda")
 
 
+def test_make_batch_invariant_refuses_soft_capped_attention_on_the_triton_kernels(monkeypatch):
+    monkeypatch.setattr(bi_convert, "triton_missing", lambda device: None)
+    model = tiny_causal_lm()
+    model.config.attn_logit_softcapping = 50.0  # Gemma 2's
+    with pytest.raises(BitwiseUnavailable, match=r"soft-capping \(attn_logit_softcapping=50.0"):
+        make_batch_invariant(model, device="cuda")
+
+
+def test_the_triton_attention_refuses_what_its_kernel_does_not_compute():
+    q, k = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    module = nn.Module()
+    for kwargs, needle in (({"softcap": 50.0}, "soft-capping"), ({"sliding_window": 4}, "sliding window of 4"),
+                           ({"s_aux": torch.zeros(2)}, "attention sinks")):
+        with pytest.raises(ValueError, match=needle):
+            bi_attention.triton_attention(module, q, k, k, None, 0.25, **kwargs)
+
+
+def test_the_fp64_attention_soft_caps_as_transformers_eager_attention_does():
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64) * 4 for _ in range(3))
+    module = nn.Module()
+    module.num_key_value_groups, module.training = 1, False
+    want, _ = eager_attention_forward(module, q, k, v, None, scaling=0.5, softcap=3.0)
+    got, _ = bi_attention.fp64_attention(module, q, k, v, None, 0.5, softcap=3.0)
+    plain, _ = bi_attention.fp64_attention(module, q, k, v, None, 0.5)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # transformers' softmax runs in float32
+    assert (plain - want).abs().max() > 1e-2  # the cap matters at these scores
+
+
 def test_graph_records_the_numerics_and_refuses_one_sided_invariance():
     jet = get_recipe("jet_fp8")
     train = build_precision_graph(_invariant_model(), jet, "train_fwd")

@@ -256,12 +256,15 @@ def test_a_bitwise_engine_reports_the_numerics_it_built(monkeypatch):
     model.plain_rope = _build(lambda: _without_oot("RotaryEmbedding", lambda: get_rope(
         16, 2048, True, {"rope_theta": 10000.0, "rope_type": "default"}, torch.bfloat16)), bitwise=True, monkeypatch=monkeypatch)
     model.up_proj = bare(RowParallelLinear, UnquantizedLinearMethod())
+    model.experts = torch.nn.Module()  # what FusedMoE holds: stacked expert matrices, multiplied by vLLM's kernels
+    model.experts.w13_weight = torch.nn.Parameter(torch.ones(2, 8, 4), requires_grad=False)
     worker.model_runner.sampler = SimpleNamespace()
     monkeypatch.setattr(vllm_bitwise, "_attention_not_bitwise", real_attention_check)
     mode, detail = vllm_bitwise.engine_numerics(worker, model)
     assert mode == "ordinary"
     for part in ("1 vLLM norm(s) (e.g. plain)", "1 vLLM activation(s) (e.g. plain_act)", "1 vLLM rotary embedding(s) (e.g. plain_rope)",
                  "1 linear(s) outside the invariant GEMMs (e.g. up_proj: UnquantizedLinearMethod)",
+                 "1 module(s) with matrix products of their own (MoE experts?) (e.g. experts: Module)",
                  "log-probs from SimpleNamespace (install_bitwise_sampler has not run)", "attention"):
         assert part in detail, (part, detail)
     vllm_bitwise_rope_cache_clear()

