@@ -113,6 +113,14 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
             f"--ds.attn_implementation {ds.attn_implementation} needs a CUDA GPU and the flash-attn package "
             f"({'no CUDA device' if not cuda else 'flash-attn not installed'}); use sdpa (packing works with it too)"
         )
+    softcap = (_model_config(actor.model_name_or_path) or {}).get("attn_logit_softcapping")
+    if softcap and "sdpa" in cfg.policy_attn_implementation:
+        # transformers' sdpa attention drops the cap without a word: the policy would be another model than the
+        # pretrained one and than the engine, which applies it.
+        errors.append(
+            f"{actor.model_name_or_path} soft-caps its attention logits (attn_logit_softcapping={softcap}, Gemma 2), "
+            f"which --ds.attn_implementation {ds.attn_implementation} skips; use eager or flash_attention_2"
+        )
     if data.max_images_per_prompt > 0 or actor.freeze_visual_encoder:
         errors.append(
             "vision-language training (--data.max_images_per_prompt, --actor.freeze_visual_encoder) is not supported: "

@@ -14,6 +14,7 @@ Per architecture:
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -247,3 +248,36 @@ def test_a_fused_checkpoint_whose_parts_straddle_blocks_is_refused_before_and_at
             engine.update_weights(iter_sync_tensors(trainer))
     finally:
         engine.shutdown()
+
+
+# ---- through the trainer's CLI --------------------------------------------------------------------------------
+@pytest.mark.integration
+@pytest.mark.parametrize("arch,extra,bound", [
+    ("phi3", [], 1e-5),  # fused projections: the precision check, the split sync and the digest check, every step
+    ("gemma2", ["--ds.attn_implementation", "eager"], 2e-3),  # soft-capping: vLLM's own arithmetic for it
+])
+def test_grpo_runs_with_the_vllm_engine(arch, extra, bound, model_dirs, tmp_path):
+    pytest.importorskip("vllm")
+    from _rl_helpers import PY, grpo_args, metrics, run
+    from openrlhf.datasets.synthetic import make_arithmetic_records, write_jsonl
+
+    data = tmp_path / "arith.jsonl"
+    write_jsonl(make_arithmetic_records(64, difficulty=1, seed=0, max_operand=4, operators=("+",)), data)
+    out = tmp_path / "run"
+    args = grpo_args(model_dirs[arch], data, out, "jet_fp8", steps=2, extra=["--ckpt.save_steps", "-1", *extra])
+    args[args.index("--rollout.engine") + 1] = "vllm"
+    run([PY, "openrlhf/cli/train_ppo_ray.py", *args], timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine"] == "vllm" and "precision check: OK" in summary["precision_report"]
+    hist = metrics(out)
+    assert len(hist) == 2 and all(h["sync/checked_tensors"] > 0 for h in hist)
+    assert max(h["rollout_train_mismatch/abs_logp_diff_mean"] for h in hist) < bound
+
+
+def test_the_trainer_refuses_sdpa_for_soft_capped_attention_in_one_line(model_dirs, tmp_path):
+    from _rl_helpers import PY, grpo_args, run
+
+    args = grpo_args(model_dirs["gemma2"], tmp_path / "none.jsonl", tmp_path / "run", "jet_fp8", steps=1)
+    proc = run([PY, "openrlhf/cli/train_ppo_ray.py", *args], timeout=120, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "attn_logit_softcapping=50.0" in proc.stderr and "use eager or flash_attention_2" in proc.stderr
