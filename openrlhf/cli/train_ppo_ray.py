@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from openrlhf.datasets.prompts_dataset import PromptDataError
     from openrlhf.rewards.remote import RewardFunctionError, RewardServerError
     from openrlhf.trainer.health import TrainingDivergedError
-    from openrlhf.trainer.ppo_trainer import PrecisionCheckError, WeightSyncError
+    from openrlhf.trainer.ppo_trainer import MismatchError, PrecisionCheckError, WeightSyncError
     from openrlhf.trainer.ray.errors import RayActorDiedError, RayActorStartError
     from openrlhf.utils.deepspeed.checkpoint import CheckpointError
 
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logger.warning("--vllm.num_engines is ignored under a distributed launcher: SPMD mode, one engine per rank")
             train(cfg)
     except (
-        FileNotFoundError, KeyError, RecipeError, BackendUnavailable, BitwiseUnavailable, PrecisionCheckError, WeightSyncError,
+        FileNotFoundError, KeyError, RecipeError, BackendUnavailable, BitwiseUnavailable, PrecisionCheckError, WeightSyncError, MismatchError,
         ConfigError, RayActorDiedError, RayActorStartError, PromptDataError, CheckpointError, TrainingDivergedError,
         RewardFunctionError, RewardServerError,
     ) as e:

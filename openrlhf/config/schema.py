@@ -508,6 +508,13 @@ class PrecisionConfig:
         "the next optimizer step: no weight memory beyond BF16's (2 bytes per weight less), at one quantization pass "
         "per call; for runs short of memory under activation checkpointing. Same bytes either way",
     )
+    max_mismatch: float = opt(
+        0.0,
+        "stop before training on a rollout whose mean |logp(engine) - logp(trainer)| per token exceeds this (0: never). "
+        "A guard for what the weight digests cannot see: an engine that re-lays out a synced weight for its kernels, a "
+        "stale kernel-side copy, numerics that drifted. Set it a few times above the mismatch your first steps log",
+        ge=0.0,
+    )
     bitwise_check_samples: int = opt(
         2,
         "with --precision.bitwise: sequences per rank recomputed each step to prove the engine's logprobs exact "

