@@ -27,7 +27,7 @@ class Fp8Coverage:
     - `kept`: in nn.Linear layers the recipe keeps in high precision (lm_head, MoE routers, value heads);
     - `embeddings`: in nn.Embedding tables;
     - `other`: in modules that are not nn.Linear (MoE experts stored as 3-D tensors, routers with their own
-      Parameter, custom heads), named in `other_modules`.
+      Parameter, custom heads), named in `other_modules`, the largest first.
     Vectors (norm weights, biases) are not counted: they stay in high precision by design.
     """
 
@@ -60,7 +60,7 @@ def fp8_coverage(model: nn.Module) -> Fp8Coverage:
 
     seen: set[int] = set()
     counts = {"fp8": 0, "kept": 0, "embeddings": 0, "other": 0}
-    others: list[str] = []
+    others: list[tuple[int, str]] = []
     for name, module in model.named_modules():
         params = [p for p in module.parameters(recurse=False) if p.dim() >= 2 and id(p) not in seen]
         if not params:
@@ -75,5 +75,6 @@ def fp8_coverage(model: nn.Module) -> Fp8Coverage:
             counts["embeddings"] += n
         else:
             counts["other"] += n
-            others.append(f"{name} ({type(module).__name__})")
-    return Fp8Coverage(**counts, other_modules=tuple(others))
+            others.append((n, f"{name} ({type(module).__name__})"))
+    others.sort(key=lambda o: -o[0])  # the largest first: the example a message names
+    return Fp8Coverage(**counts, other_modules=tuple(name for _, name in others))

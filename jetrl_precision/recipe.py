@@ -149,6 +149,7 @@ DEFAULT_KEEP_HIGH_PRECISION: tuple[str, ...] = (
     "*norm*",
     "*router*",
     "*.gate",  # MoE router linear (Mixtral/Qwen-MoE name it `gate`); not gate_proj
+    "*shared_expert_gate",  # Qwen2-MoE's one-logit gate on the shared expert
     "*score*",  # reward / value heads
 )
 

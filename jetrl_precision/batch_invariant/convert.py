@@ -59,9 +59,10 @@ def _own_matmul_modules(model: nn.Module) -> list[str]:
     (nn.Linear is reported apart): MoE experts stored as 3-D tensors, routers calling F.linear on their own
     Parameter, custom heads. Their products run on the backend's ordinary kernels, whose blocking can follow the
     row count, so a model holding one is not batch-invariant whatever else it runs."""
-    # Fp8Linear and InvariantLinear subclass nn.Linear.
-    return [f"{n} ({type(m).__name__})" for n, m in model.named_modules()
-            if not isinstance(m, (nn.Linear, nn.Embedding)) and any(p.dim() >= 2 for p in m.parameters(recurse=False))]
+    # Fp8Linear and InvariantLinear subclass nn.Linear. The largest first: the example a message names.
+    own = [(sum(p.numel() for p in m.parameters(recurse=False)), f"{n} ({type(m).__name__})") for n, m in model.named_modules()
+           if not isinstance(m, (nn.Linear, nn.Embedding)) and any(p.dim() >= 2 for p in m.parameters(recurse=False))]
+    return [name for _, name in sorted(own, key=lambda o: -o[0])]
 
 
 def _ordinary_norms(model: nn.Module) -> list[str]:

@@ -42,7 +42,8 @@ def build_char_tokenizer(vocab_size: int = 128):
 # arch -> (transformers config class name, what that architecture's config needs beyond the common fields).
 # Each differs from Llama in a way the FP8 flow must handle: biases (qwen2), q/k norms (qwen3, olmo2),
 # fused qkv_proj and gate_up_proj checkpoints (phi3), residual/logit multipliers (granite), (1 + w) norms, GELU
-# MLPs, soft-capping and tied embeddings (gemma2/gemma3), expert weights that are not nn.Linear (qwen3_moe).
+# MLPs, soft-capping and tied embeddings (gemma2/gemma3), expert weights that are not nn.Linear (qwen3_moe), a
+# shared expert with a one-logit gate beside them (qwen2_moe).
 TINY_ARCHS: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),
     "qwen2": ("Qwen2Config", {}),
@@ -55,6 +56,8 @@ TINY_ARCHS: dict[str, tuple[str, dict]] = {
     "gemma3": ("Gemma3TextConfig", {"head_dim": None, "query_pre_attn_scalar": None, "tie_word_embeddings": True}),
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": None, "num_experts": 4, "num_experts_per_tok": 2,
                                       "moe_intermediate_size": None}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": None,
+                                      "shared_expert_intermediate_size": None}),
 }
 
 
@@ -85,7 +88,8 @@ def build_tiny_model(save_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()
     cfg_name, extra = TINY_ARCHS[spec.arch]
     head_dim = spec.hidden_size // spec.num_attention_heads
     # None in the table: derived from the spec (head_dim, the attention scale, the expert width).
-    derived = {"head_dim": head_dim, "query_pre_attn_scalar": head_dim, "moe_intermediate_size": spec.intermediate_size // 2}
+    derived = {"head_dim": head_dim, "query_pre_attn_scalar": head_dim, "moe_intermediate_size": spec.intermediate_size // 2,
+               "shared_expert_intermediate_size": spec.intermediate_size}
     extra = {k: derived[k] if v is None else v for k, v in extra.items()}
     config = getattr(transformers, cfg_name)(
         hidden_size=spec.hidden_size,

