@@ -66,7 +66,7 @@ def fp8_coverage(model: nn.Module) -> Fp8Coverage:
         if not params:
             continue
         seen.update(id(p) for p in params)
-        n = sum(p.numel() for p in params)
+        n = sum(getattr(p, "ds_numel", None) or p.numel() for p in params)  # ZeRO-3 keeps a partition; ds_numel is the whole
         if isinstance(module, Fp8Linear) and module.fprop.is_fp8:
             counts["fp8"] += n
         elif isinstance(module, nn.Linear):

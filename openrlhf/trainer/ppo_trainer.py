@@ -30,6 +30,7 @@ from jetrl_precision import (
     build_precision_graph,
     check_subgraph,
     format_violations,
+    fp8_coverage,
     mismatch_metrics,
 )
 from jetrl_precision.batch_invariant import make_batch_invariant
@@ -395,7 +396,7 @@ class PPOTrainer:
                     self.recipe.name, len(violations), "ON" if self.cfg.algo.advantage.is_correction_enable else "OFF",
                 )
             reports.append(report)
-        report = "\n".join(reports)
+        report = f"FP8 coverage: {fp8_coverage(self.actor.model).summary()}\n" + "\n".join(reports)
         if self.strategy.is_rank_0:
             logger.info("precision check [%s]\n%s", self.recipe.name, report)
         return report
