@@ -93,7 +93,7 @@ def convert_to_fp8(
     if cov.share(cov.other) >= UNCOVERED_WARN_FRACTION:
         logger.warning(
             "convert_to_fp8: %.0f%% of %s's weights sit in %d modules that are not nn.Linear (e.g. %s) and stay in "
-            "%s on both trainer and engine; only its nn.Linear projections run in FP8",
+            "high precision (%s here) in the trainer and the engine; only its nn.Linear projections run in FP8",
             100 * cov.share(cov.other), type(model).__name__, len(cov.other_modules), cov.other_modules[0],
             _dtype_of(model),
         )

@@ -405,10 +405,9 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
             hp = _dtype_name(m.weight.dtype)
             backend = m.backend if isinstance(m, InvariantLinear) else None  # batch-invariant: fp64 or triton_invariant
             add_linear(g, fqn, m.in_features, m.out_features, FpropSpec(), None, hp_dtype=hp, backend=backend)
-        elif _own_linear_weight(m) is not None:
+        elif (w := _own_linear_weight(m)) is not None:
             # A module multiplying by its own [out, in] weight (an MoE router that calls F.linear): an engine
             # builds it as a linear, kept in high precision on both sides.
-            w = _own_linear_weight(m)
             add_linear(g, fqn, w.shape[1], w.shape[0], FpropSpec(), None, hp_dtype=_dtype_name(w.dtype), backend=None)
         elif isinstance(m, nn.Embedding):
             name = canonical_name(fqn)

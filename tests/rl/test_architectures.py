@@ -2,7 +2,7 @@
 
 Each architecture differs from Llama somewhere the flow must handle: q/k biases (Qwen2), q/k norms (Qwen3, OLMo2),
 projections stored fused in the checkpoint (Phi-3), residual and logit multipliers (Granite), (1 + w) norms, GELU
-MLPs, tied embeddings and attention soft-capping (Gemma 2/3), expert weights that are not nn.Linear (Qwen3-MoE).
+MLPs, tied embeddings and attention soft-capping (Gemma 2/3), expert weights that are not nn.Linear (Qwen2/3-MoE).
 Per architecture:
 - conversion: which layers become FP8, SwiGLU fusion, how much of the model FP8 covers, and close-to-fp32 logits
   and gradients;
