@@ -318,7 +318,7 @@ def mismatch_job(a: argparse.Namespace, save) -> dict:
     res.update(available=True, start_seconds=round(time.perf_counter() - t0, 1))
     graph = PrecisionGraph.from_dict(engine.precision_graph())
     res["gemm_backends"] = sorted({e.attrs.backend for e in graph.edges if e.attrs.backend})
-    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.syncs_fp8_weights))  # as a run does before each rollout
+    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.syncs_fp8_weights, layout=engine.sync_layout))  # as a run does before each rollout
     actor = Actor(trainer)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     res["lengths"] = {}

@@ -23,7 +23,7 @@ import random
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -130,15 +130,25 @@ def _checkpoint_layout(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], 
     return lambda tensors: revert_weight_conversion(hf, tensors)
 
 
+def _layout_map(model: nn.Module, layout: str):
+    if layout not in ("checkpoint", "model"):
+        raise ValueError(f"layout must be 'checkpoint' or 'model', got {layout!r}")
+    return _checkpoint_layout(model) if layout == "checkpoint" else None
+
+
 def _module_tensors(layout, prefix: str, params: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     named = {(f"{prefix}.{n}" if prefix else n): p.detach() for n, p in params}
     yield from (layout(named) if layout is not None else named).items()
+
+
+Layout = Literal["checkpoint", "model"]
 
 
 def iter_sync_tensors(
     model: nn.Module,
     gather: Callable[[list[nn.Parameter]], ContextManager] | None = None,
     fp8: bool = True,
+    layout: Layout = "checkpoint",
 ) -> Iterator[SyncTensor]:
     """Yield every tensor a rollout engine needs, module by module.
 
@@ -146,10 +156,12 @@ def iter_sync_tensors(
     (DeepSpeed ZeRO-3: `deepspeed.zero.GatheredParameters(params)`); tensors are yielded
     inside it, so consume each before asking for the next. With `fp8=False` every weight
     travels in high precision (the bf16 baseline, or fp8_rollout where the engine quantizes).
-    High-precision tensors go by their checkpoint names and layout (`_checkpoint_layout`: MoE experts per expert).
+    `layout`: "checkpoint" names and lays out high-precision tensors as the model's checkpoint does, which is what
+    an engine's loader reads (vLLM; `_checkpoint_layout`: MoE experts one matrix per expert); "model" as the live
+    model holds them (an engine that is a transformers model itself).
     """
     gather = gather or (lambda params: contextlib.nullcontext())
-    layout = _checkpoint_layout(model)
+    to_checkpoint = _layout_map(model, layout)
     seen: set[int] = set()  # tied weights (lm_head = embed_tokens) travel once; the engine ties them too
     for fqn, module in model.named_modules():
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
@@ -162,7 +174,7 @@ def iter_sync_tensors(
                 wq = module.quantized_weight(module.weight)
                 yield SyncTensor(f"{prefix}.weight" if prefix else "weight", wq.data, wq.scale, wq.block)
                 params = [(n, p) for n, p in params if n != "weight"]
-            for name, t in _module_tensors(layout, prefix, params):
+            for name, t in _module_tensors(to_checkpoint, prefix, params):
                 yield SyncTensor(name, t)
 
 
@@ -186,6 +198,7 @@ def expected_engine_digests(
     *,
     fp8: bool = True,
     engine_recipe: PrecisionRecipe | None = None,
+    layout: Layout = "checkpoint",
 ) -> dict[str, str]:
     """Digests of the bytes a rollout engine should hold after a sync, computed on the trainer.
 
@@ -196,7 +209,7 @@ def expected_engine_digests(
     """
     engine_weight_spec = engine_recipe.rollout.weight if engine_recipe is not None else None
     wanted = set(names) if names is not None else None
-    layout = _checkpoint_layout(model)
+    to_checkpoint = _layout_map(model, layout)
     out: dict[str, str] = {}
     for fqn, module in model.named_modules():
         prefix = canonical_name(fqn)
@@ -222,7 +235,7 @@ def expected_engine_digests(
                 plain.append((pname, p))
         # As sent: by checkpoint name and layout.
         if plain and (wanted is None or any(n.startswith(prefix) for n in wanted)):
-            for name, t in _module_tensors(layout, prefix, plain):
+            for name, t in _module_tensors(to_checkpoint, prefix, plain):
                 if wanted is None or name in wanted:
                     out[name] = digest(t)
     if wanted is not None and wanted - set(out):

@@ -413,7 +413,8 @@ class PPOTrainer:
 
         def tensors():
             nonlocal nbytes
-            for i, t in enumerate(iter_sync_tensors(self.actor.model, gather=self.strategy.gather_params, fp8=fp8)):
+            for i, t in enumerate(iter_sync_tensors(self.actor.model, gather=self.strategy.gather_params, fp8=fp8,
+                                                    layout=self.engine.sync_layout)):
                 nbytes += t.nbytes()
                 if i % 5 == self.global_step % 5:  # a rotating ~20% sample: every tensor gets checked over 5 steps
                     digests[t.name] = sync_tensor_digest(t)

@@ -328,3 +328,24 @@ def test_the_mismatch_guard_stops_a_run_whose_engine_scrambles_a_synced_weight(m
     # The trainer syncs its weights before the first rollout, so step 1 already samples from scrambled experts.
     assert line.startswith("error: MismatchError: step 1:") and "above --precision.max_mismatch 0.01; stopping before training" in line
     assert metrics(out) == []  # no step was trained on them
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "phi3"])
+def test_the_transformers_engine_takes_the_sync_in_its_own_layout(arch, model_dirs):
+    """The transformers engine is a transformers model: it gets the experts as the trainer holds them (3-D stacks),
+    not the checkpoint's per-expert matrices a vLLM loader reads; its digests then equal what was sent."""
+    from jetrl_precision.weight_sync import sync_tensor_digest
+
+    trainer = load(model_dirs, arch, "jet_fp8").eval()
+    engine = HFEngine(str(model_dirs[arch]), JET, dtype=torch.float32)
+    assert engine.sync_layout == "model"
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, 100, (int(n),), generator=g).tolist() for n in torch.randint(3, 10, (6,), generator=g)]
+    train_step(trainer, 0)
+    exp = sample_after_sync(trainer, engine, JET, prompts, SamplingConfig(max_new_tokens=10, temperature=1.0, n=2, seed=1), 0)
+    sent = {t.name: sync_tensor_digest(t) for t in iter_sync_tensors(trainer, layout="model")}
+    assert engine.weight_digests(list(sent)) == sent
+    with torch.no_grad():
+        lp = Actor(trainer)(exp.sequences, exp.attention_mask, exp.num_actions).float()
+    mask = exp.action_mask
+    assert (lp[mask] - exp.rollout_logprobs[mask]).abs().max() < 1e-4

@@ -46,6 +46,9 @@ class RolloutEngine(abc.ABC):
     """What the trainer needs from a rollout engine."""
 
     name: str = "engine"
+    # How synced high-precision tensors are named and laid out (jetrl_precision.weight_sync.iter_sync_tensors):
+    # "checkpoint" for engines that load through a checkpoint loader (vLLM), "model" for a transformers model.
+    sync_layout: str = "checkpoint"
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 class HFEngine(RolloutEngine):
     name = "hf"
+    sync_layout = "model"  # a transformers model: parameters as transformers holds them in memory
 
     def __init__(
         self,

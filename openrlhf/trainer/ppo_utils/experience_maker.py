@@ -110,7 +110,7 @@ def sample_after_sync(
     """A run's first rollout in miniature: `trainer` (a model under the recipe's training flow)
     sends its weights to `engine` as training does, and the engine samples `prompts`.
     Returns the samples as tensors, with the engine's log-probs as `rollout_logprobs`."""
-    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.syncs_fp8_weights))
+    engine.update_weights(iter_sync_tensors(trainer, fp8=recipe.syncs_fp8_weights, layout=engine.sync_layout))
     return samples_to_tensors([s for group in engine.generate(prompts, sampling) for s in group], pad_token_id)
 
 

@@ -178,6 +178,7 @@ class RemoteEngine(RolloutEngine):
 
         self.h = handles
         self.name = handles.kind
+        self.sync_layout = "model" if handles.kind == "hf" else "checkpoint"  # as the engines behind it read them
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         n = len(handles.actors)
