@@ -110,6 +110,9 @@ def digest(t: torch.Tensor) -> str:
     return f"{h1:08x}{h2:08x}-{n}"  # "-": ":" separates the data and scale digests of an FP8 tensor
 
 
+Layout = Literal["checkpoint", "model"]  # how synced high-precision tensors are named and laid out (iter_sync_tensors)
+
+
 def _checkpoint_layout(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
     """Maps high-precision tensors named as the live model holds them to the names and layout of its checkpoint,
     which is what an engine's loader reads: transformers converts some weights on load (MoE experts become 3-D
@@ -130,7 +133,7 @@ def _checkpoint_layout(model: nn.Module) -> Callable[[dict[str, torch.Tensor]], 
     return lambda tensors: revert_weight_conversion(hf, tensors)
 
 
-def _layout_map(model: nn.Module, layout: str):
+def _layout_map(model: nn.Module, layout: Layout):
     if layout not in ("checkpoint", "model"):
         raise ValueError(f"layout must be 'checkpoint' or 'model', got {layout!r}")
     return _checkpoint_layout(model) if layout == "checkpoint" else None
@@ -139,9 +142,6 @@ def _layout_map(model: nn.Module, layout: str):
 def _module_tensors(layout, prefix: str, params: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     named = {(f"{prefix}.{n}" if prefix else n): p.detach() for n, p in params}
     yield from (layout(named) if layout is not None else named).items()
-
-
-Layout = Literal["checkpoint", "model"]
 
 
 def iter_sync_tensors(
@@ -233,7 +233,7 @@ def expected_engine_digests(
                     out[name] = f"{digest(wq.data)}:{digest(wq.scale)}"
             else:
                 plain.append((pname, p))
-        # As sent: by checkpoint name and layout.
+        # As sent: named and laid out as `layout` says.
         if plain and (wanted is None or any(n.startswith(prefix) for n in wanted)):
             for name, t in _module_tensors(to_checkpoint, prefix, plain):
                 if wanted is None or name in wanted:
