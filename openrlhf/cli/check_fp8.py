@@ -209,6 +209,7 @@ def run_check(a: argparse.Namespace) -> dict:
     )
     flagged = {d.fqn: d.problems(a.min_sqnr_db, a.max_subnormal_frac) for d in diags}
     flagged = {k: v for k, v in flagged.items() if v}
+    coverage = _coverage(hp, a.diagnose_recipe)
 
     # 2 + 3. Mismatch per recipe.
     recipes = []
@@ -220,7 +221,7 @@ def run_check(a: argparse.Namespace) -> dict:
     report = {
         "model": str(a.model), "dtype": a.dtype, "device": str(device), "attn_implementation": a.attn_implementation, "engine": engine_kind,
         "diagnose_recipe": a.diagnose_recipe, "min_sqnr_db": a.min_sqnr_db, "max_subnormal_frac": a.max_subnormal_frac,
-        "layers": [d.to_dict() for d in diags], "flagged_layers": flagged, "recipes": recipes,
+        "layers": [d.to_dict() for d in diags], "flagged_layers": flagged, "recipes": recipes, "fp8_coverage": coverage,
         "seconds": round(time.perf_counter() - t0, 1),
         "diagnostics_table": format_diagnostics(diags, a.min_sqnr_db, a.max_subnormal_frac),
     }
@@ -241,9 +242,24 @@ def _fmt_recipes(recipes: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _coverage(model, recipe_name: str) -> dict:
+    """What share of the model's weight matrices the recipe's conversion puts in FP8 (converted on a meta-device
+    copy built from the model's config: no memory, the model itself untouched)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jetrl_precision import convert_to_fp8, fp8_coverage, get_recipe
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(model.config)
+    cov = fp8_coverage(convert_to_fp8(meta, get_recipe(recipe_name), fuse_swiglu=False))
+    return {"summary": cov.summary(), "fp8_share": cov.share(cov.fp8), "other_modules": list(cov.other_modules[:5]),
+            "other_share": cov.share(cov.other)}
+
+
 def _verdict(report: dict) -> str:
     by = {r["recipe"]: r["rollout_train"]["abs_logp_diff_mean"] for r in report["recipes"]}
-    out = []
+    out = [f"FP8 coverage ({report['diagnose_recipe']}): {report['fp8_coverage']['summary']}"]
     low = list(report["flagged_layers"])
     out.append(
         f"FP8 error: {len(low)} of {len(report['layers'])} layers flagged"

@@ -125,6 +125,9 @@ def test_cli_reports_layers_and_per_recipe_mismatch(tiny, tmp_path, capsys):
     assert m["jet_fp8"]["train_vs_high_precision"]["abs_logp_diff_mean"] > 0.0
     out = capsys.readouterr().out
     assert "Per-layer FP8 error" in out and "0 of 14 layers flagged" in out
+    # The share FP8 covers (the tiny model's embeddings and lm_head are relatively large), and nothing outside nn.Linear.
+    cov = report["fp8_coverage"]
+    assert 0.5 < cov["fp8_share"] < 1 and cov["other_share"] == 0 and f"FP8 coverage (jet_fp8): {cov['summary']}" in out
 
 
 def test_cli_strict_and_bad_input(tiny, tmp_path, capsys):
