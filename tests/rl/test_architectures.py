@@ -209,9 +209,9 @@ def train_step(model, seed: int) -> None:
 @pytest.mark.integration
 @pytest.mark.parametrize("arch", VLLM_ARCHS)
 def test_vllm_engine_holds_the_trainers_bytes_and_matches_its_logprobs(arch, model_dirs):
+    pytest.importorskip("vllm")
     from openrlhf.trainer.engines.vllm_engine import VLLMEngine
 
-    vllm = pytest.importorskip("vllm")  # noqa: F841
     engine = VLLMEngine(model_dirs[arch], "jet_fp8", max_model_len=256, seed=0)
     try:
         trainer = load(model_dirs, arch, "jet_fp8").eval()
@@ -237,9 +237,9 @@ def test_a_fused_checkpoint_whose_parts_straddle_blocks_is_refused_before_and_at
     """Phi-3 with q/k/v of 128/64/64 rows: the trainer quantizes qkv_proj as one matrix, so v's first rows share a
     block with k's last; no per-part engine can hold those bytes. The precision check says so before step 1, and a
     sync that is attempted anyway raises naming the layer (never a silent re-quantization)."""
+    pytest.importorskip("vllm")
     from openrlhf.trainer.engines.vllm_engine import VLLMEngine
 
-    pytest.importorskip("vllm")
     path = build_tiny_model(tmp_path / "phi3", TinyModelSpec(arch="phi3"))
     engine = VLLMEngine(path, "jet_fp8", max_model_len=128, seed=0)
     try:
