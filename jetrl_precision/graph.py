@@ -46,6 +46,7 @@ __all__ = [
     "canonical_name",
     "FUSED_PROJECTIONS",
     "add_linear",
+    "first_unaligned_part",
 ]
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,12 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 }
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 BLOCK = 128
+
+
+def first_unaligned_part(part_sizes: Sequence[int], rows: int) -> int | None:
+    """The row at which a part of a fused projection starts off a `rows`-row block, else None (every block then
+    lies within one part, so quantizing the fused matrix and quantizing each part give the same blocks)."""
+    return next((r for r in itertools.accumulate(part_sizes[:-1]) if r % rows), None)
 
 
 def canonical_name(fqn: str) -> str:
@@ -527,8 +534,7 @@ def _merge_fused_parts(sub: PrecisionGraph, sup: PrecisionGraph) -> PrecisionGra
                 n = merged.nodes[whole].attrs["out_features"]  # the whole matrix's partial last block row
                 pad = [f"N {n}->{n + (-n) % rows}"] if n % rows else []
                 attrs = dataclasses.replace(attrs, padding=",".join(pad + [p for p in attrs.padding.split(",") if p.startswith("K ")]))
-                starts = itertools.accumulate(sub.nodes[p].attrs.get("out_features") or 0 for p in parts[:-1])
-                off = next((r for r in starts if r % rows), None)
+                off = first_unaligned_part([sub.nodes[p].attrs.get("out_features") or 0 for p in parts], rows)
                 if off is not None:
                     attrs = dataclasses.replace(attrs, block_origin=f"parts@{off}")
             merged.edges.append(Edge(whole, e.role, attrs))

@@ -130,3 +130,38 @@ def kill_engine_mid_rollout(ray, suffix: str, min_calls: int, result: dict, time
 
 
 PY = sys.executable
+
+
+# ---- a trainer beside an engine ------------------------------------------------------------------------
+def train_step(model, seed: int, lr: float = 5e-3) -> None:
+    """One optimizer step on fresh random tokens (so every weight moves), then invalidate FP8 caches."""
+    import torch
+
+    from jetrl_precision import mark_weights_updated
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 128, (4, 24), generator=g).to(next(model.parameters()).device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    mark_weights_updated()
+
+
+def trainer_logprobs(model, samples, temperature: float = 1.0):
+    """The trainer's recompute of each sample's response tokens: log_softmax(logits / T), full vocabulary, on CPU."""
+    import torch
+
+    device = next(model.parameters()).device
+    out = []
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids], device=device)
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, dim=-1)
+        p = len(s.prompt_ids)
+        tok = torch.tensor(s.response_ids, device=device)
+        out.append(lp[p - 1 : p - 1 + len(tok)].gather(-1, tok[:, None])[:, 0].cpu())
+    return torch.cat(out)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..formats import QuantizedTensor
-from ..graph import FUSED_PROJECTIONS, EdgeAttrs, PrecisionGraph, add_linear, canonical_name
+from ..graph import FUSED_PROJECTIONS, EdgeAttrs, PrecisionGraph, add_linear, canonical_name, first_unaligned_part
 from ..ops import kernel_name
 from ..recipe import FpropSpec
 from ..weight_sync import SyncTensor, WeightSyncError, broadcast_json, digest, init_sync_group, receive_sync_tensors
@@ -94,14 +94,14 @@ def _split_parts(layer: nn.Module, qt: QuantizedTensor, name: str) -> list[Quant
     if getattr(layer, "tp_size", 1) != 1:
         raise WeightSyncError(f"FP8 weight {name}: a projection fused in the checkpoint cannot be split over tensor-parallel ranks yet")
     b0 = qt.block[0]
+    if first_unaligned_part(layer.jetrl_part_sizes, b0) is not None:
+        raise WeightSyncError(
+            f"FP8 weight {name}: the trainer quantized the fused projection as one matrix, and its part sizes "
+            f"{list(layer.jetrl_part_sizes)} put a {b0}-row block across two parts, so the engine's per-part "
+            f"blocks cannot hold those bytes; part sizes must be multiples of {b0} (real models' are)"
+        )
     parts, row = [], 0
     for rows in layer.jetrl_part_sizes:
-        if row % b0:
-            raise WeightSyncError(
-                f"FP8 weight {name}: the trainer quantized the fused projection as one matrix, and its part sizes "
-                f"{list(layer.jetrl_part_sizes)} put a {b0}-row block across two parts, so the engine's per-part "
-                f"blocks cannot hold those bytes; part sizes must be multiples of {b0} (real models' are)"
-            )
         parts.append(QuantizedTensor(qt.data[row : row + rows], qt.scale[row // b0 : -(-(row + rows) // b0)], qt.block))
         row += rows
     return parts
@@ -241,8 +241,7 @@ def _held(model: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | Non
     if method is not None and pname == "weight" and method.scope == "per_part" and part is None and len(layer.jetrl_groups) > 1:
         # A fused projection asked for whole (its checkpoint stores it fused): the parts' blocks, stacked, are the
         # one-matrix quantization when every part starts on a block row; otherwise there is no such tensor.
-        b0 = layer.jetrl_groups[0].block[0]
-        if any(sum(layer.jetrl_part_sizes[:i]) % b0 for i in range(1, len(layer.jetrl_part_sizes))):
+        if first_unaligned_part(layer.jetrl_part_sizes, layer.jetrl_groups[0].block[0]) is not None:
             return None
         qts = [method.group_tensor(layer, i) for i in range(len(layer.jetrl_groups))]
         return torch.cat([q.data for q in qts]), torch.cat([q.scale for q in qts])

@@ -21,7 +21,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from _rl_helpers import train_step, trainer_logprobs  # noqa: E402
 
 # Every part of a fused projection starts on a 128-row block (q 256 / k 128 / v 128), as in real checkpoints.
 SPEC = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.06)
@@ -30,21 +32,14 @@ SPEC = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_k
 def mean_abs_mismatch(trainer, groups) -> float:
     import torch
 
-    diffs = []
-    for s in (s for g in groups for s in g):
-        ids = torch.tensor([s.prompt_ids + s.response_ids], device=next(trainer.parameters()).device)
-        with torch.no_grad():
-            lp = torch.log_softmax(trainer(input_ids=ids).logits[0].float(), dim=-1)
-        p = len(s.prompt_ids)
-        tok = torch.tensor(s.response_ids, device=lp.device)
-        diffs.append((lp[p - 1 : p - 1 + len(tok)].gather(-1, tok[:, None])[:, 0].cpu() - torch.tensor(s.logprobs)).abs())
-    return float(torch.cat(diffs).mean())
+    samples = [s for g in groups for s in g]
+    return float((trainer_logprobs(trainer, samples) - torch.tensor([x for s in samples for x in s.logprobs])).abs().mean())
 
 
 def run(a: argparse.Namespace) -> dict:
     import torch
 
-    from jetrl_precision import PrecisionGraph, build_precision_graph, check_subgraph, convert_to_fp8, get_recipe, mark_weights_updated
+    from jetrl_precision import PrecisionGraph, build_precision_graph, check_subgraph, convert_to_fp8, get_recipe
     from jetrl_precision.weight_sync import expected_engine_digests, iter_sync_tensors
     from openrlhf.models.actor import load_causal_lm
     from openrlhf.trainer.engines.base import SamplingConfig
@@ -84,13 +79,7 @@ def run(a: argparse.Namespace) -> dict:
                 "unreadable": sorted(n for n in expected if held.get(n) is None)[:5]}
 
     after_resync = digests()
-    ids = torch.randint(4, 120, (4, 48), generator=g).to(device)
-    opt = torch.optim.AdamW(trainer.parameters(), lr=3e-3)
-    trainer.train()
-    trainer(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    trainer.eval()
-    mark_weights_updated()
+    train_step(trainer, 0)
     engine.update_weights(iter_sync_tensors(trainer))
     after_step_digests = digests()
     after, _ = sample()

@@ -1,12 +1,22 @@
-"""Shared helpers for the GPU tests (data with outliers, error metrics)."""
+"""Shared helpers for the GPU tests (skips, data with outliers, error metrics)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
+import pytest
 import torch
 
 requires_cuda_reason = "needs a CUDA GPU"
+
+
+def require_cuda_and_vllm() -> None:
+    """Skip the calling test module (at collection) without a CUDA GPU or without vLLM's GPU build."""
+    if not torch.cuda.is_available():
+        pytest.skip(requires_cuda_reason, allow_module_level=True)
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM (GPU build)", allow_module_level=True)
 
 
 def outlier_data(m: int, k: int, dtype=torch.bfloat16, seed: int = 0, device: str = "cuda") -> torch.Tensor:

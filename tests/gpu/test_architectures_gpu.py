@@ -8,7 +8,6 @@ each job's JSON.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,14 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from gpu_testutil import require_cuda_and_vllm  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("needs vLLM (GPU build)", allow_module_level=True)
+require_cuda_and_vllm()
 
 HERE = Path(__file__).resolve().parent
 ARCHS = ("phi3", "gemma2", "qwen3_moe", "qwen3")

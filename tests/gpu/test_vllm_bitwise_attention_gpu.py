@@ -13,7 +13,6 @@ Each engine runs in its own process (this file is also the job script: `python T
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -81,12 +80,11 @@ if __name__ == "__main__":
 # ---- the tests -----------------------------------------------------------------------------------------------------
 import pytest  # noqa: E402
 
+from gpu_testutil import require_cuda_and_vllm  # noqa: E402
+
 pytestmark = [pytest.mark.gpu]
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("needs vLLM (GPU build)", allow_module_level=True)
+require_cuda_and_vllm()
 
 from precision_testutil import assert_same_bits, outlier_data  # noqa: E402
 

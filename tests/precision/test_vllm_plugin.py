@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _rl_helpers import VLLM_CPU_ENV, setdefault_env  # noqa: E402
+from _rl_helpers import VLLM_CPU_ENV, setdefault_env, trainer_logprobs  # noqa: E402
 
 setdefault_env(VLLM_CPU_ENV)
 
@@ -76,20 +76,6 @@ def sharpen(src: Path, dst: Path, linear: float = 3.0, head: float = 10.0) -> Pa
         if "token" in f.name or f.suffix == ".jinja":
             shutil.copy(f, dst / f.name)
     return dst
-
-
-def trainer_logprobs(model, samples, temperature: float) -> torch.Tensor:
-    """The trainer's recompute: log_softmax(logits / T) of each sampled token, full vocabulary."""
-    out = []
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.response_ids])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0].float() / temperature
-        lp = torch.log_softmax(logits, dim=-1)
-        p = len(s.prompt_ids)
-        tok = torch.tensor(s.response_ids)
-        out.append(lp[p - 1 : p - 1 + len(tok)].gather(-1, tok[:, None])[:, 0])
-    return torch.cat(out)
 
 
 def pow2_recipe() -> PrecisionRecipe:

@@ -20,7 +20,7 @@ import logging
 import pytest
 import torch
 
-from _rl_helpers import VLLM_CPU_ENV, setdefault_env  # noqa: E402
+from _rl_helpers import VLLM_CPU_ENV, setdefault_env, train_step, trainer_logprobs  # noqa: E402
 
 setdefault_env(VLLM_CPU_ENV)
 
@@ -34,7 +34,6 @@ from jetrl_precision import (  # noqa: E402
     fp8_linears,
     format_violations,
     get_recipe,
-    mark_weights_updated,
 )
 from jetrl_precision.batch_invariant import BitwiseUnavailable, make_batch_invariant  # noqa: E402
 from jetrl_precision.swiglu import SwiGLUMLP  # noqa: E402
@@ -183,29 +182,6 @@ def held_equals_trainer(engine, trainer, after_sync: bool = True) -> None:
         assert torch.equal(data.view(torch.uint8), wq.data.view(torch.uint8)) and torch.equal(scale, wq.scale), name
 
 
-def trainer_logprobs(model, groups, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    got, want = [], []
-    for s in (s for group in groups for s in group):
-        ids = torch.tensor([s.prompt_ids + s.response_ids])
-        with torch.no_grad():
-            lp = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, dim=-1)
-        p = len(s.prompt_ids)
-        want.append(lp[p - 1 : p - 1 + len(s.response_ids)].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0])
-        got.append(torch.tensor(s.logprobs))
-    return torch.cat(got), torch.cat(want)
-
-
-def train_step(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 120, (4, 24), generator=g)
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
-    model.train()
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    model.eval()
-    mark_weights_updated()
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("arch", VLLM_ARCHS)
 def test_vllm_engine_holds_the_trainers_bytes_and_matches_its_logprobs(arch, model_dirs):
@@ -224,7 +200,8 @@ def test_vllm_engine_holds_the_trainers_bytes_and_matches_its_logprobs(arch, mod
             engine.update_weights(iter_sync_tensors(trainer))
             held_equals_trainer(engine, trainer)
         groups = engine.generate([[1, 30, 31, 40], [1, 50, 60]], SamplingConfig(max_new_tokens=16, temperature=1.0, n=2, seed=3))
-        got, want = trainer_logprobs(trainer, groups, 1.0)
+        samples = [s for group in groups for s in group]
+        got, want = torch.tensor([x for s in samples for x in s.logprobs]), trainer_logprobs(trainer, samples)
         assert got.numel() > 20
         mean, worst = TOLERANCE.get(arch, (1e-5, 1e-4))
         assert (got - want).abs().mean() < mean and (got - want).abs().max() < worst, (got - want).abs()

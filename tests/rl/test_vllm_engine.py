@@ -20,11 +20,11 @@ import threading
 import pytest
 import torch
 
-from _rl_helpers import VLLM_CPU_ENV, setdefault_env  # noqa: E402
+from _rl_helpers import VLLM_CPU_ENV, setdefault_env, train_step  # noqa: E402
 
 setdefault_env(VLLM_CPU_ENV)
 
-from jetrl_precision import convert_to_fp8, fp8_linears, get_recipe, mark_weights_updated  # noqa: E402
+from jetrl_precision import convert_to_fp8, fp8_linears, get_recipe  # noqa: E402
 from jetrl_precision import ops  # noqa: E402
 from jetrl_precision.weight_sync import (  # noqa: E402
     SyncTensor,
@@ -135,20 +135,6 @@ def load_trainer(model_dir, recipe: str | None):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return convert_to_fp8(model, get_recipe(recipe)) if recipe else model
-
-
-def train_step(model, seed: int, lr: float = 5e-3) -> None:
-    """One optimizer step on fresh random tokens (so every weight moves), then invalidate FP8 caches."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, 128, (4, 24), generator=g)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    model.eval()
-    mark_weights_updated()
 
 
 def assert_engine_holds_trainer_bytes(engine, trainer) -> int:
