@@ -9,6 +9,7 @@ from .convert import Fp8Converter, convert_to_fp8, default_module_filter, fp8_li
 from .coverage import Fp8Coverage, fp8_coverage
 from .formats import E4M3_MAX, FP8_DTYPE, Granularity, QuantizedTensor
 from .gemm import BackendUnavailable, available_backends, resolve_backend
+from .grouped import Fp8LinearGroup, fuse_projections, unfuse_projections
 from .graph import PrecisionGraph, Violation, build_precision_graph, check_subgraph, format_violations
 from .linear import Fp8Linear, mark_weights_updated
 from .metrics import mismatch_metrics
@@ -33,6 +34,7 @@ __all__ = [
     "Fp8Converter",
     "Fp8Coverage",
     "Fp8Linear",
+    "Fp8LinearGroup",
     "FpropSpec",
     "Granularity",
     "NonFiniteInputError",
@@ -47,9 +49,11 @@ __all__ = [
     "format_violations",
     "fp8_coverage",
     "fp8_linears",
+    "fuse_projections",
     "mark_weights_updated",
     "requantize_fp8",
     "resolve_backend",
+    "unfuse_projections",
 ]
 
 __version__ = "0.1.0"

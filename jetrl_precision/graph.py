@@ -433,6 +433,7 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
     if impls:
         g.meta["norm_impl"] = ",".join(impls)
     _mark_fused_swiglu(g, model)
+    _mark_fused_projections(g, model)
     if phase == "train_bwd":
         _mark_wgrad_requantizer(g, model)
     return g
@@ -484,6 +485,22 @@ def _mark_fused_swiglu(g: PrecisionGraph, model: nn.Module) -> None:
             continue  # the fused kernel runs only where the Triton implementation does
         g.nodes[down].attrs["input_producer"] = "silu_mul_quantize"
         _set_edge_kernel(g, down, "input", "triton:silu_mul_quantize")
+
+
+def _mark_fused_projections(g: PrecisionGraph, model: nn.Module) -> None:
+    """Record which projections run in one stacked GEMM with their siblings (`grouped`: same bytes, fewer kernels),
+    and, where a group could not be formed or turned itself off, why."""
+    for fqn, m in model.named_modules():
+        name = canonical_name(fqn)
+        if not isinstance(m, Fp8Linear) or name not in g.nodes:
+            continue
+        group = m._group
+        if group is not None and group.off is None:
+            g.nodes[name].attrs["fused_gemm"] = group.label
+        elif group is not None:
+            g.nodes[name].attrs["fused_gemm_off"] = group.off
+        elif m._group_skipped is not None:
+            g.nodes[name].attrs["fused_gemm_off"] = m._group_skipped
 
 
 # ---- checking ---------------------------------------------------------------------------------

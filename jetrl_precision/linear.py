@@ -15,7 +15,7 @@ forward use the very same bytes (and the weight sync sends those bytes).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,11 @@ _generation = itertools.count()
 _current_generation = [next(_generation)]
 
 
+# Called by `mark_weights_updated` after the generation moves on: holders of FP8 weights derived from several layers
+# (the stacked weights of `grouped.Fp8LinearGroup`) drop them there.
+_weights_updated_hooks: list[Callable[[], None]] = []
+
+
 def mark_weights_updated() -> int:
     """Invalidate every cached FP8 weight quantization. Call after each optimizer step.
 
@@ -43,6 +48,8 @@ def mark_weights_updated() -> int:
     """
     _current_generation[0] = next(_generation)
     ops.release_shared_results()
+    for hook in _weights_updated_hooks:
+        hook()
     return _current_generation[0]
 
 
@@ -139,46 +146,54 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         layer: Fp8Linear = ctx.layer
-        plan: _StepPlan = ctx.plan
         if ctx.saved_fp8:
             xdata, xscale, weight = ctx.saved_tensors
-            xq = QuantizedTensor.trusted(xdata, xscale, ctx.x_block)
-            x_hp = None
+            xq, x_hp = QuantizedTensor.trusted(xdata, xscale, ctx.x_block), None
         else:
             x_hp, weight = ctx.saved_tensors
             xq = None
         _gather_if_partitioned(weight)
         gy = grad_out.reshape(-1, grad_out.shape[-1]) if grad_out.dim() != 2 else grad_out
-        grad_x = grad_w = grad_b = None
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gy_q = gy_t = None
-        if need_dx and need_dw and plan.quantize_dy_dual is not None:
-            gy_q, gy_t = plan.quantize_dy_dual(gy)
-
-        if need_dx:
-            if plan.fp8_dgrad:
-                wq_t, prepared = layer._dgrad_operands(ctx.wq, weight, plan)
-                gy_q = gy_q if gy_q is not None else plan.quantize_dy(gy)
-                grad_x = plan.bwd_gemm.nt_weight(gy_q, prepared, wq_t, ctx.x_dtype)
-            else:
-                grad_x = (gy @ weight.to(gy.dtype)).to(ctx.x_dtype)
-            if ctx.x_shape is not None:
-                grad_x = grad_x.reshape(ctx.x_shape)
-
-        if need_dw:
-            if plan.fp8_wgrad:
-                gy_t = gy_t if gy_t is not None else plan.quantize_dy_t(gy)
-                x_t = plan.requantize_x_t(xq) if xq is not None else plan.quantize_x_t(x_hp)
-                # The GEMM accumulates in fp32 and rounds once to the weight dtype: the same bytes as an
-                # fp32 output cast afterwards, without the extra pass over dW.
-                grad_w = plan.bwd_gemm.nt(gy_t, x_t, weight.dtype)
-            else:
-                x_in = xq.dequantize(gy.dtype) if xq is not None else x_hp.to(gy.dtype)
-                grad_w = (gy.t() @ x_in).to(weight.dtype)
-
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = gy.sum(0).to(layer.bias.dtype)
+        grad_x, grad_w = _input_and_weight_grads(
+            layer, ctx.plan, ctx.wq, weight, xq, x_hp, gy, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.x_dtype
+        )
+        if grad_x is not None and ctx.x_shape is not None:
+            grad_x = grad_x.reshape(ctx.x_shape)
+        grad_b = gy.sum(0).to(layer.bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None
+
+
+def _input_and_weight_grads(owner: Any, plan: _StepPlan, wq: QuantizedTensor | None, weight: torch.Tensor,
+                            xq: QuantizedTensor | None, x_hp: torch.Tensor | None, gy: torch.Tensor,
+                            need_dx: bool, need_dw: bool, x_dtype: torch.dtype):
+    """(dX, dW) of y = x . W^T for the 2-D gradient gy, each None where not needed.
+
+    `owner` supplies DGrad's operands (`_dgrad_operands`): one layer, or a group of sibling layers whose weights run
+    as one stacked GEMM (`grouped.Fp8LinearGroup`, weight = the stacked weight there). `wq` is the forward's Q(W)
+    when the owner keeps it cached; the FP8 input `xq` (or, unquantized, `x_hp`) is what the forward saved.
+    """
+    grad_x = grad_w = None
+    gy_q = gy_t = None
+    if need_dx and need_dw and plan.quantize_dy_dual is not None:
+        gy_q, gy_t = plan.quantize_dy_dual(gy)
+    if need_dx:
+        if plan.fp8_dgrad:
+            wq_t, prepared = owner._dgrad_operands(wq, weight, plan)
+            gy_q = gy_q if gy_q is not None else plan.quantize_dy(gy)
+            grad_x = plan.bwd_gemm.nt_weight(gy_q, prepared, wq_t, x_dtype)
+        else:
+            grad_x = (gy @ weight.to(gy.dtype)).to(x_dtype)
+    if need_dw:
+        if plan.fp8_wgrad:
+            gy_t = gy_t if gy_t is not None else plan.quantize_dy_t(gy)
+            x_t = plan.requantize_x_t(xq) if xq is not None else plan.quantize_x_t(x_hp)
+            # The GEMM accumulates in fp32 and rounds once to the weight dtype: the same bytes as an
+            # fp32 output cast afterwards, without the extra pass over dW.
+            grad_w = plan.bwd_gemm.nt(gy_t, x_t, weight.dtype)
+        else:
+            x_in = xq.dequantize(gy.dtype) if xq is not None else x_hp.to(gy.dtype)
+            grad_w = (gy.t() @ x_in).to(weight.dtype)
+    return grad_x, grad_w
 
 
 class Fp8Linear(nn.Linear):
@@ -207,6 +222,10 @@ class Fp8Linear(nn.Linear):
         self._wq_cache: tuple[tuple, QuantizedTensor, dict] | None = None
         self._wq_t_cache: tuple[QuantizedTensor, QuantizedTensor, dict] | None = None
         self._installed: tuple[QuantizedTensor, dict] | None = None
+        # Set by `grouped.fuse_projections`: the sibling group this layer's GEMM runs in (q/k/v, gate/up), and why a
+        # group it would belong to could not be fused.
+        self._group: Any = None
+        self._group_skipped: str | None = None
 
     @classmethod
     def from_linear(
@@ -345,6 +364,10 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"{self.fqn or 'Fp8Linear'}: input last dim {x.shape[-1]} != in_features {self.in_features}")
         if x.numel() == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
+        if self._group is not None:
+            y = self._group.output_for(self, x)
+            if y is not None:  # this layer's columns of the stacked GEMM its group ran for x
+                return y
         plan = self._plan(x.device)
         weight, bias = self.weight, self.bias
         if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
@@ -362,4 +385,5 @@ class Fp8Linear(nn.Linear):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"x={self.fprop.input.short_str()}, W={self.fprop.weight.short_str()}, bwd={bw_s}, backend={self.gemm_backend}"
             + (f", backward_backend={self.backward_gemm_backend}" if self.backward_gemm_backend is not None else "")
+            + (f", fused_gemm={self._group.label}" if self._group is not None else "")
         )

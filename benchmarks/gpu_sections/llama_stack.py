@@ -105,7 +105,8 @@ class Stack(nn.Module):
 
 
 def build_stack(variant, seed=0):
-    """variant: "bf16" or "jet_fp8/<gemm backend>", with ":unfused" to keep the plain MLP (no fused SwiGLU)."""
+    """variant: "bf16" or "jet_fp8/<gemm backend>", optionally with ":" and "+"-joined modes: "unfused" keeps the
+    plain MLP (no fused SwiGLU), "separate" runs q/k/v and gate/up as their own GEMMs (no stacked projections)."""
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = Stack().to(torch.bfloat16)
@@ -115,7 +116,9 @@ def build_stack(variant, seed=0):
     if variant != "bf16":
         recipe_name, backend = variant.split("/")
         backend, _, mode = backend.partition(":")
-        convert_to_fp8(model, dataclasses.replace(get_recipe(recipe_name), gemm_backend=backend), fuse_swiglu=False)
-        if mode != "unfused":
+        modes = set(mode.split("+")) if mode else set()
+        convert_to_fp8(model, dataclasses.replace(get_recipe(recipe_name), gemm_backend=backend), fuse_swiglu=False,
+                       fuse_projections="separate" not in modes)
+        if "unfused" not in modes:
             fuse_swiglu(model, classes=[MLP])  # what convert_to_fp8 does for HF Llama/Qwen MLPs
     return model

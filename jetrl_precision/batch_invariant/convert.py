@@ -10,6 +10,7 @@ from torch import nn
 
 from ..gemm.dispatch import resolve_backend
 from ..gemm.vendor_route import route_state
+from ..grouped import unfuse_projections
 from ..linear import Fp8Linear
 from .attention import register_triton_attention
 from .common import (
@@ -146,6 +147,9 @@ def make_batch_invariant(
         if not hasattr(model, "set_attn_implementation"):
             raise BitwiseUnavailable(f"{type(model).__name__} is not a transformers model: its attention cannot be switched to {TRITON_ATTENTION}")
         model.set_attn_implementation(register_triton_attention())
+    # The invariance proofs (and the cuBLASLt route's probes) are per layer shape: each projection runs its own GEMM.
+    if unfuse_projections(model):
+        logger.info("batch-invariant numerics: stacked q/k/v and gate/up GEMMs off; each projection runs its own")
     fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for m in fp8:  # only the forward feeds the engine's bits: DGrad and WGrad take the fastest backend
         if m.backward_gemm_backend is None:

@@ -126,14 +126,23 @@ _kern_silu_mul_bwd = TritonLauncher(_silu_mul_bwd_kernel)
 
 
 def silu_mul_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dgate, dup) of h = silu(gate) * up for 2-D operands of one shape and dtype; new contiguous tensors."""
+    """(dgate, dup) of h = silu(gate) * up for 2-D operands of one shape and dtype, in new tensors.
+
+    When gate and up are the two column halves of one [M, 2I] tensor (a stacked gate/up GEMM's output), dgate and
+    dup are the halves of one new [M, 2I] tensor too, so that GEMM's backward reads its dY without a copy.
+    """
     if not (dh.shape == gate.shape == up.shape) or gate.dim() != 2:
         raise ValueError(f"silu_mul_backward needs three 2-D tensors of one shape, got {tuple(dh.shape)}, "
                          f"{tuple(gate.shape)} and {tuple(up.shape)}")
     if gate.dtype not in _TL_DTYPE or not (dh.dtype == up.dtype == gate.dtype):
         raise TypeError(f"silu_mul_backward supports bf16/fp16/fp32 inputs of one dtype, got {dh.dtype}, {gate.dtype}, {up.dtype}")
     rows, cols = gate.shape
-    dgate, dup = torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
+    if (gate.stride() == up.stride() == (2 * cols, 1) and up.storage_offset() == gate.storage_offset() + cols
+            and gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()):
+        both = torch.empty((rows, 2 * cols), dtype=gate.dtype, device=gate.device)
+        dgate, dup = both[:, :cols], both[:, cols:]
+    else:
+        dgate, dup = torch.empty_like(gate, memory_format=torch.contiguous_format), torch.empty_like(up, memory_format=torch.contiguous_format)
     br, bc = 8, 256
     _kern_silu_mul_bwd((_cdiv(rows, br), _cdiv(cols, bc)),
         dh, gate, up, dgate, dup, rows, cols,

@@ -203,11 +203,12 @@ class PPOTrainer:
         self.cfg = cfg
         self.strategy = strategy
         self.recipe: PrecisionRecipe = cfg.precision.load_recipe()
-        cache = not cfg.precision.requantize_weights
-        self.converter = Fp8Converter(self.recipe, side="train", cache_weights=cache)  # the policy
+        cache, stack = not cfg.precision.requantize_weights, cfg.precision.fuse_projections
+        self.converter = Fp8Converter(self.recipe, side="train", cache_weights=cache, fuse_projections=stack)  # the policy
         # the reference and the critic: the same recipe; in the bitwise mode on the fastest GEMM (never compared
         # with the engine's bits)
-        self.aux_converter = Fp8Converter(cfg.precision.load_recipe(policy=False), side="train", cache_weights=cache)
+        self.aux_converter = Fp8Converter(cfg.precision.load_recipe(policy=False), side="train", cache_weights=cache,
+                                          fuse_projections=stack)
         self.engine_factory = engine_factory
         self._remote_ref, self._remote_critic, self._remote_reward_fn = ref, critic, reward_fn
         self.weights_verified = False  # the last sync's digest check passed (part of --precision.bitwise's proof)

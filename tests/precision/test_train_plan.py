@@ -347,7 +347,8 @@ def test_host_cost_proxy_checks_bytes_and_holds_the_budget(tmp_path):
         assert row["python_calls"] - base <= budget["extra_python_calls"], (step, row["python_calls"], base)
     # The ragged shape (M % 128 != 0) takes the padding paths; same launches, bytes checked above.
     assert rows[("M=200 K=384 N=640", "Fp8Linear fwd+bwd")]["launches"] == 7
-    # A decoder layer: q/k/v and gate/up share their input's quantization and WGrad requantization, SwiGLU's product
-    # is quantized in its own kernel: 3 + 7 activation quantizers, 7 dY^T, 4 requantizers, 1 SwiGLU, 21 GEMMs.
+    # A decoder layer: q/k/v and gate/up run as stacked GEMMs (grouped.py), SwiGLU's product is quantized in its own
+    # kernel: 3 + 4 activation quantizers, 4 dY^T, 4 requantizers, 1 SwiGLU, 12 GEMMs (43 launches, 46 allocations
+    # and 575 Python calls with every projection on its own GEMM).
     layer = rows[("256 tokens, hidden 512, MLP 1024", "decoder layer fwd+bwd jet_fp8")]
-    assert layer["launches"] == 43 and layer["allocations"] <= 48, layer
+    assert layer["launches"] == 28 and layer["allocations"] <= 36 and layer["python_calls"] <= 480, layer
