@@ -12,6 +12,8 @@ Sections (each guarded, so one failure does not lose the rest; one module each i
   stack     4-layer Llama-3.1-8B-shaped decoder: fwd+bwd+AdamW step, tokens/s and peak memory
   reference the same stack's forward under no_grad at 16K and 32K tokens (the reference / old-logprob pass)
   decode    the same stack's forward at M=64 and 256 tokens (one position each), eager and CUDA graph
+  layers    decoder layers at a GRPO micro-batch's token counts: stacked q/k/v + gate/up GEMMs against separate
+            ones and BF16 (fwd+bwd, no-grad forward, host time per layer); not in the default sections
 Timing (`gpu_sections/timing.py`): triton.testing.do_bench medians (L2 flushed before each repeat); ratios are
 within this run. The GEMM section times each GEMM at the power cap instead (`bench_sustained`: a CUDA graph of
 back-to-back calls after a warm-up, BF16 and FP8 alternating), with the SM clock and power beside each figure and
@@ -36,6 +38,7 @@ from gpu_sections import timing  # noqa: E402  (benchmarks/ is on sys.path: this
 from gpu_sections.env import section_copy, section_env  # noqa: E402
 from gpu_sections.gemm import section_gemm  # noqa: E402
 from gpu_sections.host import section_host  # noqa: E402
+from gpu_sections.layers import section_layers  # noqa: E402
 from gpu_sections.linear import section_linear  # noqa: E402
 from gpu_sections.quant import section_quant  # noqa: E402
 from gpu_sections.stack import section_decode, section_reference, section_stack  # noqa: E402
@@ -51,6 +54,8 @@ def main():
     ap.add_argument("--gemm-backends", default="torch,triton,deep_gemm", help="backends timed in the gemm section (if available)")
     ap.add_argument("--linear-backends", default="auto,torch,triton",
                     help="backends of the linear section (auto first, then those present that auto is not)")
+    ap.add_argument("--layer-tokens", default="4352,16384",
+                    help="token counts of the layers section (4352: a GRPO micro-batch of 4 x (64 + 1024) tokens)")
     ap.add_argument("--reference-batches", default="4,8", type=lambda s: [int(v) for v in s.split(",")],
                     help="batches of 4096 tokens the reference section's forward takes")
     args = ap.parse_args()
@@ -82,6 +87,8 @@ def main():
                 section_decode(args)
             elif sec == "reference":
                 section_reference(args)
+            elif sec == "layers":
+                section_layers(args)
             else:
                 raise ValueError(f"unknown section {sec!r}")
         except Exception as e:  # noqa: BLE001 - keep going, record the failure

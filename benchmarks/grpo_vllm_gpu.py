@@ -50,7 +50,9 @@ from train_runs import cuda as _cuda, env_info, finish, free_port, start, wait_e
 RECIPES = ("bf16", "jet_fp8", "fp8_rollout")  # what a plain run compares
 # `--recipes ... jet_fp8+bitwise` adds jet_fp8 with --precision.bitwise: the step whose proof holds skips the
 # old-logprob recompute (vLLM's bitwise mode on a GPU, the transformers engine on CPU).
-ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise")
+# `jet_fp8+separate` runs jet_fp8 with --precision.separate_projections: q/k/v and gate/up as their own GEMMs,
+# the A/B of the stacked projections jet_fp8 runs by default.
+ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise", "jet_fp8+separate")
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
@@ -176,6 +178,8 @@ def recipe_argv(recipe: str) -> list[str]:
         if _cuda():
             return ["--fp8_unified", "--precision.bitwise", "--precision.gemm_backend", "triton_invariant"]
         return ["--fp8_unified", "--precision.bitwise", "--precision.gemm_backend", "emulated", "--rollout.engine", "hf"]
+    if recipe == "jet_fp8+separate":
+        return ["--fp8_unified", "--precision.separate_projections"]
     argv = ["--precision.recipe", recipe]
     if recipe == "fp8_rollout":  # the off-policy baseline needs its importance-sampling correction
         argv += ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tis"]
@@ -403,6 +407,12 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
         rec("e2e_grpo_mismatch_abs_logp_mean", r["shape"], recipe, _mean([s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps]),
             "mean |dlogp|", kl_k3=_mean([s.get("rollout_train_mismatch/kl_k3") for s in steps]))
         plain = speed.get("jet_fp8")
+        if recipe == "jet_fp8+separate" and plain:
+            sp, pp = ph, phase_means(plain)
+            rec("stacked_projection_e2e_gain", r["shape"], "jet_fp8", round(sp["step"] / pp["step"], 4), "x", None,
+                update_gain=round(sp["actor update"] / pp["actor update"], 4),
+                old_logprob_gain=round(sp["old logprobs"] / pp["old logprobs"], 4),
+                separate_step_s=round(sp["step"], 3), stacked_step_s=round(pp["step"], 3))
         if recipe == "jet_fp8+bitwise" and plain:
             used = [s.get("bitwise/engine_logprobs_used") for s in steps]
             rec("bitwise_e2e_step_ratio", r["shape"], recipe, round(phase_means(plain)["step"] / ph["step"], 4), "x jet_fp8",

@@ -508,11 +508,11 @@ class PrecisionConfig:
         "the next optimizer step: no weight memory beyond BF16's (2 bytes per weight less), at one quantization pass "
         "per call; for runs short of memory under activation checkpointing. Same bytes either way",
     )
-    fuse_projections: bool = opt(
-        True,
-        "run sibling FP8 projections that read one input (q/k/v, gate/up) as one stacked GEMM, forward and backward: "
-        "fewer kernel launches and less host work per block, the same FP8 weight bytes (docs/precision.md, Stacked "
-        "projections). Off under --precision.bitwise, whose proofs are per layer shape",
+    separate_projections: bool = opt(
+        False,
+        "run q/k/v and gate/up as separate FP8 GEMMs instead of one stacked GEMM per set of sibling projections (the "
+        "default stacks them, forward and backward: fewer kernel launches and less host work per block, the same FP8 "
+        "weight bytes; docs/precision.md, Stacked projections). Bitwise mode always runs them separately",
     )
     max_mismatch: float = opt(
         0.0,

@@ -203,7 +203,7 @@ class PPOTrainer:
         self.cfg = cfg
         self.strategy = strategy
         self.recipe: PrecisionRecipe = cfg.precision.load_recipe()
-        cache, stack = not cfg.precision.requantize_weights, cfg.precision.fuse_projections
+        cache, stack = not cfg.precision.requantize_weights, not cfg.precision.separate_projections
         self.converter = Fp8Converter(self.recipe, side="train", cache_weights=cache, fuse_projections=stack)  # the policy
         # the reference and the critic: the same recipe; in the bitwise mode on the fastest GEMM (never compared
         # with the engine's bits)

@@ -139,3 +139,28 @@ def test_the_profiled_step_is_not_timed():
     assert [s["step"] for s in g.timed_steps({"steps": steps, "plan": {"profile_step": 0}})] == [2, 3]
     # Nothing else to time: the profiled step is better than no figure (the report's profile tables say it was).
     assert [s["step"] for s in g.timed_steps({"steps": steps[:2], "plan": {"profile_step": 2}})] == [2]
+
+
+def test_the_separate_projections_ab_reaches_the_trainer_and_its_record(tmp_path):
+    """RECIPES="jet_fp8 jet_fp8+separate": the A/B run gets --precision.separate_projections, and the report records
+    the stacked projections' end-to-end gain (separate step time over the default's)."""
+    import grpo_vllm_gpu as g
+
+    from openrlhf.config import parse_config
+
+    reward, data = tmp_path / "reward.py", tmp_path / "d.jsonl"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
+    data.write_text('{"input": "1+1", "label": "2"}\n')
+    argv = g.SpeedPlan().argv(tmp_path, data, reward)
+    assert parse_config([*argv, *g.recipe_argv("jet_fp8+separate")]).precision.separate_projections
+    assert not parse_config([*argv, *g.recipe_argv("jet_fp8")]).precision.separate_projections
+
+    def run(recipe, step_s, update_s):
+        steps = [{"step": i, "perf/step_s": step_s, "perf/train_s": update_s, "perf/old_logprob_s": 1.0, "perf/rollout_tokens_per_s": 1e3,
+                  "rollout_train_mismatch/abs_logp_diff_mean": 0.1} for i in (1, 2, 3)]
+        return {"part": "speed", "recipe": recipe, "rc": 0, "timed_out": False, "steps": steps, "shape": "s",
+                "params": 1, "wall_s": 1.0, "plan": {"layers": 2, "gemm_backend": "torch", "profile_step": 0}}
+
+    recs = g.records_from([run("jet_fp8", 10.0, 4.0), run("jet_fp8+separate", 11.0, 5.0)], {"device": "d", "date": "2026-12-04"}, "c")
+    (gain,) = [r for r in recs if r["name"] == "stacked_projection_e2e_gain"]
+    assert gain["value"] == pytest.approx(1.1) and gain["update_gain"] == pytest.approx(1.25) and gain["backend"] == "jet_fp8"

@@ -475,3 +475,40 @@ def test_the_rollout_headline_is_the_full_depth_model_and_the_8_layer_figure_has
                       "vllm_rollout_tokens_per_s_ratio_8layers_64": None, "vllm_rollout_tokens_per_s_ratio_8layers_eager": 1.07,
                       "bitwise_rollout_tokens_per_s_ratio": 1.21, "bitwise_rollout_tokens_per_s_ratio_invariant_kernels": 0.94,
                       "bitwise_rollout_tokens_per_s_ratio_64": None, "bitwise_rollout_tokens_per_s_ratio_64_invariant_kernels": None}
+
+
+def test_layers_section_runs_its_variants_on_a_small_cpu_stack(monkeypatch):
+    """gpu_bench's `layers` section (stacked against separate projections) end to end on a small CPU stack, its
+    timers stubbed: every variant runs, the stacked and separate outputs are compared, and the records are typed."""
+    import types
+
+    from gpu_sections import layers, timing
+    from gpu_sections.llama_stack import MLP, Stack
+
+    from jetrl_precision import convert_to_fp8, get_recipe
+    from jetrl_precision.swiglu import fuse_swiglu
+
+    def build(variant, seed=0):
+        torch.manual_seed(seed)
+        model = Stack(n_layers=2, h=256, i=512, nh=2, nkv=1).to(torch.bfloat16)
+        if variant != "bf16":
+            convert_to_fp8(model, get_recipe("jet_fp8"), fuse_swiglu=False, fuse_projections=not variant.endswith(":separate"))
+            fuse_swiglu(model, classes=[MLP])
+        return model
+
+    def timed(fn, **_):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(layers, "build_stack", build)
+    monkeypatch.setattr(layers, "bench", timed)
+    monkeypatch.setattr(layers, "busy_us", lambda fn, n=1: timed(fn) * 100)
+    monkeypatch.setattr(layers, "resolve_backend", lambda b, dev: "emulated")
+    monkeypatch.setattr(layers, "data", lambda m, k, seed=0: outlier_data((m, k)).to(torch.bfloat16))
+    monkeypatch.setattr(timing, "RECORDS", [])
+    layers.section_layers(types.SimpleNamespace(layer_tokens="40", stack_backends="auto"))
+    recs = {(r["name"], r["backend"]): r for r in timing.RECORDS}
+    assert set(recs) == {("layer_stack_fwd_bwd_ms", "bf16"), ("layer_stack_fwd_bwd_ms", "auto"),
+                         ("layer_stack_fwd_bwd_ms", "auto:separate"), ("stacked_projection_gain", "auto")}
+    gain = recs[("stacked_projection_gain", "auto")]
+    assert gain["output_bit_equal"] is True and gain["grad_sqnr_db_min"] > 20, gain
