@@ -534,8 +534,9 @@ def check_bytes(m: int, k: int, n: int) -> list[str]:
     return problems
 
 
-def _decoder_layer(fp8_backend: str | None):
-    """One small Llama decoder layer (head dim 128), bf16; jet_fp8 with the fused SwiGLU MLP when a backend is given."""
+def _decoder_layer(fp8_backend: str | None, stacked: bool = True):
+    """One small Llama decoder layer (head dim 128), bf16; jet_fp8 with the fused SwiGLU MLP when a backend is given,
+    q/k/v and gate/up as stacked GEMMs unless `stacked` is False."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_sections.llama_stack import MLP, Stack
 
@@ -548,16 +549,17 @@ def _decoder_layer(fp8_backend: str | None):
         if p.dim() == 2:
             nn.init.normal_(p, std=0.02)
     if fp8_backend is not None:
-        convert_to_fp8(model, dataclasses.replace(get_recipe("jet_fp8"), gemm_backend=fp8_backend), fuse_swiglu=False)
+        convert_to_fp8(model, dataclasses.replace(get_recipe("jet_fp8"), gemm_backend=fp8_backend), fuse_swiglu=False,
+                       fuse_projections=stacked)
         fuse_swiglu(model, classes=[MLP])  # what convert_to_fp8 does for HF Llama MLPs
     return model
 
 
 def layer_steps(tokens: int = 256) -> dict[str, Callable]:
     """{label: step} for one Llama decoder layer (benchmarks/gpu_sections/llama_stack.py, head dim 128, small widths):
-    fwd+bwd in bf16 and in jet_fp8 (fused SwiGLU MLP, as convert_to_fp8 installs it). The layer's bf16 ops
-    (attention, norms, RoPE) run for real on CPU; the counts include their host work too."""
-    build = lambda fp8: _decoder_layer("torch" if fp8 else None)  # noqa: E731
+    fwd+bwd and the no-grad forward in bf16, in jet_fp8 as convert_to_fp8 installs it (fused SwiGLU MLP, stacked
+    q/k/v and gate/up GEMMs) and in jet_fp8 with each projection on its own GEMM. The layer's bf16 ops (attention,
+    norms, RoPE) run for real on CPU; the counts include their host work too."""
     xs = [_data((tokens, 512), 6 + i).view(1, tokens, 512).requires_grad_(True) for i in range(2)]
     i = [0]
 
@@ -569,9 +571,20 @@ def layer_steps(tokens: int = 256) -> dict[str, Callable]:
             p.grad = None
         model(x).float().pow(2).mean().backward()
 
-    bf16, fp8 = build(False), build(True)
-    pb, pf = list(bf16.parameters()), list(fp8.parameters())
-    return {"decoder layer fwd+bwd bf16": lambda: step(bf16, pb), "decoder layer fwd+bwd jet_fp8": lambda: step(fp8, pf)}
+    def forward(model):
+        i[0] ^= 1
+        with torch.no_grad():
+            model(xs[i[0]])
+
+    models = {"bf16": _decoder_layer(None), "jet_fp8": _decoder_layer("torch"),
+              "jet_fp8 separate": _decoder_layer("torch", stacked=False)}
+    steps = {}
+    for name, model in models.items():
+        params = list(model.parameters())
+        steps[f"decoder layer fwd+bwd {name}"] = lambda m=model, p=params: step(m, p)
+    for name, model in models.items():
+        steps[f"decoder layer fwd no_grad {name}"] = lambda m=model: forward(m)
+    return steps
 
 
 def check_layer_bytes(tokens: int = 200) -> list[str]:
