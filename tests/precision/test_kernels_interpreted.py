@@ -1,4 +1,5 @@
-"""The WGrad padding of the Triton quantizer kernels, run in Triton's CPU interpreter (`TRITON_INTERPRET=1`).
+"""The WGrad padding of the Triton quantizer kernels, run in Triton's CPU interpreter (`TRITON_INTERPRET=1`), and
+the output layout the fused SwiGLU backward picks for a stacked gate/up GEMM (its launch intercepted).
 
 The interpreter's FP8 arithmetic is not the GPU's (its bytes differ from the reference quantizer's in places), so
 this does not replace the byte-exact GPU tests (tests/gpu/test_wgrad_padding_gpu.py). It checks what the padding
@@ -57,3 +58,27 @@ def test_padded_outputs_are_the_unpadded_ones_then_zeros():
     for row in rows:
         assert row["shape"][1] % 128 == 0 and row["diff"] == 0 and row["scales_same"], row
     assert any(row["nan_scale"] for row in rows), "the NaN-scale columns this checks were not produced"
+
+
+
+def test_swiglu_backward_writes_stacked_halves_for_a_stacked_gate_up():
+    """gate/up as the halves of one stacked GEMM output (grouped.py): the kernel is asked to write d(gate) and d(up)
+    as the halves of one new tensor, the stacked GEMM's dY without a copy; inputs laid out apart get outputs apart.
+    (Its libdevice exp has no interpreter version: the launch is intercepted and its operands checked; the kernel's
+    bytes are the GPU test's, tests/gpu/test_swiglu_gpu.py.)"""
+    import torch
+
+    from jetrl_precision.kernels import fused, launch
+
+    rows, cols = 40, 384
+    gu = torch.randn(rows, 2 * cols).to(torch.bfloat16)
+    dh = torch.randn(rows, cols).to(torch.bfloat16)
+    seen = []
+    with launch.override_launches(lambda name, grid, args, meta: seen.append(args)):
+        dg, du = fused.silu_mul_backward(dh, gu[:, :cols], gu[:, cols:])
+        apart = fused.silu_mul_backward(dh, gu[:, :cols].contiguous(), gu[:, cols:].contiguous())
+    assert dg.untyped_storage().data_ptr() == du.untyped_storage().data_ptr()
+    assert du.storage_offset() == dg.storage_offset() + cols and dg.stride() == du.stride() == (2 * cols, 1)
+    args = seen[0]
+    assert args[3] is dg and args[4] is du and args[13:17] == (2 * cols, 1, 2 * cols, 1)  # the strides it writes with
+    assert apart[0].untyped_storage().data_ptr() != apart[1].untyped_storage().data_ptr() and apart[0].is_contiguous()
