@@ -622,9 +622,11 @@ def cmd_report(a: argparse.Namespace) -> None:
         path = write_run(recs, a.label, env.get("date") or time.strftime("%Y-%m-%d"), runs_dir)
         print(f"wrote {len(recs)} records to {path}")
     docs = Path(a.docs_dir) if a.docs_dir else ROOT / "docs"
-    # A speed run without bf16 compares the bitwise mode with plain jet_fp8: its own plot, the bf16 one kept.
+    # A speed run without bf16 compares a jet_fp8 variant (bitwise mode, separate projections) with plain jet_fp8:
+    # its own plot, the bf16 one kept.
     speed = {r["recipe"] for r in results if r["part"] == "speed"}
-    phases = "grpo_vllm_phase_split.png" if "bf16" in speed or not speed else "grpo_vllm_bitwise_phase_split.png"
+    variant = next((r.split("+", 1)[1] for r in sorted(speed) if r.startswith("jet_fp8+")), "bitwise")
+    phases = "grpo_vllm_phase_split.png" if "bf16" in speed or not speed else f"grpo_vllm_{variant}_phase_split.png"
     if any("Liger" in r.get("shape", "") for r in results if r["part"] == "speed"):  # not the default setup's plot
         phases = phases.replace("grpo_vllm_", "grpo_vllm_liger_")
     for p in (plot_phases(results, docs / phases), plot_learning(results, docs / "grpo_vllm_learning.png")):

@@ -28,7 +28,7 @@
 #                                      PROFILE_REQUANT=1: --precision.requantize_weights; PROFILE_PROMPT: prompt
 #                                      tokens, 256; PROFILE_STEPS: timed micro-steps, 6)
 # A call on a fresh machine (the previous one was given back) starts again from 1.
-# Knobs: RECIPES (speed, default "bf16 jet_fp8"; jet_fp8+bitwise adds --precision.bitwise on vLLM), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64),
+# Knobs: RECIPES (speed, default "bf16 jet_fp8"; jet_fp8+bitwise adds --precision.bitwise on vLLM, jet_fp8+separate --precision.separate_projections), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64),
 # TRAIN_MICRO (4 sequences per training micro-batch), GRAD_CKPT (set: activation checkpointing, for LAYERS=16 and up),
 # LIGER (set: --ds.use_liger_kernel in the speed runs and profiles; Liger's wheel rides in .gw), PROFILE_STEP (speed:
 # the trainer's --profile.step, kernel times of that step's experience, update and sync phases in the report),

@@ -10,6 +10,9 @@ The module owns the *same* Parameter objects as the nn.Linear it replaces, so op
 DeepSpeed ZeRO partitioning and checkpoints see no difference. The 128x128 weight
 quantization is cached until the weight changes, so a rollout and the following training
 forward use the very same bytes (and the weight sync sends those bytes).
+
+Sibling layers that read one input (q/k/v, gate/up) can run as one stacked GEMM: a layer tied into a
+`grouped.Fp8LinearGroup` asks its group first, and the backward below serves both (`_input_and_weight_grads`).
 """
 
 from __future__ import annotations
