@@ -129,10 +129,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Fp8Linear",
                 plan: _StepPlan) -> torch.Tensor:
-        flat = x.dim() != 2
-        x2 = x.reshape(-1, x.shape[-1]) if flat else x
-        y, xq, wq = _fprop(layer, plan, x2, weight, bias, x.dtype)
-        ctx.layer, ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.has_bias = layer, plan, x.shape if flat else None, x.dtype, bias is not None
+        # x is 2-D: the caller flattens (and reshapes y) outside, so y is no view made in here, which autograd would
+        # refuse a model's in-place write to (nn.Linear's output takes one).
+        y, xq, wq = _fprop(layer, plan, x, weight, bias, x.dtype)
+        ctx.layer, ctx.plan, ctx.x_dtype, ctx.has_bias = layer, plan, x.dtype, bias is not None
         # The forward's quantized weight, when the layer caches it anyway (not under ZeRO-3, where holding it from
         # forward to backward would keep a gathered FP8 copy of every layer alive): DGrad transposes it.
         ctx.wq = wq
@@ -143,8 +143,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 ctx.x_block = xq.block
                 ctx.save_for_backward(xq.data, xq.scale, weight)
             else:
-                ctx.save_for_backward(x2, weight)
-        return y.reshape(*x.shape[:-1], y.shape[-1]) if flat else y
+                ctx.save_for_backward(x, weight)
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
@@ -156,12 +156,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x_hp, weight = ctx.saved_tensors
             xq = None
         _gather_if_partitioned(weight)
-        gy = grad_out.reshape(-1, grad_out.shape[-1]) if grad_out.dim() != 2 else grad_out
+        gy = grad_out
         grad_x, grad_w = _input_and_weight_grads(
             layer, ctx.plan, ctx.wq, weight, xq, x_hp, gy, ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.x_dtype
         )
-        if grad_x is not None and ctx.x_shape is not None:
-            grad_x = grad_x.reshape(ctx.x_shape)
         grad_b = gy.sum(0).to(layer.bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None
 
@@ -379,7 +377,10 @@ class Fp8Linear(nn.Linear):
                 return _fprop(self, plan, x, weight, bias, x.dtype)[0]
             y = _fprop(self, plan, x.reshape(-1, x.shape[-1]), weight, bias, x.dtype)[0]
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        return _Fp8LinearFunction.apply(x, weight, bias, self, plan)
+        if x.dim() == 2:
+            return _Fp8LinearFunction.apply(x, weight, bias, self, plan)
+        y = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, self, plan)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
         bw = self.backward_spec

@@ -105,16 +105,40 @@ def test_outputs_and_weight_grads_are_the_separate_layers_bits(bias):
     assert not torch.equal(_bits(dxr), _bits(dxs)) and sqnr_db(want, dxr.reshape(-1, 256)) > 40
 
 
-def test_an_output_left_out_of_the_loss_gets_no_gradient():
+def test_outputs_are_ordinary_views_a_model_may_write_in_place():
     stacked, separate = _pair()
     x = _x()
+    grads = []
     for model in (stacked, separate):
         model.zero_grad(set_to_none=True)
         xx = x.clone().requires_grad_(True)
-        q, k, v = model(xx)  # v is computed, never used in the loss
-        (q.float().sum() + k.float().sum()).backward()
-    assert stacked.v_proj.weight.grad is None and separate.v_proj.weight.grad is None
-    assert torch.equal(_bits(stacked.q_proj.weight.grad), _bits(separate.q_proj.weight.grad))
+        q, k, v = model(xx)
+        q.mul_(0.5)  # what some attention code does to its query; a custom Function's view would refuse it
+        (q.float().pow(2).sum() + k.float().sum()).backward()  # v is computed, never used in the loss
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in ("q_proj.weight", "k_proj.weight"):
+        assert torch.equal(_bits(grads[0][name]), _bits(grads[1][name])), name
+    # A member outside the loss: zeros from the stacked WGrad (separate layers leave its gradient unset).
+    assert grads[1]["v_proj.weight"] is None and not grads[0]["v_proj.weight"].any()
+
+
+def test_stacked_swiglu_takes_one_gradient_for_gate_and_up():
+    from jetrl_precision.swiglu import _side_by_side, silu_mul, silu_mul_stacked
+
+    gu = outlier_data((3, 40, 512), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).requires_grad_(True)
+    ref = gu.detach().clone().requires_grad_(True)
+    dh = outlier_data((3, 40, 256), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    silu_mul_stacked(gu).backward(dh)
+    silu_mul(*ref.chunk(2, dim=-1)).backward(dh)
+    assert torch.equal(_bits(gu.grad), _bits(ref.grad))
+    # Halves of one buffer (what the fused backward writes for stacked inputs) come back as a view, no copy.
+    both = torch.randn(3, 40, 512)
+    joined = _side_by_side(both[..., :256], both[..., 256:])
+    assert joined._base is both and torch.equal(joined, both)
+    apart = _side_by_side(both[..., :256].contiguous(), both[..., 256:].contiguous())
+    assert apart._base is None and torch.equal(apart, both)
+    with pytest.raises(ValueError, match="odd width"):
+        silu_mul_stacked(torch.zeros(2, 3))
 
 
 def test_no_grad_forward_and_the_transformers_model():
