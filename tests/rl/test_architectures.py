@@ -121,6 +121,38 @@ def test_conversion_covers_the_projections_and_stays_close_to_fp32(arch, model_d
             assert sqnr_db(p.grad.double(), got.double()) >= 7.0, name
 
 
+# q 256 / k 128 / v 128 rows (2 heads of 128, 1 KV head), gate/up 384: every sibling set ends on 128-row blocks, so the
+# projections stack (the default spec's 64-row k/v do not).
+STACKABLE = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=384, initializer_range=0.06)
+STACKED_GROUPS = {"phi3": set(), "qwen3_moe": {"q_proj+k_proj+v_proj"}}  # phi3's are fused in the checkpoint
+
+
+@pytest.mark.parametrize("arch", list(TINY_ARCHS))
+def test_stacked_projections_give_the_separate_layers_values(arch, tmp_path):
+    """q/k/v and gate/up as one stacked GEMM (grouped.py) in each architecture's real attention and MLP code: the same
+    logits bit for bit as each projection on its own GEMM, and gradients as close to the fp32 model's."""
+    from jetrl_precision.grouped import projection_groups
+
+    path = build_tiny_model(tmp_path / arch, TinyModelSpec(arch=arch, **STACKABLE))
+    ref = load_causal_lm(str(path), torch.float32, attention_of(arch))
+    stacked = convert_to_fp8(load_causal_lm(str(path), torch.float32, attention_of(arch)), JET)
+    separate = convert_to_fp8(load_causal_lm(str(path), torch.float32, attention_of(arch)), JET, fuse_projections=False)
+    want = STACKED_GROUPS.get(arch, {"q_proj+k_proj+v_proj", "gate_proj+up_proj"})
+    assert {g.label for g in projection_groups(stacked)} == want and not projection_groups(separate)
+    ids = torch.randint(4, 120, (2, 40), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for name, model in (("ref", ref), ("stacked", stacked), ("separate", separate)):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        logits[name] = out.logits.detach()
+    assert torch.equal(logits["stacked"], logits["separate"])
+    assert all(g.off is None and g._stash is None for g in projection_groups(stacked))  # every column was asked for
+    grads = {n: (p.grad, dict(stacked.named_parameters())[n].grad, dict(separate.named_parameters())[n].grad)
+             for n, p in ref.named_parameters() if p.dim() == 2 and p.grad is not None and p.grad.abs().max() > 0}
+    for name, (r, a, b) in grads.items():
+        assert sqnr_db(r.double(), a.double()) >= sqnr_db(r.double(), b.double()) - 1.0, name
+
+
 def test_sdpa_is_refused_for_soft_capped_attention(model_dirs):
     """transformers' sdpa attention skips Gemma 2's logit soft-capping: the trainer would score another model."""
     with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0.*--ds.attn_implementation eager"):
