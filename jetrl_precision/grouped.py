@@ -7,12 +7,12 @@ wrapper, a Python autograd node), and a Llama block calls seven of them, three o
 - forward: the first member called with an input x runs Q(x) . [Q(W_1); ...; Q(W_n)]^T for the whole group and
   keeps the other members' columns; each sibling then called with that very tensor (the same object, unmodified,
   in the same grad mode) gets its columns back without a GEMM. K/V's narrow GEMMs (N = 1024 at 8B) disappear into
-  one wide one. A module that consumes the members' outputs together asks for them stacked (`stacked_output`):
-  `swiglu.SwiGLUMLP` feeds [gate | up] to its kernel as one tensor.
+  one wide one. Every member is still called (its module hooks run); its output aliases the stacked buffer
+  without being a view of it, so a model may write it in place.
 - backward: one autograd node covers the group, so it quantizes the stacked dY once, runs one DGrad (the members'
   input gradients summed in the GEMM's fp32 accumulator instead of by autograd in bf16) and one WGrad, whose row
-  blocks are the members' weight gradients. A model may write the members' outputs in place; a member whose output
-  takes no part in the loss gets a zero gradient, not None.
+  blocks are the members' weight gradients. The fused SwiGLU backward writes d(gate) and d(up) side by side, so
+  gate/up's dY needs no copy; q/k/v's gradients arrive apart and are concatenated.
 
 The bytes do not move: every member but the last has a multiple of 128 rows, so the stacked weight's 128x128
 blocks are the members' own, Q(W_i) is a row slice of Q(W_stacked), and the members' cached weights (what the
@@ -77,27 +77,30 @@ class _Stash:
 
 
 class _Fp8GroupFunction(torch.autograd.Function):
-    """y = Q(x) . Q([W_1; ...; W_n])^T (+ biases), the members' outputs side by side: one node for the group.
+    """y_1, ..., y_n = the column blocks of Q(x) . Q([W_1; ...; W_n])^T (+ biases): one node for the group.
 
-    The members' outputs are column blocks of y taken outside this Function, so backward gets one dY for the stacked
-    GEMM (autograd concatenates the members' gradients).
+    The outputs alias one buffer without being views of it (`torch.unsafe_split_with_sizes`): autograd lets a model
+    write them in place, as it may an nn.Linear's output (views made inside a custom Function it refuses), and hands
+    backward one gradient per member, None for a member whose output took no part in the loss.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: "Fp8LinearGroup", plan: _StepPlan, *params: torch.Tensor):
-        n = len(group.members)  # x is 2-D, flattened outside (as Fp8Linear does): y is no view made in here
-        y, xq, wq = _fprop(group, plan, x, None, group.stacked_bias(), x.dtype)
-        ctx.group, ctx.plan, ctx.x_dtype, ctx.wq = group, plan, x.dtype, wq
+        n = len(group.members)
+        x2 = x.reshape(-1, x.shape[-1])
+        y, xq, wq = _fprop(group, plan, x2, None, group.stacked_bias(), x.dtype)
+        ctx.group, ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.wq = group, plan, x.shape, x.dtype, wq
+        ctx.set_materialize_grads(False)
         ctx.saved_fp8 = plan.save_fp8 and xq is not None
         if ctx.saved_fp8:
             ctx.x_block = xq.block
             ctx.save_for_backward(xq.data, xq.scale, *params[:n])
         else:
-            ctx.save_for_backward(x, *params[:n])
-        return y
+            ctx.save_for_backward(x2, *params[:n])
+        return group.split(y, x.shape)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor):
+    def backward(ctx: Any, *grads: torch.Tensor | None):
         group: Fp8LinearGroup = ctx.group
         plan: _StepPlan = ctx.plan
         n = len(group.members)
@@ -107,18 +110,23 @@ class _Fp8GroupFunction(torch.autograd.Function):
         else:
             x_hp, *weights = ctx.saved_tensors
             xq = None
-        gy = grad_out
+        gy = group.stacked_grad(grads)
         need_w = ctx.needs_input_grad[3:3 + n]
         need_b = ctx.needs_input_grad[3 + n:]
         # The FP8 GEMMs read the stacked Q(W) from the group; only a high-precision DGrad/WGrad needs the BF16 stack.
         weight = weights[0] if plan.fp8_dgrad and plan.fp8_wgrad else torch.cat(weights)
         grad_x, grad_w = _input_and_weight_grads(group, plan, ctx.wq, weight, xq, x_hp, gy, ctx.needs_input_grad[0],
                                                  any(need_w), ctx.x_dtype)
-        grad_ws = [None] * n if grad_w is None else [g if need else None for g, need in zip(grad_w.split(group.sizes), need_w)]
+        if grad_x is not None:
+            grad_x = grad_x.reshape(ctx.x_shape)
+        # A member whose output took no part in the loss gets no gradient, as it would on its own (not zeros).
+        grad_ws = [None] * n if grad_w is None else [
+            g if need and dy is not None else None for g, need, dy in zip(grad_w.split(group.sizes), need_w, grads)]
         grad_bs: list = []
         if need_b:
             sums = gy.sum(0).split(group.sizes)
-            grad_bs = [s.to(m.bias.dtype) if need else None for s, m, need in zip(sums, group.members, need_b)]
+            grad_bs = [s.to(m.bias.dtype) if need and dy is not None else None
+                       for s, m, need, dy in zip(sums, group.members, need_b, grads)]
         return (grad_x, None, None, *grad_ws, *grad_bs)
 
 
@@ -131,6 +139,8 @@ class Fp8LinearGroup:
         self.label = "+".join(names)
         self.fqn = fqn
         self.sizes = tuple(m.out_features for m in self.members)
+        self.offsets = tuple(_offsets(self.sizes))
+        self.total = sum(self.sizes)
         self.has_bias = self.members[0].bias is not None
         self.off: str | None = None  # why the group runs its members separately from now on
         self._reset()
@@ -186,20 +196,9 @@ class Fp8LinearGroup:
                 return None
         if not self._weights_usable():
             return None
-        # Not Tensor.split: autograd forbids in-place writes to its outputs (views of one base), and some attention
-        # code scales its query in place. These columns are disjoint, and the stacked output is held by no one else.
-        outs = torch.unsafe_split_with_sizes(self._run(x), list(self.sizes), dim=-1)
+        outs = self._run(x)
         self._stash = _Stash(x, grad, [None if j == i else o for j, o in enumerate(outs)], len(outs) - 1)
         return outs[i]
-
-    def stacked_output(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The members' outputs for x side by side, [..., sum(N_i)], from one GEMM (for a module that consumes them
-        together, such as `swiglu.SwiGLUMLP`), or None where the group would run its members separately."""
-        if self.off is not None or x.is_inference() or _capturing() or not self._weights_usable():
-            return None
-        if x.shape[-1] != self.members[0].in_features or x.numel() == 0:
-            return None
-        return self._run(x)
 
     def _weights_usable(self) -> bool:
         """False under ZeRO-3 (each member's weight is gathered by its own hooks) and for installed engine weights."""
@@ -215,20 +214,37 @@ class Fp8LinearGroup:
             _warned.add(self.label)
             logger.warning("jetrl_precision: %s (%s; first seen at %s)", why, "fused projections off for this group", self.fqn or "<root>")
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         plan = self.members[0]._plan(x.device)
         params = [m._parameters["weight"] for m in self.members]
         if self.has_bias:
             params += [m._parameters["bias"] for m in self.members]
-        x2 = x.reshape(-1, x.shape[-1])
         if torch.is_grad_enabled() and (x.requires_grad or any([p.requires_grad for p in params])):
-            y = _Fp8GroupFunction.apply(x2, self, plan, *params)
-        else:
-            y = _fprop(self, plan, x2, None, self.stacked_bias(), x.dtype)[0]
-        return y.view(*x.shape[:-1], y.shape[-1])
+            return _Fp8GroupFunction.apply(x, self, plan, *params)
+        y = _fprop(self, plan, x.reshape(-1, x.shape[-1]), None, self.stacked_bias(), x.dtype)[0]
+        return self.split(y, x.shape)
+
+    def split(self, y: torch.Tensor, x_shape: torch.Size) -> tuple[torch.Tensor, ...]:
+        """The members' outputs, shaped like x: column blocks of the stacked [M, sum(N_i)] result that alias it
+        without being views (a model may write them in place)."""
+        return tuple(torch.unsafe_split_with_sizes(y.view(*x_shape[:-1], self.total), list(self.sizes), dim=-1))
 
     def stacked_bias(self) -> torch.Tensor | None:
         return torch.cat([m.bias for m in self.members]) if self.has_bias else None
+
+    def stacked_grad(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """dY of the stacked GEMM, [M, sum(N_i)]: the members' output gradients side by side, without a copy when
+        they already are (the fused SwiGLU backward writes d(gate) and d(up) so for stacked gate and up); a member
+        whose output took no part in the loss contributes zeros."""
+        ref = next(g for g in grads if g is not None)
+        rows = ref.numel() // ref.shape[-1]
+        parts = [g.reshape(rows, n) if g is not None else ref.new_zeros(rows, n) for g, n in zip(grads, self.sizes)]
+        total, first = self.total, parts[0]
+        start, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
+        for p, off in zip(parts, self.offsets):
+            if p.stride() != (total, 1) or p.storage_offset() != start + off or p.untyped_storage().data_ptr() != ptr:
+                return torch.cat(parts, dim=1)
+        return first.as_strided((rows, total), (total, 1), start)
 
     # ---- weights: the duck type `linear._fprop` and `linear._input_and_weight_grads` read --------------------
     def _stacked_entry(self) -> tuple:

@@ -18,7 +18,6 @@ expression; only the saved-tensor saving remains.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Iterable
 
 import torch
@@ -30,7 +29,7 @@ from .formats import Granularity
 from .linear import Fp8Linear
 from .recipe import TensorSpec
 
-__all__ = ["SWIGLU_MLP_CLASSES", "SwiGLUMLP", "silu_mul", "silu_mul_stacked", "fuse_swiglu"]
+__all__ = ["SWIGLU_MLP_CLASSES", "SwiGLUMLP", "silu_mul", "fuse_swiglu"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,69 +47,28 @@ SWIGLU_MLP_CLASSES: tuple[str, ...] = (
 )
 
 
-def _forward(gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec | None) -> torch.Tensor:
-    """silu(gate) * up, shaped like gate; with `spec`, Q(h) from the same kernel is kept for the consumer."""
-    if spec is not None:
-        h = ops.silu_mul_quantized(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]), spec)
-        if h is not None:
-            return h.view(gate.shape)
-    return F.silu(gate) * up
-
-
-def _backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, need_gate: bool, need_up: bool):
-    """(dgate, dup) shaped like gate: one kernel with autograd's bytes (checked per device), else autograd's ops."""
-    if need_gate and need_up:
-        width = gate.shape[-1]
-        grads = ops.silu_mul_backward(dh.reshape(-1, width), gate.reshape(-1, width), up.reshape(-1, width))
-        if grads is not None:
-            return grads[0].view(gate.shape), grads[1].view(up.shape)
-    # The ops autograd records for F.silu(gate) * up, in its order: mul's backward, then silu's.
-    dgate = torch.ops.aten.silu_backward(dh * up, gate) if need_gate else None
-    dup = dh * F.silu(gate) if need_up else None
-    return dgate, dup
-
-
 class _SiluMulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec | None) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
-        return _forward(gate, up, spec)
+        if spec is not None:
+            h = ops.silu_mul_quantized(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]), spec)
+            if h is not None:
+                return h.view(gate.shape)
+        return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx: Any, dh: torch.Tensor):
         gate, up = ctx.saved_tensors
-        dgate, dup = _backward(dh, gate, up, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            width = gate.shape[-1]
+            grads = ops.silu_mul_backward(dh.reshape(-1, width), gate.reshape(-1, width), up.reshape(-1, width))
+            if grads is not None:  # one kernel, autograd's bytes (checked per device)
+                return grads[0].view(gate.shape), grads[1].view(up.shape), None
+        # The ops autograd records for F.silu(gate) * up, in its order: mul's backward, then silu's.
+        dgate = torch.ops.aten.silu_backward(dh * up, gate) if ctx.needs_input_grad[0] else None
+        dup = dh * F.silu(gate) if ctx.needs_input_grad[1] else None
         return dgate, dup, None
-
-
-class _SiluMulStackedFunction(torch.autograd.Function):
-    """silu(gate) * up for gu = [gate | up] along the last dim (a stacked gate/up GEMM's output); its gradient is one
-    tensor, d(gu), which the stacked GEMM's backward reads as its dY."""
-
-    @staticmethod
-    def forward(ctx: Any, gu: torch.Tensor, spec: TensorSpec | None) -> torch.Tensor:
-        ctx.save_for_backward(gu)
-        gate, up = gu.chunk(2, dim=-1)
-        return _forward(gate, up, spec)
-
-    @staticmethod
-    def backward(ctx: Any, dh: torch.Tensor):
-        (gu,) = ctx.saved_tensors
-        gate, up = gu.chunk(2, dim=-1)
-        dgate, dup = _backward(dh, gate, up, True, True)
-        return _side_by_side(dgate, dup), None
-
-
-def _side_by_side(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[a | b] along the last dim: a view when a and b already are the two halves of one tensor (the fused backward
-    writes them so for stacked inputs), else a concatenation."""
-    n = a.shape[-1]
-    if (a.shape == b.shape and a.stride()[-1] == b.stride()[-1] == 1 and a.stride()[:-1] == b.stride()[:-1]
-            and all(st == 2 * n * math.prod(a.shape[d + 1:-1]) for d, st in enumerate(a.stride()[:-1]))
-            and b.storage_offset() == a.storage_offset() + n
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()):
-        return a.as_strided((*a.shape[:-1], 2 * n), (*a.stride()[:-1], 1), a.storage_offset())
-    return torch.cat([a, b], dim=-1)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec | None = None) -> torch.Tensor:
@@ -120,13 +78,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec | None = Non
         raise ValueError(f"silu_mul needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
                          f"and {tuple(up.shape)} {up.dtype}")
     return _SiluMulFunction.apply(gate, up, spec)
-
-
-def silu_mul_stacked(gu: torch.Tensor, spec: TensorSpec | None = None) -> torch.Tensor:
-    """`silu_mul(*gu.chunk(2, dim=-1), spec)` for gate and up stacked in one tensor, with one gradient for it."""
-    if gu.shape[-1] % 2:
-        raise ValueError(f"silu_mul_stacked needs [gate | up] along the last dim, got an odd width {gu.shape[-1]}")
-    return _SiluMulStackedFunction.apply(gu, spec)
 
 
 def _is_silu(act: Any) -> bool:
@@ -162,13 +113,7 @@ class SwiGLUMLP(nn.Module):
         return _consumer_spec(self.down_proj) is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        spec = _consumer_spec(self.down_proj)
-        group = getattr(self.gate_proj, "_group", None)
-        if group is not None and group.members == (self.gate_proj, self.up_proj):
-            gu = group.stacked_output(x)  # [gate | up] from one GEMM (grouped.py), or None: run them separately
-            if gu is not None:
-                return self.down_proj(silu_mul_stacked(gu, spec))
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), spec))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), _consumer_spec(self.down_proj)))
 
     def extra_repr(self) -> str:
         return f"source={self.source_class}, fused_quantization={self.fused_quantization}"

@@ -6,6 +6,8 @@ arithmetic each path asks for is visible bit for bit):
   the stacked DGrad (Q(dY_stacked) . Q(W_stacked)), no longer a bf16 sum of per-layer roundings;
 - the members' cached FP8 weights (what the weight sync sends) are the separately quantized bytes, held as views of
   the group's one buffer, and follow optimizer steps;
+- every member is still called (its hooks run), its output takes in-place writes, and an output outside the loss
+  leaves its member without a gradient, as separate layers do;
 - a sibling gets the group's columns only for the very tensor, unmodified, in the same grad mode; otherwise it
   computes its own, and a group whose members do not read one input turns itself off, warned once;
 - ineligible groups (rows off the 128-row blocks, mixed backends), ZeRO-3 weights, installed engine weights and
@@ -105,7 +107,7 @@ def test_outputs_and_weight_grads_are_the_separate_layers_bits(bias):
     assert not torch.equal(_bits(dxr), _bits(dxs)) and sqnr_db(want, dxr.reshape(-1, 256)) > 40
 
 
-def test_outputs_are_ordinary_views_a_model_may_write_in_place():
+def test_outputs_take_in_place_writes_and_an_unused_one_no_gradient():
     stacked, separate = _pair()
     x = _x()
     grads = []
@@ -113,32 +115,34 @@ def test_outputs_are_ordinary_views_a_model_may_write_in_place():
         model.zero_grad(set_to_none=True)
         xx = x.clone().requires_grad_(True)
         q, k, v = model(xx)
-        q.mul_(0.5)  # what some attention code does to its query; a custom Function's view would refuse it
+        q.mul_(0.5)  # what some attention code does to its query; an nn.Linear's output takes it
         (q.float().pow(2).sum() + k.float().sum()).backward()  # v is computed, never used in the loss
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name in ("q_proj.weight", "k_proj.weight"):
         assert torch.equal(_bits(grads[0][name]), _bits(grads[1][name])), name
-    # A member outside the loss: zeros from the stacked WGrad (separate layers leave its gradient unset).
-    assert grads[1]["v_proj.weight"] is None and not grads[0]["v_proj.weight"].any()
+    assert grads[0]["v_proj.weight"] is None and grads[1]["v_proj.weight"] is None
 
 
-def test_stacked_swiglu_takes_one_gradient_for_gate_and_up():
-    from jetrl_precision.swiglu import _side_by_side, silu_mul, silu_mul_stacked
+def test_every_member_is_called_and_its_hooks_run():
+    stacked, _ = _pair()
+    calls = []
+    for name in ("q_proj", "k_proj", "v_proj"):
+        layer = getattr(stacked, name)
+        layer.register_forward_pre_hook(lambda m, args, name=name: calls.append(("pre", name)))
+        layer.register_forward_hook(lambda m, args, out, name=name: calls.append(("post", name, tuple(out.shape))))
+    stacked(_x())
+    assert calls == [("pre", "q_proj"), ("post", "q_proj", (2, 100, 256)), ("pre", "k_proj"), ("post", "k_proj", (2, 100, 128)),
+                     ("pre", "v_proj"), ("post", "v_proj", (2, 100, 128))]
 
-    gu = outlier_data((3, 40, 512), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).requires_grad_(True)
-    ref = gu.detach().clone().requires_grad_(True)
-    dh = outlier_data((3, 40, 256), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    silu_mul_stacked(gu).backward(dh)
-    silu_mul(*ref.chunk(2, dim=-1)).backward(dh)
-    assert torch.equal(_bits(gu.grad), _bits(ref.grad))
-    # Halves of one buffer (what the fused backward writes for stacked inputs) come back as a view, no copy.
-    both = torch.randn(3, 40, 512)
-    joined = _side_by_side(both[..., :256], both[..., 256:])
-    assert joined._base is both and torch.equal(joined, both)
-    apart = _side_by_side(both[..., :256].contiguous(), both[..., 256:].contiguous())
-    assert apart._base is None and torch.equal(apart, both)
-    with pytest.raises(ValueError, match="odd width"):
-        silu_mul_stacked(torch.zeros(2, 3))
+
+def test_side_by_side_gradients_are_read_without_a_copy():
+    stacked, _ = _pair()
+    group = stacked.q_proj._group
+    both = torch.randn(2, 50, 512)  # what the fused SwiGLU backward writes for stacked inputs: one buffer
+    gy = group.stacked_grad([both[..., :256], both[..., 256:384], both[..., 384:]])
+    assert gy._base is both and torch.equal(gy, both.view(100, 512))
+    apart = group.stacked_grad([both[..., :256].contiguous(), None, both[..., 384:].contiguous()])
+    assert apart._base is None and torch.equal(apart[:, :256], gy[:, :256]) and not apart[:, 256:384].any()
 
 
 def test_no_grad_forward_and_the_transformers_model():

@@ -349,10 +349,10 @@ def test_host_cost_proxy_checks_bytes_and_holds_the_budget(tmp_path):
     assert rows[("M=200 K=384 N=640", "Fp8Linear fwd+bwd")]["launches"] == 7
     # A decoder layer: q/k/v and gate/up run as stacked GEMMs (grouped.py), SwiGLU's product is quantized in its own
     # kernel: 3 + 4 activation quantizers, 4 dY^T, 4 requantizers, 1 SwiGLU, 12 GEMMs (43 launches, 46 allocations
-    # and 585 Python calls with every projection on its own GEMM).
+    # and 582 Python calls with every projection on its own GEMM).
     shape = "256 tokens, hidden 512, MLP 1024"
     layer = rows[(shape, "decoder layer fwd+bwd jet_fp8")]
-    assert layer["launches"] == 28 and layer["allocations"] <= 36 and layer["python_calls"] <= 450, layer
+    assert layer["launches"] == 28 and layer["allocations"] <= 36 and layer["python_calls"] <= 470, layer
     assert rows[(shape, "decoder layer fwd+bwd jet_fp8 separate")]["launches"] == 43
     # The no-grad forward (reference / old-logprob passes): 3 input quantizers, 1 SwiGLU, 4 GEMMs (7 GEMMs separate).
     assert rows[(shape, "decoder layer fwd no_grad jet_fp8")]["launches"] == 8
