@@ -22,7 +22,8 @@ GEMM kernel choice for the wider N and the DGrad summation differ from separate 
 The group runs its members separately (the plain path) under ZeRO-3 (DeepSpeed gathers each member's weight in
 that member's own hooks), with FP8 weights installed by a rollout engine, during CUDA graph capture and for
 inference tensors (no version counter to prove an input unmodified). If members turn out to read different inputs
-(computed columns never asked for), the group turns itself off with one warning. `unfuse_projections` undoes it
+(computed columns never asked for), or its first stacked GEMM disagrees with the members' own GEMMs (checked once per
+group), the group turns itself off with one warning. `unfuse_projections` undoes it
 (batch-invariant mode does: its proofs are per layer shape).
 
     fuse_projections(model)      # after convert_to_fp8, which calls it unless fuse_projections=False
@@ -50,9 +51,14 @@ logger = logging.getLogger(__name__)
 PROJECTION_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _ROWS = 128  # the weight's block rows: members before the last must end on a block boundary
 _MAX_MISSES = 2  # stashes left unread in a row before a group concludes its members read different inputs
+# The first stacked GEMM of each group is checked against its members' own GEMMs on this many rows. Only the GEMM's
+# algorithm for the wider N may differ (a relative difference far below 1e-2); a misread stacked weight is ~1.
+_CHECK_ROWS = 256
+_CHECK_TOL = 1e-2
+_CHECK_TRIES = 3  # calls whose outputs overflow before the check gives up (the group stays on)
 _HAS_CUDA = torch.cuda.is_available()
 _groups: "weakref.WeakSet[Fp8LinearGroup]" = weakref.WeakSet()
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
 
 
 def _capturing() -> bool:
@@ -143,6 +149,8 @@ class Fp8LinearGroup:
         self.total = sum(self.sizes)
         self.has_bias = self.members[0].bias is not None
         self.off: str | None = None  # why the group runs its members separately from now on
+        self._checked = False  # its first stacked GEMM was compared with the members' own (once: it syncs the host)
+        self._tries = 0
         self._reset()
         for m in self.members:
             m._group, m._group_skipped = self, None
@@ -158,7 +166,7 @@ class Fp8LinearGroup:
 
     def __getstate__(self) -> dict:  # pickling / deepcopy: no stash (weak references) and no derived FP8 weights
         state = dict(self.__dict__)
-        state.update(_stash=None, _misses=0, _wq_cache=None, _wq_t_cache=None)
+        state.update(_stash=None, _misses=0, _wq_cache=None, _wq_t_cache=None, _checked=False)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -192,13 +200,38 @@ class Fp8LinearGroup:
             self._misses += 1
             if self._misses >= _MAX_MISSES:
                 self._turn_off(f"{self.label} did not read one input (columns computed for a sibling were never "
-                               "asked for); they run separately")
+                               "asked for); they run separately", "inputs")
                 return None
         if not self._weights_usable():
             return None
         outs = self._run(x)
+        if not self._checked:
+            self._check(x, outs)
+            if self.off is not None:
+                return None
         self._stash = _Stash(x, grad, [None if j == i else o for j, o in enumerate(outs)], len(outs) - 1)
         return outs[i]
+
+    def _check(self, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Compare the group's first stacked GEMM with its members' own GEMMs on the first rows (once per group; a
+        device probe of the stacked path as the backends run it). A difference turns the group off, warned once."""
+        rows = x.detach().reshape(-1, x.shape[-1])[:_CHECK_ROWS]
+        worst = 0.0
+        with torch.no_grad():
+            for m, out in zip(self.members, outs):
+                want = _fprop(m, m._plan(x.device), rows, m.weight, m.bias, x.dtype)[0].float()
+                if not torch.isfinite(want).all():
+                    # Inputs this GEMM overflows on prove nothing: check a later call (a few, each syncs the host).
+                    self._tries += 1
+                    self._checked = self._tries >= _CHECK_TRIES
+                    return
+                got = out.detach().reshape(-1, out.shape[-1])[: rows.shape[0]].float()
+                worst = max(worst, float((got - want).norm() / want.norm().clamp_min(1e-30)))
+        self._checked = True
+        if not worst <= _CHECK_TOL:  # NaN included
+            backend = self.members[0].backend_for(x.device)
+            self._turn_off(f"the stacked GEMM of {self.label} differs from their own GEMMs by {worst:.3g} (relative) "
+                           f"on {x.device.type} ({backend}); they run separately", "check")
 
     def _weights_usable(self) -> bool:
         """False under ZeRO-3 (each member's weight is gathered by its own hooks) and for installed engine weights."""
@@ -207,11 +240,11 @@ class Fp8LinearGroup:
                 return False
         return True
 
-    def _turn_off(self, why: str) -> None:
+    def _turn_off(self, why: str, kind: str) -> None:
         self.off = why
         self._reset()
-        if self.label not in _warned:
-            _warned.add(self.label)
+        if (self.label, kind) not in _warned:  # once per kind of failure, not once per layer
+            _warned.add((self.label, kind))
             logger.warning("jetrl_precision: %s (%s; first seen at %s)", why, "fused projections off for this group", self.fqn or "<root>")
 
     def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

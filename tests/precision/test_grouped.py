@@ -310,3 +310,36 @@ def test_unfuse_and_batch_invariant_mode_undo_it():
     assert len(projection_groups(lm)) == 4
     make_batch_invariant(lm)
     assert not projection_groups(lm)
+
+
+def test_a_stacked_gemm_that_disagrees_with_its_members_turns_the_group_off(monkeypatch, caplog):
+    """The first stacked GEMM of a group is checked against the members' own GEMMs: a misread stacked weight (here
+    k's and v's rows swapped) is caught before its output is used, and the members run separately from then on."""
+    from jetrl_precision.grouped import Fp8LinearGroup
+
+    stacked, separate = _pair()
+    real = Fp8LinearGroup._weight_operands
+
+    def swapped(self, weight, plan):
+        wq, prepared, cached = real(self, weight, plan)
+        data = torch.cat([wq.data[:256], wq.data[384:], wq.data[256:384]])
+        scale = torch.cat([wq.scale[:2], wq.scale[3:], wq.scale[2:3]])
+        return type(wq).trusted(data, scale, wq.block), prepared, False
+
+    monkeypatch.setattr(Fp8LinearGroup, "_weight_operands", swapped)
+    x = _x()
+    with caplog.at_level(logging.WARNING, logger="jetrl_precision.grouped"):
+        got = stacked(x)
+        got2 = stacked(x)
+    for a, b, c in zip(got, got2, separate(x)):
+        assert torch.equal(_bits(a), _bits(c)) and torch.equal(_bits(b), _bits(c))
+    group = stacked.q_proj._group
+    assert group.off is not None and "differs from their own GEMMs" in group.off
+    assert sum("differs from their own GEMMs" in r.getMessage() for r in caplog.records) == 1
+    # A sound stacked GEMM passes the check once, and the check does not run again after optimizer steps.
+    fine, _ = _pair()
+    monkeypatch.setattr(Fp8LinearGroup, "_weight_operands", real)
+    fine(x)
+    assert fine.q_proj._group.off is None and fine.q_proj._group._checked
+    mark_weights_updated()
+    assert fine.q_proj._group._checked
