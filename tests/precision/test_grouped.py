@@ -103,7 +103,8 @@ def test_outputs_and_weight_grads_are_the_separate_layers_bits(bias):
     w = torch.cat([stacked.q_proj.weight, stacked.k_proj.weight, stacked.v_proj.weight]).detach()
     want = (quantize_fp8(dy, (1, 128)).dequantize(torch.float64) @ quantize_fp8(w, (128, 128)).dequantize(torch.float64))
     assert torch.equal(_bits(dxs.reshape(-1, 256)), _bits(want.to(torch.bfloat16)))
-    # Separate layers round three partial products and autograd sums them in bf16: other bits, same values.
+    # Separate layers round three partial products and autograd sums them in bf16: other bits, the same values to
+    # bf16 rounding (measured 51-62 dB against the stacked product's one rounding).
     assert not torch.equal(_bits(dxr), _bits(dxs)) and sqnr_db(want, dxr.reshape(-1, 256)) > 40
 
 
@@ -165,10 +166,11 @@ def test_no_grad_forward_and_the_transformers_model():
     for m, logits in ((lm, a), (ref, b), (lm32, lm32(input_ids=ids).logits)):
         logits.float().pow(2).mean().backward()
     # DGrad's other summation moves FP8 roundings upstream, so earlier layers' gradients differ in bits; against
-    # the fp32 model's they are as good as the separate layers' (measured within 0.2 dB; both 15-25 dB).
+    # the fp32 model's they are as good as the separate layers' (measured within 0.2 dB; both 15-25 dB; a wrong
+    # DGrad loses more than 10 dB).
     for (name, p), (_, q), (_, r) in zip(lm.named_parameters(), ref.named_parameters(), lm32.named_parameters()):
         stacked_db, separate_db = sqnr_db(r.grad, p.grad), sqnr_db(r.grad, q.grad)
-        assert stacked_db >= 12.0 and stacked_db >= separate_db - 1.0, (name, stacked_db, separate_db)
+        assert stacked_db >= 12.0 and stacked_db >= separate_db - 2.0, (name, stacked_db, separate_db)
     assert all(g._stash is None for g in projection_groups(lm))  # every computed column was taken
 
 
