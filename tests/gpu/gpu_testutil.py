@@ -37,3 +37,12 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 def sqnr_db(got: torch.Tensor, ref: torch.Tensor) -> float:
     noise = (got.double() - ref.double()).norm()
     return float("inf") if noise == 0 else 20 * math.log10(float(ref.double().norm() / noise))
+
+
+def fwd_bwd(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    """One forward and backward from fresh gradients: (y, dX, {parameter name: gradient})."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = model(x)
+    y.backward(dy)
+    return y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpu_testutil import outlier_data, requires_cuda_reason, sqnr_db
+from gpu_testutil import fwd_bwd, outlier_data, requires_cuda_reason, sqnr_db
 from jetrl_precision import convert_to_fp8, get_recipe, quantize_fp8
 from jetrl_precision.gemm import available_backends
 from jetrl_precision.grouped import Fp8LinearGroup, projection_groups
@@ -76,20 +76,12 @@ def _pair(backend: str):
     return stacked, separate
 
 
-def _step(model, x, dy):
-    model.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_()
-    y = model(x)
-    y.backward(dy)
-    return y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("backend", _backends())
 def test_stacked_gemms_match_separate_layers(backend, monkeypatch):
     stacked, separate = _pair(backend)
     x = outlier_data(1100, 1024, seed=1).view(2, 550, 1024)  # 1100 tokens: a partial 128-row block in WGrad
     dy = outlier_data(1100, 1024, seed=2).view(2, 550, 1024)
-    y0, dx0, g0 = _step(separate, x, dy)
+    y0, dx0, g0 = fwd_bwd(separate, x, dy)
     views = []
     real = Fp8LinearGroup.stacked_grad
 
@@ -99,7 +91,7 @@ def test_stacked_gemms_match_separate_layers(backend, monkeypatch):
         return out
 
     monkeypatch.setattr(Fp8LinearGroup, "stacked_grad", watched)
-    y1, dx1, g1 = _step(stacked, x, dy)
+    y1, dx1, g1 = fwd_bwd(stacked, x, dy)
     row = {"output_bit_equal": bool(torch.equal(y0, y1)), "output_sqnr_db": round(sqnr_db(y1, y0), 1),
            "dgrad_sqnr_db": round(sqnr_db(dx1, dx0), 1),
            "weight_grad_sqnr_db_min": round(min(sqnr_db(g1[n], g0[n]) for n in g0), 1),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpu_testutil import outlier_data, requires_cuda_reason
+from gpu_testutil import fwd_bwd, outlier_data, requires_cuda_reason
 from jetrl_precision import build_precision_graph, convert_to_fp8, get_recipe
 from jetrl_precision.swiglu import SwiGLUMLP, fuse_swiglu
 
@@ -44,26 +44,18 @@ def _pair(backend: str, h: int = 512, i: int = 1408):
     return plain, fused_model
 
 
-def _step(model, x, dy):
-    model.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_()
-    y = model(x)
-    y.backward(dy)
-    return y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("backend", ["auto", "triton"])
 def test_fused_mlp_is_bitwise_the_unfused_one(backend, monkeypatch):
     plain, fused_model = _pair(backend)
     x = outlier_data(300, 512, seed=1).view(3, 100, 512)  # 300 tokens: a partial 128-row block
     dy = outlier_data(300, 512, seed=2).view(3, 100, 512)
-    y0, dx0, g0 = _step(plain, x, dy)
+    y0, dx0, g0 = fwd_bwd(plain, x, dy)
     # On the H200 the fused backward's bytes are autograd's (the probe passes), so the MLP takes it.
     assert swiglu_probe.fused_backward_ok(fused.silu_mul_backward, torch.device("cuda"), torch.bfloat16)
     calls = []
     real = fused.silu_mul_backward
     monkeypatch.setattr(fused, "silu_mul_backward", lambda *a: calls.append(a[1].shape) or real(*a))
-    y1, dx1, g1 = _step(fused_model, x, dy)
+    y1, dx1, g1 = fwd_bwd(fused_model, x, dy)
     assert calls == [(300, 1408)]  # the fused backward ran (the device probe passed), on every token at once
     assert torch.equal(y0, y1)
     assert torch.equal(dx0, dx1)
