@@ -27,6 +27,8 @@
 #                                      PROFILE_VLLM restore|no-restore: vLLM imported first, as a colocated engine is;
 #                                      PROFILE_REQUANT=1: --precision.requantize_weights; PROFILE_PROMPT: prompt
 #                                      tokens, 256; PROFILE_STEPS: timed micro-steps, 6)
+#   any call after 2                   bash benchmarks/h200_grpo.sh gpucheck   the GPU tests of the changed training paths
+#                                      (GPU_TESTS), then gpu_bench.py --sections env,layers (STACK_BACKENDS auto,torch)
 # A call on a fresh machine (the previous one was given back) starts again from 1.
 # Knobs: RECIPES (speed, default "bf16 jet_fp8"; jet_fp8+bitwise adds --precision.bitwise on vLLM, jet_fp8+separate --precision.separate_projections), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64),
 # TRAIN_MICRO (4 sequences per training micro-batch), GRAD_CKPT (set: activation checkpointing, for LAYERS=16 and up),
@@ -153,6 +155,22 @@ stage_update_profile() {  # the actor update's micro-step alone, kernel by kerne
     ${PROFILE_VLLM:+--import-vllm "$PROFILE_VLLM"} ${PROFILE_REQUANT:+--requantize-weights} ${LIGER:+--liger} \
     ${PROFILE_PROMPT:+--prompt-len "$PROFILE_PROMPT"} ${PROFILE_STEPS:+--steps "$PROFILE_STEPS"} \
     --gemm-backend "${GEMM_BACKEND:-torch}" --timeout "${PROFILE_TIMEOUT:-150}"
+}
+
+# The GPU tests of the training-side paths changed since they last ran on a device, then gpu_bench's `layers`
+# section (stacked against separate q/k/v and gate/up GEMMs); results under $RES/gpucheck, so in grpo_res.tgz.
+GPU_TESTS_DEFAULT="tests/gpu/test_grouped_gpu.py tests/gpu/test_swiglu_gpu.py tests/gpu/test_linear_gpu.py
+  tests/gpu/test_train_plan_gpu.py tests/gpu/test_wgrad_padding_gpu.py tests/gpu/test_cast_transpose.py tests/gpu/test_triton_quant.py"
+stage_gpucheck() {
+  enough 150 gpucheck || return 1
+  mkdir -p "$RES/gpucheck"
+  JETRL_RESULTS_DIR="$RES/gpucheck" timeout "$(($(left) / 2))" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-$GPU_TESTS_DEFAULT} \
+    > "$RES/gpucheck/pytest.txt" 2>&1
+  tail -25 "$RES/gpucheck/pytest.txt"
+  enough 90 "gpucheck layers" || return 1
+  timeout "$(($(left) - 20))" python3 benchmarks/gpu_bench.py --sections env,layers --stack-backends "${STACK_BACKENDS:-auto,torch}" \
+    --out "$RES/gpucheck/layers.json" > "$RES/gpucheck/layers.txt" 2>&1
+  grep -A 40 "^Decoder layers" "$RES/gpucheck/layers.txt" | head -40
 }
 
 stage_smollm2() {
