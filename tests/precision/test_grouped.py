@@ -27,7 +27,6 @@ from precision_testutil import outlier_data, sqnr_db, tiny_causal_lm
 from torch import nn
 
 from jetrl_precision import (
-    Fp8Linear,
     build_precision_graph,
     convert_to_fp8,
     fuse_projections,
@@ -317,8 +316,6 @@ def test_unfuse_and_batch_invariant_mode_undo_it():
 def test_a_stacked_gemm_that_disagrees_with_its_members_turns_the_group_off(monkeypatch, caplog):
     """The first stacked GEMM of a group is checked against the members' own GEMMs: a misread stacked weight (here
     k's and v's rows swapped) is caught before its output is used, and the members run separately from then on."""
-    from jetrl_precision.grouped import Fp8LinearGroup
-
     stacked, separate = _pair()
     real = Fp8LinearGroup._weight_operands
 
