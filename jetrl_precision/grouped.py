@@ -31,6 +31,7 @@ group), the group turns itself off with one warning. `unfuse_projections` undoes
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from typing import Any, Iterable, Sequence
@@ -40,8 +41,16 @@ from torch import nn
 
 from . import ops
 from .formats import Granularity, QuantizedTensor
-from .kernels import transpose_quantized
-from .linear import Fp8Linear, _StepPlan, _fprop, _input_and_weight_grads, _is_zero3_param, _weights_updated_hooks
+from .kernels.layout import column_blocks_of_one
+from .linear import (
+    Fp8Linear,
+    _fprop,
+    _input_and_weight_grads,
+    _is_zero3_param,
+    _StepPlan,
+    _weights_updated_hooks,
+    dgrad_operands,
+)
 
 __all__ = ["PROJECTION_GROUPS", "Fp8LinearGroup", "fuse_projections", "unfuse_projections", "projection_groups"]
 
@@ -145,18 +154,18 @@ class Fp8LinearGroup:
         self.label = "+".join(names)
         self.fqn = fqn
         self.sizes = tuple(m.out_features for m in self.members)
-        self.offsets = tuple(_offsets(self.sizes))
         self.total = sum(self.sizes)
         self.has_bias = self.members[0].bias is not None
         self.off: str | None = None  # why the group runs its members separately from now on
         self._checked = False  # its first stacked GEMM was compared with the members' own (once: it syncs the host)
         self._tries = 0
-        self._reset()
+        self.release()
         for m in self.members:
             m._group, m._group_skipped = self, None
         _groups.add(self)
 
-    def _reset(self) -> None:
+    def release(self) -> None:
+        """Drop the stacked FP8 weights and any kept columns (the weights changed, or the group is undone)."""
         self._stash: _Stash | None = None
         self._misses = 0
         # (member cache keys or None, Q(W_stacked), {backend: prepared}, the members' row views); the transpose's
@@ -172,10 +181,6 @@ class Fp8LinearGroup:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         _groups.add(self)
-
-    def release(self) -> None:
-        """Drop the stacked FP8 weights and any kept columns (the weights changed, or the group is undone)."""
-        self._reset()
 
     # ---- the forward seam ----------------------------------------------------------------------------------
     def output_for(self, member: Fp8Linear, x: torch.Tensor) -> torch.Tensor | None:
@@ -242,7 +247,7 @@ class Fp8LinearGroup:
 
     def _turn_off(self, why: str, kind: str) -> None:
         self.off = why
-        self._reset()
+        self.release()
         if (self.label, kind) not in _warned:  # once per kind of failure, not once per layer
             _warned.add((self.label, kind))
             logger.warning("jetrl_precision: %s (%s; first seen at %s)", why, "fused projections off for this group", self.fqn or "<root>")
@@ -272,12 +277,10 @@ class Fp8LinearGroup:
         ref = next(g for g in grads if g is not None)
         rows = ref.numel() // ref.shape[-1]
         parts = [g.reshape(rows, n) if g is not None else ref.new_zeros(rows, n) for g, n in zip(grads, self.sizes)]
-        total, first = self.total, parts[0]
-        start, ptr = first.storage_offset(), first.untyped_storage().data_ptr()
-        for p, off in zip(parts, self.offsets):
-            if p.stride() != (total, 1) or p.storage_offset() != start + off or p.untyped_storage().data_ptr() != ptr:
-                return torch.cat(parts, dim=1)
-        return first.as_strided((rows, total), (total, 1), start)
+        if column_blocks_of_one(parts):
+            first = parts[0]
+            return first.as_strided((rows, self.total), (self.total, 1), first.storage_offset())
+        return torch.cat(parts, dim=1)
 
     # ---- weights: the duck type `linear._fprop` and `linear._input_and_weight_grads` read --------------------
     def _stacked_entry(self) -> tuple:
@@ -315,33 +318,17 @@ class Fp8LinearGroup:
         return wq, prepared[name], keys is not None
 
     def _dgrad_operands(self, wq: QuantizedTensor | None, weight: Any, plan: _StepPlan) -> tuple[QuantizedTensor, object]:
-        if wq is None:
-            wq = self._stacked_entry()[1]
-        entry = self._wq_t_cache
-        if entry is None or entry[0] is not wq:
-            entry = (wq, transpose_quantized(wq), {})
-            if self._wq_cache is not None and self._wq_cache[1] is wq:
-                self._wq_t_cache = entry
-        name = plan.bwd_backend
-        if name not in entry[2]:
-            entry[2][name] = plan.bwd_gemm.weight(entry[1])
-        return entry[1], entry[2][name]
+        return dgrad_operands(self, wq if wq is not None else self._stacked_entry()[1], plan)
 
     def __repr__(self) -> str:
         state = "off: " + self.off if self.off else "on"
         return f"Fp8LinearGroup({self.fqn or '<root>'}: {self.label}, N={'+'.join(map(str, self.sizes))}, {state})"
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for n in sizes:
-        out.append(acc)
-        acc += n
-    return out
-
-
 def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
-    return [(start, start + n) for start, n in zip(_offsets(sizes), sizes)]
+    """(first row, end row) of each member in the stacked weight."""
+    ends = list(itertools.accumulate(sizes))
+    return [(end - n, end) for end, n in zip(ends, sizes)]
 
 
 def _why_not(members: Sequence[Fp8Linear], names: Sequence[str]) -> str | None:

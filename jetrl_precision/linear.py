@@ -197,6 +197,31 @@ def _input_and_weight_grads(owner: Any, plan: _StepPlan, wq: QuantizedTensor | N
     return grad_x, grad_w
 
 
+def transposed_entry(holder: Any, wq: QuantizedTensor, keep: bool = False) -> tuple:
+    """(Q(W), Q(W)^T, {backend: prepared operands}) for a holder of a weight cache (`_wq_cache`, whose [1] is Q(W),
+    and `_wq_t_cache`): a layer, or a group of stacked layers. Only the transpose of the cached Q(W) is kept (`keep`
+    forces it: installed weights), not a ZeRO-3 gather's."""
+    cached = holder._wq_t_cache
+    if cached is not None and cached[0] is wq:
+        return cached
+    entry = (wq, transpose_quantized(wq), {})  # == wq.t(); a fast kernel on CUDA
+    if keep or (holder._wq_cache is not None and holder._wq_cache[1] is wq):
+        holder._wq_t_cache = entry
+    return entry
+
+
+def dgrad_operands(holder: Any, wq: QuantizedTensor, plan: _StepPlan, keep: bool = False) -> tuple[QuantizedTensor, object]:
+    """(Q(W)^T, the plan's DGrad operands derived from it) for `holder`'s Q(W) `wq`, through `transposed_entry`."""
+    entry = holder._wq_t_cache
+    if entry is None or entry[0] is not wq:
+        entry = transposed_entry(holder, wq, keep)
+    prepared = entry[2]
+    name = plan.bwd_backend
+    if name not in prepared:
+        prepared[name] = plan.bwd_gemm.weight(entry[1])
+    return entry[1], prepared[name]
+
+
 class Fp8Linear(nn.Linear):
     """Drop-in replacement for nn.Linear that runs its GEMMs in FP8 as a recipe says.
 
@@ -321,22 +346,11 @@ class Fp8Linear(nn.Linear):
         return self._transposed_entry(self.quantized_weight(weight))[1]
 
     def _transposed_entry(self, wq: QuantizedTensor) -> tuple:
-        cached = self._wq_t_cache
-        if cached is not None and cached[0] is wq:
-            return cached
-        entry = (wq, transpose_quantized(wq), {})  # == wq.t(); a fast kernel on CUDA
-        if self._installed is not None or (self._wq_cache is not None and self._wq_cache[1] is wq):
-            self._wq_t_cache = entry  # only the transpose of a cached Q(W) is kept (not a ZeRO-3 gather's)
-        return entry
+        return transposed_entry(self, wq, self._installed is not None)
 
     def _dgrad_operands(self, wq: QuantizedTensor | None, weight: torch.Tensor, plan: _StepPlan) -> tuple[QuantizedTensor, object]:
         """(Q(W)^T, its prepared GEMM operands) for DGrad; `wq` is the forward's Q(W) when the layer caches it."""
-        entry = self._transposed_entry(wq if wq is not None else self.quantized_weight(weight))
-        prepared = entry[2]
-        name = plan.bwd_backend
-        if name not in prepared:
-            prepared[name] = plan.bwd_gemm.weight(entry[1])
-        return entry[1], prepared[name]
+        return dgrad_operands(self, wq if wq is not None else self.quantized_weight(weight), plan, self._installed is not None)
 
     def invalidate_cache(self) -> None:
         """Drop the cached FP8 weights (and the step plans, rebuilt at the next forward)."""

@@ -26,6 +26,7 @@ import triton.language as tl
 from ..formats import FP8_DTYPE, QuantizedTensor
 from ._common import abs_max, group_scale, quantize_values
 from .launch import TritonLauncher
+from .layout import column_blocks_of_one
 from .quant import empty_scale_1x128
 
 try:  # Triton >= 3.2 spells the CUDA libdevice module like this
@@ -137,8 +138,7 @@ def silu_mul_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
     if gate.dtype not in _TL_DTYPE or not (dh.dtype == up.dtype == gate.dtype):
         raise TypeError(f"silu_mul_backward supports bf16/fp16/fp32 inputs of one dtype, got {dh.dtype}, {gate.dtype}, {up.dtype}")
     rows, cols = gate.shape
-    if (gate.stride() == up.stride() == (2 * cols, 1) and up.storage_offset() == gate.storage_offset() + cols
-            and gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()):
+    if column_blocks_of_one([gate, up]):
         both = torch.empty((rows, 2 * cols), dtype=gate.dtype, device=gate.device)
         dgate, dup = both[:, :cols], both[:, cols:]
     else:

@@ -12,7 +12,7 @@ import torch
 
 from ..formats import QuantizedTensor
 
-__all__ = ["mn_major", "row_major_padded_t", "pad_operands", "pad_columns", "padding_events"]
+__all__ = ["mn_major", "row_major_padded_t", "pad_operands", "pad_columns", "padding_events", "column_blocks_of_one"]
 
 logger = logging.getLogger(__name__)
 padding_events: dict[str, int] = {}
@@ -20,6 +20,22 @@ padding_events: dict[str, int] = {}
 
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
+
+
+def column_blocks_of_one(parts: list[torch.Tensor]) -> bool:
+    """Whether 2-D `parts` of one row count are consecutive column blocks of one row-major [M, sum(N_i)] buffer
+    (the halves a stacked gate/up GEMM writes, say): then that buffer is readable as one tensor without a copy."""
+    total = 0
+    for p in parts:  # a plain loop: this runs per backward of every stacked layer group
+        total += p.shape[1]
+    first = parts[0]
+    start, ptr, off = first.storage_offset(), first.untyped_storage().data_ptr(), 0
+    for p in parts:
+        if (p.shape[0] != first.shape[0] or p.stride() != (total, 1) or p.storage_offset() != start + off
+                or p.untyped_storage().data_ptr() != ptr):
+            return False
+        off += p.shape[1]
+    return True
 
 
 def mn_major(scale: torch.Tensor) -> torch.Tensor:
