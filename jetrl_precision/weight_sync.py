@@ -3,8 +3,8 @@
 FP8 layers travel as the e4m3 bytes + fp32 128x128 scales that the trainer's own forward
 uses (`Fp8Linear.quantized_weight`, cached): half the bytes of bf16, and the engine installs
 them without re-quantizing, so both sides hold identical bytes. Everything else (embeddings,
-norms, lm_head, biases) travels in its own dtype. `digest` fingerprints bytes for the
-post-sync check.
+norms, lm_head, biases) travels in its own dtype. `digest` (jetrl_precision.digests) fingerprints
+bytes for the post-sync check.
 
 Transport: colocated engines take the tensors in-process; a separate engine receives them
 over a torch.distributed group (`init_sync_group`: gloo on CPU, NCCL on GPU) that lives
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from . import ops
+from .digests import digest
 from .formats import Block
 from .graph import canonical_name
 from .linear import Fp8Linear
@@ -69,45 +70,6 @@ class SyncTensor:
     def nbytes(self) -> int:
         n = self.data.numel() * self.data.element_size()
         return n + (self.scale.numel() * self.scale.element_size() if self.scale is not None else 0)
-
-
-_DIGEST_P = (1 << 31) - 1  # a Mersenne prime: byte changes (|delta| <= 255) never vanish modulo it
-_DIGEST_A = (1_103_515_245, 1_664_525_891)  # two position multipliers: two independent 31-bit sums
-_DIGEST_CHUNK = 1 << 22  # bytes per pass: 255 * (P - 1) * chunk < 2^63, so int64 sums never overflow
-_digest_base: dict[str, torch.Tensor] = {}
-
-
-def _digest_weights(device: torch.device) -> torch.Tensor:
-    """(A_k * j) mod (P - 1) for j < chunk, per multiplier: a chunk at `start` adds A_k * start mod (P - 1)."""
-    key = str(device)
-    if key not in _digest_base:
-        j = torch.arange(_DIGEST_CHUNK, dtype=torch.int64, device=device)
-        _digest_base[key] = torch.stack([(j * a) % (_DIGEST_P - 1) for a in _DIGEST_A])
-    return _digest_base[key]
-
-
-def digest(t: torch.Tensor) -> str:
-    """A checksum of a tensor's raw bytes, computed where the tensor lives (no copy to the host).
-
-    Two sums over the bytes b_i, each weighted by w(i) = 1 + (A * i mod (P - 1)) and taken modulo the prime
-    P = 2^31 - 1, plus the byte count. Any single changed byte changes both sums; it guards against corrupted
-    or mis-installed weights, not against an adversary. Integer arithmetic, so every device gives the same
-    value for the same bytes. (A host-side sha1 of a sampled 8B model's tensors took about 10 s per check.)
-    """
-    t = t.detach().contiguous()
-    raw = (t if t.element_size() == 1 else t.reshape(-1)).view(torch.uint8).reshape(-1)
-    n = raw.numel()
-    p, m = _DIGEST_P, _DIGEST_P - 1
-    base = _digest_weights(raw.device) if n else None
-    sums = torch.zeros(2, dtype=torch.int64, device=raw.device)
-    for start in range(0, n, _DIGEST_CHUNK):
-        b = raw[start : start + _DIGEST_CHUNK].to(torch.int64)
-        for k, a in enumerate(_DIGEST_A):
-            w = base[k, : b.numel()] + (a * start) % m  # < 2m: one conditional subtraction reduces it
-            w = torch.where(w >= m, w - m, w) + 1
-            sums[k] = (sums[k] + (b * w).sum() % p) % p
-    h1, h2 = sums.tolist()
-    return f"{h1:08x}{h2:08x}-{n}"  # "-": ":" separates the data and scale digests of an FP8 tensor
 
 
 Layout = Literal["checkpoint", "model"]  # how synced high-precision tensors are named and laid out (iter_sync_tensors)

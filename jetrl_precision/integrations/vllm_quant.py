@@ -29,7 +29,7 @@ from ..gemm.dispatch import ROLLOUT_DECODE_MAX_M
 from .engine_linear import EngineLinear
 from .vllm_plugin import QUANT_NAME, JetFp8Settings, Scope, plan_quant_groups
 
-__all__ = ["JetFp8Config", "JetFp8LinearMethod", "shard_window", "check_aligned", "captured_batch_max"]
+__all__ = ["JetFp8Config", "JetFp8LinearMethod", "shard_window", "local_window", "check_aligned", "captured_batch_max"]
 
 logger = logging.getLogger(__name__)
 _logged: set = set()
@@ -313,6 +313,22 @@ def shard_window(layer: torch.nn.Module, part: int, full_shape: tuple[int, int])
     if isinstance(layer, RowParallelLinear):
         return 0, n_full, tp_rank * cols, cols
     return 0, n_full, 0, k_full
+
+
+def local_window(layer: torch.nn.Module, part: int | None, local_shape: tuple[int, int], pname: str = "weight") -> tuple[tuple[int, int], tuple[int, int]]:
+    """(full 2-D shape, offset) of what this TP rank holds of a checkpoint part, from its local [rows, cols]:
+    `shard_window` run backwards. Column-parallel layers split rows (k/v heads may be replicated over ranks),
+    row-parallel weights split columns; their biases and everything else are whole on every rank."""
+    rows, cols = local_shape
+    tp_size, tp_rank = getattr(layer, "tp_size", 1), getattr(layer, "tp_rank", 0)
+    if tp_size == 1:
+        return (rows, cols), (0, 0)
+    if isinstance(layer, ColumnParallelLinear):
+        replicas = layer.num_kv_head_replicas if isinstance(layer, QKVParallelLinear) and (part or 0) > 0 else 1
+        return (rows * (tp_size // replicas), cols), ((tp_rank // replicas) * rows, 0)
+    if isinstance(layer, RowParallelLinear) and pname == "weight":
+        return (rows, cols * tp_size), (0, tp_rank * cols)
+    return (rows, cols), (0, 0)
 
 
 def check_aligned(layer: torch.nn.Module, what: str, start: int, length: int, full: int, block: int) -> None:

