@@ -422,8 +422,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _full_part_sizes(layer: nn.Module) -> list[int] | None:
+    """The checkpoint's part sizes of a fused projection. vLLM's `output_sizes` count a K/V head once per
+    tensor-parallel rank that holds it: with more ranks than KV heads, each is replicated over ranks."""
     sizes = getattr(layer, "output_sizes", None)
-    return list(sizes) if sizes is not None and len(sizes) > 1 else None
+    if sizes is None or len(sizes) <= 1:
+        return None
+    replicas = getattr(layer, "num_kv_head_replicas", 1)
+    return [s if i == 0 or replicas == 1 else s // replicas for i, s in enumerate(sizes)]
 
 
 def _add_foreign_linear(g: PrecisionGraph, m: nn.Module, name: str, in_features: int, out_features: int, parts: list[int] | None) -> None:
@@ -473,7 +478,7 @@ def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
             method = jetrl_method_of(m)
             in_features = getattr(m, "input_size", None)
             parts = _full_part_sizes(m)
-            out_features = getattr(m, "output_size", None)
+            out_features = sum(parts) if parts else getattr(m, "output_size", None)
             if method is not None:
                 add_linear(
                     g, name, in_features, out_features, method.fprop, None,

