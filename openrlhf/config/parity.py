@@ -57,9 +57,11 @@ OPENRLHF_V0_11: dict[str, Parity] = {
     "--train.colocate_critic_reward": _same("Ray mode placement"),
     "--train.colocate_all": _same("Ray mode placement (hybrid engine); SPMD ranks are colocated by construction"),
     "--vllm.num_engines": _same("Ray mode (it also selects Ray mode when no launcher started the process); SPMD runs one engine per rank"),
-    "--vllm.tensor_parallel_size": _refused(
-        "when > 1 with the vLLM engine: the digest check after every weight sync reads each layer's FP8 bytes from "
-        "one engine worker, and tensor parallelism spreads them over several; use 1 with more --vllm.num_engines"
+    "--vllm.tensor_parallel_size": _differs(
+        "each worker installs its slice of the trainer's FP8 bytes, and the digest check combines the slices' sums "
+        "into the whole tensors' digests; refused where a shard would cut a 128x128 FP8 block (the line names the "
+        "projection), with --precision.bitwise, for checkpoints that store projections fused (Phi-3), and in SPMD mode on "
+        "GPUs (use Ray mode, --vllm.num_engines)"
     ),
     "--vllm.sync_backend": _differs("default auto: gloo on CPU and when engines share policy rank 0's GPU, else NCCL (v0.11: nccl)"),
     "--vllm.sync_with_ray": _differs(

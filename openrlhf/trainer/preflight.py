@@ -3,8 +3,9 @@
 Parsing accepts every OpenRLHF v0.11 flag, so an OpenRLHF script always gets past the parser;
 this step then refuses, with one line each, what this framework or this machine cannot run:
 features that need CUDA kernels (ring attention, flash attention, Liger), features built on
-modules the FP8 precision flow does not cover (vision towers, LoRA adapters, 4-bit bases), and
-tensor-parallel training (with the shard sizes that would cut FP8 blocks in half named first).
+modules the FP8 precision flow does not cover (vision towers, LoRA adapters, 4-bit bases),
+tensor-parallel training (with the shard sizes that would cut FP8 blocks in half named first), and
+tensor-parallel engines whose shards would cut FP8 blocks.
 docs/cli.md's parity table lists the same decisions.
 """
 
@@ -34,11 +35,12 @@ def _model_config(path: str | None) -> dict | None:
     return None
 
 
-def fp8_tp_shard_errors(model_config: dict, tp: int) -> list[str]:
-    """AutoTP splits q/k/v/gate/up by output rows (column parallel) and o/down by input columns
+def fp8_tp_shard_errors(model_config: dict, tp: int, flag: str = "--ds.tensor_parallel_size", replicate_kv: bool = False) -> list[str]:
+    """Tensor parallelism splits q/k/v/gate/up by output rows (column parallel) and o/down by input columns
     (row parallel). FP8 weights are quantized in 128x128 blocks and activations in 1x128 groups
     along K, so every shard boundary must fall on a multiple of 128: a split inside a block would
-    give each rank a different scale for half a block than the unsharded layer uses."""
+    give each rank a different scale for half a block than the unsharded layer uses.
+    `replicate_kv`: with more ranks than KV heads, each rank holds one whole KV head (vLLM replicates them)."""
     h = model_config.get("hidden_size")
     inter = model_config.get("intermediate_size")
     heads = model_config.get("num_attention_heads")
@@ -46,9 +48,12 @@ def fp8_tp_shard_errors(model_config: dict, tp: int) -> list[str]:
     if not (h and inter and heads):
         return []
     head_dim = model_config.get("head_dim") or h // heads
+    kv_rows = kv * head_dim
+    if replicate_kv and tp > kv and tp % kv == 0:
+        kv_rows = head_dim * tp  # one head per rank
     dims = {
         "q_proj rows (column parallel)": heads * head_dim,
-        "k_proj/v_proj rows (column parallel)": kv * head_dim,
+        "k_proj/v_proj rows (column parallel)": kv_rows,
         "gate_proj/up_proj rows (column parallel)": inter,
         "o_proj columns (row parallel)": heads * head_dim,
         "down_proj columns (row parallel)": inter,
@@ -57,9 +62,43 @@ def fp8_tp_shard_errors(model_config: dict, tp: int) -> list[str]:
     for what, n in dims.items():
         if n % tp or (n // tp) % BLOCK:
             errors.append(
-                f"--ds.tensor_parallel_size {tp} splits {what} of {n} into shards of {n / tp:g}, not a multiple of "
+                f"{flag} {tp} splits {what} of {n} into shards of {n / tp:g}, not a multiple of "
                 f"{BLOCK}: the FP8 128x128 weight blocks and 1x128 activation groups would straddle ranks"
             )
+    return errors
+
+
+def _engine_tp_errors(cfg, cuda: bool) -> list[str]:
+    """A vLLM engine split over --vllm.tensor_parallel_size workers: each holds a slice of every projection,
+    installs its slice of the trainer's FP8 bytes and sums its window for the digest check."""
+    tp, flag = cfg.vllm.tensor_parallel_size, "--vllm.tensor_parallel_size"
+    errors = []
+    if cuda and not cfg.vllm.num_engines:
+        errors.append(
+            f"{flag} {tp}: in SPMD mode each trainer rank hosts one engine on its own GPU; an engine over {tp} GPUs "
+            f"runs in Ray mode: add --vllm.num_engines (each engine takes {tp} GPUs), or use {flag} 1"
+        )
+    if cfg.precision.bitwise:
+        errors.append(
+            f"{flag} {tp} with --precision.bitwise: a tensor-parallel engine adds its row-parallel layers' partial "
+            f"sums across workers, in another order than the trainer's one GEMM, so it cannot be bit-exact; use {flag} 1"
+        )
+    model = _model_config(cfg.actor.model_name_or_path)
+    if model is None:
+        return errors
+    heads, kv = model.get("num_attention_heads"), model.get("num_key_value_heads", model.get("num_attention_heads"))
+    if heads and kv and (heads % tp or (kv % tp and tp % kv)):
+        errors.append(
+            f"{flag} {tp} must divide the model's {heads} attention heads, and divide or be a multiple of its {kv} KV "
+            "heads (vLLM splits heads between workers)"
+        )
+    elif model.get("model_type") == "phi3" and cfg.precision.load_recipe().rollout.is_fp8:
+        errors.append(
+            f"{flag} {tp}: this model's checkpoint stores q/k/v and gate/up fused (Phi-3), which the FP8 engine "
+            f"cannot yet split between tensor-parallel workers; use {flag} 1"
+        )
+    elif cfg.precision.load_recipe().rollout.is_fp8:
+        errors += fp8_tp_shard_errors(model, tp, flag, replicate_kv=True)
     return errors
 
 
@@ -98,11 +137,7 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
             )
     uses_vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and (cuda or not cfg.precision.bitwise) and _has("vllm"))
     if uses_vllm and cfg.vllm.tensor_parallel_size > 1:
-        errors.append(
-            f"--vllm.tensor_parallel_size {cfg.vllm.tensor_parallel_size}: vLLM engines split across devices are not "
-            "supported yet: the digest check after every weight sync reads each layer's FP8 bytes from one engine worker, "
-            "and tensor parallelism spreads them over several; use --vllm.tensor_parallel_size 1 with more --vllm.num_engines"
-        )
+        errors += _engine_tp_errors(cfg, cuda)
     if cfg.precision.bitwise and uses_vllm and not cuda:
         errors.append(
             "--precision.bitwise --rollout.engine vllm: vLLM's bitwise mode runs on CUDA (the trainer's Triton kernels in "

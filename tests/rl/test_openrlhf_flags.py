@@ -385,3 +385,34 @@ def test_autotp_shards_that_cut_fp8_blocks_are_refused():
     assert fp8_tp_shard_errors(llama_8b, 8) == []
     cut = fp8_tp_shard_errors({**llama_8b, "intermediate_size": 11008}, 8)  # 1376 per rank
     assert len(cut) == 2 and all("not a multiple of 128" in e for e in cut)
+
+
+def _engine_tp_errors(tmp_path, model: dict, tp: int, *extra: str, cuda: bool = False, recipe: str = "jet_fp8") -> list[str]:
+    from openrlhf.config import parse_config
+    from openrlhf.trainer.preflight import preflight_errors
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **model}))
+    cfg = parse_config(["--actor.model_name_or_path", str(tmp_path), "--data.prompt_dataset", "d.jsonl", "--precision.recipe", recipe,
+                        "--rollout.engine", "vllm", "--vllm.tensor_parallel_size", str(tp), *extra], exit_on_error=False)
+    return [e for e in preflight_errors(cfg, cuda=cuda) if "--vllm.tensor_parallel_size" in e]
+
+
+def test_tensor_parallel_engines_run_where_shards_keep_fp8_blocks_whole(tmp_path):
+    """vLLM engines over several workers: accepted for 8B shapes (K/V heads replicated past 8 ranks), refused in one
+    line where a shard would cut a 128x128 block, with bitwise mode, for fused checkpoints, and in SPMD on GPUs."""
+    llama_8b = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8}
+    for tp in (2, 4, 8, 16):
+        assert _engine_tp_errors(tmp_path, llama_8b, tp) == [], tp
+    assert _engine_tp_errors(tmp_path, llama_8b, 2, "--vllm.num_engines", "2", cuda=True) == []  # Ray mode on GPUs
+    spmd = _engine_tp_errors(tmp_path, llama_8b, 2, cuda=True)
+    assert len(spmd) == 1 and "Ray mode" in spmd[0] and "--vllm.num_engines" in spmd[0]
+    cut = _engine_tp_errors(tmp_path, {**llama_8b, "intermediate_size": 11008}, 8)  # 1376 rows per worker
+    assert len(cut) == 2 and all("not a multiple of 128" in e for e in cut)
+    smollm2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3}
+    assert any("heads" in e for e in _engine_tp_errors(tmp_path, smollm2, 2))  # 9 heads do not split in two
+    assert any("q_proj rows" in e for e in _engine_tp_errors(tmp_path, smollm2, 3))  # 192-row shards
+    assert any("bit-exact" in e for e in _engine_tp_errors(tmp_path, llama_8b, 2, "--precision.bitwise"))
+    fused = _engine_tp_errors(tmp_path, {**llama_8b, "model_type": "phi3"}, 2)
+    assert len(fused) == 1 and "fused" in fused[0]
+    # bf16: no FP8 blocks to keep whole
+    assert _engine_tp_errors(tmp_path, {**llama_8b, "intermediate_size": 11008}, 8, recipe="bf16") == []

@@ -114,7 +114,6 @@ def test_parity_table_lists_exactly_the_v0_11_flags_in_order():
 
 # What turns each refused flag on (a sub-flag of a refused feature is refused through its parent).
 REFUSAL_TRIGGERS = {
-    "--vllm.tensor_parallel_size": ["--vllm.tensor_parallel_size", "2", "--rollout.engine", "vllm"],
     "--train.async_enable": ["--train.async_enable"],
     "--train.async_queue_size": ["--train.async_enable", "--train.async_queue_size", "4"],
     "--train.partial_rollout_enable": ["--train.partial_rollout_enable"],

@@ -119,6 +119,7 @@ def test_gpu_placement_rules_hold_without_a_gpu():
     assert engine_placement(1, on_gpu=True) == ({"distributed_executor_backend": "uni"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     assert engine_placement(2, on_gpu=True) == ({"distributed_executor_backend": "ray"}, {})
     assert engine_placement(1, on_gpu=False) == ({}, {})
+    assert engine_placement(2, on_gpu=False) == ({}, {})  # vLLM-CPU: its own worker processes (VLLMEngine picks "mp")
 
     # the 2-GPU layouts: policy on one GPU and the engine on the other, or both colocated on each GPU
     separate = _plan("--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0")

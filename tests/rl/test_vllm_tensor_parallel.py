@@ -96,6 +96,7 @@ def test_shards_hold_the_trainers_bytes_and_digests_see_whole_tensors(engine, mo
     assert gap.mean() < 1e-4, (gap.mean(), gap.max())
     # precision graph: what each worker built, the same on both, inside the trainer's forward graph
     graph = PrecisionGraph.from_dict(engine.precision_graph())
+    assert graph.meta["tensor_parallel_workers"] == "2"
     assert check_subgraph(graph, build_precision_graph(trainer, get_recipe("jet_fp8"), "train_fwd")) == []
 
 
@@ -114,3 +115,32 @@ def test_a_flipped_byte_in_one_workers_slice_fails_the_check(engine, model_dir):
     assert "replicas" in answer["model.layers.1.self_attn.k_proj.weight"]
     engine.update_weights(iter_sync_tensors(trainer))  # the next sync repairs every slice
     assert engine.verify_weights(trainer, k=21) == []
+
+
+# ---- the whole loop: Ray mode, a policy rank and a two-worker engine actor, FP8 bytes over the sync group ----
+def test_ray_grpo_with_a_tensor_parallel_engine(model_dir, tmp_path):
+    """What OpenRLHF's scripts run (--vllm.tensor_parallel_size 2): every worker of the engine joins the weight-sync
+    group, receives each broadcast and installs its slice; the digest check after every sync compares the
+    combined digests with the trainer's, and the precision check reads every worker's graph."""
+    import json
+
+    from _rl_helpers import PY, grpo_args, metrics, run
+    from openrlhf.datasets.synthetic import make_arithmetic_records, write_jsonl
+
+    data = tmp_path / "arith.jsonl"
+    write_jsonl(make_arithmetic_records(64, difficulty=1, seed=0, max_operand=4, operators=("+",)), data)
+    out = tmp_path / "grpo"
+    args = grpo_args(model_dir, data, out, "jet_fp8", 2, ["--vllm.num_engines", "1", "--vllm.tensor_parallel_size", str(TP),
+                                                          "--actor.num_gpus_per_node", "1", "--ckpt.save_steps", "-1",
+                                                          "--algo.kl.init_coef", "0"])
+    args[args.index("--rollout.engine") + 1] = "vllm"
+    proc = run([PY, "-m", "openrlhf.cli.train_ppo_ray", *args], timeout=900)
+    hist = metrics(out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(hist) == 2 and summary["engine"] == "vllm"
+    assert all(h["sync/checked_tensors"] >= 1 and h["sync/bytes"] > 0 for h in hist)  # a digest mismatch stops the run
+    assert max(h["rollout_train_mismatch/abs_logp_diff_mean"] for h in hist) < 1e-3
+    assert "precision check: OK" in summary["precision_report"]
+    assert "engines ready: vllm-engine-0" in proc.stderr
+    assert "tensor_parallel_workers: 2" in summary["precision_report"]  # both workers' graphs were read, and agree
+    assert json.loads((out / "ray_layout.json").read_text())["groups"]["engines"] == TP

@@ -453,6 +453,8 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"vLLM engine: tensor-parallel workers {differ} built another precision graph than worker 0")
         d = graphs[0]
         d.setdefault("meta", {})["engine"] = f"vllm({self.quantization or 'unquantized'})"
+        if len(graphs) > 1:
+            d["meta"]["tensor_parallel_workers"] = str(len(graphs))
         return d
 
     # ---- memory / lifetime --------------------------------------------------------------------

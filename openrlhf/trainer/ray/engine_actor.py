@@ -37,14 +37,15 @@ logger = logging.getLogger(__name__)
 def engine_placement(tensor_parallel_size: int, on_gpu: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """vLLM engine kwargs and environment for an engine actor.
 
-    TP > 1: the TP workers are Ray actors in this engine's placement-group bundles. TP 1 on a GPU:
+    TP > 1 on GPUs: the TP workers are Ray actors in this engine's placement-group bundles (on CPU, vLLM's
+    worker processes beside the actor's, `VLLMEngine`'s choice). TP 1 on a GPU:
     vLLM runs inside the actor's own process (executor "uni", no engine-core subprocess), so the
     worker that joins the weight-sync group, installs FP8 bytes and answers digests and the precision
     graph is this process, on the GPU Ray gave the actor, with our `jetrl_fp8` method registered in
     it (a spawned engine core would need the project pip-installed for vLLM's plugin entry point).
     """
     if tensor_parallel_size > 1:
-        return {"distributed_executor_backend": "ray"}, {}
+        return ({"distributed_executor_backend": "ray"}, {}) if on_gpu else ({}, {})
     if on_gpu:
         return {"distributed_executor_backend": "uni"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return {}, {}

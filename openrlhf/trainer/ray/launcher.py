@@ -261,7 +261,7 @@ class _Launcher:
             eid = f"{self.kind}-engine-{i}"
             extra = {}
             gpu = True
-            if tp > 1:  # vLLM's Ray executor places the TP workers in this engine's bundles
+            if tp > 1 and self.on_gpu:  # vLLM's Ray executor places the TP workers in this engine's bundles
                 extra = {"VLLM_RAY_BUNDLE_INDICES": ",".join(str(slot.bundle + k) for k in range(tp)), "VLLM_RAY_PER_WORKER_GPUS": str(slot.share)}
                 gpu = False
             opts = self._options(slot, gpu=gpu, env_extra=extra, name=f"jetrl-{self.tag}-{eid}", max_concurrency=2, max_restarts=0)
