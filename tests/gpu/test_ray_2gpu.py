@@ -7,6 +7,8 @@
   answered from inside the remote engine;
 - colocated: `--train.colocate_all --vllm.enable_sleep`, 2 policy ranks and 2 engines sharing the
   2 GPUs, the engines asleep while training runs, weights over gloo;
+- a tensor-parallel engine over both GPUs (colocated with 2 policy ranks): each worker installs its slice of
+  the FP8 bytes, the digest check combines the slices;
 - a layout that needs 3 GPUs is refused at once, naming the reference group;
 - an engine actor killed mid-rollout: `EngineDiedError` naming it, and `--ckpt.load_enable`
   continues from the last checkpoint.
@@ -62,8 +64,9 @@ def task(tmp_path_factory):
     return plan, model, data, reward
 
 
-def _argv(task, out: Path, extra: list[str], steps: int = 2, new_tokens: int | None = None) -> list[str]:
-    plan, model, data, reward = task
+def _argv(task, out: Path, extra: list[str], steps: int = 2, new_tokens: int | None = None, model: Path | None = None) -> list[str]:
+    plan, task_model, data, reward = task
+    model = model or task_model
     plan = dataclasses.replace(plan, steps=steps, new_tokens=new_tokens or plan.new_tokens)
     argv = [a for a in plan.argv(model, data, reward) if a != "--vllm.enable_sleep"]
     return [*argv, "--algo.advantage.estimator", "group_norm", "--rollout.engine", "vllm", "--vllm.enforce_eager",
@@ -129,6 +132,27 @@ def test_colocated_engines_sleep_while_training_and_sync_over_gloo(task, tmp_pat
         assert s["sync/checked_tensors"] >= 1 and s["perf/engine_wake_s"] > 0 and s["perf/engine_sleep_s"] > 0, s
         if "memory/train_engine_asleep_device_used_gib" in s and "memory/rollout_engine_awake_device_used_gib" in s:
             assert s["memory/train_engine_asleep_device_used_gib"] < s["memory/rollout_engine_awake_device_used_gib"] + 1.0, s
+
+
+def test_tensor_parallel_engine_over_both_gpus_beside_two_policy_ranks(task, tmp_path):
+    """OpenRLHF's scripts' layout (--vllm.tensor_parallel_size 2 --train.colocate_all): one engine whose two workers
+    (vLLM's Ray executor, in the engine's bundles) share the policy ranks' GPUs. Every worker receives each sync and
+    installs its slice of the FP8 bytes; the digest check after every step combines the slices' sums."""
+    # head_dim 128 and 2 KV heads: each worker's k/v slice is one 128-row FP8 block (the task's tiny model has 64)
+    model = g.build_random_llama(tmp_path / "tp_model", {**g.TINY, "hidden_size": 512, "intermediate_size": 1024}, 2)
+    out = tmp_path / "tp"
+    p = _cli(_argv(task, out, ["--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "2", "--actor.num_gpus_per_node", "2",
+                               "--train.colocate_all", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2"],
+                   model=model))
+    assert p.returncode == 0, p.stderr[-4000:]
+    layout = json.loads((out / "ray_layout.json").read_text())
+    assert layout["groups"] == {"policy": 2} and layout["roles"]["engines"] == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert "tensor_parallel_workers: 2" in summary["precision_report"] and "precision check: OK" in summary["precision_report"]
+    steps = _metrics(out)
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["sync/checked_tensors"] >= 1 for s in steps)  # a digest mismatch stops the run
+    assert max(s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps) < 0.5  # random weights, bf16: loose
 
 
 def test_layout_needing_more_gpus_than_the_machine_has_is_refused_at_once(task, tmp_path):
