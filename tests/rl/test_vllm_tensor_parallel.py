@@ -7,7 +7,8 @@ must see the whole tensor: each worker sums the window it holds and the windows 
 a one-worker engine gives. Checked here: the bytes, put back together from both workers, equal the trainer's
 after the load and after optimizer steps + syncs; the combined digests equal the trainer's for every tensor;
 one flipped byte in one worker's slice (or in one of two replicas) fails the check, naming the tensor; the
-engine's log-probs match the trainer's recompute; its precision graph is the trainer's subgraph.
+engine's log-probs match the trainer's recompute; its precision graph is the trainer's subgraph. fp8_rollout's
+workers quantize their own slices into the whole weight's bytes. A Ray GRPO run drives it all through the CLI.
 """
 
 from __future__ import annotations
@@ -42,11 +43,35 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("vllm_tp") / "tiny", SPEC)
 
 
+class _Engines:
+    """One engine at a time (an in-process vLLM engine owns its process's distributed state)."""
+
+    def __init__(self, model_dir) -> None:
+        self.model_dir, self.recipe, self.engine = model_dir, None, None
+
+    def get(self, recipe: str) -> VLLMEngine:
+        if recipe != self.recipe:
+            self.close()
+            self.engine = VLLMEngine(self.model_dir, recipe, max_model_len=256, seed=0, tensor_parallel_size=TP)
+            self.recipe = recipe
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.engine = self.recipe = None
+
+
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    e = VLLMEngine(model_dir, "jet_fp8", max_model_len=256, seed=0, tensor_parallel_size=TP)
-    yield e
-    e.shutdown()
+def engines(model_dir):
+    pool = _Engines(model_dir)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def engine(engines):
+    return engines.get("jet_fp8")
 
 
 def _trainer(model_dir):
@@ -115,6 +140,32 @@ def test_a_flipped_byte_in_one_workers_slice_fails_the_check(engine, model_dir):
     assert "replicas" in answer["model.layers.1.self_attn.k_proj.weight"]
     engine.update_weights(iter_sync_tensors(trainer))  # the next sync repairs every slice
     assert engine.verify_weights(trainer, k=21) == []
+
+
+def test_fp8_rollout_workers_quantize_their_slices_as_the_whole_weight_quantizes(engines, model_dir):
+    """fp8_rollout: the trainer sends high-precision weights and each worker quantizes its own slice; on block
+    boundaries that is the whole weight's quantization, byte for byte. The digests answer what arrived (every
+    worker received the whole tensor) and catch a worker whose quantized slice changed afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    from jetrl_precision import ops
+
+    engine = engines.get("fp8_rollout")
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    train_step(trainer, seed=11)
+    engine.update_weights(iter_sync_tensors(trainer, fp8=False))
+    spec = get_recipe("fp8_rollout").rollout.weight
+    linears = [n for n, m in trainer.named_modules() if type(m) is torch.nn.Linear and n != "lm_head"]
+    held = engine.read_weights([f"{n}.weight" for n in linears])
+    for n in linears:
+        ref = ops.quantize(trainer.get_submodule(n).weight.detach(), spec)
+        data, scale = held[f"{n}.weight"]
+        assert torch.equal(data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(scale, ref.scale), n
+    sent = {t.name: sync_tensor_digest(t) for t in iter_sync_tensors(trainer, fp8=False)}
+    assert engine.weight_digests(list(sent)) == sent
+    victim = "model.layers.0.mlp.down_proj.weight"
+    engine.corrupt_weight(victim, 9, worker=1)
+    assert engine.weight_digests([victim])[victim] != sent[victim]
 
 
 # ---- the whole loop: Ray mode, a policy rank and a two-worker engine actor, FP8 bytes over the sync group ----
