@@ -165,3 +165,45 @@ def trainer_logprobs(model, samples, temperature: float = 1.0):
         tok = torch.tensor(s.response_ids, device=device)
         out.append(lp[p - 1 : p - 1 + len(tok)].gather(-1, tok[:, None])[:, 0].cpu())
     return torch.cat(out)
+
+
+class EnginePool:
+    """One in-process engine at a time, built on first use under a key; asking for a different key shuts the
+    current one down first (vLLM keeps its distributed state per process). Tests are ordered to reuse engines."""
+
+    def __init__(self) -> None:
+        self.key = None
+        self.engine = None
+
+    def get(self, key, factory):
+        if key != self.key:
+            self.close()
+            self.engine, self.key = factory(), key
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.engine = self.key = None
+
+
+def assert_engine_holds_trainer_bytes(engine, trainer) -> int:
+    """Every FP8 layer: e4m3 bytes and fp32 scales identical; every other tensor identical. Returns the count."""
+    import torch
+
+    from jetrl_precision import fp8_linears
+
+    layers = fp8_linears(trainer)
+    params = dict(trainer.named_parameters())
+    held = engine.read_weights(list(params))
+    for name in params:
+        assert held[name] is not None, f"engine holds nothing readable for {name}"
+        data, scale = held[name]
+        module = layers.get(name.rsplit(".", 1)[0])
+        if module is not None:
+            wq = module.quantized_weight()
+            assert torch.equal(data.view(torch.uint8), wq.data.view(torch.uint8)), f"FP8 bytes differ: {name}"
+            assert torch.equal(scale, wq.scale), f"scales differ: {name}"
+        else:
+            assert scale is None and torch.equal(data, params[name].detach()), f"tensor differs: {name}"
+    return len(params)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _rl_helpers import VLLM_CPU_ENV, setdefault_env, trainer_logprobs  # noqa: E402
+from _rl_helpers import VLLM_CPU_ENV, EnginePool, setdefault_env, trainer_logprobs  # noqa: E402
 
 setdefault_env(VLLM_CPU_ENV)
 
@@ -93,26 +93,6 @@ def model_dirs(tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm_plugin")
     tiny = build_tiny_model(base / "tiny")
     return {"tiny": tiny, "sharp": sharpen(tiny, base / "sharp")}
-
-
-class EnginePool:
-    """One in-process vLLM engine at a time (vLLM's distributed state is per process): asking for a
-    different one shuts the current one down first. Tests are ordered to reuse engines."""
-
-    def __init__(self) -> None:
-        self.key: str | None = None
-        self.engine: VLLMEngine | None = None
-
-    def get(self, key: str, factory) -> VLLMEngine:
-        if key != self.key:
-            self.close()
-            self.engine, self.key = factory(), key
-        return self.engine
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-        self.engine = self.key = None
 
 
 @pytest.fixture(scope="module")

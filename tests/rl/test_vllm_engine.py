@@ -20,7 +20,7 @@ import threading
 import pytest
 import torch
 
-from _rl_helpers import VLLM_CPU_ENV, setdefault_env, train_step  # noqa: E402
+from _rl_helpers import VLLM_CPU_ENV, EnginePool, assert_engine_holds_trainer_bytes, setdefault_env, train_step  # noqa: E402
 
 setdefault_env(VLLM_CPU_ENV)
 
@@ -95,24 +95,6 @@ from openrlhf.trainer.engines.vllm_engine import VLLMEngine, VLLMNotInstalledErr
 pytestmark = pytest.mark.integration
 
 
-class EnginePool:
-    """One in-process vLLM engine at a time (vLLM's distributed state is per process)."""
-
-    def __init__(self) -> None:
-        self.key, self.engine = None, None
-
-    def get(self, key, factory):
-        if key != self.key:
-            self.close()
-            self.engine, self.key = factory(), key
-        return self.engine
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-        self.engine = self.key = None
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("vllm_engine") / "tiny")
@@ -135,24 +117,6 @@ def load_trainer(model_dir, recipe: str | None):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return convert_to_fp8(model, get_recipe(recipe)) if recipe else model
-
-
-def assert_engine_holds_trainer_bytes(engine, trainer) -> int:
-    """Every FP8 layer: e4m3 bytes and fp32 scales identical; every other tensor identical. Returns the count."""
-    layers = fp8_linears(trainer)
-    params = dict(trainer.named_parameters())
-    held = engine.read_weights(list(params))
-    for name in params:
-        assert held[name] is not None, f"engine holds nothing readable for {name}"
-        data, scale = held[name]
-        module = layers.get(name.rsplit(".", 1)[0])
-        if module is not None:
-            wq = module.quantized_weight()
-            assert torch.equal(data.view(torch.uint8), wq.data.view(torch.uint8)), f"FP8 bytes differ: {name}"
-            assert torch.equal(scale, wq.scale), f"scales differ: {name}"
-        else:
-            assert scale is None and torch.equal(data, params[name].detach()), f"tensor differs: {name}"
-    return len(params)
 
 
 def test_generate_returns_engine_logprobs_per_sampled_token(jet_engine):

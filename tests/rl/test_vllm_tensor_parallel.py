@@ -16,13 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _rl_helpers import VLLM_CPU_ENV, setdefault_env, train_step, trainer_logprobs  # noqa: E402
+from _rl_helpers import VLLM_CPU_ENV, EnginePool, assert_engine_holds_trainer_bytes, setdefault_env, train_step, trainer_logprobs  # noqa: E402
 
 setdefault_env(VLLM_CPU_ENV)
 
 vllm = pytest.importorskip("vllm")
 
-from jetrl_precision import build_precision_graph, check_subgraph, convert_to_fp8, fp8_linears, get_recipe  # noqa: E402
+from jetrl_precision import build_precision_graph, check_subgraph, convert_to_fp8, get_recipe  # noqa: E402
 from jetrl_precision.graph import PrecisionGraph  # noqa: E402
 from jetrl_precision.weight_sync import WeightSyncError, iter_sync_tensors, sync_tensor_digest  # noqa: E402
 
@@ -43,57 +43,22 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("vllm_tp") / "tiny", SPEC)
 
 
-class _Engines:
-    """One engine at a time (an in-process vLLM engine owns its process's distributed state)."""
-
-    def __init__(self, model_dir) -> None:
-        self.model_dir, self.recipe, self.engine = model_dir, None, None
-
-    def get(self, recipe: str) -> VLLMEngine:
-        if recipe != self.recipe:
-            self.close()
-            self.engine = VLLMEngine(self.model_dir, recipe, max_model_len=256, seed=0, tensor_parallel_size=TP)
-            self.recipe = recipe
-        return self.engine
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-        self.engine = self.recipe = None
-
-
 @pytest.fixture(scope="module")
 def engines(model_dir):
-    pool = _Engines(model_dir)
-    yield pool
+    pool = EnginePool()
+    yield lambda recipe: pool.get(recipe, lambda: VLLMEngine(model_dir, recipe, max_model_len=256, seed=0, tensor_parallel_size=TP))
     pool.close()
 
 
 @pytest.fixture
 def engine(engines):
-    return engines.get("jet_fp8")
+    return engines("jet_fp8")
 
 
 def _trainer(model_dir):
     from transformers import AutoModelForCausalLM
 
     return convert_to_fp8(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), get_recipe("jet_fp8"))
-
-
-def _assert_same_bytes(engine, trainer) -> None:
-    layers = fp8_linears(trainer)
-    params = dict(trainer.named_parameters())
-    held = engine.read_weights(list(params))
-    for name, p in params.items():
-        assert held[name] is not None, f"engine holds nothing readable for {name}"
-        data, scale = held[name]
-        module = layers.get(name.rsplit(".", 1)[0])
-        if module is not None:
-            wq = module.quantized_weight()
-            assert torch.equal(data.view(torch.uint8), wq.data.view(torch.uint8)), f"FP8 bytes differ: {name}"
-            assert torch.equal(scale, wq.scale), f"scales differ: {name}"
-        else:
-            assert scale is None and torch.equal(data, p.detach()), f"tensor differs: {name}"
 
 
 def _all_digests_match(engine, trainer) -> int:
@@ -105,13 +70,13 @@ def _all_digests_match(engine, trainer) -> int:
 
 def test_shards_hold_the_trainers_bytes_and_digests_see_whole_tensors(engine, model_dir):
     trainer = _trainer(model_dir)
-    _assert_same_bytes(engine, trainer)  # the engine quantized its own slices of the checkpoint: same bytes
+    assert_engine_holds_trainer_bytes(engine, trainer)  # the engine quantized its own slices of the checkpoint: same bytes
     assert _all_digests_match(engine, trainer) == 21
     for step in range(2):
         train_step(trainer, seed=step)
         stats = engine.update_weights(iter_sync_tensors(trainer))
         assert stats.fp8_tensors == 14
-        _assert_same_bytes(engine, trainer)
+        assert_engine_holds_trainer_bytes(engine, trainer)
         _all_digests_match(engine, trainer)
         assert engine.verify_weights(trainer, k=8, seed=step) == []
     # log-probs: the engine's per-token log-probs against the trainer's recompute of the same samples
@@ -150,7 +115,7 @@ def test_fp8_rollout_workers_quantize_their_slices_as_the_whole_weight_quantizes
 
     from jetrl_precision import ops
 
-    engine = engines.get("fp8_rollout")
+    engine = engines("fp8_rollout")
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     train_step(trainer, seed=11)
     engine.update_weights(iter_sync_tensors(trainer, fp8=False))
