@@ -25,17 +25,13 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as a file by the deepspeed launcher: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from openrlhf.config import ConfigError, PPOConfig, parse_config  # noqa: E402
+from openrlhf.config import ConfigError, parse_config  # noqa: E402
+from openrlhf.trainer.ray import use_ray_mode  # noqa: E402
 from openrlhf.utils.process import exit_after_run  # noqa: E402
 
-__all__ = ["main", "use_ray_mode"]
+__all__ = ["main"]
 
 logger = logging.getLogger("openrlhf")
-
-
-def use_ray_mode(cfg: PPOConfig, environ=os.environ) -> bool:
-    """Ray mode: engines asked for (--vllm.num_engines) and no distributed launcher around us."""
-    return cfg.vllm.num_engines is not None and not any(k in environ for k in ("WORLD_SIZE", "LOCAL_RANK", "RANK"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from openrlhf.trainer.ray import use_ray_mode
+
 __all__ = ["preflight_errors", "fp8_tp_shard_errors", "path_errors", "engine_errors"]
 
 BLOCK = 128
@@ -68,12 +70,12 @@ def fp8_tp_shard_errors(model_config: dict, tp: int, flag: str = "--ds.tensor_pa
     return errors
 
 
-def _engine_tp_errors(cfg, cuda: bool) -> list[str]:
+def _engine_tp_errors(cfg, cuda: bool, ray: bool) -> list[str]:
     """A vLLM engine split over --vllm.tensor_parallel_size workers: each holds a slice of every projection,
     installs its slice of the trainer's FP8 bytes and sums its window for the digest check."""
     tp, flag = cfg.vllm.tensor_parallel_size, "--vllm.tensor_parallel_size"
     errors = []
-    if cuda and not cfg.vllm.num_engines:
+    if cuda and not ray:
         errors.append(
             f"{flag} {tp}: in SPMD mode each trainer rank hosts one engine on its own GPU; an engine over {tp} GPUs "
             f"runs in Ray mode: add --vllm.num_engines (each engine takes {tp} GPUs), or use {flag} 1"
@@ -102,8 +104,9 @@ def _engine_tp_errors(cfg, cuda: bool) -> list[str]:
     return errors
 
 
-def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
-    """Every reason `cfg` cannot run on this machine with this framework, one line each."""
+def preflight_errors(cfg, *, cuda: bool | None = None, ray: bool | None = None) -> list[str]:
+    """Every reason `cfg` cannot run on this machine with this framework, one line each. `cuda`, `ray`: whether
+    this runs on GPUs and in Ray mode (default: what this machine and process say)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     ds, data, actor = cfg.ds, cfg.data, cfg.actor
     errors: list[str] = []
@@ -137,7 +140,7 @@ def preflight_errors(cfg, *, cuda: bool | None = None) -> list[str]:
             )
     uses_vllm = cfg.rollout.engine == "vllm" or (cfg.rollout.engine == "auto" and (cuda or not cfg.precision.bitwise) and _has("vllm"))
     if uses_vllm and cfg.vllm.tensor_parallel_size > 1:
-        errors += _engine_tp_errors(cfg, cuda)
+        errors += _engine_tp_errors(cfg, cuda, use_ray_mode(cfg) if ray is None else ray)
     if cfg.precision.bitwise and uses_vllm and not cuda:
         errors.append(
             "--precision.bitwise --rollout.engine vllm: vLLM's bitwise mode runs on CUDA (the trainer's Triton kernels in "

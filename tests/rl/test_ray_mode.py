@@ -158,7 +158,7 @@ def test_free_port_skips_ports_already_handed_to_another_group(monkeypatch):
 
 
 def test_launch_rule_ray_only_with_engines_and_without_a_launcher():
-    from openrlhf.cli.train_ppo_ray import use_ray_mode
+    from openrlhf.trainer.ray import use_ray_mode
 
     with_engines = parse_config(["--actor.model_name_or_path", "m", "--data.prompt_dataset", "d", "--vllm.num_engines", "1"])
     without = parse_config(["--actor.model_name_or_path", "m", "--data.prompt_dataset", "d"])
