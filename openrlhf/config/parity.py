@@ -60,8 +60,8 @@ OPENRLHF_V0_11: dict[str, Parity] = {
     "--vllm.tensor_parallel_size": _differs(
         "each worker installs its slice of the trainer's FP8 bytes, and the digest check combines the slices' sums "
         "into the whole tensors' digests; refused where a shard would cut a 128x128 FP8 block (the line names the "
-        "projection), with --precision.bitwise, for checkpoints that store projections fused (Phi-3), and in SPMD mode on "
-        "GPUs (use Ray mode, --vllm.num_engines)"
+        "projection), with --precision.bitwise, for checkpoints that store projections fused (Phi-3), for mixture-of-experts "
+        "models, and in SPMD mode on GPUs (use Ray mode, --vllm.num_engines)"
     ),
     "--vllm.sync_backend": _differs("default auto: gloo on CPU and when engines share policy rank 0's GPU, else NCCL (v0.11: nccl)"),
     "--vllm.sync_with_ray": _differs(

@@ -94,6 +94,11 @@ def _engine_tp_errors(cfg, cuda: bool, ray: bool) -> list[str]:
             f"{flag} {tp} must divide the model's {heads} attention heads, and divide or be a multiple of its {kv} KV "
             "heads (vLLM splits heads between workers)"
         )
+    elif any(model.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        errors.append(
+            f"{flag} {tp}: vLLM splits a mixture-of-experts layer's experts between tensor-parallel workers in its own "
+            f"fused layout, which the digest check after every sync cannot read back yet; use {flag} 1"
+        )
     elif model.get("model_type") == "phi3" and cfg.precision.load_recipe().rollout.is_fp8:
         errors.append(
             f"{flag} {tp}: this model's checkpoint stores q/k/v and gate/up fused (Phi-3), which the FP8 engine "

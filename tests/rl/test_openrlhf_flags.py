@@ -414,5 +414,7 @@ def test_tensor_parallel_engines_run_where_shards_keep_fp8_blocks_whole(tmp_path
     assert any("bit-exact" in e for e in _engine_tp_errors(tmp_path, llama_8b, 2, "--precision.bitwise"))
     fused = _engine_tp_errors(tmp_path, {**llama_8b, "model_type": "phi3"}, 2)
     assert len(fused) == 1 and "fused" in fused[0]
+    moe = _engine_tp_errors(tmp_path, {**llama_8b, "model_type": "qwen3_moe", "num_experts": 8}, 2)
+    assert len(moe) == 1 and "mixture-of-experts" in moe[0]
     # bf16: no FP8 blocks to keep whole
     assert _engine_tp_errors(tmp_path, {**llama_8b, "intermediate_size": 11008}, 8, recipe="bf16") == []
