@@ -6,8 +6,11 @@ The helpers live in tests/precision_testutil.py (import them from there, not fro
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,40 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # DeepSpeed JIT-builds its CPU ops into torch's extensions cache, keyed by name only: two virtualenvs on one
 # machine would rebuild each other's copy (and wait on each other's build lock). One cache per interpreter.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+
+
+_ray_turn = {"depth": 0, "file": None}
+
+
+@contextlib.contextmanager
+def _one_ray_at_a_time(base: Path):
+    """Tests that start Ray take turns across pytest-xdist workers (a lock file beside their temp folders):
+    two Ray clusters with their actors side by side outgrew the 24 GiB CI machine (Ray's memory monitor killed
+    workers). Re-entrant within a process, so a module's Ray instance and its tests share one turn."""
+    if _ray_turn["depth"] == 0:
+        f = open(base / "one_ray_at_a_time.lock", "w")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        _ray_turn["file"] = f
+    _ray_turn["depth"] += 1
+    try:
+        yield
+    finally:
+        _ray_turn["depth"] -= 1
+        if _ray_turn["depth"] == 0:
+            _ray_turn["file"].close()  # releases the lock
+            _ray_turn["file"] = None
+
+
+@pytest.fixture
+def ray_turn(tmp_path_factory):
+    with _one_ray_at_a_time(tmp_path_factory.getbasetemp().parent):
+        yield
+
+
+@pytest.fixture(scope="module")
+def ray_turn_for_module(tmp_path_factory):
+    with _one_ray_at_a_time(tmp_path_factory.getbasetemp().parent):
+        yield
 
 
 @pytest.fixture(autouse=True)

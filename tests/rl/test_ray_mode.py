@@ -40,7 +40,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def ray_local():
+def ray_local(ray_turn_for_module):
     """A private local Ray instance for the in-process driver tests (never a shared cluster)."""
     ray = pytest.importorskip("ray")
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -171,7 +171,7 @@ def test_launch_rule_ray_only_with_engines_and_without_a_launcher():
 
 # ---- the CI script: 2 ZeRO-3 policy ranks + 1 reference + 1 vLLM engine -----------------------------
 @pytest.mark.slow
-def test_tiny_cpu_script_grpo_zero3_ref_and_vllm_engine_actor(task, tmp_path):
+def test_tiny_cpu_script_grpo_zero3_ref_and_vllm_engine_actor(task, tmp_path, ray_turn):
     pytest.importorskip("vllm")
     model, data = task
     t0 = time.time()
@@ -207,7 +207,7 @@ def test_tiny_cpu_script_grpo_zero3_ref_and_vllm_engine_actor(task, tmp_path):
 
 # ---- Ray and SPMD: the same trainer core -------------------------------------------------------------
 @pytest.mark.slow
-def test_ray_step_equals_spmd_step(task, tmp_path):
+def test_ray_step_equals_spmd_step(task, tmp_path, ray_turn):
     """Same seed, data and world size (2, ZeRO-3, with a reference): identical metrics, step by step.
 
     Both sides use the transformers engine: SPMD gives each rank its own engine; Ray gives both

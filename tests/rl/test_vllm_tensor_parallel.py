@@ -134,7 +134,7 @@ def test_fp8_rollout_workers_quantize_their_slices_as_the_whole_weight_quantizes
 
 
 # ---- the whole loop: Ray mode, a policy rank and a two-worker engine actor, FP8 bytes over the sync group ----
-def test_ray_grpo_with_a_tensor_parallel_engine(model_dir, tmp_path):
+def test_ray_grpo_with_a_tensor_parallel_engine(model_dir, tmp_path, ray_turn):
     """What OpenRLHF's scripts run (--vllm.tensor_parallel_size 2): every worker of the engine joins the weight-sync
     group, receives each broadcast and installs its slice; the digest check after every sync compares the
     combined digests with the trainer's, and the precision check reads every worker's graph."""
