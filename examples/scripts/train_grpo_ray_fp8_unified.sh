@@ -9,6 +9,8 @@
 #
 # A/B baselines with everything else identical: train_grpo_ray_bf16_baseline.sh and
 # train_grpo_ray_fp8_rollout_tis.sh (they call this script with RECIPE=bf16 / fp8_rollout).
+# Larger models: TP=2/4/8 splits each engine over that many GPUs (8/TP engines); every worker installs its
+# slice of the FP8 bytes, and the run refuses, in one line, a TP whose shards would cut a 128x128 FP8 block.
 set -euo pipefail
 
 MODEL=${MODEL:-meta-llama/Llama-3.1-8B-Instruct}
@@ -16,12 +18,13 @@ DATA=${DATA:?set DATA to a prompt dataset: .jsonl/.json/.parquet or a local HF d
 RECIPE=${RECIPE:-jet_fp8}
 SAVE=${SAVE:-./ckpt/llama3.1-8b-grpo-ray-${RECIPE}}
 RAY_ADDRESS=${RAY_ADDRESS:-http://127.0.0.1:8265}
+TP=${TP:-1}                                  # GPUs per vLLM engine
 WORKDIR=${WORKDIR:-$(cd "$(dirname "$0")/../.." && pwd)}   # shipped to the cluster by `ray job submit`
 
 RAY_ARGS=(
    --actor.num_nodes 1 --actor.num_gpus_per_node 8
    --ref.num_nodes 1 --ref.num_gpus_per_node 8
-   --vllm.num_engines 8 --vllm.tensor_parallel_size 1
+   --vllm.num_engines $((8 / TP)) --vllm.tensor_parallel_size "$TP"
    --train.colocate_all                      # policy + ref + engines on the same 8 GPUs
    --vllm.gpu_memory_utilization 0.6 --vllm.enable_sleep
 )

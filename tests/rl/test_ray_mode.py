@@ -382,15 +382,16 @@ def test_actor_that_fails_to_start_is_named_and_the_run_cleans_up(task, tmp_path
 
 # ---- the example scripts: their flags parse and their layouts plan ---------------------------------------
 @pytest.mark.parametrize(
-    "script, recipe, world, groups",
+    "script, recipe, world, groups, tp",
     [
-        ("train_grpo_ray_fp8_unified.sh", "jet_fp8", 8, {"policy": 8}),
-        ("train_grpo_ray_bf16_baseline.sh", "bf16", 8, {"policy": 8}),
-        ("train_grpo_ray_fp8_rollout_tis.sh", "fp8_rollout", 8, {"policy": 8}),
-        ("train_grpo_ray_fp8_unified_multinode.sh", "jet_fp8", 16, {"policy": 16, "engines": 8}),
+        ("train_grpo_ray_fp8_unified.sh", "jet_fp8", 8, {"policy": 8}, 1),
+        ("train_grpo_ray_fp8_unified.sh", "jet_fp8", 8, {"policy": 8}, 4),  # TP=4: two engines of four GPUs
+        ("train_grpo_ray_bf16_baseline.sh", "bf16", 8, {"policy": 8}, 1),
+        ("train_grpo_ray_fp8_rollout_tis.sh", "fp8_rollout", 8, {"policy": 8}, 1),
+        ("train_grpo_ray_fp8_unified_multinode.sh", "jet_fp8", 16, {"policy": 16, "engines": 8}, 1),
     ],
 )
-def test_gpu_example_scripts_submit_valid_jobs(tmp_path, script, recipe, world, groups):
+def test_gpu_example_scripts_submit_valid_jobs(tmp_path, script, recipe, world, groups, tp):
     """Run each script with a stand-in `ray` on PATH that records what it would submit."""
     from openrlhf.trainer.ray.launcher import plan_layout
 
@@ -399,7 +400,8 @@ def test_gpu_example_scripts_submit_valid_jobs(tmp_path, script, recipe, world, 
     fake.write_text(f"#!{PY}\nimport json, os, sys\njson.dump(sys.argv[1:], open(os.environ['FAKE_RAY_OUT'], 'w'))\n")
     fake.chmod(0o755)
     record = tmp_path / "submitted.json"
-    env = {**ENV, "PATH": f"{fake.parent}:{os.environ['PATH']}", "FAKE_RAY_OUT": str(record), "DATA": "/data/math.jsonl"}
+    env = {**ENV, "PATH": f"{fake.parent}:{os.environ['PATH']}", "FAKE_RAY_OUT": str(record), "DATA": "/data/math.jsonl",
+           **({"TP": str(tp)} if tp > 1 else {})}
     env.pop("SLURM_JOB_ID", None)
     subprocess.run(["bash", f"examples/scripts/{script}"], cwd=REPO, env=env, check=True, timeout=60)
     argv = json.loads(record.read_text())
@@ -413,3 +415,6 @@ def test_gpu_example_scripts_submit_valid_jobs(tmp_path, script, recipe, world, 
     assert cfg.algo.advantage.is_correction_enable == (recipe == "fp8_rollout")
     layout = plan_layout(cfg)
     assert layout.world("policy") == world and layout.groups == groups and layout.world("ref") == world
+    assert cfg.vllm.tensor_parallel_size == tp and layout.tensor_parallel_size == tp
+    if script == "train_grpo_ray_fp8_unified.sh":
+        assert cfg.vllm.num_engines * tp == 8  # every GPU holds one engine worker
