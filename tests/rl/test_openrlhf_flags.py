@@ -387,14 +387,16 @@ def test_autotp_shards_that_cut_fp8_blocks_are_refused():
     assert len(cut) == 2 and all("not a multiple of 128" in e for e in cut)
 
 
-def _engine_tp_errors(tmp_path, model: dict, tp: int, *extra: str, cuda: bool = False, recipe: str = "jet_fp8") -> list[str]:
+def _engine_tp_errors(tmp_path, model: dict, tp: int, *extra: str, cuda: bool = False, ray: bool = False,
+                      recipe: str = "jet_fp8") -> list[str]:
     from openrlhf.config import parse_config
     from openrlhf.trainer.preflight import preflight_errors
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **model}))
     cfg = parse_config(["--actor.model_name_or_path", str(tmp_path), "--data.prompt_dataset", "d.jsonl", "--precision.recipe", recipe,
                         "--rollout.engine", "vllm", "--vllm.tensor_parallel_size", str(tp), *extra], exit_on_error=False)
-    return [e for e in preflight_errors(cfg, cuda=cuda) if "--vllm.tensor_parallel_size" in e]
+    # `ray` given, not read from this process's environment (an earlier in-process DeepSpeed test may leave RANK set)
+    return [e for e in preflight_errors(cfg, cuda=cuda, ray=ray) if "--vllm.tensor_parallel_size" in e]
 
 
 def test_tensor_parallel_engines_run_where_shards_keep_fp8_blocks_whole(tmp_path):
@@ -403,7 +405,7 @@ def test_tensor_parallel_engines_run_where_shards_keep_fp8_blocks_whole(tmp_path
     llama_8b = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8}
     for tp in (2, 4, 8, 16):
         assert _engine_tp_errors(tmp_path, llama_8b, tp) == [], tp
-    assert _engine_tp_errors(tmp_path, llama_8b, 2, "--vllm.num_engines", "2", cuda=True) == []  # Ray mode on GPUs
+    assert _engine_tp_errors(tmp_path, llama_8b, 2, "--vllm.num_engines", "2", cuda=True, ray=True) == []  # Ray mode on GPUs
     spmd = _engine_tp_errors(tmp_path, llama_8b, 2, cuda=True)
     assert len(spmd) == 1 and "Ray mode" in spmd[0] and "--vllm.num_engines" in spmd[0]
     cut = _engine_tp_errors(tmp_path, {**llama_8b, "intermediate_size": 11008}, 8)  # 1376 rows per worker
