@@ -17,12 +17,13 @@ layout.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-__all__ = ["digest", "DigestPart", "digest_part", "combine_digest_parts", "DigestPartsError"]
+__all__ = ["digest", "DigestPart", "digest_part", "combine_digest_parts", "DigestPartsError", "shape_2d"]
 
 _DIGEST_P = (1 << 31) - 1  # a Mersenne prime: byte changes (|delta| <= 255) never vanish modulo it
 _DIGEST_A = (1_103_515_245, 1_664_525_891)  # two position multipliers: two independent 31-bit sums
@@ -104,20 +105,19 @@ class DigestPart:
         )
 
 
-def _as_2d(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() == 2:
-        return t
+def shape_2d(t: torch.Tensor) -> tuple[int, int]:
+    """The 2-D view digests use: [n, 1] for 1-D (and 0-D) tensors, the leading dim by the rest otherwise."""
     if t.dim() < 2:
-        return t.reshape(-1, 1)
-    return t.reshape(t.shape[0], -1)
+        return (t.numel(), 1)
+    return (t.shape[0], math.prod(t.shape[1:]))
 
 
 def digest_part(t: torch.Tensor, full: Sequence[int] | None = None, offset: Sequence[int] = (0, 0)) -> DigestPart:
     """The sums of `t`, a piece of a larger tensor whose 2-D shape is `full` (default: t's own), at `offset`.
 
     `combine_digest_parts` of the pieces that tile a tensor equals `digest` of the whole."""
-    piece = _as_2d(t.detach())
-    rows, cols = piece.shape
+    rows, cols = shape_2d(t)
+    piece = t.detach().reshape(rows, cols)
     full = tuple(int(x) for x in (full if full is not None else piece.shape))
     offset = tuple(int(x) for x in offset)
     if len(full) != 2 or len(offset) != 2 or offset[0] + rows > full[0] or offset[1] + cols > full[1] or min(offset) < 0:
@@ -126,7 +126,7 @@ def digest_part(t: torch.Tensor, full: Sequence[int] | None = None, offset: Sequ
     if piece.stride(-1) != 1 or (rows > 1 and piece.stride(0) != cols):
         piece = piece.contiguous()
     raw = piece.view(torch.uint8).reshape(rows, cols * e)
-    if (rows, cols) == full or (cols == full[1] and offset[1] == 0):
+    if cols == full[1]:  # (then offset[1] == 0)
         # whole rows: one run of bytes, summed as one row (the same passes as `digest`)
         sums = _row_sums(raw.reshape(1, -1), torch.tensor([offset[0] * full[1] * e]))
     else:

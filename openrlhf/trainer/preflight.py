@@ -99,12 +99,14 @@ def _engine_tp_errors(cfg, cuda: bool, ray: bool) -> list[str]:
             f"{flag} {tp}: vLLM splits a mixture-of-experts layer's experts between tensor-parallel workers in its own "
             f"fused layout, which the digest check after every sync cannot read back yet; use {flag} 1"
         )
-    elif model.get("model_type") == "phi3" and cfg.precision.load_recipe().rollout.is_fp8:
+    elif not cfg.precision.load_recipe().rollout.is_fp8:
+        pass  # a BF16 engine: no FP8 blocks to keep whole
+    elif model.get("model_type") == "phi3":
         errors.append(
             f"{flag} {tp}: this model's checkpoint stores q/k/v and gate/up fused (Phi-3), which the FP8 engine "
             f"cannot yet split between tensor-parallel workers; use {flag} 1"
         )
-    elif cfg.precision.load_recipe().rollout.is_fp8:
+    else:
         errors += fp8_tp_shard_errors(model, tp, flag, replicate_kv=True)
     return errors
 

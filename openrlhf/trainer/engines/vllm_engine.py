@@ -208,6 +208,8 @@ class VLLMEngine(RolloutEngine):
                 # one-node host does not have: leave thread placement to the OS unless the user set it.
                 kwargs["distributed_executor_backend"] = "mp"
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+                # vLLM-CPU reserves this fraction of host RAM in every worker: share it between them
+                kwargs["gpu_memory_utilization"] = gpu_memory_utilization / tensor_parallel_size
             else:
                 kwargs["distributed_executor_backend"] = "uni"
             # vLLM-CPU cannot rewind a seeded request's generator after a partial (chunked) prefill ("CPU
