@@ -113,19 +113,27 @@ def test_precision_graph_names_the_fused_producer():
     assert g.edges_into("0.gate_proj")["input"].attrs.kernel == "triton"
 
 
+@pytest.mark.parametrize("halves", [True, False], ids=["halves-of-one-buffer", "separate"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_backward_is_autograds_bytes(dtype):
-    """silu_mul_backward: the bytes of aten's silu_backward(dh * up, gate) and dh * silu(gate), for gate and up
-    as the two halves of one fused gate_up output (strided views), with outliers and large |gate|."""
+def test_fused_backward_is_autograds_bytes(dtype, halves):
+    """silu_mul_backward: the bytes of aten's silu_backward(dh * up, gate) and dh * silu(gate), with outliers and
+    large |gate|. For gate and up as the two halves of one stacked gate_up output (strided views), dgate and dup are
+    the halves of one new buffer (the stacked GEMM's dY, read without a copy); for separate tensors, each its own."""
     m, i = 1000, 1408
     gu = outlier_data(m, 2 * i, dtype=torch.float32, seed=5).to(dtype)
     gu[:, :8] = torch.tensor([30.0, -30.0, 88.0, -88.0, 1e-3, -1e-3, 0.5, -0.5], device="cuda").to(dtype)
     gate, up = gu.chunk(2, dim=-1)
+    if not halves:
+        gate, up = gate.contiguous(), up.contiguous()
     dh = outlier_data(m, i, dtype=torch.float32, seed=6).to(dtype)
     dgate, dup = fused.silu_mul_backward(dh, gate, up)
     ref_dgate = torch.ops.aten.silu_backward(dh * up, gate)
     ref_dup = dh * torch.nn.functional.silu(gate)
-    assert dgate.is_contiguous() and dup.is_contiguous()
+    if halves:
+        assert dgate.stride() == dup.stride() == (2 * i, 1)
+        assert dup.data_ptr() == dgate.data_ptr() + i * dgate.element_size(), "dup is not the right half of dgate's buffer"
+    else:
+        assert dgate.is_contiguous() and dup.is_contiguous()
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     diff_g = (dgate.view(bits) != ref_dgate.view(bits)).sum().item()
     diff_u = (dup.view(bits) != ref_dup.view(bits)).sum().item()
