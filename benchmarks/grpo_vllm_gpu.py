@@ -332,11 +332,24 @@ def usable(res: dict) -> bool:
 
 def timed_steps(res: dict) -> list[dict]:
     """The steps a speed figure averages: all but the first (warm-up) and the profiled one (torch.profiler slows it,
-    and writing its tables is timed as part of its phases), or the only one."""
+    and writing its tables is timed as part of its phases), or the only one; of a pooled result, each repeat's own."""
+    if res.get("repeats"):
+        return [s for r in res["repeats"] for s in timed_steps(r)]
     steps = res["steps"]
     profiled = (res.get("plan") or {}).get("profile_step", 0)
     clean = [s for s in steps[1:] if s.get("step") != profiled]
     return clean or steps[1:] or steps
+
+
+def pool(runs: list[dict]) -> dict:
+    """Repeats of one recipe's run (each its own trainer and engine, on one machine) as one result. Figures average
+    every repeat's timed steps (no repeat's warm-up step among them); the repeats stay listed for their spread."""
+    runs = [r for r in runs if usable(r)] or runs[-1:]
+    if len(runs) == 1:
+        return runs[0]
+    return {**runs[-1], "repeats": runs, "steps": [s for r in runs for s in r["steps"]],
+            "rc": next((r["rc"] for r in runs if r["rc"]), 0), "timed_out": any(r["timed_out"] for r in runs),
+            "wall_s": round(sum(r["wall_s"] for r in runs), 1)}
 
 
 def phase_means(res: dict) -> dict[str, float]:
@@ -386,6 +399,13 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
                  "per_step_s": [s["perf/step_s"] for s in r["steps"]], "phases_s": {k: round(v, 4) for k, v in ph.items()},
                  "precision_check": precision_line(r),
                  "digest_checked_tensors": sum(s.get("sync/checked_tensors", 0.0) for s in r["steps"]), "wall_s": r["wall_s"]}
+        reps = r.get("repeats") or [r]
+        if len(reps) > 1:  # pooled: each repeat's own step time, and its ratio to bf16's repeat of the same index
+            extra["per_repeat_step_s"] = [round(phase_means(x)["step"], 3) for x in reps]
+            base_reps = (base.get("repeats") or [base]) if base else []
+            if recipe != "bf16" and len(base_reps) == len(reps):
+                extra["per_repeat_ratio_vs_bf16"] = [round(phase_means(b)["step"] / phase_means(x)["step"], 4)
+                                                     for b, x in zip(base_reps, reps)]
         speedup = (lambda b, v: b / v if b and v else None) if recipe != "bf16" else (lambda b, v: None)
         rec("e2e_grpo_step_s", r["shape"], recipe, round(ph["step"], 3), "s", speedup(bp and bp["step"], ph["step"]), **extra)
         for label, _ in (*PHASES, ("other", ())):
@@ -603,10 +623,11 @@ def cmd_report(a: argparse.Namespace) -> None:
                 profiles[(f.parent.parent.name, data["phase"])] = data  # <out>/speed/<recipe>/profile/step<N>_rank0_<phase>.json
     if not results:
         raise SystemExit(f"report: no speed_*.json or learn_*.json results under {', '.join(a.from_dirs)}")
-    latest = {}
-    for r in results:  # a recipe run again in a later call replaces the earlier result
-        latest[(r["part"], r["recipe"])] = r
-    results = list(latest.values())
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in results:  # in --from's order
+        runs.setdefault((r["part"], r["recipe"]), []).append(r)
+    # A recipe run again replaces the earlier result (a re-run after a failure), unless --pool says they are repeats.
+    results = [pool(rs) if a.pool else rs[-1] for rs in runs.values()]
     if a.table_only:  # on the device: no plotting library, and the records are written where the results come back to
         print(table(results))
         if profiles:
@@ -676,6 +697,8 @@ def main(argv: list[str] | None = None) -> None:
     rp.add_argument("--runs_dir", default=None, help="where run records go (default benchmarks/results/runs)")
     rp.add_argument("--docs_dir", default=None, help="where the plots go (default docs/)")
     rp.add_argument("--table_only", action="store_true", help="only print the table (no records, no plots)")
+    rp.add_argument("--pool", action="store_true",
+                    help="a recipe's results in several --from folders are repeats: average their timed steps (default: the last replaces the others)")
     rp.add_argument("--label", default="grpo-vllm-gpu")
     rp.add_argument("--device_name", default=None, help="override the device recorded in env.json")
     rp.add_argument("--command", default="bash benchmarks/h200_grpo.sh (calls in docs/benchmarks.md)")

@@ -164,3 +164,25 @@ def test_the_separate_projections_ab_reaches_the_trainer_and_its_record(tmp_path
     recs = g.records_from([run("jet_fp8", 10.0, 4.0), run("jet_fp8+separate", 11.0, 5.0)], {"device": "d", "date": "2026-12-04"}, "c")
     (gain,) = [r for r in recs if r["name"] == "stacked_projection_e2e_gain"]
     assert gain["value"] == pytest.approx(1.1) and gain["update_gain"] == pytest.approx(1.25) and gain["backend"] == "jet_fp8"
+
+
+def test_pooled_repeats_average_each_repeats_timed_steps_and_keep_their_spread():
+    """`report --pool`: two runs of a recipe are repeats; each one's warm-up step stays out of the mean, a failed
+    repeat is left out, and each repeat's ratio to bf16's repeat of the same index is recorded."""
+    import grpo_vllm_gpu as g
+
+    def run(recipe, times, rc=0):
+        steps = [{"step": i + 1, "perf/step_s": t, "perf/rollout_tokens_per_s": 1e3, "rollout_train_mismatch/abs_logp_diff_mean": 0.1}
+                 for i, t in enumerate(times)]
+        return {"part": "speed", "recipe": recipe, "rc": rc, "timed_out": False, "steps": steps, "shape": "s",
+                "params": 1, "wall_s": 1.0, "plan": {"layers": 2, "gemm_backend": "torch", "profile_step": 0}}
+
+    bf16 = g.pool([run("bf16", [90.0, 36.0, 38.0]), run("bf16", [90.0, 36.0, 37.0])])
+    fp8 = g.pool([run("jet_fp8", [90.0, 30.0, 30.0]), run("jet_fp8", [90.0, 34.0, 34.0]), run("jet_fp8", [1.0], rc=1)])
+    assert [s["perf/step_s"] for s in g.timed_steps(fp8)] == [30.0, 30.0, 34.0, 34.0] and len(fp8["repeats"]) == 2
+    assert g.phase_means(bf16)["step"] == pytest.approx(36.75)
+    recs = g.records_from([bf16, fp8], {"device": "d", "date": "2026-12-05"}, "c")
+    (step,) = [r for r in recs if r["name"] == "e2e_grpo_step_s" and r["backend"] == "jet_fp8"]
+    assert step["ratio_vs_bf16"] == pytest.approx(36.75 / 32.0) and step["per_repeat_step_s"] == [30.0, 34.0]
+    assert step["per_repeat_ratio_vs_bf16"] == pytest.approx([37.0 / 30.0, 36.5 / 34.0], rel=1e-3)
+    assert g.pool([run("bf16", [90.0, 36.0])]) == run("bf16", [90.0, 36.0])  # one repeat: the result itself
