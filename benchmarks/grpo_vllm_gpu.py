@@ -241,8 +241,14 @@ def learn_inputs(work: Path, plan: LearnPlan) -> tuple[Path, Path]:
 
 # ---- running one recipe ------------------------------------------------------------------------------
 
-def run_recipes(part: str, recipes: list[str], argv_for, out: Path, timeout: float, concurrent: bool, meta: dict, deadline: float) -> list[dict]:
-    """Run each recipe (one after another, or side by side), write `<out>/<part>_<recipe>.json` as each ends."""
+def run_name(recipe: str, repeat: int) -> str:
+    """A run's folder and result name: the recipe, and `.rep<K>` for repeats after the first."""
+    return recipe if repeat == 1 else f"{recipe}.rep{repeat}"
+
+
+def run_recipes(part: str, recipes: list[str], argv_for, out: Path, timeout: float, concurrent: bool, meta: dict, deadline: float,
+                repeat: int = 1) -> list[dict]:
+    """Run each recipe (one after another, or side by side), write `<out>/<part>_<name>.json` as each ends."""
     results = []
     batches = [recipes] if concurrent else [[r] for r in recipes]
     for batch in batches:
@@ -255,13 +261,13 @@ def run_recipes(part: str, recipes: list[str], argv_for, out: Path, timeout: flo
             if jobs:  # side by side: the next engine starts once the previous one is up (see wait_engine_ready)
                 wait_engine_ready(jobs[batch[i - 1]], min(300.0, deadline - time.time()))
             _log(f"{part} {r}: starting")
-            jobs[r] = start([*argv_for(r), *COMMON, *recipe_argv(r)], out / part / r, free_port())
+            jobs[r] = start([*argv_for(r), *COMMON, *recipe_argv(r)], out / part / run_name(r, repeat), free_port())
         for r, job in jobs.items():
-            res = {"part": part, "recipe": r, **meta, **finish(job, min(timeout, deadline - job["t0"]))}
+            res = {"part": part, "recipe": r, "repeat": repeat, **meta, **finish(job, min(timeout, deadline - job["t0"]))}
             ok = res["rc"] == 0 and res["steps"]
             _log(f"{part} {r}: {'done' if ok else 'FAILED'} in {res['wall_s']} s, {len(res['steps'])} steps"
                  + ("" if ok else f" (rc {res['rc']}{', timed out' if res['timed_out'] else ''}; see {job['out'] / 'log.txt'})"))
-            (out / f"{part}_{r}.json").write_text(json.dumps(res, indent=1))
+            (out / f"{part}_{run_name(r, repeat)}.json").write_text(json.dumps(res, indent=1))
             results.append(res)
     return results
 
@@ -274,7 +280,13 @@ def cmd_speed(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
     _log(f"speed: {meta['shape']}")
     # One after another: each run is timed. On CPU (--tiny) the times mean nothing and the runs go side by side: their
     # start-ups (imports, the launcher, the engine) are most of a tiny run, and they overlap on the machine's cores.
-    return run_recipes("speed", a.recipes, lambda r: plan.argv(model, data, reward), out, plan.timeout, plan.tiny, meta, deadline)
+    # Repeats: generation time varies between runs by as much as FP8 gains in it. Even rounds run the recipes in
+    # reverse order (A B, B A, ...), also when a later call adds them (--repeat), so neither recipe always runs first.
+    results = []
+    for k in range(a.repeat, a.repeat + a.repeats):
+        order = a.recipes if k % 2 == 1 else a.recipes[::-1]
+        results += run_recipes("speed", order, lambda r: plan.argv(model, data, reward), out, plan.timeout, plan.tiny, meta, deadline, k)
+    return results
 
 
 def cmd_learn(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
@@ -474,7 +486,7 @@ def plot_phases(results: list[dict], path: Path) -> Path | None:
     ph = [phase_means(r) for r in runs]
     fig, ax = plt.subplots(figsize=(2.0 * len(runs) + 4.0, 4.4))
     bottom = [0.0] * len(runs)
-    labels = [r["recipe"] for r in runs]
+    labels = [r["recipe"] + (f" ({len(r['repeats'])} runs)" if r.get("repeats") else "") for r in runs]
     for label, _ in (*PHASES, ("other", ())):
         vals = [max(p[label], 0.0) for p in ph]
         ax.bar(labels, vals, bottom=bottom, label=label, color="lightgrey" if label == "other" else None)
@@ -620,14 +632,16 @@ def cmd_report(a: argparse.Namespace) -> None:
             elif isinstance(data, dict) and data.get("part") in ("speed", "learn"):
                 results.append(data)
             elif isinstance(data, dict) and "kernels_us" in data and f.parent.name == "profile" and data.get("rank") == 0:
-                profiles[(f.parent.parent.name, data["phase"])] = data  # <out>/speed/<recipe>/profile/step<N>_rank0_<phase>.json
+                # <out>/speed/<recipe>[.rep<K>]/profile/step<N>_rank0_<phase>.json; a later repeat's replaces an earlier one's
+                profiles[(f.parent.parent.name.split(".rep")[0], data["phase"])] = data
     if not results:
         raise SystemExit(f"report: no speed_*.json or learn_*.json results under {', '.join(a.from_dirs)}")
-    runs: dict[tuple[str, str], list[dict]] = {}
+    runs: dict[tuple[str, str], dict[int, list[dict]]] = {}
     for r in results:  # in --from's order
-        runs.setdefault((r["part"], r["recipe"]), []).append(r)
-    # A recipe run again replaces the earlier result (a re-run after a failure), unless --pool says they are repeats.
-    results = [pool(rs) if a.pool else rs[-1] for rs in runs.values()]
+        runs.setdefault((r["part"], r["recipe"]), {}).setdefault(r.get("repeat", 1), []).append(r)
+    # Distinct repeats (--repeats) are averaged. The same repeat run again replaces the earlier result (a re-run after
+    # a failure), unless --pool says that folders of separate calls hold repeats too.
+    results = [pool([r for k in sorted(reps) for r in (reps[k] if a.pool else reps[k][-1:])]) for reps in runs.values()]
     if a.table_only:  # on the device: no plotting library, and the records are written where the results come back to
         print(table(results))
         if profiles:
@@ -673,6 +687,8 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--n", type=int, default=SpeedPlan.n)
     sp.add_argument("--new_tokens", type=int, default=SpeedPlan.new_tokens)
     sp.add_argument("--steps", type=int, default=SpeedPlan.steps)
+    sp.add_argument("--repeats", type=int, default=1, help="rounds of the recipes, each a fresh trainer and engine (even rounds in reverse order); the report averages them")
+    sp.add_argument("--repeat", type=int, default=1, help="index of the first round (a later call adding repeats to the same --out)")
     sp.add_argument("--gpu_mem", type=float, default=SpeedPlan.gpu_mem)
     sp.add_argument("--zero_stage", type=int, default=SpeedPlan.zero_stage, choices=[2, 3])
     sp.add_argument("--train_micro", type=int, default=SpeedPlan.train_micro,
@@ -698,11 +714,13 @@ def main(argv: list[str] | None = None) -> None:
     rp.add_argument("--docs_dir", default=None, help="where the plots go (default docs/)")
     rp.add_argument("--table_only", action="store_true", help="only print the table (no records, no plots)")
     rp.add_argument("--pool", action="store_true",
-                    help="a recipe's results in several --from folders are repeats: average their timed steps (default: the last replaces the others)")
+                    help="results of one recipe and repeat index in several --from folders are repeats too (default: the last replaces the others)")
     rp.add_argument("--label", default="grpo-vllm-gpu")
     rp.add_argument("--device_name", default=None, help="override the device recorded in env.json")
     rp.add_argument("--command", default="bash benchmarks/h200_grpo.sh (calls in docs/benchmarks.md)")
     a = ap.parse_args(argv)
+    if a.repeats < 1 or a.repeat < 1:
+        ap.error(f"--repeats ({a.repeats}) and --repeat ({a.repeat}) must be 1 or more")
     if a.what == "report":
         if not a.from_dirs:
             ap.error("report needs --from DIR")

@@ -36,6 +36,8 @@
 # the trainer's --profile.step, kernel times of that step's experience, update and sync phases in the report),
 # RUN_TIMEOUT (seconds per recipe's run, 290; deeper models need more: run one recipe per call), GEMM_BACKEND
 # (torch: cuBLASLt blockwise on both sides; auto would JIT-build vLLM's vendored DeepGEMM inside the run),
+# REPEATS (speed: rounds of RECIPES, each a fresh trainer and engine, even rounds reversed; the report averages
+# them), REPEAT (index of the first round: a later call on the same machine adding rounds, e.g. REPEAT=2),
 # LEARN_STEPS (24), BUDGET (seconds a call may spend, 570); TINY=1 runs the speed and learn stages on CPU with tiny
 # models (a dry run of the stages here: STAGE_TMP=/tmp/dry TINY=1 OUT=/tmp/dry bash benchmarks/h200_grpo.sh speed learn).
 # Every call leaves $OUT/grpo_res.tgz with all results so far (JSON, metrics, logs; no weights). Here:
@@ -143,7 +145,7 @@ stage_install() {
 stage_speed() {
   enough 120 speed || return 1
   timeout "$(left)" python3 benchmarks/grpo_vllm_gpu.py speed ${TINY:+--tiny} --recipes ${RECIPES:-bf16 jet_fp8} --layers "${LAYERS:-8}" \
-    --train_micro "${TRAIN_MICRO:-4}" ${GRAD_CKPT:+--grad_ckpt} ${LIGER:+--liger} ${PROFILE_STEP:+--profile_step "$PROFILE_STEP"} ${RUN_TIMEOUT:+--run_timeout "$RUN_TIMEOUT"} --steps "${STEPS:-3}" --prompts "${PROMPTS:-64}" --gemm_backend "${GEMM_BACKEND:-torch}" --out "$RES" --workdir "$T/grpo_work" \
+    --train_micro "${TRAIN_MICRO:-4}" ${GRAD_CKPT:+--grad_ckpt} ${LIGER:+--liger} ${PROFILE_STEP:+--profile_step "$PROFILE_STEP"} ${RUN_TIMEOUT:+--run_timeout "$RUN_TIMEOUT"} --steps "${STEPS:-3}" --repeats "${REPEATS:-1}" --repeat "${REPEAT:-1}" --prompts "${PROMPTS:-64}" --gemm_backend "${GEMM_BACKEND:-torch}" --out "$RES" --workdir "$T/grpo_work" \
     --deadline "$(($(left) - 15))" 2>&1 | grep "^\[grpo_vllm\|rror" | tail -20
   python3 benchmarks/grpo_vllm_gpu.py report --table_only --from "$RES"
 }

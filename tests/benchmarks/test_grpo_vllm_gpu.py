@@ -186,3 +186,63 @@ def test_pooled_repeats_average_each_repeats_timed_steps_and_keep_their_spread()
     assert step["ratio_vs_bf16"] == pytest.approx(36.75 / 32.0) and step["per_repeat_step_s"] == [30.0, 34.0]
     assert step["per_repeat_ratio_vs_bf16"] == pytest.approx([37.0 / 30.0, 36.5 / 34.0], rel=1e-3)
     assert g.pool([run("bf16", [90.0, 36.0])]) == run("bf16", [90.0, 36.0])  # one repeat: the result itself
+
+
+def _speed_result(recipe, times, repeat=1, rc=0):
+    steps = [{"step": i + 1, "perf/step_s": t, "perf/rollout_tokens_per_s": 1e3, "rollout_train_mismatch/abs_logp_diff_mean": 0.1}
+             for i, t in enumerate(times)]
+    return {"part": "speed", "recipe": recipe, "repeat": repeat, "rc": rc, "timed_out": False, "steps": steps, "shape": "s",
+            "params": 1, "wall_s": 1.0, "plan": {"layers": 2, "gemm_backend": "torch", "profile_step": 0}}
+
+
+def test_speed_repeats_alternate_the_order_and_the_report_averages_them(tmp_path, monkeypatch):
+    """--repeats 2 --repeat 2 runs rounds 2 (reversed: even) and 3 into `.rep<K>` names; the report averages
+    distinct repeats, while the same repeat found again (a re-run) replaces the earlier one unless --pool."""
+    import grpo_vllm_gpu as g
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 2,
+                                                   "vocab_size": 32, "num_key_value_heads": 1, "num_attention_heads": 2}))
+    monkeypatch.setattr(g, "speed_inputs", lambda work, plan: (model, tmp_path / "d.jsonl", tmp_path / "r.py"))
+    rounds = []
+    monkeypatch.setattr(g, "run_recipes", lambda part, order, *args: rounds.append((list(order), args[-1])) or [])
+    g.cmd_speed(_parse(g, monkeypatch, tmp_path / "parse", ["speed", "--recipes", "bf16", "jet_fp8", "--repeats", "2", "--repeat", "2"]), tmp_path, 1e18)
+    assert rounds == [(["jet_fp8", "bf16"], 2), (["bf16", "jet_fp8"], 3)]
+    assert g.run_name("jet_fp8", 1) == "jet_fp8" and g.run_name("jet_fp8", 3) == "jet_fp8.rep3"
+
+    first, again = tmp_path / "a", tmp_path / "b"
+    for d in (first, again):
+        d.mkdir()
+    for name, res in (("bf16", _speed_result("bf16", [90.0, 36.0])), ("bf16.rep2", _speed_result("bf16", [90.0, 38.0], 2)),
+                      ("jet_fp8", _speed_result("jet_fp8", [90.0, 30.0])), ("jet_fp8.rep2", _speed_result("jet_fp8", [90.0, 34.0], 2))):
+        (first / f"speed_{name}.json").write_text(json.dumps(res))
+    (again / "speed_jet_fp8.json").write_text(json.dumps(_speed_result("jet_fp8", [90.0, 20.0])))  # repeat 1 run again
+
+    def report(*extra):
+        runs = tmp_path / f"runs{len(list(tmp_path.glob('runs*')))}"
+        g.main(["report", "--from", str(first), str(again), "--runs_dir", str(runs), "--docs_dir", str(tmp_path / "docs"), *extra])
+        (recs,) = [json.loads(p.read_text()) for p in runs.glob("*.json")]
+        return next(r for r in recs if r["name"] == "e2e_grpo_step_s" and r["backend"] == "jet_fp8")
+
+    step = report()
+    assert step["per_repeat_step_s"] == [20.0, 34.0] and step["ratio_vs_bf16"] == pytest.approx(37.0 / 27.0)
+    assert step["per_repeat_ratio_vs_bf16"] == pytest.approx([36.0 / 20.0, 38.0 / 34.0], rel=1e-3)
+    assert report("--pool")["per_repeat_step_s"] == [30.0, 20.0, 34.0]
+
+
+def _parse(g, monkeypatch, out, argv):
+    """main()'s parsed arguments for `speed`, without running anything."""
+    seen = []
+    with monkeypatch.context() as m:
+        m.setattr(g, "cmd_speed", lambda a, out, deadline: seen.append(a) or [])
+        g.main([*argv, "--out", str(out), "--deadline", "1"])
+    return seen[0]
+
+
+def test_a_repeat_count_below_one_is_refused_in_one_line(capsys):
+    import grpo_vllm_gpu as g
+
+    with pytest.raises(SystemExit):
+        g.main(["speed", "--repeats", "0"])
+    assert "--repeats (0) and --repeat (1) must be 1 or more" in capsys.readouterr().err
