@@ -364,6 +364,11 @@ def pool(runs: list[dict]) -> dict:
             "wall_s": round(sum(r["wall_s"] for r in runs), 1)}
 
 
+def run_label(res: dict) -> str:
+    """The recipe, with the number of runs a pooled result averages."""
+    return res["recipe"] + (f" ({len(res['repeats'])} runs)" if res.get("repeats") else "")
+
+
 def phase_means(res: dict) -> dict[str, float]:
     steps = timed_steps(res)
     out = {label: _mean([sum(s.get(k, 0.0) for k in keys) for s in steps]) for label, keys in PHASES}
@@ -486,7 +491,7 @@ def plot_phases(results: list[dict], path: Path) -> Path | None:
     ph = [phase_means(r) for r in runs]
     fig, ax = plt.subplots(figsize=(2.0 * len(runs) + 4.0, 4.4))
     bottom = [0.0] * len(runs)
-    labels = [r["recipe"] + (f" ({len(r['repeats'])} runs)" if r.get("repeats") else "") for r in runs]
+    labels = [run_label(r) for r in runs]
     for label, _ in (*PHASES, ("other", ())):
         vals = [max(p[label], 0.0) for p in ph]
         ax.bar(labels, vals, bottom=bottom, label=label, color="lightgrey" if label == "other" else None)
@@ -554,7 +559,7 @@ def table(results: list[dict]) -> str:
             p, last = phase_means(r), r["steps"][-1]
             mem = lambda k: f"{last[k]:.1f}" if k in last else "-"  # noqa: E731
             ratio = f"{base / p['step']:.3f}x" if base else "-"
-            lines.append(f"| {r['recipe']} | " + " | ".join(f"{p[c]:.2f}" for c in cols) + f" | {ratio} | {mem('memory/peak_allocated_gib')} | "
+            lines.append(f"| {run_label(r)} | " + " | ".join(f"{p[c]:.2f}" for c in cols) + f" | {ratio} | {mem('memory/peak_allocated_gib')} | "
                          f"{mem('memory/rollout_engine_awake_device_used_gib')} / {mem('memory/train_engine_asleep_device_used_gib')} / "
                          f"{mem('memory/train_peak_device_used_gib')} | "
                          f"{mem('memory/alloc_retries')} | "
