@@ -246,3 +246,18 @@ def test_a_repeat_count_below_one_is_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         g.main(["speed", "--repeats", "0"])
     assert "--repeats (0) and --repeat (1) must be 1 or more" in capsys.readouterr().err
+
+
+def test_pool_never_joins_learning_curves(tmp_path, capsys):
+    """`report --pool` averages speed repeats only: of a recipe's learning runs in two folders the last stands."""
+    import grpo_vllm_gpu as g
+
+    for name, n in (("a", 2), ("b", 3)):
+        d = tmp_path / name
+        d.mkdir()
+        steps = [{"step": i + 1, "rollout/reward": 0.1 * (i + 1), "rollout_train_mismatch/abs_logp_diff_mean": 0.01} for i in range(n)]
+        (d / "learn_bf16.json").write_text(json.dumps({"part": "learn", "recipe": "bf16", "rc": 0, "timed_out": False,
+                                                        "steps": steps, "shape": "s", "wall_s": 1.0}))
+    g.main(["report", "--pool", "--table_only", "--from", str(tmp_path / "a"), str(tmp_path / "b")])
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| bf16")]
+    assert row.startswith("| bf16 | 3 | 0.100 |"), row
