@@ -417,6 +417,7 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
                  "precision_check": precision_line(r),
                  "digest_checked_tensors": sum(s.get("sync/checked_tensors", 0.0) for s in r["steps"]), "wall_s": r["wall_s"]}
         reps = r.get("repeats") or [r]
+        extra["engine_compile"] = [x.get("engine_compile", "") for x in reps]
         if len(reps) > 1:  # pooled: each repeat's own step time, and its ratio to bf16's repeat of the same index
             extra["per_repeat_step_s"] = [round(phase_means(x)["step"], 3) for x in reps]
             base_reps = (base.get("repeats") or [base]) if base else []

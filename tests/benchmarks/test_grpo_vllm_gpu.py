@@ -79,6 +79,7 @@ def test_records_headline_figures_and_plots(tiny_run):
     step = {r: sum(s["perf/step_s"] for s in steps) / len(steps) for r, steps in speed.items()}
     assert by[("e2e_grpo_step_s", "jet_fp8")]["ratio_vs_bf16"] == pytest.approx(step["bf16"] / step["jet_fp8"], rel=1e-3)
     assert by[("e2e_grpo_step_s", "bf16")]["ratio_vs_bf16"] is None
+    assert by[("e2e_grpo_step_s", "jet_fp8")]["engine_compile"] == [results[("speed", "jet_fp8")]["engine_compile"]]
     phases = [r for r in records if r["name"] == "e2e_grpo_phase_s" and r["backend"] == "jet_fp8"]
     assert {r["phase"] for r in phases} >= {"generate", "old logprobs", "reference", "actor update", "weight sync + digest", "other"}
     assert sum(r["value"] for r in phases) == pytest.approx(step["jet_fp8"], abs=1e-3)
@@ -261,3 +262,16 @@ def test_pool_never_joins_learning_curves(tmp_path, capsys):
     g.main(["report", "--pool", "--table_only", "--from", str(tmp_path / "a"), str(tmp_path / "b")])
     (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| bf16")]
     assert row.startswith("| bf16 | 3 | 0.100 |"), row
+
+
+def test_a_speed_result_says_how_its_engine_got_its_compiled_model():
+    """From vLLM 0.26's own log lines (an H200 run's): an AOT artifact loaded, Inductor's cache loaded, or compiled."""
+    from train_runs import engine_compile
+
+    aot = ("INFO [backends.py:292] Directly load the compiled graph(s) for compile range (1, 16384) from the cache, took 1.002 s\n"
+           "INFO [decorators.py:311] Directly load AOT compilation from path /root/.cache/vllm/torch_compile_cache/torch_aot_compile/d4b3/rank_0_0/model\n")
+    cold = ("INFO [backends.py:378] Cache the graph of compile range (1, 16384) for later use\n"
+            "INFO [backends.py:393] Compiling a graph for compile range (1, 16384) takes 7.71 s\n"
+            "INFO [decorators.py:708] saved AOT compiled function to /root/.cache/vllm/torch_compile_cache/torch_aot_compile/d4b3\n")
+    assert engine_compile(aot) == "aot-loaded" and engine_compile(cold) == "compiled"
+    assert engine_compile(aot.splitlines()[0]) == "cache-loaded" and engine_compile("INFO Using V2 Model Runner") == ""
