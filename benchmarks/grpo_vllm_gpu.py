@@ -364,6 +364,19 @@ def pool(runs: list[dict]) -> dict:
             "wall_s": round(sum(r["wall_s"] for r in runs), 1)}
 
 
+def repeat_pairs(base: list[dict], runs: list[dict]) -> list[tuple[dict, dict]]:
+    """bf16's and another recipe's repeats of the same round: by repeat index where each side's are distinct (a
+    failed repeat leaves its round unpaired), else in order when the counts match (--pool of folders from separate
+    calls, all round 1), else none."""
+    def index(rs):
+        return {r.get("repeat", 1): r for r in rs}
+
+    b, r = index(base), index(runs)
+    if len(b) == len(base) and len(r) == len(runs):
+        return [(b[k], r[k]) for k in sorted(b.keys() & r.keys())]
+    return list(zip(base, runs)) if len(base) == len(runs) else []
+
+
 def run_label(res: dict) -> str:
     """The recipe, with the number of runs a pooled result averages."""
     return res["recipe"] + (f" ({len(res['repeats'])} runs)" if res.get("repeats") else "")
@@ -418,12 +431,11 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
                  "digest_checked_tensors": sum(s.get("sync/checked_tensors", 0.0) for s in r["steps"]), "wall_s": r["wall_s"]}
         reps = r.get("repeats") or [r]
         extra["engine_compile"] = [x.get("engine_compile", "") for x in reps]
-        if len(reps) > 1:  # pooled: each repeat's own step time, and its ratio to bf16's repeat of the same index
+        if len(reps) > 1:  # pooled: each repeat's own step time, and its ratio to bf16's repeat of the same round
             extra["per_repeat_step_s"] = [round(phase_means(x)["step"], 3) for x in reps]
-            base_reps = (base.get("repeats") or [base]) if base else []
-            if recipe != "bf16" and len(base_reps) == len(reps):
-                extra["per_repeat_ratio_vs_bf16"] = [round(phase_means(b)["step"] / phase_means(x)["step"], 4)
-                                                     for b, x in zip(base_reps, reps)]
+            pairs = repeat_pairs((base.get("repeats") or [base]) if base else [], reps)
+            if recipe != "bf16" and pairs:
+                extra["per_repeat_ratio_vs_bf16"] = [round(phase_means(b)["step"] / phase_means(x)["step"], 4) for b, x in pairs]
         speedup = (lambda b, v: b / v if b and v else None) if recipe != "bf16" else (lambda b, v: None)
         rec("e2e_grpo_step_s", r["shape"], recipe, round(ph["step"], 3), "s", speedup(bp and bp["step"], ph["step"]), **extra)
         for label, _ in (*PHASES, ("other", ())):

@@ -275,3 +275,14 @@ def test_a_speed_result_says_how_its_engine_got_its_compiled_model():
             "INFO [decorators.py:708] saved AOT compiled function to /root/.cache/vllm/torch_compile_cache/torch_aot_compile/d4b3\n")
     assert engine_compile(aot) == "aot-loaded" and engine_compile(cold) == "compiled"
     assert engine_compile(aot.splitlines()[0]) == "cache-loaded" and engine_compile("INFO Using V2 Model Runner") == ""
+
+
+def test_repeat_ratios_pair_the_same_round():
+    """A failed bf16 repeat leaves its round unpaired instead of shifting every later pair by one."""
+    import grpo_vllm_gpu as g
+
+    bf16 = [_speed_result("bf16", [90.0, 36.0], 1), _speed_result("bf16", [90.0, 38.0], 3)]
+    fp8 = [_speed_result("jet_fp8", [90.0, 30.0], k) for k in (1, 2, 3)]
+    assert [(b["repeat"], x["repeat"]) for b, x in g.repeat_pairs(bf16, fp8)] == [(1, 1), (3, 3)]
+    same_round = [_speed_result("bf16", [90.0, 36.0]), _speed_result("bf16", [90.0, 38.0])]  # --pool: all round 1
+    assert len(g.repeat_pairs(same_round, fp8[:2])) == 2 and g.repeat_pairs(same_round, fp8) == []
