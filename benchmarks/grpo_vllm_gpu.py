@@ -657,11 +657,14 @@ def cmd_report(a: argparse.Namespace) -> None:
     runs: dict[tuple[str, str], dict[int, list[dict]]] = {}
     for r in results:  # in --from's order
         runs.setdefault((r["part"], r["recipe"]), {}).setdefault(r.get("repeat", 1), []).append(r)
-    # Distinct speed repeats (--repeats) are averaged. The same repeat run again replaces the earlier result (a re-run
-    # after a failure), unless --pool says that folders of separate calls hold repeats too. Learning curves are
-    # never averaged: the last run of a recipe stands.
-    results = [pool([r for k in sorted(reps) for r in (reps[k] if a.pool else reps[k][-1:])]) if part == "speed"
-               else [r for k in sorted(reps) for r in reps[k]][-1] for (part, _), reps in runs.items()]
+    def chosen(part: str, reps: dict[int, list[dict]]) -> dict:
+        if part != "speed":  # learning curves are never averaged: the last run of a recipe stands
+            return reps[max(reps)][-1]
+        # Distinct repeats (--repeats) are averaged. The same repeat run again replaces the earlier result (a re-run
+        # after a failure), unless --pool says that folders of separate calls hold repeats too.
+        return pool([r for k in sorted(reps) for r in (reps[k] if a.pool else reps[k][-1:])])
+
+    results = [chosen(part, reps) for (part, _), reps in runs.items()]
     if a.table_only:  # on the device: no plotting library, and the records are written where the results come back to
         print(table(results))
         if profiles:

@@ -96,7 +96,7 @@ def finish(job: dict, timeout: float) -> dict:
 def engine_compile(log: str) -> str:
     """How the run's vLLM engine got its compiled model, from vLLM's log lines: 'aot-loaded' (torch's AOT artifact
     from an earlier start), 'cache-loaded' (Inductor's cached graphs, traced again), 'compiled' (cold), or ''.
-    A speed result keeps it: one lease's jet_fp8 generation ran slower in the runs that loaded an AOT artifact."""
+    Results keep it because generation speed may depend on it (docs/vllm.md)."""
     if "Directly load AOT compilation" in log:
         return "aot-loaded"
     if "Directly load the compiled graph" in log:
