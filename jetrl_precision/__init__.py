@@ -5,7 +5,7 @@ Public API (stable; see docs/precision.md):
     build_precision_graph, check_subgraph, mismatch_metrics
 """
 
-from .convert import Fp8Converter, convert_to_fp8, default_module_filter, fp8_linears
+from .convert import Fp8Converter, FrozenWeights, convert_to_fp8, default_module_filter, fp8_linears, freeze_fp8_weights
 from .coverage import Fp8Coverage, fp8_coverage
 from .formats import E4M3_MAX, FP8_DTYPE, Granularity, QuantizedTensor
 from .gemm import BackendUnavailable, available_backends, resolve_backend
@@ -49,6 +49,8 @@ __all__ = [
     "format_violations",
     "fp8_coverage",
     "fp8_linears",
+    "freeze_fp8_weights",
+    "FrozenWeights",
     "fuse_projections",
     "mark_weights_updated",
     "requantize_fp8",

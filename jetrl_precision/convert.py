@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, Literal
 
+import torch
 from torch import nn
 
 from .coverage import UNCOVERED_WARN_FRACTION, fp8_coverage
@@ -18,7 +19,8 @@ from .recipe import PrecisionRecipe, get_recipe
 from .grouped import fuse_projections as _fuse_projections
 from .swiglu import fuse_swiglu as _fuse_swiglu
 
-__all__ = ["convert_to_fp8", "Fp8Converter", "default_module_filter", "ModuleFilter", "fp8_linears", "Side"]
+__all__ = ["convert_to_fp8", "Fp8Converter", "default_module_filter", "ModuleFilter", "fp8_linears", "Side", "freeze_fp8_weights",
+           "FrozenWeights"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +117,44 @@ def _dtype_of(model: nn.Module) -> str:
 
 def fp8_linears(model: nn.Module) -> dict[str, Fp8Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+@dataclass(frozen=True)
+class FrozenWeights:
+    """What `freeze_fp8_weights` did."""
+
+    layers: int  # FP8 layers frozen by this call
+    freed_bytes: int  # their high-precision weights
+    kept_bytes: int  # the FP8 weights and scales they keep instead
+
+
+def freeze_fp8_weights(model: nn.Module, device: torch.device | str | None = None) -> FrozenWeights:
+    """Make an inference-only model's FP8 layers keep nothing but their FP8 weights (`Fp8Linear.freeze`).
+
+    For a model that is never trained or synced, such as the reference policy: its forward gives the same bytes,
+    and each FP8 layer holds 1 byte per weight instead of BF16's 2 plus the cached quantization. Stacked projection
+    groups are undone first (a frozen layer keeps its own FP8 weight, not a share of a stacked one); a no-grad
+    forward gains nothing measurable from stacking. Call it after `convert_to_fp8`, `requires_grad_(False)` and the
+    move to the model's device, or pass `device` to quantize there layer by layer and keep the results where the
+    weights are (a model offloaded to the CPU). A ZeRO-3 partitioned model cannot be frozen (its layers gather
+    their weights).
+    """
+    todo = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.fprop.weight.is_fp8 and not m.frozen]
+    training = [m.fqn or type(m).__name__ for m in todo if m._parameters["weight"].requires_grad]
+    if training:
+        raise ValueError(f"freeze_fp8_weights: {len(training)} FP8 layer(s) still require grad (e.g. {training[0]}); "
+                         "freeze only inference models: call model.requires_grad_(False) first")
+    groups = {id(m._group): m._group for m in todo if m._group is not None}
+    for group in groups.values():
+        group.release()
+        for m in group.members:
+            m._group, m._group_skipped = None, "frozen: each layer keeps its own FP8 weight"
+    freed = sum(m.freeze(device) for m in todo)
+    kept = sum(b.numel() * b.element_size() for m in todo for b in (m.weight_fp8, m.weight_fp8_scale))
+    if todo:
+        logger.info("freeze_fp8_weights: %d FP8 layers keep only their FP8 weights (%.2f GiB) instead of %.2f GiB of %s weights",
+                    len(todo), kept / 2**30, freed / 2**30, str(todo[0].weight.dtype).replace("torch.", ""))
+    return FrozenWeights(len(todo), freed, kept)
 
 
 @dataclass(frozen=True)

@@ -403,7 +403,7 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
     for fqn, m in model.named_modules():
         if isinstance(m, Fp8Linear):
             hp = _dtype_name(m.weight.dtype)
-            dev = m.weight.device if m.weight.device.type != "meta" else torch.device("cpu")
+            dev = m.weight_device if m.weight_device.type != "meta" else torch.device("cpu")
             add_linear(
                 g, fqn, m.in_features, m.out_features, m.fprop, m.backward_spec if phase == "train_bwd" else None,
                 hp_dtype=hp, backend=m.resolved_backend, kernel=kernel_name(dev),
@@ -448,7 +448,7 @@ def _mark_wgrad_requantizer(g: PrecisionGraph, model: nn.Module) -> None:
         if not isinstance(m, Fp8Linear):
             continue
         bw = m.backward_spec
-        dev = m.weight.device
+        dev = m.weight_device
         requantizes = (
             bw is not None and bw.saved_input.is_fp8 and bw.wgrad_input.is_fp8
             and bw.saved_input.granularity is Granularity.BLOCK_1x128 and bw.wgrad_input.granularity is Granularity.BLOCK_128x1
@@ -481,7 +481,7 @@ def _mark_fused_swiglu(g: PrecisionGraph, model: nn.Module) -> None:
         if not isinstance(m, SwiGLUMLP) or not m.fused_quantization:
             continue
         down = canonical_name(f"{fqn}.down_proj" if fqn else "down_proj")
-        if down not in g.nodes or kernel_name(m.down_proj.weight.device) != "triton":
+        if down not in g.nodes or kernel_name(m.down_proj.weight_device) != "triton":
             continue  # the fused kernel runs only where the Triton implementation does
         g.nodes[down].attrs["input_producer"] = "silu_mul_quantize"
         _set_edge_kernel(g, down, "input", "triton:silu_mul_quantize")

@@ -241,7 +241,7 @@ class Fp8LinearGroup:
     def _weights_usable(self) -> bool:
         """False under ZeRO-3 (each member's weight is gathered by its own hooks) and for installed engine weights."""
         for m in self.members:
-            if m._installed is not None or _is_zero3_param(m._parameters["weight"]):
+            if m._installed is not None or _is_zero3_param(m._parameters.get("weight")):
                 return False
         return True
 
@@ -334,6 +334,8 @@ def _bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
 def _why_not(members: Sequence[Fp8Linear], names: Sequence[str]) -> str | None:
     """Why these siblings cannot run as one GEMM with unchanged bytes, or None."""
     first = members[0]
+    if any(m.frozen for m in members):
+        return "they are frozen (their FP8 weights are kept apart, not as one stacked weight)"
     if not (first.fprop.input.is_fp8 and first.fprop.weight.is_fp8):
         return "the recipe runs their forward GEMM in high precision"
     if first.fprop.weight.granularity is not Granularity.BLOCK_128x128:

@@ -248,6 +248,7 @@ class Fp8Linear(nn.Linear):
         self._wq_cache: tuple[tuple, QuantizedTensor, dict] | None = None
         self._wq_t_cache: tuple[QuantizedTensor, QuantizedTensor, dict] | None = None
         self._installed: tuple[QuantizedTensor, dict] | None = None
+        self._frozen_block: tuple[int, int] | None = None  # set by `freeze`: Q(W) lives in buffers, W is gone
         # Set by `grouped.fuse_projections`: the sibling group this layer's GEMM runs in (q/k/v, gate/up), and why a
         # group it would belong to could not be fused.
         self._group: Any = None
@@ -288,7 +289,7 @@ class Fp8Linear(nn.Linear):
         """The backend this layer runs on (resolved for its weight's device if no forward ran yet)."""
         if self._resolved:
             return next(iter(self._resolved.values()))
-        device = self.weight.device if self.weight.device.type != "meta" else torch.device("cpu")
+        device = self.weight_device if self.weight_device.type != "meta" else torch.device("cpu")
         return resolve_backend(self.gemm_backend, device)
 
     def _plan(self, device: torch.device) -> _StepPlan:
@@ -363,6 +364,8 @@ class Fp8Linear(nn.Linear):
         The installed tensor wins over the (stale) high-precision weight until the next install;
         `None` returns the module to quantizing its own weight.
         """
+        if self.frozen:
+            raise ValueError(f"{self.fqn or 'Fp8Linear'}: frozen (its FP8 weight is all it holds); freeze a fresh copy instead")
         if wq is not None:
             if tuple(wq.shape) != (self.out_features, self.in_features):
                 raise ValueError(f"{self.fqn}: installed FP8 weight has shape {tuple(wq.shape)}, expected {(self.out_features, self.in_features)}")
@@ -370,6 +373,80 @@ class Fp8Linear(nn.Linear):
                 raise ValueError(f"{self.fqn}: installed FP8 weight has block {wq.block}, this layer's recipe wants {self.fprop.weight.granularity.value}")
         self._installed = None if wq is None else (wq, {})
         self.invalidate_cache()
+
+    # ---- frozen (inference-only) layers ---------------------------------------------------
+    @property
+    def frozen(self) -> bool:
+        """Whether `freeze` replaced the high-precision weight by its FP8 quantization."""
+        return self._frozen_block is not None
+
+    def freeze(self, device: torch.device | str | None = None) -> int:
+        """Keep Q(W) and drop the high-precision weight: for models that never train (a reference policy).
+
+        The forward runs on the bytes it would have quantized and cached (the same output); the layer then holds
+        1 byte per weight instead of the weight's 2-4 plus the cached byte. Q(W) is kept as two non-persistent
+        buffers (`weight_fp8`, `weight_fp8_scale`) that `.to()` moves with the module, never changing their dtype.
+        `weight` stays readable for its shape and dtype, as a meta tensor: code that reads its values fails loudly.
+        `device` quantizes there instead (a model kept on the CPU, quantized on the GPU; the same bytes either way)
+        and keeps the result where the weight was. Returns the high-precision weight's bytes (freed unless something
+        else still references it). Freeze after moving the model to the device it runs on:
+        quantizing there is fast, and the high-precision weight never needs to travel again.
+        """
+        name = self.fqn or "Fp8Linear"
+        if self.frozen:
+            return 0
+        w = self._parameters.get("weight")
+        if not self.fprop.weight.is_fp8:
+            raise ValueError(f"{name}: its recipe runs the forward on the high-precision weight; nothing to freeze to")
+        if w is None or w.device.type == "meta" or _is_zero3_param(w):
+            raise ValueError(f"{name}: no materialized weight to freeze (ZeRO-3 partitioned or meta); freeze a model that holds "
+                             "its weights")
+        if w.requires_grad:
+            raise ValueError(f"{name}: its weight requires grad: a frozen layer cannot train; call requires_grad_(False) first")
+        if self._group is not None:
+            raise ValueError(f"{name}: part of a stacked projection group; freeze through freeze_fp8_weights(model)")
+        with torch.no_grad():
+            src = w.detach() if device is None else w.detach().to(device)
+            wq = ops.quantize(src, self.fprop.weight)
+            if wq.data.device != w.device:
+                wq = QuantizedTensor.trusted(wq.data.to(w.device), wq.scale.to(w.device), wq.block)
+        freed = w.numel() * w.element_size()
+        self.invalidate_cache()
+        del self._parameters["weight"]
+        self.register_buffer("weight_fp8", wq.data, persistent=False)
+        self.register_buffer("weight_fp8_scale", wq.scale, persistent=False)
+        self.weight = torch.empty(w.shape, dtype=w.dtype, device="meta")  # a plain attribute: shape and dtype only
+        self._frozen_block = wq.block
+        self._installed = (wq, {})
+        return freed
+
+    def _apply(self, fn: Callable, recurse: bool = True):
+        if not self.frozen:
+            return super()._apply(fn, recurse)
+        # `.to(dtype)`, `.half()` would turn the e4m3 bytes and fp32 scales into another format: move them, never cast.
+        data, scale = self._buffers.pop("weight_fp8"), self._buffers.pop("weight_fp8_scale")
+        try:
+            super()._apply(fn, recurse)
+            device = fn(torch.empty(0, device=data.device)).device
+        finally:
+            self._buffers["weight_fp8"], self._buffers["weight_fp8_scale"] = data, scale
+        if device != data.device:
+            data, scale = data.to(device), scale.to(device)
+            self._buffers["weight_fp8"], self._buffers["weight_fp8_scale"] = data, scale
+            self._installed = (QuantizedTensor.trusted(data, scale, self._frozen_block), {})
+            self._plans.clear()
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.frozen:  # a checkpoint without the weight would load as a silently re-initialised layer
+            raise RuntimeError(f"{self.fqn or prefix.rstrip('.') or 'Fp8Linear'}: frozen (FP8 weights only): no high-precision "
+                               "weight to save; save the model before freeze_fp8_weights")
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    @property
+    def weight_device(self) -> torch.device:
+        """The device the layer's weight (or, frozen, its FP8 weight) is on."""
+        return self._buffers["weight_fp8"].device if self.frozen else self.weight.device
 
     # ---- forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -391,6 +468,9 @@ class Fp8Linear(nn.Linear):
                 return _fprop(self, plan, x, weight, bias, x.dtype)[0]
             y = _fprop(self, plan, x.reshape(-1, x.shape[-1]), weight, bias, x.dtype)[0]
             return y.reshape(*x.shape[:-1], y.shape[-1])
+        if self.frozen:
+            raise RuntimeError(f"{self.fqn or 'Fp8Linear'}: frozen (forward only), but its input requires grad; run frozen "
+                               "models under torch.no_grad()")
         if x.dim() == 2:
             return _Fp8LinearFunction.apply(x, weight, bias, self, plan)
         y = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, bias, self, plan)
@@ -404,4 +484,5 @@ class Fp8Linear(nn.Linear):
             f"x={self.fprop.input.short_str()}, W={self.fprop.weight.short_str()}, bwd={bw_s}, backend={self.gemm_backend}"
             + (f", backward_backend={self.backward_gemm_backend}" if self.backward_gemm_backend is not None else "")
             + (f", fused_gemm={self._group.label}" if self._group is not None else "")
+            + (", frozen" if self.frozen else "")
         )

@@ -31,6 +31,7 @@ from jetrl_precision import (
     check_subgraph,
     format_violations,
     fp8_coverage,
+    freeze_fp8_weights,
     mismatch_metrics,
 )
 from jetrl_precision.batch_invariant import make_batch_invariant
@@ -299,8 +300,15 @@ class PPOTrainer:
             ref_actor = Actor(ref, packing=cfg.packing).requires_grad_(False).eval()
             if cfg.ds.zero_stage == 3:  # sharded like the actor; --ref.offload keeps the shards on CPU
                 self.ref_engine = st.prepare(ref_actor, train=False)
+            elif cfg.ref.offload:
+                # quantized on the device layer by layer, kept on the CPU: only FP8 bytes travel per forward
+                freeze_fp8_weights(ref_actor, device=st.device)
+                self.ref_engine = _OffloadedModule(ref_actor, st.device)
             else:
-                self.ref_engine = _OffloadedModule(ref_actor, st.device) if cfg.ref.offload else ref_actor.to(st.device)
+                # The reference never trains: its FP8 layers keep their FP8 weights only (same forward, half the bytes).
+                self.ref_engine = ref_actor.to(st.device)
+                if freeze_fp8_weights(ref_actor).layers and torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # the BF16 weights' blocks back to the device (a colocated engine sizes itself)
         self.critic_engine = None
         if cfg.needs_critic and self._remote_critic is not None:
             self._remote_critic.setup(self.total_updates)

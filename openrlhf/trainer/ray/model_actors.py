@@ -39,7 +39,7 @@ class RefActor:
     """The reference policy in the training forward's precision (as in SPMD mode), inference only."""
 
     def __init__(self, cfg, actor_id: str) -> None:
-        from jetrl_precision import convert_to_fp8
+        from jetrl_precision import convert_to_fp8, freeze_fp8_weights
         from openrlhf.models.actor import Actor, load_causal_lm
 
         pin_assigned_gpus()
@@ -52,6 +52,7 @@ class RefActor:
 
             apply_liger_kernels(model)
         self.model = Actor(model).requires_grad_(False).eval().to(_device())
+        freeze_fp8_weights(self.model)  # never trained: its FP8 layers keep their FP8 weights only
 
     def info(self) -> dict[str, Any]:
         return {"actor_id": self.actor_id, **device_info()}
