@@ -22,7 +22,7 @@
 #   3. carry [".gs2"]                  bash benchmarks/h200_grpo.sh unpack smollm2 learn           3 recipes side by side
 #   4. no carry                        RECIPES=fp8_rollout bash benchmarks/h200_grpo.sh speed      optional
 #   any call after 2                   bash benchmarks/h200_grpo.sh update_profile   the update's micro-step alone, kernel
-#                                      by kernel (PROFILE_MICRO "4", PROFILE_VARIANTS "plain deepspeed deepspeed-nosync",
+#                                      by kernel (PROFILE_MICRO "4", PROFILE_VARIANTS "plain deepspeed deepspeed-nosync"; also deepspeed-zero1,
 #                                      PROFILE_TIMEOUT 150 s per job, DeepGEMM compiling its kernels cold needs more;
 #                                      PROFILE_VLLM restore|no-restore: vLLM imported first, as a colocated engine is;
 #                                      PROFILE_REQUANT=1: --precision.requantize_weights; PROFILE_PROMPT: prompt
@@ -162,7 +162,8 @@ stage_update_profile() {  # the actor update's micro-step alone, kernel by kerne
 # The GPU tests of the training-side paths changed since they last ran on a device, then gpu_bench's `layers`
 # section (stacked against separate q/k/v and gate/up GEMMs); results under $RES/gpucheck, so in grpo_res.tgz.
 GPU_TESTS_DEFAULT="tests/gpu/test_grouped_gpu.py tests/gpu/test_swiglu_gpu.py tests/gpu/test_linear_gpu.py
-  tests/gpu/test_train_plan_gpu.py tests/gpu/test_wgrad_padding_gpu.py tests/gpu/test_cast_transpose.py tests/gpu/test_triton_quant.py"
+  tests/gpu/test_train_plan_gpu.py tests/gpu/test_wgrad_padding_gpu.py tests/gpu/test_cast_transpose.py tests/gpu/test_triton_quant.py
+  tests/gpu/test_freeze_gpu.py"
 stage_gpucheck() {
   enough 150 gpucheck || return 1
   mkdir -p "$RES/gpucheck"

@@ -15,6 +15,8 @@ rollouts are), jet_fp8 converted by the trainer's `Fp8Converter`. Variants:
              `engine.backward` / `engine.step`, and the trainer's per-micro-step host syncs (the loss's finiteness
              check before backward, the logged statistics after the step)
   deepspeed-nosync  the same without those syncs: what they cost
+  deepspeed-zero1   `deepspeed` under ZeRO-1: on one GPU it partitions as little as ZeRO-2 (nothing), but accumulates
+             the micro-steps' gradients in place instead of copying each into ZeRO-2's reduction buckets and back
 
 Per job (one recipe, variant and micro-batch size, each in its own process) it reports the wall time per micro-step
 (steps back to back), the GPU kernel time per micro-step and its split by kernel group (torch.profiler / CUPTI,
@@ -125,11 +127,12 @@ def job(a: argparse.Namespace) -> dict:
     global_tokens = float(a.update_seqs * a.new_tokens)
 
     engine, strategy = actor, None
-    syncs = a.variant == "deepspeed"
+    syncs = a.variant in ("deepspeed", "deepspeed-zero1")
     if a.variant.startswith("deepspeed"):
         from openrlhf.utils.deepspeed.strategy import DeepspeedStrategy, StrategyConfig
 
-        strategy = DeepspeedStrategy(StrategyConfig(zero_stage=2, micro_batch_size=a.micro, train_batch_size=a.update_seqs,
+        stage = 1 if a.variant == "deepspeed-zero1" else 2
+        strategy = DeepspeedStrategy(StrategyConfig(zero_stage=stage, micro_batch_size=a.micro, train_batch_size=a.update_seqs,
                                                     gradient_checkpointing=a.grad_ckpt))
         strategy.setup_distributed()
         opt = strategy.make_optimizer(actor, lr=1e-7, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
@@ -282,7 +285,7 @@ def record(results: list[dict], device: str, command: str, runs_dir: Path | None
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8"])
-    ap.add_argument("--variants", nargs="+", default=["plain", "deepspeed"], choices=["plain", "deepspeed", "deepspeed-nosync"])
+    ap.add_argument("--variants", nargs="+", default=["plain", "deepspeed"], choices=["plain", "deepspeed", "deepspeed-nosync", "deepspeed-zero1"])
     ap.add_argument("--micro", nargs="+", type=int, default=[4], help="sequences per training micro-batch")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256,

@@ -387,10 +387,9 @@ class Fp8Linear(nn.Linear):
         1 byte per weight instead of the weight's 2-4 plus the cached byte. Q(W) is kept as two non-persistent
         buffers (`weight_fp8`, `weight_fp8_scale`) that `.to()` moves with the module, never changing their dtype.
         `weight` stays readable for its shape and dtype, as a meta tensor: code that reads its values fails loudly.
-        `device` quantizes there instead (a model kept on the CPU, quantized on the GPU; the same bytes either way)
-        and keeps the result where the weight was. Returns the high-precision weight's bytes (freed unless something
-        else still references it). Freeze after moving the model to the device it runs on:
-        quantizing there is fast, and the high-precision weight never needs to travel again.
+        Freeze after moving the model to the device it runs on (quantizing there is fast), or pass `device` to
+        quantize there and keep the result where the weight is (a model kept on the CPU; the same bytes either way).
+        Returns the high-precision weight's bytes (freed unless something else still references it).
         """
         name = self.fqn or "Fp8Linear"
         if self.frozen:
