@@ -308,7 +308,7 @@ class PPOTrainer:
                 # The reference never trains: its FP8 layers keep their FP8 weights only (same forward, half the bytes).
                 self.ref_engine = ref_actor.to(st.device)
                 if freeze_fp8_weights(ref_actor).layers and torch.cuda.is_available():
-                    torch.cuda.empty_cache()  # the BF16 weights' blocks back to the device (a colocated engine sizes itself)
+                    torch.cuda.empty_cache()  # the BF16 weights' blocks back to the device: the engine starts next and sizes its cache
         self.critic_engine = None
         if cfg.needs_critic and self._remote_critic is not None:
             self._remote_critic.setup(self.total_updates)
