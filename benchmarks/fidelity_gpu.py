@@ -728,12 +728,13 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_results(dirs: list[str]) -> tuple[list[dict], dict]:
-    results, env = {}, {}
+def load_results(dirs: list[str]) -> tuple[list[dict], list[dict]]:
+    """(results, the env.json of every folder, in order)."""
+    results, envs = {}, []
     for d in map(Path, dirs):
         for f in sorted(d.rglob("*.json")):
             if f.name == "env.json":
-                env = json.loads(f.read_text())
+                envs.append(json.loads(f.read_text()))
                 continue
             if f.name == "mismatch.json" or f.parent.name == "mismatch" or not f.name.startswith(("learn_", "long_")):
                 continue
@@ -743,21 +744,20 @@ def load_results(dirs: list[str]) -> tuple[list[dict], dict]:
         for f in sorted(d.rglob("mismatch.json")):
             for m in json.loads(f.read_text()):
                 results[("mismatch", m["row"])] = m
-    return list(results.values()), env
+    return list(results.values()), envs
 
 
 def cmd_report(a: argparse.Namespace) -> None:
-    from headline import RUNS as RUNS_DIR, write_run  # benchmarks/headline.py
+    from headline import RUNS as RUNS_DIR, recorded_device, write_run  # benchmarks/headline.py
 
-    results, env = load_results(a.from_dirs)
+    results, envs = load_results(a.from_dirs)
     if not results:
         raise SystemExit(f"report: no mismatch.json, learn_*.json or long_*.json under {', '.join(a.from_dirs)}")
     text = table(results)
     if a.table_only:  # on the device: no plotting library needed, records are written where the results come back to
         print(text)
         return
-    if a.device_name:
-        env["device"] = a.device_name
+    env = {**(envs[-1] if envs else {}), "device": recorded_device(envs, a.device_name, "fidelity_gpu report")}
     recs = records_from(results, env, a.command)
     if recs:
         path = write_run(recs, a.label, env.get("date") or time.strftime("%Y-%m-%d"), Path(a.runs_dir) if a.runs_dir else RUNS_DIR)
@@ -813,7 +813,7 @@ def main(argv: list[str] | None = None) -> None:
     rp.add_argument("--docs_dir", default=None, help="where the plots go (default docs/)")
     rp.add_argument("--table_only", action="store_true")
     rp.add_argument("--label", default="fidelity-gpu")
-    rp.add_argument("--device_name", default=None, help="override the device recorded in env.json")
+    rp.add_argument("--device_name", default=None, help="the device, for results whose env.json does not name it")
     rp.add_argument("--command", default="bash benchmarks/h200_fidelity.sh (calls in docs/fidelity.md)")
     jp = ap.add_argument_group("job (internal: one mismatch row in this process)")
     jp.add_argument("--row", default=None, choices=ROWS)

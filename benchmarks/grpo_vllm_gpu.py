@@ -639,14 +639,14 @@ def profile_records(profiles: dict[tuple[str, str], dict], results: list[dict], 
 
 
 def cmd_report(a: argparse.Namespace) -> None:
-    from headline import RUNS, write_run  # benchmarks/headline.py
+    from headline import RUNS, recorded_device, write_run  # benchmarks/headline.py
 
-    results, env, profiles = [], {}, {}
+    results, envs, profiles = [], [], {}
     for d in map(Path, a.from_dirs):
         for f in sorted(d.rglob("*.json")):
             data = json.loads(f.read_text())
             if f.name == "env.json":
-                env = data
+                envs.append(data)
             elif isinstance(data, dict) and data.get("part") in ("speed", "learn"):
                 results.append(data)
             elif isinstance(data, dict) and "kernels_us" in data and f.parent.name == "profile" and data.get("rank") == 0:
@@ -670,8 +670,8 @@ def cmd_report(a: argparse.Namespace) -> None:
         if profiles:
             print("\n" + profile_table(profiles))
         return
-    if a.device_name:
-        env["device"] = a.device_name
+    # Pooled folders are one device's: a ratio or an average over two machines would be no figure for either.
+    env = {**(envs[-1] if envs else {}), "device": recorded_device(envs, a.device_name, "grpo_vllm_gpu report")}
     recs = records_from(results, env, a.command) + profile_records(profiles, results, env, a.command)
     if profiles:
         print(profile_table(profiles))
@@ -739,7 +739,7 @@ def main(argv: list[str] | None = None) -> None:
     rp.add_argument("--pool", action="store_true",
                     help="results of one recipe and repeat index in several --from folders are repeats too (default: the last replaces the others)")
     rp.add_argument("--label", default="grpo-vllm-gpu")
-    rp.add_argument("--device_name", default=None, help="override the device recorded in env.json")
+    rp.add_argument("--device_name", default=None, help="the device, for results whose env.json does not name it")
     rp.add_argument("--command", default="bash benchmarks/h200_grpo.sh (calls in docs/benchmarks.md)")
     a = ap.parse_args(argv)
     if a.repeats < 1 or a.repeat < 1:

@@ -26,7 +26,7 @@
 #     bash benchmarks/h200_fidelity.sh mismatch learn long; about 10 minutes on 2 busy cores).
 # Every call leaves $OUT/fidelity_res.tgz with all results so far (JSON, metrics, logs; no weights). Here:
 #   mkdir -p /tmp/fid && tar xzf <files_at>/fidelity_res.tgz -C /tmp/fid
-#   python benchmarks/fidelity_gpu.py report --from /tmp/fid/res --device_name "NVIDIA H200" && python benchmarks/headline.py
+#   python benchmarks/fidelity_gpu.py report --from /tmp/fid/res && python benchmarks/headline.py
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T=${STAGE_TMP:-/tmp}

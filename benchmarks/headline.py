@@ -30,7 +30,7 @@ HEADLINE = RESULTS / "headline.json"
 README = ROOT / "README.md"
 FIELDS = ("value", "unit", "what", "command", "date", "device")
 
-__all__ = ["load_runs", "load_records", "latest", "write_run", "route_suffix", "Metric", "METRICS", "compute_headline", "set_metric",
+__all__ = ["load_runs", "load_records", "latest", "write_run", "job_device", "recorded_device", "route_suffix", "Metric", "METRICS", "compute_headline", "set_metric",
            "render_table", "update_readme"]
 
 
@@ -70,6 +70,32 @@ def write_run(records: list[dict], label: str, date: str, runs_dir: Path = RUNS)
     path = runs_dir / f"{date}_{n:02d}_{slug}.json"
     path.write_text(json.dumps(records, indent=1) + "\n")
     return path
+
+
+def job_device() -> str:
+    """The device a benchmark job records beside its results: the CUDA device's name, else the CPU."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "x86-64 CPU"
+
+
+def recorded_device(jobs: list[dict], override: str | None, script: str) -> str:
+    """The device to file a folder of job results under: the one name the jobs recorded (`job_device`), or
+    `override` for results made before jobs recorded it. Lent machines differ (H100 or H200), and a record's ratios
+    pair its jobs, so jobs from two devices, or an override that contradicts them, are refused."""
+    named = {j.get("device") for j in jobs}
+    known = sorted(n for n in named if n)
+    if len(known) > 1:
+        raise SystemExit(f"{script}: these results come from {len(known)} devices ({', '.join(known)}); record each "
+                         "device's results from a folder of their own")
+    if override:
+        if known and known[0] != override:
+            raise SystemExit(f"{script}: the results say they ran on {known[0]}, not {override!r}; drop the device override")
+        return override
+    if None in named or not known:
+        raise SystemExit(f"{script}: the results do not say which device ran them (made before jobs recorded it); "
+                         "pass the device name (e.g. --device-name 'NVIDIA H200')")
+    return known[0]
 
 
 # ---- headline metrics -----------------------------------------------------------------------------

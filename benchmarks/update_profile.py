@@ -41,6 +41,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from headline import job_device, recorded_device  # noqa: E402  (benchmarks/)
 from vllm_decode_profile import category, kernel_times  # noqa: E402  (benchmarks/, no vLLM import)
 
 __all__ = ["KERNEL_GROUPS", "kernel_group", "summarize", "record", "main"]
@@ -198,7 +199,8 @@ def job(a: argparse.Namespace) -> dict:
             "micro_step_kernel_ms": round(sum(per_kernel.values()) / 1e3, 2),
             "groups_ms": {g: round(v / 1e3, 3) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
             "fwd_nograd_ms": round(fwd_ms, 2), "fwd_micro": a.fwd_micro, "peak_allocated_gib": round(peak, 2),
-            "top_kernels_us": [[k, round(v, 1), kernel_group(k)] for k, v in top], "date": time.strftime("%Y-%m-%d")}
+            "top_kernels_us": [[k, round(v, 1), kernel_group(k)] for k, v in top], "date": time.strftime("%Y-%m-%d"),
+            "device": job_device()}
 
 
 # ---- the table ---------------------------------------------------------------------------------------
@@ -255,9 +257,12 @@ def summarize(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def record(results: list[dict], device: str, command: str, runs_dir: Path | None = None) -> Path:
-    """File the profiles as a benchmark run: per job, the micro-step's wall and kernel time and each kernel group."""
+def record(results: list[dict], device: str | None, command: str, runs_dir: Path | None = None) -> Path:
+    """File the profiles as a benchmark run: per job, the micro-step's wall and kernel time and each kernel group.
+    `device`: None takes the one the jobs recorded (`headline.recorded_device`)."""
     from headline import RUNS, write_run
+
+    device = recorded_device(results, device, "update_profile")
 
     def flat(r: dict) -> dict[str, float]:
         return {"update_micro_step_wall_ms": r["micro_step_wall_ms"], "update_micro_step_kernel_ms": r["micro_step_kernel_ms"],
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="update_profile")
     ap.add_argument("--from", dest="from_dir", default=None)
     ap.add_argument("--record", action="store_true", help="with --from: file the profiles in benchmarks/results/runs")
-    ap.add_argument("--device-name", default="NVIDIA H200")
+    ap.add_argument("--device-name", default=None, help="--record: the device, for results that do not name it")
     ap.add_argument("--command", default="python benchmarks/update_profile.py")
     ap.add_argument("--recipe", default=None, help=argparse.SUPPRESS)  # one job (the child process)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)

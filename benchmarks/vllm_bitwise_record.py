@@ -3,7 +3,7 @@
 `tests/gpu/test_vllm_bitwise_gpu.py` with JETRL_RESULTS_DIR set leaves one JSON per recipe (`vllm_bitwise_job.py`):
 the engine's sampled log-probs against the trainer's padded and packed recomputes. This turns them into records:
 
-    python benchmarks/vllm_bitwise_record.py DIR [--device_name "NVIDIA H200"] [--command "..."]
+    python benchmarks/vllm_bitwise_record.py DIR [--command "..."]   # the device: the one the jobs recorded
 
 One `bitwise_logprob_differing_tokens` record per recipe and layout (value: tokens whose log-prob bits differ; the
 max |dlogp| beside it), and one `bitwise_logprob_mismatch` record per model: the largest |dlogp| over all of them,
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from headline import route_suffix, write_run  # noqa: E402
+from headline import recorded_device, route_suffix, write_run  # noqa: E402
 
 __all__ = ["records_from", "main"]
 
@@ -37,10 +37,11 @@ def _model_label(job: dict) -> str:
     return name
 
 
-def records_from(jobs: list[dict], device: str, command: str) -> list[dict]:
-    """The run's records from the jobs' JSON (see the module docstring)."""
+def records_from(jobs: list[dict], device: str | None, command: str) -> list[dict]:
+    """The run's records from the jobs' JSON (see the module docstring); `device`: None takes the one the jobs recorded."""
     if not jobs:
         raise SystemExit("vllm_bitwise_record: no bitwise_*.json job results in that folder; run the GPU test with JETRL_RESULTS_DIR")
+    device = recorded_device(jobs, device, "vllm_bitwise_record")
     out, by_model = [], {}
     for job in jobs:
         model = _model_label(job)
@@ -68,7 +69,7 @@ def records_from(jobs: list[dict], device: str, command: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("dir", type=Path, help="the JETRL_RESULTS_DIR of a test_vllm_bitwise_gpu.py run")
-    ap.add_argument("--device_name", default="NVIDIA H200")
+    ap.add_argument("--device_name", default=None, help="the device, for job results that do not name it")
     ap.add_argument("--command", default=DEFAULT_COMMAND)
     ap.add_argument("--label", default="vllm-bitwise")
     a = ap.parse_args(argv)

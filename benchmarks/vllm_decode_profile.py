@@ -31,6 +31,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from headline import job_device, recorded_device  # noqa: E402  (benchmarks/)
 from openrlhf.utils.profiling import kernel_times  # noqa: E402  (torch only; no vLLM import)
 
 __all__ = ["CATEGORIES", "category", "kernel_times", "decode_kernels", "summarize", "main"]
@@ -102,7 +103,8 @@ def job(a: argparse.Namespace) -> dict:
             "decode_step_wall_us": round(1e6 * (wall_long - wall_short) / a.steps, 1),
             "decode_step_kernel_us": round(sum(per_kernel.values()), 1),
             "categories_us": {c: round(v, 2) for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top_kernels_us": [[k, round(v, 2), category(k)] for k, v in top], "date": time.strftime("%Y-%m-%d")}
+            "top_kernels_us": [[k, round(v, 2), category(k)] for k, v in top], "date": time.strftime("%Y-%m-%d"),
+            "device": job_device()}
 
 
 def summarize(results: list[dict]) -> str:
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from", dest="from_dir", default=None)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the plumbing, measures nothing")
     ap.add_argument("--record", action="store_true", help="with --from: file the profiles in benchmarks/results/runs")
-    ap.add_argument("--device-name", default="NVIDIA H200", help="--record: the device the profiles came from")
+    ap.add_argument("--device-name", default=None, help="--record: the device, for profiles that do not name it")
     ap.add_argument("--command", default="bash benchmarks/h200_vllm.sh profile", help="--record: how they were made")
     a = ap.parse_args(argv)
     if a.record and not a.from_dir:
@@ -182,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def record(results: list[dict], device: str, command: str, runs_dir: Path | None = None) -> Path:
-    """File the profiles as a benchmark run: per recipe, the decode step's wall and GPU time and each kernel group."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from headline import RUNS, write_run  # benchmarks/headline.py
+def record(results: list[dict], device: str | None, command: str, runs_dir: Path | None = None) -> Path:
+    """File the profiles as a benchmark run: per recipe, the decode step's wall and GPU time and each kernel group.
+    `device`: None takes the one the jobs recorded (`headline.recorded_device`)."""
+    from headline import RUNS, write_run
+
+    device = recorded_device(results, device, "vllm_decode_profile")
 
     def flat(r: dict) -> dict[str, float]:
         return {"decode_step_wall_us": r["decode_step_wall_us"], "decode_step_kernel_us": r["decode_step_kernel_us"],

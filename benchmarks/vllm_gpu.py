@@ -470,9 +470,10 @@ def _backend_label(job: dict) -> str:
     return label + ("+" + job["decode_gemm"].replace(" ", "") if job.get("decode_gemm") else "")
 
 
-def records_from(folder: Path, device: str, command: str) -> list[dict]:
-    """Run records from a results folder of this script's jobs and of tests/gpu/test_vllm_gpu.py."""
-    from headline import route_suffix  # benchmarks/headline.py
+def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
+    """Run records from a results folder of this script's jobs and of tests/gpu/test_vllm_gpu.py. `device`: None takes
+    the one the jobs recorded (`headline.recorded_device`)."""
+    from headline import recorded_device, route_suffix  # benchmarks/headline.py
 
     recs: list[dict] = []
 
@@ -481,6 +482,7 @@ def records_from(folder: Path, device: str, command: str) -> list[dict]:
                      "command": command, "date": extra.pop("date", time.strftime("%Y-%m-%d")), "device": device, **extra})
 
     jobs = [json.loads(f.read_text()) for f in sorted(folder.rglob("*.json")) if f.name != "vllm_gpu.json"]
+    device = recorded_device(jobs, device, "vllm_gpu")
     tp = {(j["recipe"], j["mode"]): j for j in jobs if j.get("job") == "throughput" and not j.get("start_only")}
     for (recipe, mode), j in sorted(tp.items()):
         base = tp.get(("bf16", mode))
@@ -554,7 +556,7 @@ def main() -> None:
     ap.add_argument("--gemm-backend", default=None, help="override the recipe's GEMM backend (auto, torch, deep_gemm, triton)")
     ap.add_argument("--from", dest="from_dir", default=None, help="record: the results folder to turn into run records")
     ap.add_argument("--label", default="vllm-gpu", help="record: the run file's label")
-    ap.add_argument("--device-name", default="NVIDIA H200", help="record: the device the results came from")
+    ap.add_argument("--device-name", default=None, help="record: the device, for results that do not name it")
     ap.add_argument("--command", default="bash benchmarks/h200_vllm.sh install bench8b smollm2 sync", help="record: how they were made")
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 8B shape (CPU smoke runs)")
     a = ap.parse_args()
@@ -566,7 +568,9 @@ def main() -> None:
     if a.what == "job":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the plugin registers here
         res = JOBS[a.job_name](a)
-        res["date"] = time.strftime("%Y-%m-%d")
+        from headline import job_device  # benchmarks/headline.py
+
+        res["date"], res["device"] = time.strftime("%Y-%m-%d"), job_device()
         Path(a.json).write_text(json.dumps(res, indent=1))
         return
     if a.what == "record":

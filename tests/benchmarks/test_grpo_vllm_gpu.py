@@ -215,6 +215,7 @@ def test_speed_repeats_alternate_the_order_and_the_report_averages_them(tmp_path
     first, again = tmp_path / "a", tmp_path / "b"
     for d in (first, again):
         d.mkdir()
+        (d / "env.json").write_text(json.dumps({"device": "NVIDIA H200", "date": "2026-12-05"}))
     for name, res in (("bf16", _speed_result("bf16", [90.0, 36.0])), ("bf16.rep2", _speed_result("bf16", [90.0, 38.0], 2)),
                       ("jet_fp8", _speed_result("jet_fp8", [90.0, 30.0])), ("jet_fp8.rep2", _speed_result("jet_fp8", [90.0, 34.0], 2))):
         (first / f"speed_{name}.json").write_text(json.dumps(res))
@@ -230,6 +231,33 @@ def test_speed_repeats_alternate_the_order_and_the_report_averages_them(tmp_path
     assert step["per_repeat_step_s"] == [20.0, 34.0] and step["ratio_vs_bf16"] == pytest.approx(37.0 / 27.0)
     assert step["per_repeat_ratio_vs_bf16"] == pytest.approx([36.0 / 20.0, 38.0 / 34.0], rel=1e-3)
     assert report("--pool")["per_repeat_step_s"] == [30.0, 20.0, 34.0]
+
+
+def test_the_report_files_one_device_and_refuses_two(tmp_path, capsys):
+    """Leases lend an H100 or an H200: folders pooled from both would average two machines. The report files the
+    device the runs recorded, refuses folders that name two, and takes --device_name only where none is named."""
+    import grpo_vllm_gpu as g
+
+    folders = []
+    for name, device in (("a", "NVIDIA H200"), ("b", "NVIDIA H100 80GB HBM3")):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "env.json").write_text(json.dumps({"device": device, "date": "2026-12-05"}))
+        for recipe, step in (("bf16", 36.0), ("jet_fp8", 30.0)):
+            (d / f"speed_{recipe}.json").write_text(json.dumps(_speed_result(recipe, [90.0, step])))
+        folders.append(str(d))
+    runs = tmp_path / "runs"
+    with pytest.raises(SystemExit, match=r"come from 2 devices \(NVIDIA H100 80GB HBM3, NVIDIA H200\); record each"):
+        g.main(["report", "--pool", "--from", *folders, "--runs_dir", str(runs), "--docs_dir", str(tmp_path / "docs")])
+    with pytest.raises(SystemExit, match=r"ran on NVIDIA H200, not 'NVIDIA H100'"):
+        g.main(["report", "--from", folders[0], "--device_name", "NVIDIA H100", "--runs_dir", str(runs)])
+    assert not runs.exists()  # nothing filed
+    g.main(["report", "--from", folders[1], "--runs_dir", str(runs), "--docs_dir", str(tmp_path / "docs")])
+    (recs,) = [json.loads(p.read_text()) for p in runs.glob("*.json")]
+    assert {r["device"] for r in recs} == {"NVIDIA H100 80GB HBM3"}
+    (Path(folders[1]) / "env.json").unlink()  # results made before runs recorded their device
+    with pytest.raises(SystemExit, match="do not say which device ran them"):
+        g.main(["report", "--from", folders[1], "--runs_dir", str(tmp_path / "runs2")])
 
 
 def _parse(g, monkeypatch, out, argv):

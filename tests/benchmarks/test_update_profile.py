@@ -85,7 +85,8 @@ def test_tiny_profiles_run_and_file_a_record(tmp_path):
     assert "deepspeed-zero1, micro-batch 4" in proc.stdout
 
     runs = tmp_path / "runs"
-    recs = json.loads(update_profile.record(list(results.values()), "cpu", "test", runs).read_text())
+    recs = json.loads(update_profile.record(list(results.values()), None, "test", runs).read_text())
+    assert {r["device"] for r in recs} == {"x86-64 CPU"}  # what the jobs recorded
     walls = [r for r in recs if r["name"] == "update_micro_step_wall_ms"]
     assert len(walls) == 2 and all(r["unit"] == "ms" for r in walls)
     bf, fp8 = ({(r["shape"], r["backend"]): r for r in walls}[(walls[0]["shape"], b)] for b in ("bf16", "jet_fp8"))

@@ -88,6 +88,7 @@ def run(a: argparse.Namespace) -> dict:
         "recipe": a.recipe, "model": str(a.model), "mode": "default (torch.compile + CUDA graphs)",
         "start_seconds": round(start_s, 1), "generate_seconds": round(gen_s, 2), "prompts": len(prompts),
         "tokens": int(mask.sum()), "first_response_ids": samples[0].response_ids[:40], "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(),
     }
     for packing in (False, True):
         with torch.no_grad():

@@ -142,7 +142,7 @@ def run(a: argparse.Namespace) -> dict:
         "fixed_engine_vs_trainer_mean_abs": sum(d_fixed) / len(d_fixed), "fixed_engine_vs_trainer_max_abs": max(d_fixed),
         "slept": asleep_fixed is not None, "trainer_while_asleep_equal": asleep_fixed == trainer_fixed,
         "tokens_after_wake": sum(len(g[0].response_ids) for g in woke),
-        "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
     }
 
 
