@@ -30,8 +30,8 @@ HEADLINE = RESULTS / "headline.json"
 README = ROOT / "README.md"
 FIELDS = ("value", "unit", "what", "command", "date", "device")
 
-__all__ = ["load_runs", "load_records", "latest", "write_run", "job_device", "recorded_device", "route_suffix", "Metric", "METRICS", "compute_headline", "set_metric",
-           "render_table", "update_readme"]
+__all__ = ["load_runs", "load_records", "latest", "write_run", "job_device", "recorded_device", "route_suffix", "Metric",
+           "METRICS", "compute_headline", "set_metric", "render_table", "update_readme"]
 
 
 # ---- raw records ------------------------------------------------------------------------------------

@@ -482,7 +482,7 @@ def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
                      "command": command, "date": extra.pop("date", time.strftime("%Y-%m-%d")), "device": device, **extra})
 
     jobs = [json.loads(f.read_text()) for f in sorted(folder.rglob("*.json")) if f.name != "vllm_gpu.json"]
-    device = recorded_device(jobs, device, "vllm_gpu")
+    device = recorded_device([j for j in jobs if isinstance(j, dict) and "recipe" in j], device, "vllm_gpu")
     tp = {(j["recipe"], j["mode"]): j for j in jobs if j.get("job") == "throughput" and not j.get("start_only")}
     for (recipe, mode), j in sorted(tp.items()):
         base = tp.get(("bf16", mode))
