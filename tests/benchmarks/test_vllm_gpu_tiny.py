@@ -36,7 +36,8 @@ def test_repeated_passes_time_the_prefill_apart_and_become_records(tmp_path):
         assert len(run["tokens_per_s_each"]) == len(run["prefill_seconds_each"]) == 2
         assert min(run["tokens_per_s_each"]) - 0.1 <= run["tokens_per_s"] <= max(run["tokens_per_s_each"]) + 0.1  # the median
         assert 0 < min(run["prefill_seconds_each"]) - 1e-3 <= run["prefill_seconds"] <= max(run["prefill_seconds_each"]) + 1e-3
-    recs = vllm_gpu.records_from(tmp_path, "cpu", "cmd")
+    recs = vllm_gpu.records_from(tmp_path, None, "cmd")
+    assert {r["device"] for r in recs} == {"x86-64 CPU"}  # what the jobs recorded
     (fp8,) = [r for r in recs if r["name"] == "vllm_rollout_tokens_per_s" and r["backend"].startswith("jet_fp8")]
     (bf16,) = [r for r in recs if r["name"] == "vllm_rollout_tokens_per_s" and r["backend"] == "bf16"]
     assert fp8["ratio_vs_bf16"] == pytest.approx(fp8["value"] / bf16["value"])
