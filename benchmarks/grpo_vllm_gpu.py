@@ -671,7 +671,7 @@ def cmd_report(a: argparse.Namespace) -> None:
             print("\n" + profile_table(profiles))
         return
     # Pooled folders are one device's: a ratio or an average over two machines would be no figure for either.
-    env = {**(envs[-1] if envs else {}), "device": recorded_device(envs, a.device_name, "grpo_vllm_gpu report")}
+    env = {**(envs[-1] if envs else {}), "device": recorded_device(envs, a.device_name, "grpo_vllm_gpu report", "--device_name")}
     recs = records_from(results, env, a.command) + profile_records(profiles, results, env, a.command)
     if profiles:
         print(profile_table(profiles))

@@ -79,7 +79,7 @@ def job_device() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "x86-64 CPU"
 
 
-def recorded_device(jobs: list[dict], override: str | None, script: str) -> str:
+def recorded_device(jobs: list[dict], override: str | None, script: str, flag: str = "--device-name") -> str:
     """The device to file a folder of job results under: the one name the jobs recorded (`job_device`), or
     `override` for results made before jobs recorded it. Lent machines differ (H100 or H200), and a record's ratios
     pair its jobs, so jobs from two devices, or an override that contradicts them, are refused."""
@@ -90,11 +90,11 @@ def recorded_device(jobs: list[dict], override: str | None, script: str) -> str:
                          "device's results from a folder of their own")
     if override:
         if known and known[0] != override:
-            raise SystemExit(f"{script}: the results say they ran on {known[0]}, not {override!r}; drop the device override")
+            raise SystemExit(f"{script}: the results say they ran on {known[0]}, not {override!r}; drop {flag}")
         return override
     if None in named or not known:
         raise SystemExit(f"{script}: the results do not say which device ran them (made before jobs recorded it); "
-                         "pass the device name (e.g. --device-name 'NVIDIA H200')")
+                         f"pass {flag} (e.g. {flag} 'NVIDIA H200')")
     return known[0]
 
 

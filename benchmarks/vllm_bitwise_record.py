@@ -41,7 +41,7 @@ def records_from(jobs: list[dict], device: str | None, command: str) -> list[dic
     """The run's records from the jobs' JSON (see the module docstring); `device`: None takes the one the jobs recorded."""
     if not jobs:
         raise SystemExit("vllm_bitwise_record: no bitwise_*.json job results in that folder; run the GPU test with JETRL_RESULTS_DIR")
-    device = recorded_device(jobs, device, "vllm_bitwise_record")
+    device = recorded_device(jobs, device, "vllm_bitwise_record", "--device_name")
     out, by_model = [], {}
     for job in jobs:
         model = _model_label(job)
