@@ -141,6 +141,7 @@ def test_a_refused_bitwise_row_is_reported_with_its_reason(study, tmp_path):
     rows.append({**{k: mismatch["jet_fp8+bitwise"][k] for k in ("part", "row", "recipe", "bitwise", "engine", "model")},
                  "available": False, "reason": str(refused.value)})
     (out / "mismatch.json").write_text(json.dumps(rows))
+    (out / "env.json").write_text(next(Path(d).rglob("env.json")).read_text())  # the machine the rows ran on
     proc = subprocess.run([sys.executable, "benchmarks/fidelity_gpu.py", "report", "--from", str(out), "--runs_dir", str(tmp_path / "runs"),
                            "--docs_dir", str(tmp_path / "docs")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
