@@ -24,6 +24,18 @@ require_cuda_and_vllm()
 
 HERE = Path(__file__).resolve().parent
 ARCHS = ("phi3", "gemma2", "qwen3_moe", "qwen3")
+MOE_ARCHS = ("qwen3_moe",)
+
+
+def _moe_kernels_missing() -> str | None:
+    """Why this vLLM build cannot run MoE models, or None. The slimmed vLLM the lent GPU gets
+    (../shared/tools/vllm-gpu) leaves out its MoE extension (`vllm._moe_C_stable_libtorch`, `_moe_C` before 0.26),
+    which vLLM's CUDA platform imports only if present; a pip-installed vLLM has it."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) for m in ("vllm._moe_C_stable_libtorch", "vllm._moe_C")):
+        return None
+    return "this vLLM build has no MoE kernels (vllm._moe_C_stable_libtorch)"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +43,11 @@ def results(tmp_path_factory) -> dict[str, dict]:
     out = Path(os.environ.get("JETRL_RESULTS_DIR") or tmp_path_factory.mktemp("archs_gpu"))
     out.mkdir(parents=True, exist_ok=True)
     res = {}
+    moe_missing = _moe_kernels_missing()
     for arch in ARCHS:
+        if arch in MOE_ARCHS and moe_missing:
+            res[arch] = {"skipped": moe_missing}
+            continue
         f = out / f"arch_{arch}.json"
         with open(f.with_suffix(".log"), "w") as log:
             rc = subprocess.run([sys.executable, str(HERE / "arch_job.py"), "--arch", arch, "--out", str(f)],
@@ -43,6 +59,8 @@ def results(tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_engine_runs_the_trainers_weights_after_every_sync(results, arch):
     r = results[arch]
+    if "skipped" in r:
+        pytest.skip(f"{arch}: {r['skipped']}")
     assert "failed" not in r, r.get("failed")
     assert r["precision_violations"] == [], r["precision_violations"]
     # A sync of the weights the engine already holds must not change what it samples (bit for bit, one seed).
