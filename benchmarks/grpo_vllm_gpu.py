@@ -113,7 +113,8 @@ class SpeedPlan:
         kind = "Llama-3.1-8B shape" if model_cfg["hidden_size"] == LLAMA_8B["hidden_size"] else f"tiny Llama h{model_cfg['hidden_size']}"
         return (f"{kind}, {model_cfg['num_hidden_layers']} layers ({params / 1e9:.2f}B), {self.prompts} prompts x {self.n} samples x "
                 f"{self.new_tokens} new tokens, ZeRO-{self.zero_stage}, train micro-batch {self.train_micro}"
-                f"{', activation checkpointing' if self.grad_ckpt else ''}{', Liger kernels' if self.liger else ''}, colocated vLLM (default mode, asleep in training)")
+                f"{', activation checkpointing' if self.grad_ckpt else ''}{', Liger kernels' if self.liger else ''}, colocated vLLM (default mode, asleep in training"
+                f"{'' if self.gpu_mem == SpeedPlan.gpu_mem else f', {self.gpu_mem:g} of the GPU'})")
 
 
 @dataclass(frozen=True)

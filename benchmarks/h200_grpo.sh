@@ -32,6 +32,7 @@
 # A call on a fresh machine (the previous one was given back) starts again from 1.
 # Knobs: RECIPES (speed, default "bf16 jet_fp8"; jet_fp8+bitwise adds --precision.bitwise on vLLM, jet_fp8+separate --precision.separate_projections), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64),
 # TRAIN_MICRO (4 sequences per training micro-batch), GRAD_CKPT (set: activation checkpointing, for LAYERS=16 and up),
+# GPU_MEM (speed: the colocated engine's --vllm.gpu_memory_utilization, 0.3 of the card; an 80 GB H100 has less to spare),
 # LIGER (set: --ds.use_liger_kernel in the speed runs and profiles; Liger's wheel rides in .gw), PROFILE_STEP (speed:
 # the trainer's --profile.step, kernel times of that step's experience, update and sync phases in the report),
 # RUN_TIMEOUT (seconds per recipe's run, 290; deeper models need more: run one recipe per call), GEMM_BACKEND
@@ -145,7 +146,7 @@ stage_install() {
 stage_speed() {
   enough 120 speed || return 1
   timeout "$(left)" python3 benchmarks/grpo_vllm_gpu.py speed ${TINY:+--tiny} --recipes ${RECIPES:-bf16 jet_fp8} --layers "${LAYERS:-8}" \
-    --train_micro "${TRAIN_MICRO:-4}" ${GRAD_CKPT:+--grad_ckpt} ${LIGER:+--liger} ${PROFILE_STEP:+--profile_step "$PROFILE_STEP"} ${RUN_TIMEOUT:+--run_timeout "$RUN_TIMEOUT"} --steps "${STEPS:-3}" --repeats "${REPEATS:-1}" --repeat "${REPEAT:-1}" --prompts "${PROMPTS:-64}" --gemm_backend "${GEMM_BACKEND:-torch}" --out "$RES" --workdir "$T/grpo_work" \
+    --train_micro "${TRAIN_MICRO:-4}" ${GPU_MEM:+--gpu_mem "$GPU_MEM"} ${GRAD_CKPT:+--grad_ckpt} ${LIGER:+--liger} ${PROFILE_STEP:+--profile_step "$PROFILE_STEP"} ${RUN_TIMEOUT:+--run_timeout "$RUN_TIMEOUT"} --steps "${STEPS:-3}" --repeats "${REPEATS:-1}" --repeat "${REPEAT:-1}" --prompts "${PROMPTS:-64}" --gemm_backend "${GEMM_BACKEND:-torch}" --out "$RES" --workdir "$T/grpo_work" \
     --deadline "$(($(left) - 15))" 2>&1 | grep "^\[grpo_vllm\|rror" | tail -20
   python3 benchmarks/grpo_vllm_gpu.py report --table_only --from "$RES"
 }

@@ -114,7 +114,7 @@ def test_the_profiled_step_shows_each_trainer_phase_by_kernel_group(tiny_run):
 
 
 def test_speed_plan_knobs_reach_the_trainer_config(tmp_path):
-    """TRAIN_MICRO, GRAD_CKPT and LIGER (h200_grpo.sh) become trainer flags that the CLI parses into its config."""
+    """TRAIN_MICRO, GRAD_CKPT, LIGER and GPU_MEM (h200_grpo.sh) become trainer flags that the CLI parses into its config."""
     import grpo_vllm_gpu as g
 
     from openrlhf.config import parse_config
@@ -129,6 +129,11 @@ def test_speed_plan_knobs_reach_the_trainer_config(tmp_path):
     assert "activation checkpointing" in shape and "Liger" in shape
     plain = parse_config(g.SpeedPlan().argv(tmp_path, data, reward))
     assert plain.train.micro_batch_size == 4 and not plain.actor.gradient_checkpointing_enable and not plain.ds.use_liger_kernel
+    # GPU_MEM: the engine's share of the card, named in the record's shape when it is not the default
+    small = g.SpeedPlan(gpu_mem=0.22)
+    assert parse_config(small.argv(tmp_path, data, reward)).vllm.gpu_memory_utilization == 0.22
+    assert small.shape({"hidden_size": 4096, "num_hidden_layers": 8}, 2.8e9).endswith("asleep in training, 0.22 of the GPU)")
+    assert g.SpeedPlan().shape({"hidden_size": 4096, "num_hidden_layers": 8}, 2.8e9).endswith("asleep in training)")
 
 
 def test_the_profiled_step_is_not_timed():
