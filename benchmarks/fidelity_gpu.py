@@ -748,7 +748,7 @@ def load_results(dirs: list[str]) -> tuple[list[dict], list[dict]]:
 
 
 def cmd_report(a: argparse.Namespace) -> None:
-    from headline import RUNS as RUNS_DIR, recorded_device, write_run  # benchmarks/headline.py
+    from headline import RUNS as RUNS_DIR, recorded_env, write_run  # benchmarks/headline.py
 
     results, envs = load_results(a.from_dirs)
     if not results:
@@ -757,7 +757,7 @@ def cmd_report(a: argparse.Namespace) -> None:
     if a.table_only:  # on the device: no plotting library needed, records are written where the results come back to
         print(text)
         return
-    env = {**(envs[-1] if envs else {}), "device": recorded_device(envs, a.device_name, "fidelity_gpu report", "--device_name")}
+    env = recorded_env(envs, a.device_name, "fidelity_gpu report")
     recs = records_from(results, env, a.command)
     if recs:
         path = write_run(recs, a.label, env.get("date") or time.strftime("%Y-%m-%d"), Path(a.runs_dir) if a.runs_dir else RUNS_DIR)

@@ -640,7 +640,7 @@ def profile_records(profiles: dict[tuple[str, str], dict], results: list[dict], 
 
 
 def cmd_report(a: argparse.Namespace) -> None:
-    from headline import RUNS, recorded_device, write_run  # benchmarks/headline.py
+    from headline import RUNS, recorded_env, write_run  # benchmarks/headline.py
 
     results, envs, profiles = [], [], {}
     for d in map(Path, a.from_dirs):
@@ -672,7 +672,7 @@ def cmd_report(a: argparse.Namespace) -> None:
             print("\n" + profile_table(profiles))
         return
     # Pooled folders are one device's: a ratio or an average over two machines would be no figure for either.
-    env = {**(envs[-1] if envs else {}), "device": recorded_device(envs, a.device_name, "grpo_vllm_gpu report", "--device_name")}
+    env = recorded_env(envs, a.device_name, "grpo_vllm_gpu report")
     recs = records_from(results, env, a.command) + profile_records(profiles, results, env, a.command)
     if profiles:
         print(profile_table(profiles))

@@ -30,7 +30,7 @@ HEADLINE = RESULTS / "headline.json"
 README = ROOT / "README.md"
 FIELDS = ("value", "unit", "what", "command", "date", "device")
 
-__all__ = ["load_runs", "load_records", "latest", "write_run", "job_device", "recorded_device", "route_suffix", "Metric",
+__all__ = ["load_runs", "load_records", "latest", "write_run", "job_device", "recorded_device", "recorded_env", "route_suffix", "Metric",
            "METRICS", "compute_headline", "set_metric", "render_table", "update_readme"]
 
 
@@ -96,6 +96,11 @@ def recorded_device(jobs: list[dict], override: str | None, script: str, flag: s
         raise SystemExit(f"{script}: the results do not say which device ran them (made before jobs recorded it); "
                          f"pass {flag} (e.g. {flag} 'NVIDIA H200')")
     return known[0]
+
+
+def recorded_env(envs: list[dict], override: str | None, script: str, flag: str = "--device_name") -> dict:
+    """The env.json a report files its records under: the last folder's, with the device `recorded_device` finds."""
+    return {**(envs[-1] if envs else {}), "device": recorded_device(envs, override, script, flag)}
 
 
 # ---- headline metrics -----------------------------------------------------------------------------

@@ -144,11 +144,8 @@ def freeze_fp8_weights(model: nn.Module, device: torch.device | str | None = Non
     if training:
         raise ValueError(f"freeze_fp8_weights: {len(training)} FP8 layer(s) still require grad (e.g. {training[0]}); "
                          "freeze only inference models: call model.requires_grad_(False) first")
-    groups = {id(m._group): m._group for m in todo if m._group is not None}
-    for group in groups.values():
-        group.release()
-        for m in group.members:
-            m._group, m._group_skipped = None, "frozen: each layer keeps its own FP8 weight"
+    for group in {id(m._group): m._group for m in todo if m._group is not None}.values():
+        group.dissolve("frozen: each layer keeps its own FP8 weight")
     freed = sum(m.freeze(device) for m in todo)
     kept = sum(b.numel() * b.element_size() for m in todo for b in (m.weight_fp8, m.weight_fp8_scale))
     if todo:

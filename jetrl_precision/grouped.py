@@ -173,6 +173,12 @@ class Fp8LinearGroup:
         self._wq_cache: tuple | None = None
         self._wq_t_cache: tuple | None = None
 
+    def dissolve(self, why: str | None = None) -> None:
+        """Return the members to their own GEMMs for good (`why`: recorded on them, for the precision graph)."""
+        self.release()
+        for m in self.members:
+            m._group, m._group_skipped = None, why
+
     def __getstate__(self) -> dict:  # pickling / deepcopy: no stash (weak references) and no derived FP8 weights
         state = dict(self.__dict__)
         state.update(_stash=None, _misses=0, _wq_cache=None, _wq_t_cache=None, _checked=False)
@@ -388,9 +394,7 @@ def unfuse_projections(model: nn.Module) -> int:
     """Return every grouped projection of `model` to its own GEMM; returns how many groups were undone."""
     groups = {id(m._group): m._group for m in model.modules() if isinstance(m, Fp8Linear) and m._group is not None}
     for group in groups.values():
-        group.release()
-        for m in group.members:
-            m._group = None
+        group.dissolve()
     return len(groups)
 
 

@@ -432,8 +432,7 @@ class Fp8Linear(nn.Linear):
         if device != data.device:
             data, scale = data.to(device), scale.to(device)
             self._buffers["weight_fp8"], self._buffers["weight_fp8_scale"] = data, scale
-            self._installed = (QuantizedTensor.trusted(data, scale, self._frozen_block), {})
-            self._plans.clear()
+            self._installed = (QuantizedTensor.trusted(data, scale, self._frozen_block), {})  # plans are per device: kept
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
