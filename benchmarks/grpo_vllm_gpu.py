@@ -52,7 +52,10 @@ RECIPES = ("bf16", "jet_fp8", "fp8_rollout")  # what a plain run compares
 # old-logprob recompute (vLLM's bitwise mode on a GPU, the transformers engine on CPU).
 # `jet_fp8+separate` runs jet_fp8 with --precision.separate_projections: q/k/v and gate/up as their own GEMMs,
 # the A/B of the stacked projections jet_fp8 runs by default.
-ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise", "jet_fp8+separate")
+# `<recipe>+no_aot` runs the recipe with VLLM_USE_AOT_COMPILE=0: a warm start traces the model again and loads
+# Inductor's cached graphs instead of torch's AOT artifact, the A/B of the warm-start slowdown in docs/vllm.md.
+ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise", "jet_fp8+separate", "bf16+no_aot", "jet_fp8+no_aot")
+NO_AOT = "+no_aot"
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
@@ -173,6 +176,8 @@ SLEEP = ["--vllm.enable_sleep"]  # the engine gives its GPU memory back while tr
 
 
 def recipe_argv(recipe: str) -> list[str]:
+    if recipe.endswith(NO_AOT):  # the engine's environment differs (recipe_env), not the trainer's options
+        return recipe_argv(recipe.removesuffix(NO_AOT))
     if recipe == "jet_fp8":
         return ["--fp8_unified"]
     if recipe == "jet_fp8+bitwise":  # the FP8 GEMM must be the invariant one; vLLM's bitwise mode is CUDA only
@@ -185,6 +190,10 @@ def recipe_argv(recipe: str) -> list[str]:
     if recipe == "fp8_rollout":  # the off-policy baseline needs its importance-sampling correction
         argv += ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tis"]
     return argv
+
+
+def recipe_env(recipe: str) -> dict[str, str]:
+    return {"VLLM_USE_AOT_COMPILE": "0"} if recipe.endswith(NO_AOT) else {}
 
 
 # ---- models and data -------------------------------------------------------------------------------
@@ -262,7 +271,7 @@ def run_recipes(part: str, recipes: list[str], argv_for, out: Path, timeout: flo
             if jobs:  # side by side: the next engine starts once the previous one is up (see wait_engine_ready)
                 wait_engine_ready(jobs[batch[i - 1]], min(300.0, deadline - time.time()))
             _log(f"{part} {r}: starting")
-            jobs[r] = start([*argv_for(r), *COMMON, *recipe_argv(r)], out / part / run_name(r, repeat), free_port())
+            jobs[r] = start([*argv_for(r), *COMMON, *recipe_argv(r)], out / part / run_name(r, repeat), free_port(), recipe_env(r))
         for r, job in jobs.items():
             res = {"part": part, "recipe": r, "repeat": repeat, **meta, **finish(job, min(timeout, deadline - job["t0"]))}
             ok = res["rc"] == 0 and res["steps"]
@@ -434,6 +443,7 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
         extra["engine_compile"] = [x.get("engine_compile", "") for x in reps]
         if len(reps) > 1:  # pooled: each repeat's own step time, and its ratio to bf16's repeat of the same round
             extra["per_repeat_step_s"] = [round(phase_means(x)["step"], 3) for x in reps]
+            extra["per_repeat_generate_s"] = [round(phase_means(x)["generate"], 3) for x in reps]  # set apart by engine_compile
             pairs = repeat_pairs((base.get("repeats") or [base]) if base else [], reps)
             if recipe != "bf16" and pairs:
                 extra["per_repeat_ratio_vs_bf16"] = [round(phase_means(b)["step"] / phase_means(x)["step"], 4) for b, x in pairs]

@@ -28,9 +28,11 @@
 #                                      PROFILE_REQUANT=1: --precision.requantize_weights; PROFILE_PROMPT: prompt
 #                                      tokens, 256; PROFILE_STEPS: timed micro-steps, 6)
 #   any call after 2                   bash benchmarks/h200_grpo.sh gpucheck   the GPU tests of the changed training paths
-#                                      (GPU_TESTS), then gpu_bench.py --sections env,layers (STACK_BACKENDS auto,torch)
+#                                      (GPU_TESTS), then gpu_bench.py --sections env,layers (STACK_BACKENDS auto,torch;
+#                                      GPUCHECK_LAYERS=0 skips it)
 # A call on a fresh machine (the previous one was given back) starts again from 1.
-# Knobs: RECIPES (speed, default "bf16 jet_fp8"; jet_fp8+bitwise adds --precision.bitwise on vLLM, jet_fp8+separate --precision.separate_projections), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64),
+# Knobs: RECIPES (speed, default "bf16 jet_fp8"; jet_fp8+bitwise adds --precision.bitwise on vLLM, jet_fp8+separate --precision.separate_projections,
+# bf16+no_aot / jet_fp8+no_aot run the engine with VLLM_USE_AOT_COMPILE=0), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64),
 # TRAIN_MICRO (4 sequences per training micro-batch), GRAD_CKPT (set: activation checkpointing, for LAYERS=16 and up),
 # GPU_MEM (speed: the colocated engine's --vllm.gpu_memory_utilization, 0.3 of the card; an 80 GB H100 has less to spare),
 # LIGER (set: --ds.use_liger_kernel in the speed runs and profiles; Liger's wheel rides in .gw), PROFILE_STEP (speed:
@@ -171,6 +173,7 @@ stage_gpucheck() {
   JETRL_RESULTS_DIR="$RES/gpucheck" timeout "$(($(left) / 2))" python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-$GPU_TESTS_DEFAULT} \
     > "$RES/gpucheck/pytest.txt" 2>&1
   tail -25 "$RES/gpucheck/pytest.txt"
+  [ "${GPUCHECK_LAYERS:-1}" = 1 ] || return 0
   enough 90 "gpucheck layers" || return 1
   timeout "$(($(left) - 20))" python3 benchmarks/gpu_bench.py --sections env,layers --stack-backends "${STACK_BACKENDS:-auto,torch}" \
     --out "$RES/gpucheck/layers.json" > "$RES/gpucheck/layers.txt" 2>&1

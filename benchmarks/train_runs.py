@@ -52,7 +52,9 @@ def run_env() -> dict[str, str]:
     return env
 
 
-def start(argv: list[str], out: Path, port: int) -> dict:
+def start(argv: list[str], out: Path, port: int, env_overrides: dict[str, str] | None = None) -> dict:
+    """Launch one training run (its own process group); `env_overrides` are set in its environment on top of
+    `run_env()` and kept in the result (`env_overrides`)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [*launcher(), "--num_gpus", "1", "--master_port", str(port), str(ROOT / "openrlhf/cli/train_ppo_ray.py"), *argv,
            "--ckpt.output_dir", str(out)]
@@ -60,12 +62,12 @@ def start(argv: list[str], out: Path, port: int) -> dict:
         cmd += ["--ds.param_dtype", "fp32"]
     (out / "cmd.json").write_text(json.dumps(cmd, indent=1))
     log = open(out / "log.txt", "w")
-    env = run_env()
+    env = {**run_env(), **(env_overrides or {})}
     # The cuBLASLt route (CUDA only) changes which kernels the bitwise mode runs: results say whether it was on.
     route = "probe" if cuda() and route_setting(env) else "off"
     # Its own process group: a timeout takes the launcher's worker down too (or it would hold the port and GPU).
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return {"proc": proc, "log": log, "out": out, "t0": time.time(), "vendor_route": route}
+    return {"proc": proc, "log": log, "out": out, "t0": time.time(), "vendor_route": route, "env_overrides": dict(env_overrides or {})}
 
 
 def finish(job: dict, timeout: float) -> dict:
@@ -87,7 +89,8 @@ def finish(job: dict, timeout: float) -> dict:
     log = (out / "log.txt").read_text(errors="replace")
     res = {"rc": proc.returncode, "timed_out": timed_out, "wall_s": round(time.time() - job["t0"], 1), "steps": steps,
            "precision_report": summary.get("precision_report", ""), "engine": summary.get("engine"),
-           "vendor_route": job.get("vendor_route", ""), "engine_compile": engine_compile(log)}
+           "vendor_route": job.get("vendor_route", ""), "engine_compile": engine_compile(log),
+           "env_overrides": job.get("env_overrides", {})}
     if proc.returncode != 0:
         res["log_tail"] = log[-3000:]
     return res

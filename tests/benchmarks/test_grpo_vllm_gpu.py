@@ -172,6 +172,23 @@ def test_the_separate_projections_ab_reaches_the_trainer_and_its_record(tmp_path
     assert gain["value"] == pytest.approx(1.1) and gain["update_gain"] == pytest.approx(1.25) and gain["backend"] == "jet_fp8"
 
 
+def test_the_no_aot_variant_changes_only_the_engines_environment(tmp_path, monkeypatch):
+    """RECIPES="jet_fp8+no_aot": the same trainer options as jet_fp8, and VLLM_USE_AOT_COMPILE=0 in the run's
+    environment (vLLM reads it in the trainer's process, where the colocated engine lives), kept in the result."""
+    import grpo_vllm_gpu as g
+    import train_runs
+
+    for base in ("bf16", "jet_fp8"):
+        assert g.recipe_argv(f"{base}+no_aot") == g.recipe_argv(base)
+        assert g.recipe_env(f"{base}+no_aot") == {"VLLM_USE_AOT_COMPILE": "0"} and g.recipe_env(base) == {}
+    monkeypatch.setattr(train_runs, "launcher", lambda: [sys.executable, "-c",
+                        "import json, os, sys; print(json.dumps({'aot': os.environ.get('VLLM_USE_AOT_COMPILE')}))"])
+    job = train_runs.start(["--x"], tmp_path / "run", 0, g.recipe_env("jet_fp8+no_aot"))
+    res = train_runs.finish(job, 60.0)
+    assert res["rc"] == 0 and res["env_overrides"] == {"VLLM_USE_AOT_COMPILE": "0"}
+    assert json.loads((tmp_path / "run" / "log.txt").read_text()) == {"aot": "0"}
+
+
 def test_pooled_repeats_average_each_repeats_timed_steps_and_keep_their_spread():
     """`report --pool`: two runs of a recipe are repeats; each one's warm-up step stays out of the mean, a failed
     repeat is left out, and each repeat's ratio to bf16's repeat of the same index is recorded."""
