@@ -36,6 +36,11 @@
 #   eager32  bf16 and jet_fp8 (the engine's auto: cuBLASLt at every size when eager) at 32 layers in eager mode, two
 #            timed passes at 256 and 64 prompts (~5 min; needs only `install`). Here:
 #            `python benchmarks/vllm_gpu.py record --from <res>/eager32`
+#   aot      a cold start against warm starts of the same engines (bf16 and jet_fp8, AOT_LAYERS=16 layers, default mode,
+#            cuBLASLt, 256 prompts, two timed passes): `cold` compiles into an empty cache, `aot-loaded` restarts from
+#            torch's AOT artifact (vLLM's default on a warm cache), `no-aot` restarts with VLLM_USE_AOT_COMPILE=0
+#            (Inductor's cached graphs, traced again); AOT_RUNS picks which, in that order (~3.5 min cold, ~2 min each
+#            warm; needs only `install`). Here: `python benchmarks/vllm_gpu.py record --from <res>/aot/<run>` for each
 #   route32  the route at 32 layers: ROUTE32_RECIPES (jet_fp8 and jet_fp8+bitwise; bf16 and jet_fp8+bitwise in another
 #            call: three 32-layer engines with 42 GiB of KV cache each do not fit), two timed passes at 256 and 64 prompts
 #            (~5 min; its own call). Here: `python benchmarks/vllm_gpu.py record --from <res>/route32`
@@ -185,6 +190,19 @@ stage_profile() {
   python3 benchmarks/vllm_decode_profile.py --layers 8 --prompts 256 --out /tmp/res/profile8b --timeout 200 2>&1 | tail -60
 }
 
+stage_aot() {
+  # One compile cache for the three runs, empty before `cold`; the same model folder, which vLLM's cache key includes.
+  local cache=/tmp/vllm_cache_aot layers=${AOT_LAYERS:-16} run
+  for run in ${AOT_RUNS:-cold aot-loaded no-aot}; do
+    [ "$run" = cold ] && rm -rf "$cache" /tmp/res/aot
+    local extra=(); [ "$run" = no-aot ] && extra=(VLLM_USE_AOT_COMPILE=0)
+    env VLLM_CACHE_ROOT=$cache "${extra[@]}" python3 benchmarks/vllm_gpu.py throughput --model /tmp/aot_model_l"$layers" \
+      --layers "$layers" --modes default --recipes bf16 jet_fp8 --gemm-backend torch --prompts 256 --repeats 2 --kv-gib 22 \
+      --out /tmp/res/aot/"$run" --timeout 300 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -4
+    grep -h "median of" /tmp/res/aot/"$run"/*.log
+    python3 -c "import json,glob; print('$run', {f.rsplit('/', 1)[1]: json.load(open(f)).get('engine_compile') for f in glob.glob('/tmp/res/aot/$run/throughput_*.json')})"
+  done
+}
 # One decode step of 64 sequences at full depth, the engine's auto (DeepGEMM for decode batches): what is left between
 # the measured 1.15-1.20x and the 1.48x that the bytes allow (GEMMs, quantizer launches, lm_head, attention, host).
 stage_profile32() {

@@ -393,7 +393,9 @@ def _wait(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, int]:
 
 
 def run_throughput(a: argparse.Namespace, out: Path) -> list[dict]:
-    model = make_model_dir(out / f"llama8b_l{a.layers}", a.layers)
+    # --model: one checkpoint folder across calls (made there if missing), so a later call's engines find the compile
+    # cache of an earlier one's (vLLM's cache key includes the model's path).
+    model = make_model_dir(Path(a.model) if a.model else out / f"llama8b_l{a.layers}", a.layers)
     sync_dir = out / f"turns_{int(time.time())}"
     combos = [(r, m) for m in a.modes for r in a.recipes]
     procs = {}
@@ -403,7 +405,19 @@ def run_throughput(a: argparse.Namespace, out: Path) -> list[dict]:
             "--new-tokens", str(a.new_tokens), "--prompts", *map(str, a.prompts), "--repeats", str(a.repeats), "--gpu-mem", str(a.gpu_mem),
             "--kv-gib", str(a.kv_gib), "--sync-dir", str(sync_dir), "--parties", str(len(combos))])
     _wait(procs, a.timeout)
-    return [json.loads(p.read_text()) for r, m in combos if (p := out / f"throughput_{r}_{m}.json").exists()]
+    return [_with_compile_state(p) for r, m in combos if (p := out / f"throughput_{r}_{m}.json").exists()]
+
+
+def _with_compile_state(out_json: Path) -> dict:
+    """The job's result with how its engine got its compiled model (`engine_compile`, from the job's log), which
+    a warm start's generation speed may depend on (docs/vllm.md); written back into the result file."""
+    from train_runs import engine_compile  # benchmarks/train_runs.py
+
+    res = json.loads(out_json.read_text())
+    log = out_json.with_suffix(".log")
+    res["engine_compile"] = engine_compile(log.read_text(errors="replace")) if log.exists() else ""
+    out_json.write_text(json.dumps(res, indent=1))
+    return res
 
 
 def _run_one(job: str, out_json: Path, args: list[str], timeout: float) -> list[dict]:
@@ -462,6 +476,7 @@ def summarize(results: list[dict]) -> str:
 
 # ---- run records (benchmarks/results/runs, read by benchmarks/headline.py) -----------------------------
 SHAPE_8B = "Llama-3.1-8B shape, {layers} layers, {prompts} prompts x 256 + {new} new tokens, {mode}"
+WARM_STARTS = ("aot-loaded", "cache-loaded")  # train_runs.engine_compile's states other than a cold compile
 
 
 def _backend_label(job: dict) -> str:
@@ -492,6 +507,8 @@ def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
         for i, run in enumerate(j["runs"]):
             ratio = run["tokens_per_s"] / base["runs"][i]["tokens_per_s"] if base and recipe != "bf16" else None
             shape = SHAPE_8B.format(layers=j["layers"], prompts=run["prompts"], new=run["output_tokens"] // run["prompts"], mode=mode)
+            if j.get("engine_compile") in WARM_STARTS:  # a warm start's rate is its own figure, never a cold one's
+                shape += f", {j['engine_compile']}"
             rec("vllm_rollout_tokens_per_s", shape, backend, run["tokens_per_s"], "tok/s", ratio, date=j.get("date"))
             plain = tp.get((recipe.partition("+")[0], mode))
             if recipe.endswith("+bitwise") and plain and i < len(plain["runs"]):
@@ -501,7 +518,8 @@ def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
             if j.get("decode_gemm") and pinned and i < len(pinned["runs"]):
                 rec("vllm_decode_gemm_gain", shape, backend, round(run["tokens_per_s"] / pinned["runs"][i]["tokens_per_s"], 4),
                     f"x {recipe}@torch", ratio, date=j.get("date"))
-        rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, {mode}, cold cache, {len(tp)} engines starting together",
+        cache = j["engine_compile"] if j.get("engine_compile") in WARM_STARTS else "cold cache"
+        rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, {mode}, {cache}, {len(tp)} engines starting together",
             backend, j["start_seconds"], "s", date=j.get("date"))
     for j in jobs:
         if j.get("job") == "throughput" and j.get("start_only"):  # `warm`: a restart after an earlier start compiled
