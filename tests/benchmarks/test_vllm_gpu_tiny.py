@@ -25,7 +25,8 @@ def test_repeated_passes_time_the_prefill_apart_and_become_records(tmp_path):
     env = {**ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run(
         [sys.executable, "benchmarks/vllm_gpu.py", "throughput", "--tiny", "--modes", "eager", "--recipes", "bf16", "jet_fp8",
-         "--prompts", "4", "--new-tokens", "8", "--repeats", "2", "--out", str(tmp_path), "--timeout", "600"],
+         "--prompts", "4", "--new-tokens", "8", "--repeats", "2", "--out", str(tmp_path), "--timeout", "600",
+         "--model", str(tmp_path / "shared_model")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -36,8 +37,19 @@ def test_repeated_passes_time_the_prefill_apart_and_become_records(tmp_path):
         assert len(run["tokens_per_s_each"]) == len(run["prefill_seconds_each"]) == 2
         assert min(run["tokens_per_s_each"]) - 0.1 <= run["tokens_per_s"] <= max(run["tokens_per_s_each"]) + 0.1  # the median
         assert 0 < min(run["prefill_seconds_each"]) - 1e-3 <= run["prefill_seconds"] <= max(run["prefill_seconds_each"]) + 1e-3
+    assert (tmp_path / "shared_model" / "config.json").exists() and not (tmp_path / "llama8b_l8").exists()
     recs = vllm_gpu.records_from(tmp_path, None, "cmd")
     assert {r["device"] for r in recs} == {"x86-64 CPU"}  # what the jobs recorded
     (fp8,) = [r for r in recs if r["name"] == "vllm_rollout_tokens_per_s" and r["backend"].startswith("jet_fp8")]
     (bf16,) = [r for r in recs if r["name"] == "vllm_rollout_tokens_per_s" and r["backend"] == "bf16"]
     assert fp8["ratio_vs_bf16"] == pytest.approx(fp8["value"] / bf16["value"])
+    # How each engine got its compiled model rides in its result; eager compiles nothing. A warm start's figures are
+    # filed under their own shape, never beside a cold start's.
+    for recipe in ("bf16", "jet_fp8"):
+        f = tmp_path / f"throughput_{recipe}_eager.json"
+        job = json.loads(f.read_text())
+        assert job["engine_compile"] == ""
+        f.write_text(json.dumps({**job, "engine_compile": "aot-loaded"}))
+    warm = vllm_gpu.records_from(tmp_path, None, "cmd")
+    assert {r["shape"] for r in warm} == {r["shape"].replace("cold cache", "aot-loaded") + ("" if "start" in r["name"] else ", aot-loaded")
+                                          for r in recs}
