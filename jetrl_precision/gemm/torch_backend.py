@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import QuantizedTensor
+from ..kernels._probe import device_key
 from ..kernels.layout import mn_major, pad_operands, row_major_padded_t
 from .dispatch import GemmBackend, PreparedGemm, register_backend
 
@@ -62,7 +63,7 @@ def torch_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
     sa = mn_major(a_scale)
     sb = row_major_padded_t(b_scale) if b.block == (128, 128) else mn_major(b_scale)
     types = scaling_types()
-    if types is None or (b.block == (128, 128) and _legacy_same.get(_device_key(a_data.device), False)):
+    if types is None or (b.block == (128, 128) and _legacy_same.get(device_key(a_data.device), False)):
         # The legacy entry point infers the recipe from the scale shapes; where the probe found it
         # bitwise equal to F.scaled_mm it is taken for 1x128.128x128, because it costs less host time
         # per call, which decode-sized GEMMs feel.
@@ -84,7 +85,7 @@ def prepared_scaled_mm(device: torch.device | str):
     if reason is not None:
         raise RuntimeError(f"the torch GEMM backend cannot run on {device}: {reason}")
     types = scaling_types()
-    if types is None or _legacy_same.get(_device_key(device), False):
+    if types is None or _legacy_same.get(device_key(device), False):
 
         def legacy(a, b_t, sa, sb, out_dtype):
             return torch._scaled_mm(a, b_t, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
@@ -109,7 +110,7 @@ def prepared_scaled_mm_1x128(device: torch.device | str):
     if types is None:
         raise RuntimeError(f"torch {torch.__version__} has no F.scaled_mm: 1x128 x 1x128 needs it")
     one = types[0]
-    if _v2_same.get(_device_key(device), False):
+    if _v2_same.get(device_key(device), False):
         code = [_enum_int(one)]
 
         def v2(a, b_t, sa, sb, out_dtype):
@@ -172,14 +173,6 @@ _legacy_same: dict[str, bool] = {}
 _v2_same: dict[str, bool] = {}
 
 
-def _device_key(device: torch.device | str) -> str:
-    """'cuda' and 'cuda:0' name one GPU when 0 is current; key them the same."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return f"cuda:{torch.cuda.current_device()}"
-    return str(device)
-
-
 def _probe_device(device: torch.device) -> str | None:
     """Run both recipes once on a small problem and check them against the emulated product."""
     from ..quantize import quantize_fp8
@@ -195,8 +188,8 @@ def _probe_device(device: torch.device) -> str | None:
             err = float((got - ref).norm() / ref.norm())
             if not err < 1e-3:
                 return f"blockwise scaled_mm gave a wrong result on this build (rel err {err:.2e} for B {bq.block})"
-        _legacy_same[_device_key(device)] = _legacy_matches(aq, quantize_fp8(w, (128, 128)))
-        _v2_same[_device_key(device)] = _v2_matches(aq, quantize_fp8(w, (1, 128)))
+        _legacy_same[device_key(device)] = _legacy_matches(aq, quantize_fp8(w, (128, 128)))
+        _v2_same[device_key(device)] = _v2_matches(aq, quantize_fp8(w, (1, 128)))
     except Exception as e:  # noqa: BLE001 - the message is the reason shown to the user
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"blockwise torch scaled_mm is not supported here ({type(e).__name__}: {msg}); it needs sm90 and cuBLASLt >= 12.9"

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Callable, Hashable
 
-__all__ = ["verdict_once"]
+import torch
+
+__all__ = ["device_key", "verdict_once"]
+
+
+def device_key(device: torch.device | str) -> str:
+    """'cuda' and 'cuda:0' name one GPU when 0 is current; key them the same, or a probe runs twice."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
 
 
 def verdict_once(verdicts: dict, reasons: dict, key: Hashable, check: Callable[[], str], warn: Callable[[str], None]) -> bool:

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..formats import QuantizedTensor
-from ._probe import verdict_once
+from ._probe import device_key, verdict_once
 from .layout import pad_columns
 
 __all__ = ["probe_inputs", "mismatch", "kernels_pad_ok", "failure"]
@@ -73,7 +73,7 @@ def kernels_pad_ok(device: torch.device, producers: Callable[[], dict[str, Produ
             "are padded by a copy instead (same bytes, one more pass over each)", device, why,
         )
 
-    return verdict_once(_verdicts, _reasons, str(device), check, warn)
+    return verdict_once(_verdicts, _reasons, device_key(device), check, warn)
 
 
 def failure(device: torch.device | str) -> str | None:

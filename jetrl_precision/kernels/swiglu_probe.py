@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ._probe import verdict_once
+from ._probe import device_key, verdict_once
 
 __all__ = ["probe_values", "mismatch", "fused_backward_ok"]
 
@@ -63,4 +63,4 @@ def fused_backward_ok(fn: Backward, device: torch.device, dtype: torch.dtype) ->
             "kernels there instead (same result, more memory traffic)", why, device, dtype,
         )
 
-    return verdict_once(_verdicts, _reasons, (str(device), dtype), check, warn)
+    return verdict_once(_verdicts, _reasons, (device_key(device), dtype), check, warn)

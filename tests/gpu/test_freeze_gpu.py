@@ -49,7 +49,12 @@ def test_frozen_reference_forward_and_memory():
     torch.cuda.empty_cache()
     after = torch.cuda.memory_allocated()
     # The BF16 weights and the FP8 caches the unfrozen forward built go; the FP8 weights stay.
-    assert before - after >= report.freed_bytes, (before, after, report)
+    if before - after < report.freed_bytes:  # say whether what is missing was only waiting for the cycle collector
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        pytest.fail(f"freed {before - after} bytes < {report}; after gc.collect(): {before - torch.cuda.memory_allocated()}")
     with torch.no_grad():
         got = model(ids).logits
     assert torch.equal(_bits(got), _bits(want))

@@ -19,11 +19,11 @@ def test_legacy_scaled_mm_is_bitwise_equal(m, n, k):
     reason = available_backends("cuda")["torch"]  # runs the probe, which decides the shortcut
     if reason is not None:
         pytest.skip(f"torch backend unavailable: {reason}")
-    if not tb._legacy_same.get(tb._device_key("cuda"), False):
+    if not tb._legacy_same.get(tb.device_key("cuda"), False):
         pytest.skip("the probe found torch._scaled_mm different from F.scaled_mm on this build; the shortcut is off")
     a = quant.quantize_1x128(outlier_data(m, k, seed=m + n))
     b = quant.quantize_128x128(outlier_data(n, k, seed=k) * 0.02)[0]
-    dev = tb._device_key(a.data.device)
+    dev = tb.device_key(a.data.device)
     with_legacy = tb.torch_gemm_nt(a, b, torch.bfloat16)
     saved = dict(tb._legacy_same)
     tb._legacy_same.clear()  # forces F.scaled_mm

@@ -179,7 +179,7 @@ def test_scaled_mm_v2_shortcut_equals_f_scaled_mm():
 
     if available_backends("cuda")["torch"] is not None:
         pytest.skip("needs the torch backend")
-    key = tb._device_key("cuda")
+    key = tb.device_key("cuda")
     assert key in tb._v2_same, "the device probe decides whether the shortcut is taken"
     a = quant.quantize_128x1_t(outlier_data(1024, 512, seed=6))  # (512, 1024): WGrad's dY^T
     b = quant.quantize_128x1_t(outlier_data(1024, 768, seed=7))  # (768, 1024): WGrad's X^T

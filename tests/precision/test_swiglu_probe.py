@@ -60,3 +60,12 @@ def test_a_kernel_that_cannot_run_is_reported_not_raised(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="jetrl_precision.kernels.swiglu_probe"):
         assert not swiglu_probe.fused_backward_ok(broken, torch.device("cpu"), torch.bfloat16)
     assert "failed to run (RuntimeError: PTX assembly failed)" in caplog.records[0].getMessage()
+
+
+def test_cuda_with_and_without_its_index_is_one_probe_key(monkeypatch):
+    """A model on 'cuda:0' and a caller naming 'cuda' share one verdict: the probe does not run again."""
+    from jetrl_precision.kernels import _probe
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _probe.device_key("cuda") == _probe.device_key(torch.device("cuda", 0)) == "cuda:0"
+    assert _probe.device_key("cuda:1") == "cuda:1" and _probe.device_key("cpu") == "cpu"
