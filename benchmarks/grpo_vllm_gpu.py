@@ -461,7 +461,10 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
                           ("memory/train_peak_device_used_gib", "e2e_grpo_train_peak_device_used_gib"),
                           ("memory/host_peak_rss_gib", "e2e_grpo_host_peak_rss_gib")):
             v = max((s[key] for s in r["steps"] if key in s), default=None)
-            rec(name, r["shape"], recipe, None if v is None else round(v, 3), "GiB")
+            each = [max((s[key] for s in x["steps"] if key in s), default=None) for x in reps]
+            # pooled: the peak over every repeat, and each repeat's own (runs of different code may differ in memory)
+            rec(name, r["shape"], recipe, None if v is None else round(v, 3), "GiB",
+                **({"per_repeat": [None if x is None else round(x, 3) for x in each]} if len(reps) > 1 else {}))
         retries = [s["memory/alloc_retries"] for s in steps if "memory/alloc_retries" in s]
         if retries:  # allocator retries: each frees the cache and syncs, a slowdown that no phase names
             rec("e2e_grpo_alloc_retries_per_step", r["shape"], recipe, _mean(retries), "retries")

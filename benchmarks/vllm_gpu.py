@@ -416,6 +416,7 @@ def _with_compile_state(out_json: Path) -> dict:
     res = json.loads(out_json.read_text())
     log = out_json.with_suffix(".log")
     res["engine_compile"] = engine_compile(log.read_text(errors="replace")) if log.exists() else ""
+    res["vllm_use_aot_compile"] = os.environ.get("VLLM_USE_AOT_COMPILE", "")  # the jobs inherit this process's environment
     out_json.write_text(json.dumps(res, indent=1))
     return res
 
@@ -485,6 +486,16 @@ def _backend_label(job: dict) -> str:
     return label + ("+" + job["decode_gemm"].replace(" ", "") if job.get("decode_gemm") else "")
 
 
+def _aot_note(job: dict) -> str:
+    # VLLM_USE_AOT_COMPILE=0 changes vLLM's cache key: such an engine compiles again (with Inductor's cache as it finds it)
+    return ", VLLM_USE_AOT_COMPILE=0" if job.get("vllm_use_aot_compile") == "0" else ""
+
+
+def _compile_note(job: dict) -> str:
+    """What a throughput record's shape adds for an engine that did not compile cold: how it got its model."""
+    return (f", {job['engine_compile']}" if job.get("engine_compile") in WARM_STARTS else "") + _aot_note(job)
+
+
 def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
     """Run records from a results folder of this script's jobs and of tests/gpu/test_vllm_gpu.py. `device`: None takes
     the one the jobs recorded (`headline.recorded_device`)."""
@@ -507,8 +518,7 @@ def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
         for i, run in enumerate(j["runs"]):
             ratio = run["tokens_per_s"] / base["runs"][i]["tokens_per_s"] if base and recipe != "bf16" else None
             shape = SHAPE_8B.format(layers=j["layers"], prompts=run["prompts"], new=run["output_tokens"] // run["prompts"], mode=mode)
-            if j.get("engine_compile") in WARM_STARTS:  # a warm start's rate is its own figure, never a cold one's
-                shape += f", {j['engine_compile']}"
+            shape += _compile_note(j)  # a warm start's rate is its own figure, never a cold one's
             rec("vllm_rollout_tokens_per_s", shape, backend, run["tokens_per_s"], "tok/s", ratio, date=j.get("date"))
             plain = tp.get((recipe.partition("+")[0], mode))
             if recipe.endswith("+bitwise") and plain and i < len(plain["runs"]):
@@ -519,7 +529,7 @@ def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
                 rec("vllm_decode_gemm_gain", shape, backend, round(run["tokens_per_s"] / pinned["runs"][i]["tokens_per_s"], 4),
                     f"x {recipe}@torch", ratio, date=j.get("date"))
         cache = j["engine_compile"] if j.get("engine_compile") in WARM_STARTS else "cold cache"
-        rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, {mode}, {cache}, {len(tp)} engines starting together",
+        rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, {mode}, {cache}{_aot_note(j)}, {len(tp)} engines starting together",
             backend, j["start_seconds"], "s", date=j.get("date"))
     for j in jobs:
         if j.get("job") == "throughput" and j.get("start_only"):  # `warm`: a restart after an earlier start compiled

@@ -48,8 +48,14 @@ def test_repeated_passes_time_the_prefill_apart_and_become_records(tmp_path):
     for recipe in ("bf16", "jet_fp8"):
         f = tmp_path / f"throughput_{recipe}_eager.json"
         job = json.loads(f.read_text())
-        assert job["engine_compile"] == ""
+        assert job["engine_compile"] == "" and job["vllm_use_aot_compile"] == ""
         f.write_text(json.dumps({**job, "engine_compile": "aot-loaded"}))
     warm = vllm_gpu.records_from(tmp_path, None, "cmd")
     assert {r["shape"] for r in warm} == {r["shape"].replace("cold cache", "aot-loaded") + ("" if "start" in r["name"] else ", aot-loaded")
                                           for r in recs}
+    for recipe in ("bf16", "jet_fp8"):  # an engine run with VLLM_USE_AOT_COMPILE=0 (another vLLM cache key) says so
+        f = tmp_path / f"throughput_{recipe}_eager.json"
+        f.write_text(json.dumps({**json.loads(f.read_text()), "engine_compile": "compiled", "vllm_use_aot_compile": "0"}))
+    off = vllm_gpu.records_from(tmp_path, None, "cmd")
+    assert {r["shape"] for r in off} == {r["shape"].replace("cold cache", "cold cache, VLLM_USE_AOT_COMPILE=0")
+                                         + ("" if "start" in r["name"] else ", VLLM_USE_AOT_COMPILE=0") for r in recs}
