@@ -41,6 +41,8 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from gpu_telemetry import Telemetry  # noqa: E402  benchmarks/
+
 LLAMA_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
     max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -210,7 +212,7 @@ def job_throughput(a: argparse.Namespace) -> dict:
         first = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
         for n_prompts in a.prompts:
             params = SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
-            walls, prefills = [], []
+            walls, prefills, telemetry = [], [], []
             for _ in range(a.repeats):  # fresh prompts each pass: a repeated batch would hit the prefix cache
                 # The prefill alone (one token per prompt, other prompts of the same shape), then the whole rollout:
                 # a run slower than another shows which of the two phases it lost its time in.
@@ -218,18 +220,22 @@ def job_throughput(a: argparse.Namespace) -> dict:
                 llm.generate(random_prompts(g, n_prompts, a.prompt_len), first, use_tqdm=False)
                 prefills.append(time.perf_counter() - t0)
                 prompts = random_prompts(g, n_prompts, a.prompt_len)
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
-                walls.append(time.perf_counter() - t0)
+                with Telemetry() as t:  # a pass slower than another: at a lower clock, or waiting on the host?
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                walls.append(t.wall_s)
+                telemetry.append(t.summary())
             tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
             mean_lp = sum(lp[t].logprob for out in outs for o in out.outputs for t, lp in zip(o.token_ids, o.logprobs)) / tokens
             wall = statistics.median(walls)
             run = {"prompts": n_prompts, "output_tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
                    "tokens_per_s_each": [round(tokens / w, 1) for w in walls], "prefill_seconds": round(statistics.median(prefills), 3),
-                   "prefill_seconds_each": [round(v, 3) for v in prefills], "mean_sampled_logprob": round(mean_lp, 4)}
+                   "prefill_seconds_each": [round(v, 3) for v in prefills], "mean_sampled_logprob": round(mean_lp, 4),
+                   "telemetry_each": telemetry}
             result["runs"].append(run)
             _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s, prefill alone "
-                 f"{run['prefill_seconds']:.2f} s; median of {a.repeats}: {', '.join(f'{v:.0f}' for v in run['tokens_per_s_each'])})")
+                 f"{run['prefill_seconds']:.2f} s; median of {a.repeats}: {', '.join(f'{v:.0f}' for v in run['tokens_per_s_each'])}; "
+                 f"SM MHz {[x['sm_mhz_mean'] for x in telemetry]}, W {[x['watts_mean'] for x in telemetry]}, "
+                 f"host CPU share {[x['host_cpu_share'] for x in telemetry]})")
     result["vendor_route"] = _vendor_routes()
     engine.shutdown()
     return result

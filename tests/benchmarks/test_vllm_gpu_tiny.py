@@ -37,6 +37,12 @@ def test_repeated_passes_time_the_prefill_apart_and_become_records(tmp_path):
         assert len(run["tokens_per_s_each"]) == len(run["prefill_seconds_each"]) == 2
         assert min(run["tokens_per_s_each"]) - 0.1 <= run["tokens_per_s"] <= max(run["tokens_per_s_each"]) + 0.1  # the median
         assert 0 < min(run["prefill_seconds_each"]) - 1e-3 <= run["prefill_seconds"] <= max(run["prefill_seconds_each"]) + 1e-3
+        # each timed pass says what the host did (the process's CPU time); no NVML on CPU, so no clocks
+        (t1, t2) = run["telemetry_each"]
+        for t in (t1, t2):
+            assert t["wall_s"] > 0 and 0 < t["host_cpu_s"] and t["host_cpu_share"] == pytest.approx(t["host_cpu_s"] / t["wall_s"], rel=1e-2)
+            assert t["sm_mhz_mean"] is None and t["samples"] == 0
+        assert run["tokens_per_s_each"] == pytest.approx([32 / t["wall_s"] for t in (t1, t2)], rel=0.01)  # the same passes
     assert (tmp_path / "shared_model" / "config.json").exists() and not (tmp_path / "llama8b_l8").exists()
     recs = vllm_gpu.records_from(tmp_path, None, "cmd")
     assert {r["device"] for r in recs} == {"x86-64 CPU"}  # what the jobs recorded

@@ -1,0 +1,90 @@
+"""What the GPU and the host did while a timed section ran: SM clock, board power and utilization (NVML, sampled
+from a thread), and the process's CPU time against the wall time.
+
+Two passes of the same engine over the same work can differ in speed by more than FP8 gains in it. Whether the
+slower one ran at a lower clock (the power cap, heat) or waited on its host (CPU contention, Python) is the first
+question; these figures answer it per pass:
+
+    with Telemetry() as t:
+        llm.generate(...)
+    t.summary()  # {"wall_s", "host_cpu_s", "host_cpu_share", "sm_mhz_mean", "sm_mhz_min", "watts_mean", "gpu_util_mean", "samples"}
+
+Without NVML (a CPU machine, no pynvml) the GPU fields are None and the host fields are still measured.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import threading
+import time
+
+__all__ = ["Telemetry", "nvml"]
+
+
+@functools.cache
+def nvml():
+    """(the pynvml module, a handle for the current CUDA device), or None. vLLM ships its own copy of pynvml."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        try:
+            import pynvml
+        except ImportError:
+            from vllm.third_party import pynvml
+        pynvml.nvmlInit()
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - telemetry is context for a figure, never a reason to fail it
+        return None
+
+
+class Telemetry:
+    """A context manager sampling NVML every `period_s` in a daemon thread while the block runs."""
+
+    def __init__(self, period_s: float = 0.05) -> None:
+        self.period_s = period_s
+        self.clocks: list[int] = []
+        self.watts: list[float] = []
+        self.util: list[int] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.wall_s = self.host_cpu_s = 0.0
+
+    def _sample(self, nv) -> None:
+        lib, handle = nv
+        while not self._stop.is_set():
+            try:
+                self.clocks.append(lib.nvmlDeviceGetClockInfo(handle, lib.NVML_CLOCK_SM))
+                self.watts.append(lib.nvmlDeviceGetPowerUsage(handle) / 1000)
+                self.util.append(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
+            except Exception:  # noqa: BLE001 - a failed read leaves a gap, not a failed benchmark
+                pass
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> "Telemetry":
+        nv = nvml()
+        if nv is not None:
+            self._thread = threading.Thread(target=self._sample, args=(nv,), daemon=True)
+            self._thread.start()
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.wall_s = time.perf_counter() - self._t0
+        self.host_cpu_s = time.process_time() - self._c0
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        return False
+
+    def summary(self) -> dict:
+        def mean(v):
+            return round(statistics.fmean(v), 1) if v else None
+
+        return {"wall_s": round(self.wall_s, 3), "host_cpu_s": round(self.host_cpu_s, 3),
+                # the process's CPU seconds per wall second: near 1 (or above, with threads) means the host was busy
+                "host_cpu_share": round(self.host_cpu_s / self.wall_s, 3) if self.wall_s > 0 else None,
+                "sm_mhz_mean": mean(self.clocks), "sm_mhz_min": min(self.clocks) if self.clocks else None,
+                "watts_mean": mean(self.watts), "gpu_util_mean": mean(self.util), "samples": len(self.clocks)}

@@ -1,0 +1,50 @@
+"""benchmarks/gpu_telemetry.py: what a timed pass's GPU and host did, with NVML read from a thread."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import gpu_telemetry  # noqa: E402
+
+
+class _FakeNvml:
+    """NVML as pynvml exposes it, reading a clock that drops halfway through and a fixed power and load."""
+
+    NVML_CLOCK_SM = 0
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def nvmlDeviceGetClockInfo(self, handle, which):
+        return 1980 if time.perf_counter() - self.t0 < 0.15 else 1500
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 690_000  # milliwatts
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return type("Util", (), {"gpu": 100})()
+
+
+def test_samples_the_gpu_while_the_block_runs_and_the_hosts_cpu_time(monkeypatch):
+    monkeypatch.setattr(gpu_telemetry, "nvml", lambda: (_FakeNvml(), "handle"))
+    with gpu_telemetry.Telemetry(period_s=0.01) as t:
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:  # the host busy for the whole block
+            pass
+    s = t.summary()
+    assert s["samples"] >= 10 and s["sm_mhz_min"] == 1500 and 1500 < s["sm_mhz_mean"] < 1980
+    assert s["watts_mean"] == 690.0 and s["gpu_util_mean"] == 100.0
+    assert s["wall_s"] >= 0.3 and s["host_cpu_share"] > 0.2  # a loaded machine may share the core
+
+
+def test_without_nvml_only_the_host_is_measured(monkeypatch):
+    monkeypatch.setattr(gpu_telemetry, "nvml", lambda: None)
+    with gpu_telemetry.Telemetry() as t:
+        time.sleep(0.1)  # the host idle: its CPU share is near zero
+    s = t.summary()
+    assert s["sm_mhz_mean"] is None and s["watts_mean"] is None and s["samples"] == 0
+    assert s["wall_s"] >= 0.1 and s["host_cpu_share"] < 0.2
