@@ -13,7 +13,8 @@
 #            runs after h200_fidelity.sh's or h200_grpo.sh's install, which use the same /tmp/site).
 #            Here: `python benchmarks/vllm_bitwise_record.py <res>/vbw8b` files the proof.
 #   spread   rollout throughput of bf16, jet_fp8 (cuBLASLt and Triton GEMMs) and jet_fp8+bitwise (8B shape, 8 layers), three timed passes each, then
-#            jet_fp8 alone: the run-to-run spread of jet_fp8's 256-prompt rate (~6 min; needs only `install`)
+#            jet_fp8 alone: the run-to-run spread of jet_fp8's 256-prompt rate, each pass with its SM clock, power and
+#            host CPU share (~6 min; needs only `install`; SPREAD_LAYERS, SPREAD_RECIPES, SPREAD_REPEATS, SPREAD_ALONE=0)
 #   kernels  the bitwise mode's Triton kernels on the hardware, no vLLM needed (fits the first call, beside
 #            `h200_fidelity.sh unpack`): tests/gpu/test_invariant_kernels_gpu.py (its kernel tests) and
 #            test_invariant_gemm_gpu.py (the newest first, the rest cut at KERNEL_TESTS_S), then
@@ -117,12 +118,19 @@ stage_spread() {
   # jet_fp8's 256-prompt rate has varied from run to run (24k-34k tok/s) while bf16's and the bitwise engine's held:
   # three timed passes per recipe, the engines taking turns (jet_fp8@triton: the same recipe on the Triton blockwise
   # GEMM instead of cuBLASLt, which separates the GEMM from the rest), then jet_fp8 with no other engine alive.
-  python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes bf16 jet_fp8 jet_fp8@triton jet_fp8+bitwise --gemm-backend torch \
-    --repeats 3 --out /tmp/res/spread3 --timeout 300 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
-  grep -h "median of" /tmp/res/spread3/*.log
-  python3 benchmarks/vllm_gpu.py throughput --layers 8 --modes default --recipes jet_fp8 --gemm-backend torch --repeats 3 \
-    --out /tmp/res/spread_alone --timeout 150 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -3
-  grep -h "median of" /tmp/res/spread_alone/*.log
+  # Each timed pass records the SM clock, board power and the host's CPU share (gpu_telemetry.py): a slow pass at a
+  # lower clock is the power cap or heat, one at the same clock waited on its host. SPREAD_LAYERS (8),
+  # SPREAD_RECIPES, SPREAD_REPEATS (3); SPREAD_ALONE=0 skips the jet_fp8-alone part.
+  local layers=${SPREAD_LAYERS:-8} reps=${SPREAD_REPEATS:-3} kv
+  kv=$(((layers * 13 + 9) / 10 + 1))  # GiB of KV cache for 256 sequences of 1280 tokens, each engine
+  # shellcheck disable=SC2086
+  python3 benchmarks/vllm_gpu.py throughput --layers "$layers" --modes default --recipes ${SPREAD_RECIPES:-bf16 jet_fp8 jet_fp8@triton jet_fp8+bitwise} \
+    --gemm-backend torch --repeats "$reps" --kv-gib "$kv" --prompts 256 --out /tmp/res/spread_l"$layers" --timeout 400 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+  grep -h "median of" /tmp/res/spread_l"$layers"/*.log
+  [ "${SPREAD_ALONE:-1}" = 1 ] || return 0
+  python3 benchmarks/vllm_gpu.py throughput --layers "$layers" --modes default --recipes jet_fp8 --gemm-backend torch --repeats "$reps" \
+    --kv-gib "$kv" --prompts 256 --out /tmp/res/spread_alone_l"$layers" --timeout 150 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -3
+  grep -h "median of" /tmp/res/spread_alone_l"$layers"/*.log
 }
 
 stage_bench32() {
