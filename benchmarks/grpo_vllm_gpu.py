@@ -52,8 +52,8 @@ RECIPES = ("bf16", "jet_fp8", "fp8_rollout")  # what a plain run compares
 # old-logprob recompute (vLLM's bitwise mode on a GPU, the transformers engine on CPU).
 # `jet_fp8+separate` runs jet_fp8 with --precision.separate_projections: q/k/v and gate/up as their own GEMMs,
 # the A/B of the stacked projections jet_fp8 runs by default.
-# `<recipe>+no_aot` runs the recipe with VLLM_USE_AOT_COMPILE=0: a warm start traces the model again and loads
-# Inductor's cached graphs instead of torch's AOT artifact, the A/B of the warm-start slowdown in docs/vllm.md.
+# `<recipe>+no_aot` runs the recipe with VLLM_USE_AOT_COMPILE=0: the engine never loads torch's AOT artifact (another
+# vLLM cache key, so it compiles again, with Inductor's cache as it finds it); a warm start's A/B (docs/vllm.md).
 ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise", "jet_fp8+separate", "bf16+no_aot", "jet_fp8+no_aot")
 NO_AOT = "+no_aot"
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,

@@ -40,7 +40,7 @@
 #   aot      a cold start against warm starts of the same engines (bf16 and jet_fp8, AOT_LAYERS=16 layers, default mode,
 #            cuBLASLt, 256 prompts, two timed passes): `cold` compiles into an empty cache, `aot-loaded` restarts from
 #            torch's AOT artifact (vLLM's default on a warm cache), `no-aot` restarts with VLLM_USE_AOT_COMPILE=0
-#            (Inductor's cached graphs, traced again); AOT_RUNS picks which, in that order (~3.5 min cold, ~2 min each
+#            (another vLLM cache key: it compiles again, Inductor's cache warm); AOT_RUNS picks which, in that order (~3.5 min cold, ~2 min each
 #            warm; needs only `install`). Here: `python benchmarks/vllm_gpu.py record --from <res>/aot/<run>` for each
 #   route32  the route at 32 layers: ROUTE32_RECIPES (jet_fp8 and jet_fp8+bitwise; bf16 and jet_fp8+bitwise in another
 #            call: three 32-layer engines with 42 GiB of KV cache each do not fit), two timed passes at 256 and 64 prompts

@@ -99,7 +99,7 @@ def finish(job: dict, timeout: float) -> dict:
 def engine_compile(log: str) -> str:
     """How the run's vLLM engine got its compiled model, from vLLM's log lines: 'aot-loaded' (torch's AOT artifact
     from an earlier start), 'cache-loaded' (Inductor's cached graphs, traced again), 'compiled' (cold), or ''.
-    Results keep it because generation speed may depend on it (docs/vllm.md)."""
+    Results keep it so that warm and cold starts can be told apart (docs/vllm.md)."""
     if "Directly load AOT compilation" in log:
         return "aot-loaded"
     if "Directly load the compiled graph" in log:

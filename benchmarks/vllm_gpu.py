@@ -415,8 +415,9 @@ def run_throughput(a: argparse.Namespace, out: Path) -> list[dict]:
 
 
 def _with_compile_state(out_json: Path) -> dict:
-    """The job's result with how its engine got its compiled model (`engine_compile`, from the job's log), which
-    a warm start's generation speed may depend on (docs/vllm.md); written back into the result file."""
+    """The job's result with how its engine got its compiled model (`engine_compile`, from the job's log, and
+    whether VLLM_USE_AOT_COMPILE=0 was set), so a warm start's figures are never filed as a cold one's; written back
+    into the result file."""
     from train_runs import engine_compile  # benchmarks/train_runs.py
 
     res = json.loads(out_json.read_text())
