@@ -98,7 +98,7 @@ def finish(job: dict, timeout: float) -> dict:
 
 def engine_compile(log: str) -> str:
     """How the run's vLLM engine got its compiled model, from vLLM's log lines: 'aot-loaded' (torch's AOT artifact
-    from an earlier start), 'cache-loaded' (Inductor's cached graphs, traced again), 'compiled' (cold), or ''.
+    from an earlier start), 'cache-loaded' (Inductor's cached graphs, traced again), 'compiled' (vLLM compiled it: cold, or with only Inductor's cache warm), or ''.
     Results keep it so that warm and cold starts can be told apart (docs/vllm.md)."""
     if "Directly load AOT compilation" in log:
         return "aot-loaded"
