@@ -18,6 +18,8 @@
 # On the device, back to back: the machine keeps /tmp for 30 s after a call, and a call removes the ignored
 # folders it does not carry, so `unpack` copies what a call brings to /tmp first.
 #   1. carry [".vc0", ".gs0"]          bash benchmarks/h200_grpo.sh unpack
+#      (or [".vc0", ".gw"]: `unpack trainer_deps gpucheck update_profile`, the GPU tests and the update profile
+#      before vLLM is installed; without PROFILE_VLLM, which imports vLLM)
 #   2. carry [".vc1", ".gw", ".gs1"]   bash benchmarks/h200_grpo.sh unpack install speed           bf16 + jet_fp8 speed
 #   3. carry [".gs2"]                  bash benchmarks/h200_grpo.sh unpack smollm2 learn           3 recipes side by side
 #   4. no carry                        RECIPES=fp8_rollout bash benchmarks/h200_grpo.sh speed      optional
@@ -139,10 +141,14 @@ stage_install() {
     cat "$T/vc0part" "$T/vc1part" | python3 -c "import sys,tarfile;tarfile.open(fileobj=sys.stdin.buffer,mode='r|xz').extractall('$T',filter='data')" \
       && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$T/site" "$T"/vllm-carry/*.whl || return 1
   fi
+  stage_trainer_deps || return 1
+  python3 -c "import vllm, deepspeed, math_verify, torch; print('vllm', vllm.__version__, 'deepspeed', deepspeed.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
+}
+stage_trainer_deps() {  # DeepSpeed and the rest of .gw alone: update_profile (without PROFILE_VLLM) runs on these
   if [ ! -d "$T/site/deepspeed" ]; then
+    compgen -G "$T/gw/*.whl" > /dev/null || { echo "trainer_deps: no wheels in $T/gw: carry .gw and unpack first" >&2; return 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$T/site" "$T"/gw/*.whl || return 1
   fi
-  python3 -c "import vllm, deepspeed, math_verify, torch; print('vllm', vllm.__version__, 'deepspeed', deepspeed.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
 }
 
 stage_speed() {
