@@ -7,14 +7,18 @@ question; these figures answer it per pass:
 
     with Telemetry() as t:
         llm.generate(...)
-    t.summary()  # {"wall_s", "host_cpu_s", "host_cpu_share", "sm_mhz_mean", "sm_mhz_min", "watts_mean", "gpu_util_mean", "samples"}
+    t.summary()  # {"wall_s", "host_cpu_s", "host_cpu_share", "sm_mhz_mean", "sm_mhz_min", "watts_mean", "gpu_util_mean",
+                 #  "samples", "main_thread_cpus", "load_avg_1m"}
 
-Without NVML (a CPU machine, no pynvml) the GPU fields are None and the host fields are still measured.
+Without NVML (a CPU machine, no pynvml) the GPU fields are None and the host fields are still measured. The host
+side also says which CPUs the calling thread ran on during the block (Linux: /proc; a thread that moves between
+cores, or runs on a core another process keeps busy, launches its GPU work later) and the machine's load.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import threading
 import time
@@ -48,25 +52,33 @@ class Telemetry:
         self.clocks: list[int] = []
         self.watts: list[float] = []
         self.util: list[int] = []
+        self.cpus: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.wall_s = self.host_cpu_s = 0.0
+        self.load_avg = None
 
-    def _sample(self, nv) -> None:
-        lib, handle = nv
+    def _sample(self, nv, stat_path: str | None) -> None:
         while not self._stop.is_set():
-            try:
-                self.clocks.append(lib.nvmlDeviceGetClockInfo(handle, lib.NVML_CLOCK_SM))
-                self.watts.append(lib.nvmlDeviceGetPowerUsage(handle) / 1000)
-                self.util.append(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
-            except Exception:  # noqa: BLE001 - a failed read leaves a gap, not a failed benchmark
-                pass
+            if nv is not None:
+                lib, handle = nv
+                try:
+                    self.clocks.append(lib.nvmlDeviceGetClockInfo(handle, lib.NVML_CLOCK_SM))
+                    self.watts.append(lib.nvmlDeviceGetPowerUsage(handle) / 1000)
+                    self.util.append(lib.nvmlDeviceGetUtilizationRates(handle).gpu)
+                except Exception:  # noqa: BLE001 - a failed read leaves a gap, not a failed benchmark
+                    pass
+            cpu = _last_cpu(stat_path)
+            if cpu is not None:
+                self.cpus.add(cpu)
             self._stop.wait(self.period_s)
 
     def __enter__(self) -> "Telemetry":
         nv = nvml()
-        if nv is not None:
-            self._thread = threading.Thread(target=self._sample, args=(nv,), daemon=True)
+        stat = f"/proc/self/task/{threading.get_native_id()}/stat"
+        stat = stat if os.path.exists(stat) else None
+        if nv is not None or stat is not None:
+            self._thread = threading.Thread(target=self._sample, args=(nv, stat), daemon=True)
             self._thread.start()
         self._t0, self._c0 = time.perf_counter(), time.process_time()
         return self
@@ -74,6 +86,7 @@ class Telemetry:
     def __exit__(self, *exc) -> bool:
         self.wall_s = time.perf_counter() - self._t0
         self.host_cpu_s = time.process_time() - self._c0
+        self.load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -87,4 +100,16 @@ class Telemetry:
                 # the process's CPU seconds per wall second: near 1 (or above, with threads) means the host was busy
                 "host_cpu_share": round(self.host_cpu_s / self.wall_s, 3) if self.wall_s > 0 else None,
                 "sm_mhz_mean": mean(self.clocks), "sm_mhz_min": min(self.clocks) if self.clocks else None,
-                "watts_mean": mean(self.watts), "gpu_util_mean": mean(self.util), "samples": len(self.clocks)}
+                "watts_mean": mean(self.watts), "gpu_util_mean": mean(self.util), "samples": len(self.clocks),
+                "main_thread_cpus": sorted(self.cpus), "load_avg_1m": None if self.load_avg is None else round(self.load_avg, 2)}
+
+
+def _last_cpu(stat_path: str | None) -> int | None:
+    """The CPU a thread last ran on: field 39 of its /proc stat (after the parenthesized command name)."""
+    if stat_path is None:
+        return None
+    try:
+        with open(stat_path) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None

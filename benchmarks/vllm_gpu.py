@@ -235,7 +235,7 @@ def job_throughput(a: argparse.Namespace) -> dict:
             _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s, prefill alone "
                  f"{run['prefill_seconds']:.2f} s; median of {a.repeats}: {', '.join(f'{v:.0f}' for v in run['tokens_per_s_each'])}; "
                  f"SM MHz {[x['sm_mhz_mean'] for x in telemetry]}, W {[x['watts_mean'] for x in telemetry]}, "
-                 f"host CPU share {[x['host_cpu_share'] for x in telemetry]})")
+                 f"host CPU share {[x['host_cpu_share'] for x in telemetry]}, main thread on CPUs {[x['main_thread_cpus'] for x in telemetry]})")
     result["vendor_route"] = _vendor_routes()
     engine.shutdown()
     return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,9 @@ def test_samples_the_gpu_while_the_block_runs_and_the_hosts_cpu_time(monkeypatch
     assert s["samples"] >= 10 and s["sm_mhz_min"] == 1500 and 1500 < s["sm_mhz_mean"] < 1980
     assert s["watts_mean"] == 690.0 and s["gpu_util_mean"] == 100.0
     assert s["wall_s"] >= 0.3 and s["host_cpu_share"] > 0.2  # a loaded machine may share the core
+    # the busy thread was seen on at least one of this machine's CPUs (Linux /proc), and the load is known
+    assert s["main_thread_cpus"] and set(s["main_thread_cpus"]) <= set(range(os.cpu_count()))
+    assert s["load_avg_1m"] >= 0
 
 
 def test_without_nvml_only_the_host_is_measured(monkeypatch):

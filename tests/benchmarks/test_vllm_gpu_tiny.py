@@ -41,7 +41,7 @@ def test_repeated_passes_time_the_prefill_apart_and_become_records(tmp_path):
         (t1, t2) = run["telemetry_each"]
         for t in (t1, t2):
             assert t["wall_s"] > 0 and 0 < t["host_cpu_s"] and t["host_cpu_share"] == pytest.approx(t["host_cpu_s"] / t["wall_s"], rel=1e-2)
-            assert t["sm_mhz_mean"] is None and t["samples"] == 0
+            assert t["sm_mhz_mean"] is None and t["samples"] == 0 and t["main_thread_cpus"]
         assert run["tokens_per_s_each"] == pytest.approx([32 / t["wall_s"] for t in (t1, t2)], rel=0.01)  # the same passes
     assert (tmp_path / "shared_model" / "config.json").exists() and not (tmp_path / "llama8b_l8").exists()
     recs = vllm_gpu.records_from(tmp_path, None, "cmd")
