@@ -64,6 +64,7 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_k
 MATCH_REWARD = "def reward_func(queries, prompts, labels):\n    return [float(l in q[len(p):]) for q, p, l in zip(queries, prompts, labels)]\n"
 WORD_TEMPLATE = "{}\nSolve it step by step, then finish with: The answer is <number>."
 # Phases of a step as the plot stacks them: (label, metric keys summed).
+GENERATE_TELEMETRY = ("host_cpu_share", "sm_mhz", "gpu_watts")  # the trainer's perf/generate_* figures kept in records
 PHASES = (
     ("generate", ("perf/generate_s",)),
     ("reward", ("perf/reward_s",)),
@@ -441,6 +442,15 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
                  "digest_checked_tensors": sum(s.get("sync/checked_tensors", 0.0) for s in r["steps"]), "wall_s": r["wall_s"]}
         reps = r.get("repeats") or [r]
         extra["engine_compile"] = [x.get("engine_compile", "") for x in reps]
+        for key in GENERATE_TELEMETRY:  # a slow generation: host-bound or at a lower clock (openrlhf/utils/telemetry.py)
+            def mean_of(ss, k=f"perf/generate_{key}"):
+                v = _mean([s.get(k) for s in ss])
+                return None if v is None else round(v, 3)
+
+            if mean_of(steps) is not None:
+                extra[f"generate_{key}"] = mean_of(steps)
+                if len(reps) > 1:
+                    extra[f"per_repeat_generate_{key}"] = [mean_of(timed_steps(x)) for x in reps]
         if len(reps) > 1:  # pooled: each repeat's own step time, and its ratio to bf16's repeat of the same round
             extra["per_repeat_step_s"] = [round(phase_means(x)["step"], 3) for x in reps]
             extra["per_repeat_generate_s"] = [round(phase_means(x)["generate"], 3) for x in reps]  # set apart by engine_compile

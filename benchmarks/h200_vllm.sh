@@ -118,7 +118,7 @@ stage_spread() {
   # jet_fp8's 256-prompt rate has varied from run to run (24k-34k tok/s) while bf16's and the bitwise engine's held:
   # three timed passes per recipe, the engines taking turns (jet_fp8@triton: the same recipe on the Triton blockwise
   # GEMM instead of cuBLASLt, which separates the GEMM from the rest), then jet_fp8 with no other engine alive.
-  # Each timed pass records the SM clock, board power and the host's CPU share (gpu_telemetry.py): a slow pass at a
+  # Each timed pass records the SM clock, board power and the host's CPU share (openrlhf/utils/telemetry.py): a slow pass at a
   # lower clock is the power cap or heat, one at the same clock waited on its host. SPREAD_LAYERS (8),
   # SPREAD_RECIPES, SPREAD_REPEATS (3); SPREAD_ALONE=0 skips the jet_fp8-alone part.
   local layers=${SPREAD_LAYERS:-8} reps=${SPREAD_REPEATS:-3} kv

@@ -41,8 +41,6 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from gpu_telemetry import Telemetry  # noqa: E402  benchmarks/
-
 LLAMA_8B = dict(
     hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
     max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -181,6 +179,7 @@ def job_throughput(a: argparse.Namespace) -> dict:
     from vllm import SamplingParams
 
     from jetrl_precision import PrecisionGraph
+    from openrlhf.utils.telemetry import Telemetry
 
     turn = _Turn(Path(a.sync_dir), a.parties) if a.sync_dir else None
     name = f"{a.recipe}-{a.mode}"

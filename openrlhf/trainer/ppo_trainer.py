@@ -11,6 +11,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -44,6 +45,7 @@ from openrlhf.models.loss import ISCorrection, PolicyLoss, ValueLoss, aggregate_
 from openrlhf.models.utils import masked_mean
 from openrlhf.utils.deepspeed import DeepspeedStrategy
 from openrlhf.utils.profiling import ProfileSettings, StepProfiler
+from openrlhf.utils.telemetry import Telemetry
 
 from .engines.base import RolloutEngine, SamplingConfig
 from .health import TrainingDivergedError, check_optimizer_step, nonfinite_parameters
@@ -497,6 +499,8 @@ class PPOTrainer:
         drawn = rounds = 0
         stats: dict[str, float] = {}
         timing = dict.fromkeys(("perf/engine_wake_s", "perf/generate_s", "perf/reward_s", "perf/engine_sleep_s"), 0.0)
+        # Generation's host CPU share and GPU clock/power: a slow rollout waited on its host, or ran at a lower clock
+        telemetry = Telemetry(period_s=0.1) if self.engine.in_process else None
         t = time.perf_counter()
         for sleeper in self.sleepers:
             sleeper.sleep()
@@ -509,7 +513,8 @@ class PPOTrainer:
                     break
                 prompts, labels = batch
                 t = time.perf_counter()
-                groups = self._generate(prompts, labels)
+                with telemetry or contextlib.nullcontext():
+                    groups = self._generate(prompts, labels)
                 timing["perf/generate_s"] += time.perf_counter() - t
                 t = time.perf_counter()
                 scores, rewards, stats = self._score(groups, prompts, labels)
@@ -529,6 +534,8 @@ class PPOTrainer:
                 sleeper.wake()
             timing["perf/engine_sleep_s"] = time.perf_counter() - t
         stats.update(timing)
+        if telemetry is not None:
+            stats.update(telemetry.metrics("perf/generate_"))
         have = int(st.all_reduce(float(min(len(kept), per_rank)), "min").item())
         if have == 0:
             return None

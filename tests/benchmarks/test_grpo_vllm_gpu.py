@@ -58,6 +58,8 @@ def test_every_recipe_trains_two_steps_with_the_checks_a_user_run_has(tiny_run):
             inner = sum(s[k] for k in ("perf/engine_wake_s", "perf/generate_s", "perf/reward_s", "perf/engine_sleep_s"))
             assert 0 < inner <= s["perf/rollout_s"] + 1e-6 and s["perf/old_logprob_s"] + s["perf/ref_s"] <= s["perf/experience_s"] + 1e-6
             assert 0 < s["memory/host_rss_gib"] <= s["memory/host_peak_rss_gib"]
+            # the colocated engine generates in this process: its host CPU share is measured (no NVML on CPU)
+            assert s["perf/generate_host_cpu_share"] > 0 and "perf/generate_sm_mhz" not in s
         if part == "learn":
             assert "eval/pass1" in res["steps"][-1]
     # off-policy by construction: an FP8 engine against a BF16 trainer; the unified flow matches the trainer (fp32 CPU)

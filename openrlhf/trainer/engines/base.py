@@ -49,6 +49,9 @@ class RolloutEngine(abc.ABC):
     # How synced high-precision tensors are named and laid out (jetrl_precision.weight_sync.iter_sync_tensors):
     # "checkpoint" for engines that load through a checkpoint loader (vLLM), "model" for a transformers model.
     sync_layout: str = "checkpoint"
+    # Whether generation runs in the calling process, on its GPU: only then do the generate phase's host and GPU
+    # figures (`perf/generate_*`, openrlhf.utils.telemetry) describe the engine.
+    in_process: bool = True
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[list[RolloutSample]]:

@@ -174,6 +174,8 @@ class RemoteEngine(RolloutEngine):
     else on engine r mod N; engine deaths surface as `EngineDiedError` naming the engine.
     """
 
+    in_process = False  # the engines are other processes, usually on other GPUs
+
     def __init__(self, handles: EngineHandles) -> None:
         import torch.distributed as dist
 

@@ -1,9 +1,9 @@
 """What the GPU and the host did while a timed section ran: SM clock, board power and utilization (NVML, sampled
 from a thread), and the process's CPU time against the wall time.
 
-Two passes of the same engine over the same work can differ in speed by more than FP8 gains in it. Whether the
+Two rollouts of the same engine over the same work can differ in speed by more than FP8 gains in them. Whether the
 slower one ran at a lower clock (the power cap, heat) or waited on its host (CPU contention, Python) is the first
-question; these figures answer it per pass:
+question; these figures answer it (the trainer's `perf/generate_*` metrics, the rollout benchmarks' passes):
 
     with Telemetry() as t:
         llm.generate(...)
@@ -45,7 +45,8 @@ def nvml():
 
 
 class Telemetry:
-    """A context manager sampling NVML every `period_s` in a daemon thread while the block runs."""
+    """A context manager sampling NVML every `period_s` in a daemon thread while the block runs. Entering it again
+    adds to the same figures (the trainer's generate phase may take several calls)."""
 
     def __init__(self, period_s: float = 0.05) -> None:
         self.period_s = period_s
@@ -78,14 +79,15 @@ class Telemetry:
         stat = f"/proc/self/task/{threading.get_native_id()}/stat"
         stat = stat if os.path.exists(stat) else None
         if nv is not None or stat is not None:
+            self._stop = threading.Event()
             self._thread = threading.Thread(target=self._sample, args=(nv, stat), daemon=True)
             self._thread.start()
         self._t0, self._c0 = time.perf_counter(), time.process_time()
         return self
 
     def __exit__(self, *exc) -> bool:
-        self.wall_s = time.perf_counter() - self._t0
-        self.host_cpu_s = time.process_time() - self._c0
+        self.wall_s += time.perf_counter() - self._t0
+        self.host_cpu_s += time.process_time() - self._c0
         self.load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         self._stop.set()
         if self._thread is not None:
@@ -102,6 +104,14 @@ class Telemetry:
                 "sm_mhz_mean": mean(self.clocks), "sm_mhz_min": min(self.clocks) if self.clocks else None,
                 "watts_mean": mean(self.watts), "gpu_util_mean": mean(self.util), "samples": len(self.clocks),
                 "main_thread_cpus": sorted(self.cpus), "load_avg_1m": None if self.load_avg is None else round(self.load_avg, 2)}
+
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """The figures as numeric metrics (`<prefix>host_cpu_share`, `sm_mhz`, `gpu_watts`, `gpu_util`), those measured."""
+        s = self.summary()
+        named = {"host_cpu_share": s["host_cpu_share"], "sm_mhz": s["sm_mhz_mean"], "gpu_watts": s["watts_mean"],
+                 "gpu_util": s["gpu_util_mean"]}
+        return {prefix + k: float(v) for k, v in named.items() if v is not None}
 
 
 def _last_cpu(stat_path: str | None) -> int | None:

@@ -1,15 +1,11 @@
-"""benchmarks/gpu_telemetry.py: what a timed pass's GPU and host did, with NVML read from a thread."""
+"""openrlhf/utils/telemetry.py: what a timed section's GPU and host did, with NVML read from a thread."""
 
 from __future__ import annotations
 
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import gpu_telemetry  # noqa: E402
+from openrlhf.utils import telemetry
 
 
 class _FakeNvml:
@@ -31,8 +27,8 @@ class _FakeNvml:
 
 
 def test_samples_the_gpu_while_the_block_runs_and_the_hosts_cpu_time(monkeypatch):
-    monkeypatch.setattr(gpu_telemetry, "nvml", lambda: (_FakeNvml(), "handle"))
-    with gpu_telemetry.Telemetry(period_s=0.01) as t:
+    monkeypatch.setattr(telemetry, "nvml", lambda: (_FakeNvml(), "handle"))
+    with telemetry.Telemetry(period_s=0.01) as t:
         end = time.perf_counter() + 0.3
         while time.perf_counter() < end:  # the host busy for the whole block
             pass
@@ -46,9 +42,27 @@ def test_samples_the_gpu_while_the_block_runs_and_the_hosts_cpu_time(monkeypatch
 
 
 def test_without_nvml_only_the_host_is_measured(monkeypatch):
-    monkeypatch.setattr(gpu_telemetry, "nvml", lambda: None)
-    with gpu_telemetry.Telemetry() as t:
+    monkeypatch.setattr(telemetry, "nvml", lambda: None)
+    with telemetry.Telemetry() as t:
         time.sleep(0.1)  # the host idle: its CPU share is near zero
     s = t.summary()
     assert s["sm_mhz_mean"] is None and s["watts_mean"] is None and s["samples"] == 0
     assert s["wall_s"] >= 0.1 and s["host_cpu_share"] < 0.2
+
+
+def test_entered_twice_adds_up_and_gives_metrics(monkeypatch):
+    """The trainer's generate phase may call the engine several times (dynamic filtering): one set of figures."""
+    monkeypatch.setattr(telemetry, "nvml", lambda: (_FakeNvml(), "handle"))
+    t = telemetry.Telemetry(period_s=0.01)
+    for _ in range(2):
+        with t:
+            time.sleep(0.05)
+    s = t.summary()
+    assert s["wall_s"] >= 0.1 and s["samples"] >= 4
+    m = t.metrics("perf/generate_")
+    assert set(m) == {"perf/generate_host_cpu_share", "perf/generate_sm_mhz", "perf/generate_gpu_watts", "perf/generate_gpu_util"}
+    assert m["perf/generate_sm_mhz"] == 1980.0 and m["perf/generate_gpu_watts"] == 690.0
+    monkeypatch.setattr(telemetry, "nvml", lambda: None)
+    with telemetry.Telemetry() as host_only:
+        pass
+    assert set(host_only.metrics("p/")) <= {"p/host_cpu_share"}  # no GPU figures without NVML
