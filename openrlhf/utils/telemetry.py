@@ -23,7 +23,7 @@ import statistics
 import threading
 import time
 
-__all__ = ["Telemetry", "nvml"]
+__all__ = ["Telemetry", "device_handle", "nvml"]
 
 
 @functools.cache
@@ -39,9 +39,25 @@ def nvml():
         except ImportError:
             from vllm.third_party import pynvml
         pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return pynvml, device_handle(pynvml, str(getattr(props, "uuid", "") or ""), torch.cuda.current_device())
     except Exception:  # noqa: BLE001 - telemetry is context for a figure, never a reason to fail it
         return None
+
+
+def device_handle(lib, uuid: str, index: int):
+    """NVML's handle for the GPU torch calls `index`. NVML numbers the machine's GPUs, torch those CUDA_VISIBLE_DEVICES
+    leaves (device 0 of a rank given GPU 3 is NVML's 3), so the GPU is found by its UUID, which both agree on."""
+    if uuid:
+        name = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        try:
+            return lib.nvmlDeviceGetHandleByUUID(name)
+        except Exception:  # noqa: BLE001 - older bindings take bytes
+            return lib.nvmlDeviceGetHandleByUUID(name.encode())
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if index < len(visible) and visible[index].isdigit():
+        return lib.nvmlDeviceGetHandleByIndex(int(visible[index]))
+    return lib.nvmlDeviceGetHandleByIndex(index)
 
 
 class Telemetry:

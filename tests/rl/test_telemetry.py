@@ -66,3 +66,21 @@ def test_entered_twice_adds_up_and_gives_metrics(monkeypatch):
     with telemetry.Telemetry() as host_only:
         pass
     assert set(host_only.metrics("p/")) <= {"p/host_cpu_share"}  # no GPU figures without NVML
+
+
+def test_the_gpu_is_found_by_uuid_not_by_torchs_index(monkeypatch):
+    """torch's device 0 of a process given GPU 3 is NVML's GPU 3: a handle by torch's index would read another GPU."""
+
+    class Lib:
+        def nvmlDeviceGetHandleByUUID(self, name):
+            return ("uuid", name)
+
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return ("index", i)
+
+    lib = Lib()
+    assert telemetry.device_handle(lib, "8f0c2a1e-0000-1111-2222-333344445555", 0) == ("uuid", "GPU-8f0c2a1e-0000-1111-2222-333344445555")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert telemetry.device_handle(lib, "", 1) == ("index", 5)  # no UUID from torch: the visible list maps it
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
+    assert telemetry.device_handle(lib, "", 0) == ("index", 0)
