@@ -172,7 +172,7 @@ stage_update_profile() {  # the actor update's micro-step alone, kernel by kerne
 # section (stacked against separate q/k/v and gate/up GEMMs); results under $RES/gpucheck, so in grpo_res.tgz.
 GPU_TESTS_DEFAULT="tests/gpu/test_grouped_gpu.py tests/gpu/test_swiglu_gpu.py tests/gpu/test_linear_gpu.py
   tests/gpu/test_train_plan_gpu.py tests/gpu/test_wgrad_padding_gpu.py tests/gpu/test_cast_transpose.py tests/gpu/test_triton_quant.py
-  tests/gpu/test_freeze_gpu.py"
+  tests/gpu/test_freeze_gpu.py tests/gpu/test_telemetry_gpu.py"
 stage_gpucheck() {
   enough 150 gpucheck || return 1
   mkdir -p "$RES/gpucheck"
