@@ -63,8 +63,8 @@ TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_k
 # String-match reward for the speed runs, written next to the data (a `--reward.remote_url` .py function).
 MATCH_REWARD = "def reward_func(queries, prompts, labels):\n    return [float(l in q[len(p):]) for q, p, l in zip(queries, prompts, labels)]\n"
 WORD_TEMPLATE = "{}\nSolve it step by step, then finish with: The answer is <number>."
-# Phases of a step as the plot stacks them: (label, metric keys summed).
 GENERATE_TELEMETRY = ("host_cpu_share", "sm_mhz", "gpu_watts")  # the trainer's perf/generate_* figures kept in records
+# Phases of a step as the plot stacks them: (label, metric keys summed).
 PHASES = (
     ("generate", ("perf/generate_s",)),
     ("reward", ("perf/reward_s",)),
@@ -74,6 +74,8 @@ PHASES = (
     ("actor update", ("perf/train_s",)),
     ("weight sync + digest", ("perf/weight_sync_s",)),
 )
+
+
 def _log(msg: str) -> None:
     print(f"[grpo_vllm {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -346,6 +348,11 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _rounded_mean(steps: list[dict], key: str) -> float | None:
+    v = _mean([s.get(key) for s in steps])
+    return None if v is None else round(v, 3)
+
+
 def usable(res: dict) -> bool:
     """A run that finished, or one stopped at its time limit after enough steps (speed: a timed step after the
     warm-up; learn: one step). Runs that failed otherwise are left out: something is wrong with them."""
@@ -443,14 +450,11 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
         reps = r.get("repeats") or [r]
         extra["engine_compile"] = [x.get("engine_compile", "") for x in reps]
         for key in GENERATE_TELEMETRY:  # a slow generation: host-bound or at a lower clock (openrlhf/utils/telemetry.py)
-            def mean_of(ss, k=f"perf/generate_{key}"):
-                v = _mean([s.get(k) for s in ss])
-                return None if v is None else round(v, 3)
-
-            if mean_of(steps) is not None:
-                extra[f"generate_{key}"] = mean_of(steps)
+            v = _rounded_mean(steps, f"perf/generate_{key}")
+            if v is not None:
+                extra[f"generate_{key}"] = v
                 if len(reps) > 1:
-                    extra[f"per_repeat_generate_{key}"] = [mean_of(timed_steps(x)) for x in reps]
+                    extra[f"per_repeat_generate_{key}"] = [_rounded_mean(timed_steps(x), f"perf/generate_{key}") for x in reps]
         if len(reps) > 1:  # pooled: each repeat's own step time, and its ratio to bf16's repeat of the same round
             extra["per_repeat_step_s"] = [round(phase_means(x)["step"], 3) for x in reps]
             extra["per_repeat_generate_s"] = [round(phase_means(x)["generate"], 3) for x in reps]  # set apart by engine_compile
@@ -470,8 +474,8 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
                           ("memory/train_engine_asleep_device_used_gib", "e2e_grpo_device_used_engine_asleep_gib"),
                           ("memory/train_peak_device_used_gib", "e2e_grpo_train_peak_device_used_gib"),
                           ("memory/host_peak_rss_gib", "e2e_grpo_host_peak_rss_gib")):
-            v = max((s[key] for s in r["steps"] if key in s), default=None)
             each = [max((s[key] for s in x["steps"] if key in s), default=None) for x in reps]
+            v = max((x for x in each if x is not None), default=None)
             # pooled: the peak over every repeat, and each repeat's own (runs of different code may differ in memory)
             rec(name, r["shape"], recipe, None if v is None else round(v, 3), "GiB",
                 **({"per_repeat": [None if x is None else round(x, 3) for x in each]} if len(reps) > 1 else {}))

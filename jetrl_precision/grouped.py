@@ -392,8 +392,8 @@ def fuse_projections(model: nn.Module, groups: Iterable[Sequence[str]] = PROJECT
 
 def unfuse_projections(model: nn.Module) -> int:
     """Return every grouped projection of `model` to its own GEMM; returns how many groups were undone."""
-    groups = {id(m._group): m._group for m in model.modules() if isinstance(m, Fp8Linear) and m._group is not None}
-    for group in groups.values():
+    groups = projection_groups(model)
+    for group in groups:
         group.dissolve()
     return len(groups)
 
