@@ -741,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--repeats", type=int, default=1, help="rounds of the recipes, each a fresh trainer and engine (even rounds in reverse order); the report averages them")
     sp.add_argument("--repeat", type=int, default=1, help="index of the first round (a later call adding repeats to the same --out)")
     sp.add_argument("--gpu_mem", type=float, default=SpeedPlan.gpu_mem)
-    sp.add_argument("--zero_stage", type=int, default=SpeedPlan.zero_stage, choices=[2, 3])
+    sp.add_argument("--zero_stage", type=int, default=SpeedPlan.zero_stage, choices=[1, 2, 3])
     sp.add_argument("--train_micro", type=int, default=SpeedPlan.train_micro,
                     help="sequences per training micro-batch (larger: bigger GEMMs, more activation memory)")
     sp.add_argument("--grad_ckpt", action="store_true",

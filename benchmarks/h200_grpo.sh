@@ -37,6 +37,7 @@
 # bf16+no_aot / jet_fp8+no_aot run the engine with VLLM_USE_AOT_COMPILE=0), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64),
 # TRAIN_MICRO (4 sequences per training micro-batch), GRAD_CKPT (set: activation checkpointing, for LAYERS=16 and up),
 # GPU_MEM (speed: the colocated engine's --vllm.gpu_memory_utilization, 0.3 of the card; an 80 GB H100 has less to spare),
+# ZERO_STAGE (speed: --ds.zero_stage, 2; 1 accumulates gradients in place, with nothing to partition on one GPU),
 # LIGER (set: --ds.use_liger_kernel in the speed runs and profiles; Liger's wheel rides in .gw), PROFILE_STEP (speed:
 # the trainer's --profile.step, kernel times of that step's experience, update and sync phases in the report),
 # RUN_TIMEOUT (seconds per recipe's run, 290; deeper models need more: run one recipe per call), GEMM_BACKEND
@@ -154,7 +155,7 @@ stage_trainer_deps() {  # DeepSpeed and the rest of .gw alone: update_profile (w
 stage_speed() {
   enough 120 speed || return 1
   timeout "$(left)" python3 benchmarks/grpo_vllm_gpu.py speed ${TINY:+--tiny} --recipes ${RECIPES:-bf16 jet_fp8} --layers "${LAYERS:-8}" \
-    --train_micro "${TRAIN_MICRO:-4}" ${GPU_MEM:+--gpu_mem "$GPU_MEM"} ${GRAD_CKPT:+--grad_ckpt} ${LIGER:+--liger} ${PROFILE_STEP:+--profile_step "$PROFILE_STEP"} ${RUN_TIMEOUT:+--run_timeout "$RUN_TIMEOUT"} --steps "${STEPS:-3}" --repeats "${REPEATS:-1}" --repeat "${REPEAT:-1}" --prompts "${PROMPTS:-64}" --gemm_backend "${GEMM_BACKEND:-torch}" --out "$RES" --workdir "$T/grpo_work" \
+    --train_micro "${TRAIN_MICRO:-4}" ${ZERO_STAGE:+--zero_stage "$ZERO_STAGE"} ${GPU_MEM:+--gpu_mem "$GPU_MEM"} ${GRAD_CKPT:+--grad_ckpt} ${LIGER:+--liger} ${PROFILE_STEP:+--profile_step "$PROFILE_STEP"} ${RUN_TIMEOUT:+--run_timeout "$RUN_TIMEOUT"} --steps "${STEPS:-3}" --repeats "${REPEATS:-1}" --repeat "${REPEAT:-1}" --prompts "${PROMPTS:-64}" --gemm_backend "${GEMM_BACKEND:-torch}" --out "$RES" --workdir "$T/grpo_work" \
     --deadline "$(($(left) - 15))" 2>&1 | grep "^\[grpo_vllm\|rror" | tail -20
   python3 benchmarks/grpo_vllm_gpu.py report --table_only --from "$RES"
 }
