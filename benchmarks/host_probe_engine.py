@@ -4,6 +4,11 @@
 
 The GPU is held busy by a spin kernel while the calls are enqueued, so each figure is the Python +
 launch time alone (what an eager decode step pays per layer), whatever the call's GPU time.
+
+Where vLLM is importable it also probes vLLM's C++ per-token-group quantizer as a candidate for the eager
+engine's activation quantizer: whether its bytes and scales equal the reference quantizer's (random rows with
+outliers, M not a multiple of 4 included, written into the MN-major M-padded layout cuBLASLt reads), and its
+host time called through the op directly and through vLLM's Python wrapper.
 """
 
 from __future__ import annotations
@@ -39,6 +44,46 @@ def host_us(fn, reps: int = 100) -> float:
     return round(statistics.median(times), 1)
 
 
+def _vllm_quantizer_probe(k: int) -> None:
+    try:
+        import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+        op = torch.ops._C.per_token_group_fp8_quant
+    except Exception as e:  # noqa: BLE001 - optional
+        print("vllm quantizer: unavailable:", type(e).__name__, str(e)[:160])
+        return
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for m in (1, 3, 64, 200, 256, 2048):
+        mp = -(-m // 4) * 4
+        x = torch.randn(m, k, device="cuda", generator=gen) * torch.exp(2 * torch.randn(m, 1, device="cuda", generator=gen))
+        x[torch.rand(m, k, device="cuda", generator=gen) < 1e-3] *= 300.0  # outliers inside groups
+        x = x.to(torch.bfloat16)
+        ref = quantize_fp8(x, (1, 128))
+        q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda")
+        s = torch.empty_strided((m, k // 128), (1, mp), dtype=torch.float32, device="cuda")
+        op(x, q, s, 128, 1e-10, -448.0, 448.0, False, True, True)
+        same_q = torch.equal(q.view(torch.uint8), ref.data.view(torch.uint8))
+        same_s = torch.equal(s, ref.scale)
+        diff = int((q.view(torch.uint8) != ref.data.view(torch.uint8)).sum())
+        print(f"vllm quantizer M={m}: bytes equal {same_q} ({diff} differ), scales equal {same_s}")
+    m, mp = 64, 64
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda")
+    s = torch.empty_strided((m, k // 128), (1, mp), dtype=torch.float32, device="cuda")
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    pieces = {
+        "vllm op, outputs preallocated": lambda: op(x, q, s, 128, 1e-10, -448.0, 448.0, False, True, True),
+        "vllm op with its two allocations": lambda: op(
+            x, torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda"),
+            torch.empty_strided((m, k // 128), (1, mp), dtype=torch.float32, device="cuda"),
+            128, 1e-10, -448.0, 448.0, False, True, True),
+        "vllm per_token_group_quant_fp8 (Python wrapper)": lambda: per_token_group_quant_fp8(
+            x, 128, column_major_scales=True, tma_aligned_scales=True, use_ue8m0=False),
+    }
+    for name, fn in pieces.items():
+        print(name, host_us(fn))
+
+
 def main() -> None:
     import triton
 
@@ -63,9 +108,15 @@ def main() -> None:
         "scaled_mm (prepared)": lambda: mm(xq.data, wt, xq.scale, sb, torch.bfloat16),
         "torch._scaled_mm direct": lambda: torch._scaled_mm(xq.data, wt, scale_a=xq.scale, scale_b=sb, out_dtype=torch.bfloat16),
     }
+    from jetrl_precision.integrations.engine_linear import EngineLinear
+    from jetrl_precision import get_recipe
+
+    lin = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, get_recipe("jet_fp8").train_fprop.input, "torch")
+    pieces["EngineLinear (the eager engine's call)"] = lambda: lin(x)
     for name, fn in pieces.items():
         print(name, host_us(fn))
     print("triton", triton.__version__)
+    _vllm_quantizer_probe(k)
 
 
 if __name__ == "__main__":
