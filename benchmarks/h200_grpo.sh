@@ -24,7 +24,7 @@
 #   3. carry [".gs2"]                  bash benchmarks/h200_grpo.sh unpack smollm2 learn           3 recipes side by side
 #   4. no carry                        RECIPES=fp8_rollout bash benchmarks/h200_grpo.sh speed      optional
 #   any call after 2                   bash benchmarks/h200_grpo.sh update_profile   the update's micro-step alone, kernel
-#                                      by kernel (PROFILE_MICRO "4", PROFILE_VARIANTS "plain deepspeed deepspeed-nosync"; also deepspeed-zero1,
+#                                      by kernel (PROFILE_MICRO "4", PROFILE_VARIANTS "plain deepspeed deepspeed-nosync"; also deepspeed-zero1, deepspeed-calling-thread,
 #                                      PROFILE_TIMEOUT 150 s per job, DeepGEMM compiling its kernels cold needs more;
 #                                      PROFILE_VLLM restore|no-restore: vLLM imported first, as a colocated engine is;
 #                                      PROFILE_REQUANT=1: --precision.requantize_weights; PROFILE_PROMPT: prompt

@@ -17,6 +17,9 @@ rollouts are), jet_fp8 converted by the trainer's `Fp8Converter`. Variants:
   deepspeed-nosync  the same without those syncs: what they cost
   deepspeed-zero1   `deepspeed` under ZeRO-1: on one GPU it partitions as little as ZeRO-2 (nothing), but accumulates
              the micro-steps' gradients in place instead of copying each into ZeRO-2's reduction buckets and back
+  deepspeed-calling-thread  `deepspeed` with autograd's backward on the calling thread
+             (`torch.autograd.set_multithreading_enabled(False)`) instead of its per-device worker thread: whether the
+             GPU's idle time in jet_fp8's micro-step (host work of the FP8 backward) is the worker thread's
 
 Per job (one recipe, variant and micro-batch size, each in its own process) it reports the wall time per micro-step
 (steps back to back), the GPU kernel time per micro-step and its split by kernel group (torch.profiler / CUPTI,
@@ -128,7 +131,9 @@ def job(a: argparse.Namespace) -> dict:
     global_tokens = float(a.update_seqs * a.new_tokens)
 
     engine, strategy = actor, None
-    syncs = a.variant in ("deepspeed", "deepspeed-zero1")
+    syncs = a.variant in ("deepspeed", "deepspeed-zero1", "deepspeed-calling-thread")
+    if a.variant == "deepspeed-calling-thread":
+        torch.autograd.set_multithreading_enabled(False)  # this job's process only
     if a.variant.startswith("deepspeed"):
         from openrlhf.utils.deepspeed.strategy import DeepspeedStrategy, StrategyConfig
 
@@ -195,7 +200,8 @@ def job(a: argparse.Namespace) -> dict:
     return {"job": "update_profile", "recipe": a.recipe, "variant": a.variant, "micro": a.micro, "layers": a.layers,
             "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "grad_ckpt": a.grad_ckpt, "gemm_backend": a.gemm_backend,
             "tiny": a.tiny, "import_vllm": a.import_vllm, "requantize_weights": a.requantize_weights, "liger": a.liger, "cudnn_sdpa_after_import": cudnn_sdpa_after_import,
-            "cudnn_sdpa_in_steps": torch.backends.cuda.cudnn_sdp_enabled(), "kernels_captured": len(per_kernel), "micro_step_wall_ms": round(step_ms, 2),
+            "cudnn_sdpa_in_steps": torch.backends.cuda.cudnn_sdp_enabled(),
+            "autograd_worker_threads": torch._C._is_multithreading_enabled(), "kernels_captured": len(per_kernel), "micro_step_wall_ms": round(step_ms, 2),
             "micro_step_kernel_ms": round(sum(per_kernel.values()) / 1e3, 2),
             "groups_ms": {g: round(v / 1e3, 3) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
             "fwd_nograd_ms": round(fwd_ms, 2), "fwd_micro": a.fwd_micro, "peak_allocated_gib": round(peak, 2),
@@ -290,7 +296,7 @@ def record(results: list[dict], device: str | None, command: str, runs_dir: Path
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8"])
-    ap.add_argument("--variants", nargs="+", default=["plain", "deepspeed"], choices=["plain", "deepspeed", "deepspeed-nosync", "deepspeed-zero1"])
+    ap.add_argument("--variants", nargs="+", default=["plain", "deepspeed"], choices=["plain", "deepspeed", "deepspeed-nosync", "deepspeed-zero1", "deepspeed-calling-thread"])
     ap.add_argument("--micro", nargs="+", type=int, default=[4], help="sequences per training micro-batch")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256,

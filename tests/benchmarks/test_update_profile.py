@@ -72,10 +72,11 @@ def test_tiny_profiles_run_and_file_a_record(tmp_path):
     requant = json.loads((out / "profile_plain_m4_auto_requant_jet_fp8.json").read_text())
     assert requant["requantize_weights"] is True and "FP8 weights re-quantized every call" in proc.stdout
 
-    # ZeRO-1 (gradients accumulated in place, no ZeRO-2 bucket copies per micro-step): a variant of its own.
+    # ZeRO-1 (gradients accumulated in place, no ZeRO-2 bucket copies per micro-step) and the backward on the calling
+    # thread: variants of their own.
     proc = subprocess.run(
         [sys.executable, "benchmarks/update_profile.py", "--tiny", "--layers", "1", "--prompt-len", "16", "--new-tokens", "32",
-         "--update-seqs", "16", "--micro", "4", "--variants", "deepspeed-zero1", "--recipes", "jet_fp8", "--warmup", "1",
+         "--update-seqs", "16", "--micro", "4", "--variants", "deepspeed-zero1", "deepspeed-calling-thread", "--recipes", "jet_fp8", "--warmup", "1",
          "--steps", "1", "--profile-steps", "1", "--fwd-micro", "4", "--out", str(tmp_path / "zero1")],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
     )
@@ -83,6 +84,9 @@ def test_tiny_profiles_run_and_file_a_record(tmp_path):
     zero1 = json.loads((tmp_path / "zero1" / "profile_deepspeed-zero1_m4_auto_jet_fp8.json").read_text())
     assert zero1["variant"] == "deepspeed-zero1" and zero1["micro_step_wall_ms"] > 0
     assert "deepspeed-zero1, micro-batch 4" in proc.stdout
+    calling = json.loads((tmp_path / "zero1" / "profile_deepspeed-calling-thread_m4_auto_jet_fp8.json").read_text())
+    assert calling["autograd_worker_threads"] is False and zero1["autograd_worker_threads"] is True
+    assert "deepspeed-calling-thread, micro-batch 4" in proc.stdout
 
     runs = tmp_path / "runs"
     recs = json.loads(update_profile.record(list(results.values()), None, "test", runs).read_text())
