@@ -8,9 +8,10 @@ Layouts (cuBLASLt on an H200 with torch 2.11):
 - M must be a multiple of 4 (M = 1 and 130 give CUBLAS_STATUS_NOT_SUPPORTED), so A is padded.
 The recipe enum is looked up through `__members__` (its spelling differs across torch versions);
 torch builds without `F.scaled_mm` use the legacy `torch._scaled_mm`, which infers the recipe from
-the scale shapes; builds with both use the legacy call for 1x128.128x128 when the availability probe
-finds it bitwise equal (it is on torch 2.11, with less host time per call). K or N that are not
-multiples of 128 are zero-padded (logged once).
+the scale shapes. The prepared calls (a layer's step plan, the inference engine) take the entry point with
+the least host time that the availability probe finds bitwise equal to F.scaled_mm: the legacy call for
+1x128.128x128, else `torch._scaled_mm_v2` with the arguments F.scaled_mm builds (without the wrapper's
+per-call list building). K or N that are not multiples of 128 are zero-padded (logged once).
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ def torch_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
 def prepared_scaled_mm(device: torch.device | str):
     """The scaled_mm call `torch_gemm_nt` makes for 1x128 x 128x128 on `device`, for callers that prepare the
     operands themselves (an inference engine's static weights): fn(a_data, b_data_t, scale_a, scale_b, out_dtype)
-    with scale_a MN-major (M a multiple of 4) and scale_b from `row_major_padded_t`."""
+    with scale_a MN-major (M a multiple of 4) and scale_b from `row_major_padded_t`. Of the entry points the device
+    probe found bitwise equal to F.scaled_mm, the one with the least host time: the legacy `torch._scaled_mm`, else
+    `torch._scaled_mm_v2` called with the arguments F.scaled_mm builds (its Python wrapper costs several
+    microseconds per call), else F.scaled_mm itself."""
     reason = unavailable_reason(torch.device(device))
     if reason is not None:
         raise RuntimeError(f"the torch GEMM backend cannot run on {device}: {reason}")
@@ -92,6 +96,8 @@ def prepared_scaled_mm(device: torch.device | str):
 
         return legacy
     one, block = types
+    if _v2_block_same.get(device_key(device), False):
+        return _v2_call(one, block)
 
     def blockwise(a, b_t, sa, sb, out_dtype):
         return torch.nn.functional.scaled_mm(a, b_t, sa, one, sb, block, output_dtype=out_dtype)
@@ -111,17 +117,23 @@ def prepared_scaled_mm_1x128(device: torch.device | str):
         raise RuntimeError(f"torch {torch.__version__} has no F.scaled_mm: 1x128 x 1x128 needs it")
     one = types[0]
     if _v2_same.get(device_key(device), False):
-        code = [_enum_int(one)]
-
-        def v2(a, b_t, sa, sb, out_dtype):
-            return torch._scaled_mm_v2(a, b_t, [sa], code, [], [sb], code, [], None, out_dtype, [], False)
-
-        return v2
+        return _v2_call(one, one)
 
     def wrapped(a, b_t, sa, sb, out_dtype):
         return torch.nn.functional.scaled_mm(a, b_t, sa, one, sb, one, output_dtype=out_dtype)
 
     return wrapped
+
+
+def _v2_call(recipe_a, recipe_b):
+    """fn(a, b_t, sa, sb, out_dtype): `torch._scaled_mm_v2` with the arguments F.scaled_mm builds for these recipes
+    (no swizzle, no bias, no contraction dims, no fast accumulation), the codes computed once."""
+    code_a, code_b = [_enum_int(recipe_a)], [_enum_int(recipe_b)]
+
+    def v2(a, b_t, sa, sb, out_dtype):
+        return torch._scaled_mm_v2(a, b_t, [sa], code_a, [], [sb], code_b, [], None, out_dtype, [], False)
+
+    return v2
 
 
 def _enum_int(member) -> int:
@@ -171,6 +183,8 @@ _probe: dict[str, str | None] = {}
 _legacy_same: dict[str, bool] = {}
 # device -> whether torch._scaled_mm_v2, called as F.scaled_mm calls it, gives its exact bits for 1x128.1x128.
 _v2_same: dict[str, bool] = {}
+# device -> the same for 1x128.128x128 (the forward's and DGrad's GEMM, and the engine's).
+_v2_block_same: dict[str, bool] = {}
 
 
 def _probe_device(device: torch.device) -> str | None:
@@ -190,6 +204,7 @@ def _probe_device(device: torch.device) -> str | None:
                 return f"blockwise scaled_mm gave a wrong result on this build (rel err {err:.2e} for B {bq.block})"
         _legacy_same[device_key(device)] = _legacy_matches(aq, quantize_fp8(w, (128, 128)))
         _v2_same[device_key(device)] = _v2_matches(aq, quantize_fp8(w, (1, 128)))
+        _v2_block_same[device_key(device)] = _v2_matches(aq, quantize_fp8(w, (128, 128)))
     except Exception as e:  # noqa: BLE001 - the message is the reason shown to the user
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"blockwise torch scaled_mm is not supported here ({type(e).__name__}: {msg}); it needs sm90 and cuBLASLt >= 12.9"
@@ -211,17 +226,18 @@ def _legacy_matches(aq: QuantizedTensor, bq: QuantizedTensor) -> bool:
 
 
 def _v2_matches(aq: QuantizedTensor, bq: QuantizedTensor) -> bool:
-    """Whether torch._scaled_mm_v2, called with the arguments F.scaled_mm builds in torch 2.13, reproduces
-    F.scaled_mm's bits for 1x128.1x128 on this build (another signature raises, and the wrapper is kept)."""
+    """Whether torch._scaled_mm_v2, called with the arguments F.scaled_mm builds in torch 2.11-2.13 (`_v2_call`),
+    reproduces F.scaled_mm's bits for 1x128 x `bq`'s blocks (1x128 or 128x128) on this build (another signature
+    raises, and the wrapper is kept)."""
     types = scaling_types()
     if types is None or not hasattr(torch, "_scaled_mm_v2"):
         return False
-    one = types[0]
-    sa, sb = mn_major(aq.scale), mn_major(bq.scale)
+    one, block = types
+    rec_b, sb = (block, row_major_padded_t(bq.scale)) if bq.block == (128, 128) else (one, mn_major(bq.scale))
+    sa = mn_major(aq.scale)
     try:
-        ref = torch.nn.functional.scaled_mm(aq.data, bq.data.t(), sa, one, sb, one, output_dtype=torch.bfloat16)
-        code = [_enum_int(one)]
-        v2 = torch._scaled_mm_v2(aq.data, bq.data.t(), [sa], code, [], [sb], code, [], None, torch.bfloat16, [], False)
+        ref = torch.nn.functional.scaled_mm(aq.data, bq.data.t(), sa, one, sb, rec_b, output_dtype=torch.bfloat16)
+        v2 = _v2_call(one, rec_b)(aq.data, bq.data.t(), sa, sb, torch.bfloat16)
     except Exception:  # noqa: BLE001 - the direct call is only an optimization
         return False
     return bool(torch.equal(ref, v2))

@@ -187,3 +187,24 @@ def test_scaled_mm_v2_shortcut_equals_f_scaled_mm():
     ref = F.scaled_mm(a.data, b.data.t(), a.scale, one, b.scale, one, output_dtype=torch.bfloat16)
     got = tb.prepared_scaled_mm_1x128("cuda")(a.data, b.data.t(), a.scale, b.scale, torch.bfloat16)
     _same(got, ref, f"scaled_mm 1x128.1x128 ({'v2 shortcut' if tb._v2_same[key] else 'F.scaled_mm'})")
+
+
+def test_prepared_blockwise_scaled_mm_equals_f_scaled_mm():
+    """The forward's and DGrad's GEMM (1x128 x 128x128) through the prepared entry point the probe chose (legacy,
+    direct `_scaled_mm_v2` or F.scaled_mm itself) gives F.scaled_mm's bits, M = 64 and 256 (decode) and 4096."""
+    from jetrl_precision.gemm import torch_backend as tb
+    from jetrl_precision.kernels.layout import row_major_padded_t
+
+    if available_backends("cuda")["torch"] is not None:
+        pytest.skip("needs the torch backend")
+    key = tb.device_key("cuda")
+    assert key in tb._v2_block_same, "the device probe decides whether the shortcut is taken"
+    one, block = tb.scaling_types()
+    w = quant.quantize_128x128(outlier_data(1536, 1024, seed=9) * 0.02)[0]
+    for m in (64, 256, 4096):
+        a = quant.quantize_1x128(outlier_data(m, 1024, seed=m))
+        sb = row_major_padded_t(w.scale)
+        ref = F.scaled_mm(a.data, w.data.t(), a.scale, one, sb, block, output_dtype=torch.bfloat16)
+        got = tb.prepared_scaled_mm("cuda")(a.data, w.data.t(), a.scale, sb, torch.bfloat16)
+        route = "legacy" if tb._legacy_same.get(key) else "v2 shortcut" if tb._v2_block_same[key] else "F.scaled_mm"
+        _same(got, ref, f"scaled_mm 1x128.128x128 at M={m} ({route})")

@@ -434,3 +434,35 @@ def test_converter_passes_the_weight_cache_choice_to_every_layer():
     model = nn.Sequential(make_linear(256, 256), nn.ReLU(), make_linear(256, 128))
     Fp8Converter(JET, cache_weights=False).convert(model)
     assert [m.cache_weights for m in fp8_linears(model).values()] == [False, False]
+
+
+@pytest.mark.parametrize("recipes", ["1x128.128x128", "1x128.1x128"])
+def test_scaled_mm_v2_shortcut_passes_what_f_scaled_mm_passes(monkeypatch, recipes):
+    """The torch backend's direct `torch._scaled_mm_v2` call (taken where the device probe finds its bits equal)
+    must hand the op exactly the arguments `F.scaled_mm` builds on this torch: recorded from both, compared."""
+    from jetrl_precision.gemm import torch_backend as tb
+
+    types = tb.scaling_types()
+    if types is None or not hasattr(torch, "_scaled_mm_v2"):
+        pytest.skip(f"torch {torch.__version__} has no F.scaled_mm / _scaled_mm_v2")
+    one, block = types
+    rec_b = block if recipes == "1x128.128x128" else one
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm_v2", lambda *args: calls.append(args) or torch.zeros(1))
+    a, b_t = torch.zeros(4, 128, dtype=torch.float8_e4m3fn), torch.zeros(128, 256, dtype=torch.float8_e4m3fn).t().t()
+    sa, sb = torch.ones(4, 1), torch.ones(1, 2)
+    torch.nn.functional.scaled_mm(a, b_t, sa, one, sb, rec_b, output_dtype=torch.bfloat16)
+    tb._v2_call(one, rec_b)(a, b_t, sa, sb, torch.bfloat16)
+    want, got = calls
+
+    def norm(args):  # tensors by identity, everything else by value (F.scaled_mm passes contraction_dim as a tuple)
+        return [tuple(v) if isinstance(v, (list, tuple)) else v for v in args]
+
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(norm(got), norm(want))):
+        if isinstance(w, tuple) and w and isinstance(w[0], torch.Tensor):
+            assert len(g) == len(w) and all(x is y for x, y in zip(g, w)), f"argument {i}"
+        elif isinstance(w, torch.Tensor):
+            assert g is w, f"argument {i}"
+        else:
+            assert g == w, f"argument {i}: {g!r} != {w!r}"
