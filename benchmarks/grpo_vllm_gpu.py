@@ -450,11 +450,12 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
         reps = r.get("repeats") or [r]
         extra["engine_compile"] = [x.get("engine_compile", "") for x in reps]
         for key in GENERATE_TELEMETRY:  # a slow generation: host-bound or at a lower clock (openrlhf/utils/telemetry.py)
-            v = _rounded_mean(steps, f"perf/generate_{key}")
+            metric = f"perf/generate_{key}"
+            v = _rounded_mean(steps, metric)
             if v is not None:
                 extra[f"generate_{key}"] = v
                 if len(reps) > 1:
-                    extra[f"per_repeat_generate_{key}"] = [_rounded_mean(timed_steps(x), f"perf/generate_{key}") for x in reps]
+                    extra[f"per_repeat_generate_{key}"] = [_rounded_mean(timed_steps(x), metric) for x in reps]
         if len(reps) > 1:  # pooled: each repeat's own step time, and its ratio to bf16's repeat of the same round
             extra["per_repeat_step_s"] = [round(phase_means(x)["step"], 3) for x in reps]
             extra["per_repeat_generate_s"] = [round(phase_means(x)["generate"], 3) for x in reps]  # set apart by engine_compile
