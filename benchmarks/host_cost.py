@@ -299,6 +299,11 @@ def _emulate_triton(name: str, grid, args, meta) -> None:
         ref = quantize_fp8(hp, (1, 128), pow2_scale=meta["POW2"], nonfinite="propagate")
         _strided(q, (r, c), (sqr, sqc)).copy_(ref.data)
         _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
+    elif name == "quant_1x128_rows":  # kernels.quant_cuda
+        x, q, s, m, k, ldx, ldq_words, lds = args
+        ref = quantize_fp8(_strided(x, (m, k), (ldx, 1)), (1, 128), pow2_scale=meta.get("POW2", False), nonfinite="propagate")
+        _strided(q, (m, k), (4 * ldq_words, 1)).copy_(ref.data)
+        _strided(s, (m, cdiv(k, 128)), (1, lds)).copy_(ref.scale)
     elif name == "requant_1x128_to_128x1_t":
         x, s_in, q, s_out, m, k, ldx_words, s_row, s_grp, ldq, m_out = args
         src = QuantizedTensor(_strided(x, (m, k), (4 * ldx_words, 1)), _strided(s_in, (m, cdiv(k, 128)), (s_row, s_grp)), (1, 128))
@@ -446,7 +451,7 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
 
 
 class _RequantStub:
-    """Stands in for the compiled CUDA requantizer (`cast_transpose._Kernel`): its launch goes to the override."""
+    """Stands in for the compiled CUDA requantizer (an `nvrtc.NvrtcKernel`): its launch goes to the override."""
 
     def __init__(self, pow2: bool, name: str, launch_override: Callable) -> None:
         self.pow2, self.name, self.launch_override = pow2, name, launch_override

@@ -9,6 +9,12 @@ Where vLLM is importable it also probes vLLM's C++ per-token-group quantizer as 
 engine's activation quantizer: whether its bytes and scales equal the reference quantizer's (random rows with
 outliers, M not a multiple of 4 included, written into the MN-major M-padded layout cuBLASLt reads), and its
 host time called through the op directly and through vLLM's Python wrapper.
+
+The engine's activation quantizer is the CUDA kernel of `kernels.quant_cuda` where it passes its first-use check;
+the probe times it beside the Triton kernel (host time, and GPU time per call at decode and prefill sizes), the
+whole EngineLinear call with either quantizer, its parts called the way the plan calls them, and ends with a
+torch.profiler table of EngineLinear calls by self CPU time. Each list of pieces is timed twice, interleaved, so a
+drifting host shows as two different figures for one piece.
 """
 
 from __future__ import annotations
@@ -84,8 +90,39 @@ def _vllm_quantizer_probe(k: int) -> None:
         print(name, host_us(fn))
 
 
+def gpu_us(fn, reps: int = 200) -> float:
+    """GPU time per call (CUDA events around `reps` calls)."""
+    for _ in range(10):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) * 1e3 / reps, 2)
+
+
+def _quantizer_gpu_times(k: int) -> None:
+    from jetrl_precision.kernels import quant_cuda
+
+    cq = quant_cuda.quantizer_1x128("cuda", False, torch.bfloat16)
+    if cq is None:
+        print("cuda quantizer: unavailable:", quant_cuda.status("cuda"))
+        return
+    for m in (1, 64, 256, 2048, 8192):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        print(f"GPU us per 1x128 quantize M={m} K={k}: triton {gpu_us(lambda: quant.quantize_1x128(x, False))}, "
+              f"cuda {gpu_us(lambda: cq(x))}")
+
+
 def main() -> None:
     import triton
+
+    from jetrl_precision import get_recipe
+    from jetrl_precision.integrations.engine_linear import EngineLinear, activation_quantizer
+    from jetrl_precision.kernels import quant_cuda
 
     resolve_backend("torch", "cuda")
     mm = torch_backend.prepared_scaled_mm("cuda")
@@ -98,24 +135,48 @@ def main() -> None:
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda")
     s = torch.empty(k // 128, m, device="cuda")
     kern = quant._quant_1x128_kernel
+    spec = get_recipe("jet_fp8").train_fprop.input
+    lin = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, spec, "torch")
+    lin_t = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, spec, "torch")
+    triton_fn = lambda t, rows_alloc=None: quant.quantize_1x128(t, False, rows_alloc=rows_alloc)  # noqa: E731
+    cq = quant_cuda.quantizer_1x128("cuda", False, torch.bfloat16)
+    print("engine activation quantizer:", activation_quantizer(x.device, False, torch.bfloat16)[1], "| quant_cuda status:",
+          quant_cuda.status("cuda"), "| plan:", type(lin._fast).__name__)
+    if lin_t._fast:
+        lin_t._fast._quantizers[torch.bfloat16] = triton_fn
+    plan = lin._fast
     pieces = {
         "F.linear": lambda: F.linear(x, w),
         "torch.empty x2": lambda: (torch.empty(m, k, dtype=torch.float8_e4m3fn, device="cuda"), torch.empty(k // 128, m, device="cuda")),
         "x.clone (1 launch)": lambda: x.clone(),
         "triton launch only": lambda: kern[(4, 32)](x, q, s, m, k, x.stride(0), x.stride(1), q.stride(0), q.stride(1),
                                                      s.stride(0), s.stride(1), BLOCK_R=16, POW2=False, num_warps=4),
-        "quantize_1x128": lambda: quant.quantize_1x128(x, False),
+        "quantize_1x128 (triton)": lambda: quant.quantize_1x128(x, False),
+        "quantize_1x128 (triton) rows_alloc=64": lambda: quant.quantize_1x128(x, False, rows_alloc=m),
         "scaled_mm (prepared)": lambda: mm(xq.data, wt, xq.scale, sb, torch.bfloat16),
         "torch._scaled_mm direct": lambda: torch._scaled_mm(xq.data, wt, scale_a=xq.scale, scale_b=sb, out_dtype=torch.bfloat16),
+        "triton quantize + scaled_mm, inline": lambda: (lambda t: mm(t.data, wt, t.scale, sb, torch.bfloat16))(quant.quantize_1x128(x, False, rows_alloc=m)),
+        "EngineLinear, triton quantizer": lambda: lin_t(x),
+        "EngineLinear (the eager engine's call)": lambda: lin(x),
     }
-    from jetrl_precision.integrations.engine_linear import EngineLinear
-    from jetrl_precision import get_recipe
-
-    lin = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, get_recipe("jet_fp8").train_fprop.input, "torch")
-    pieces["EngineLinear (the eager engine's call)"] = lambda: lin(x)
-    for name, fn in pieces.items():
-        print(name, host_us(fn))
+    if plan:
+        pieces["EngineLinear plan call"] = lambda: plan(x)
+    if cq is not None:
+        pieces["cuda quantizer (quant_cuda)"] = lambda: cq(x, m)
+        pieces["cuda quantize + scaled_mm, inline"] = lambda: (lambda t: mm(t.data, wt, t.scale, sb, torch.bfloat16))(cq(x, m))
+    for rnd in (1, 2):
+        for name, fn in pieces.items():
+            print(f"[round {rnd}] {name} {host_us(fn)}")
     print("triton", triton.__version__)
+    _quantizer_gpu_times(k)
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(50):
+            lin(x)
+    torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     _vllm_quantizer_probe(k)
 
 

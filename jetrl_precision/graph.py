@@ -321,13 +321,15 @@ def add_linear(
     part_sizes: Sequence[int] | None = None,
     weight_quant_scope: Literal["per_part", "fused"] = "per_part",
     op: str | None = None,
+    input_kernel: str | None = None,
 ) -> None:
     """Add one linear op (or, for a fused projection, one node per part) with its edges for g.phase.
 
     Engines call this for what they instantiated. `part_sizes` are the output sizes of a fused
     projection's parts. With `weight_quant_scope="fused"` the 128x128 blocks were computed over
     the fused matrix: a part whose rows do not start on a block boundary (or share a block
-    with a neighbour) then gets different scales than in training, which is recorded.
+    with a neighbour) then gets different scales than in training, which is recorded. `input_kernel` names
+    what quantizes the forward's activation where that is not `kernel` (an engine's CUDA activation quantizer).
     """
     name = canonical_name(fqn)
     leaf = name.rsplit(".", 1)[-1]
@@ -352,7 +354,7 @@ def add_linear(
         g.add_node(pname, op, in_features=in_features, out_features=n, fused_from=name if len(parts) > 1 else None)
         k = in_features
         if g.phase in ("train_fwd", "rollout"):
-            g.add_edge(pname, "input", EdgeAttrs.from_spec(fprop.input, hp_dtype, backend, _padding(n, k, fprop.input, "input"), kernel))
+            g.add_edge(pname, "input", EdgeAttrs.from_spec(fprop.input, hp_dtype, backend, _padding(n, k, fprop.input, "input"), input_kernel or kernel))
             g.add_edge(pname, "weight", EdgeAttrs.from_spec(fprop.weight, hp_dtype, backend, _padding(n, k, fprop.weight, "weight"), kernel, origin))
         else:
             bw = backward or BackwardSpec()

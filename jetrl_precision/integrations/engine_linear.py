@@ -4,7 +4,9 @@ An engine's weights change only when the trainer syncs them, so what a forward d
 weight (the GEMM's scale layout, the backend, the fused parts' block grids) is computed at load
 time and refreshed in place after each sync (`refresh`), keeping buffers that a captured CUDA graph
 reads at the same addresses. Per call only the activation is quantized (1x128, the training
-quantizer) and the GEMM runs: two launches on the cuBLASLt path.
+quantizer's bytes) and the GEMM runs: two launches on the cuBLASLt path. The activation quantizer there is
+the CUDA kernel with the lean launch (`kernels.quant_cuda`) where it passed its first-use check, else the
+Triton kernel: an eager decode step waits on the host time of these launches (`activation_quantizer`).
 
 An engine may run a second backend for decode-sized batches (`decode_backend` for M <= `decode_max_m`;
 `auto` picks DeepGEMM there, `gemm.resolve_decode_backend`): the same FP8 operands, another kernel's
@@ -23,6 +25,7 @@ Layouts handled:
 from __future__ import annotations
 
 import functools
+import os
 from typing import Sequence
 
 import torch
@@ -32,7 +35,7 @@ from ..formats import Granularity, QuantizedTensor
 from ..gemm import gemm_nt
 from ..recipe import TensorSpec
 
-__all__ = ["EngineLinear", "spec_code", "spec_from_code"]
+__all__ = ["EngineLinear", "activation_quantizer", "spec_code", "spec_from_code"]
 
 
 def spec_code(spec: TensorSpec) -> str:
@@ -97,6 +100,13 @@ class EngineLinear:
             return ""
         return f"{self.decode_backend} (M <= {self.decode_max_m})"
 
+    def input_kernel(self, dtype: torch.dtype) -> str | None:
+        """What quantizes `dtype` activations on the prepared cuBLASLt path ('cuda:quant_1x128' or 'triton'); None
+        off that path (the general path quantizes through `ops.quantize`)."""
+        if not self._fast:
+            return None
+        return activation_quantizer(self._fast.device, self._fast.pow2, dtype)[1]
+
     def views(self) -> list[QuantizedTensor]:
         out, r, sr = [], 0, 0
         for rows, srows, b0 in self.groups:
@@ -134,16 +144,18 @@ class EngineLinear:
 
 class _CublasPlan:
     """The cuBLASLt blockwise call with its weight operands prepared: activation quantized into an
-    M-padded buffer by the Triton kernel, then one scaled_mm. The same call `torch_gemm_nt` makes
+    M-padded buffer (`activation_quantizer`), then one scaled_mm. The same call `torch_gemm_nt` makes
     (same operands, same padded M), so the bytes equal the general path's.
 
     With a decode backend (DeepGEMM), batches of M <= decode_max_m run its 1x128.128x128 kernel on the same
     quantized activation instead: the same call the `deep_gemm` backend makes, so the bytes equal `gemm_nt`'s
     on that backend."""
 
-    def __init__(self, lin: EngineLinear, quantize, mm, decode=None) -> None:
-        self.quantize, self.mm = quantize, mm
+    def __init__(self, lin: EngineLinear, mm, decode=None) -> None:
+        self.mm = mm
         self.pow2 = lin.input_spec.pow2_scale
+        self.device = lin.weight.device
+        self._quantizers: dict[torch.dtype, object] = {}  # activation dtype -> fn(x, rows_alloc)
         self.w_t = lin.weight.t()
         self.sb_buf: torch.Tensor | None = None
         self.n = lin.n
@@ -167,7 +179,6 @@ class _CublasPlan:
         ):
             return False
         from ..gemm import torch_backend
-        from ..kernels import quant
 
         decode = None
         if lin.decode_backend == "deep_gemm" and lin.decode_max_m > 0:
@@ -178,7 +189,16 @@ class _CublasPlan:
                 decode = _deep_gemm_call(lin.weight.device)
         elif lin.decode_backend:
             raise ValueError(f"EngineLinear: decode backend {lin.decode_backend!r} is not supported here; use 'deep_gemm' or ''")
-        return cls(lin, quant.quantize_1x128, torch_backend.prepared_scaled_mm(lin.weight.device), decode)
+        return cls(lin, torch_backend.prepared_scaled_mm(lin.weight.device), decode)
+
+    def quantizer(self, dtype: torch.dtype):
+        """fn(x, rows_alloc) quantizing `dtype` activations: `activation_quantizer`'s choice, kept per dtype."""
+        fn = self._quantizers.get(dtype)
+        if fn is None:
+            fn, _ = activation_quantizer(self.device, self.pow2, dtype)
+            if not torch.cuda.is_current_stream_capturing():
+                self._quantizers[dtype] = fn
+        return fn
 
     def refresh(self, lin: EngineLinear) -> None:
         from ..kernels.layout import row_major_padded_t
@@ -196,7 +216,7 @@ class _CublasPlan:
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
         m = x2.shape[0]
         mp = -(-m // 4) * 4  # cuBLASLt refuses an MN-major scale_a whose M is not a multiple of 4
-        xq = self.quantize(x2, self.pow2, rows_alloc=mp)
+        xq = (self._quantizers.get(x2.dtype) or self.quantizer(x2.dtype))(x2, mp)
         if m <= self.decode_max and self.decode is not None and x2.dtype == torch.bfloat16:
             # The first m rows, scales still strided by mp: the TMA-aligned MN-major layout DeepGEMM reads as is.
             fn, kw = self.decode
@@ -215,3 +235,36 @@ def _deep_gemm_call(device: torch.device) -> tuple:
 
     dg = DeepGemmPreparedGemm(device)
     return dg.fn, dg.kw
+
+
+_ACT_QUANTIZERS: dict[tuple, tuple] = {}
+
+
+def activation_quantizer(device: torch.device, pow2: bool, dtype: torch.dtype) -> tuple:
+    """(fn(x, rows_alloc), kernel name) quantizing an engine's `dtype` activations 1x128 on `device`: the CUDA kernel
+    with the lean launch where it compiled and wrote the reference's bytes at first use (`quant_cuda`), else the
+    Triton kernel (same bytes; `quant_cuda` logged why). JETRL_CUDA_QUANT=0 keeps the Triton kernel (an A/B switch).
+
+    The first-use check synchronizes the device, so while a CUDA graph is being captured an unchecked choice is not
+    made: that call gets the Triton kernel (vLLM's profiling forward runs eagerly before any capture, so in practice
+    the check has run by then)."""
+    key = (device, pow2, dtype)
+    hit = _ACT_QUANTIZERS.get(key)
+    if hit is not None:
+        return hit
+    from ..kernels import quant, quant_cuda
+
+    if os.environ.get("JETRL_CUDA_QUANT", "1") != "0" and not torch.cuda.is_current_stream_capturing():
+        fn = quant_cuda.quantizer_1x128(device, pow2, dtype)
+        if fn is not None:
+            hit = _ACT_QUANTIZERS[key] = (fn, quant_cuda.GRAPH_KERNEL)
+            return hit
+    triton_q = quant.quantize_1x128
+
+    def triton_fn(x: torch.Tensor, rows_alloc: int | None = None):
+        return triton_q(x, pow2, rows_alloc=rows_alloc)
+
+    hit = (triton_fn, "triton")
+    if not torch.cuda.is_current_stream_capturing():
+        _ACT_QUANTIZERS[key] = hit
+    return hit

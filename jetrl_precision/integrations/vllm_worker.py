@@ -468,10 +468,12 @@ def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
             parts = _full_part_sizes(m)
             out_features = sum(parts) if parts else getattr(m, "output_size", None)
             if method is not None:
+                gemm = getattr(m, "jetrl_gemm", None)
                 add_linear(
                     g, name, in_features, out_features, method.fprop, None,
                     hp_dtype=_dtype_name(m.jetrl_hp_dtype), backend=method.backend_for(device), kernel=kernel_name(device),
                     part_sizes=parts, weight_quant_scope=method.scope,
+                    input_kernel=gemm.input_kernel(m.jetrl_hp_dtype) if gemm is not None and method.fprop.input.is_fp8 else None,
                 )
             elif isinstance(m.quant_method, UnquantizedLinearMethod):
                 add_linear(g, name, in_features, out_features, FpropSpec(), None, hp_dtype=_dtype_name(m.params_dtype), backend=None, part_sizes=parts)

@@ -9,26 +9,22 @@ memory. The e4m3x2 conversion packs the same column of two tokens into one 16-bi
 costs no byte shuffling; the finished 16-token chunks are staged in shared memory (XOR-swizzled, free of
 bank conflicts) so that each warp stores whole 128-byte output rows.
 
-Arithmetic is the reference's step for step (see `_common.py`): x = fp32(q) * s in one plain multiply,
-NaN-propagating amax floored at 1e-10, scale = amax / 448 (IEEE division), optional pow2 rounding, the
-quotient as RN(1/scale) plus one FMA correction (none under pow2), and the satfinite e4m3 conversion.
+Arithmetic is the reference's step for step: x = fp32(q) * s in one plain multiply, then `nvrtc.DEVICE_FUNCTIONS`
+(NaN-propagating amax, IEEE scale, the corrected quotient, the satfinite e4m3 conversion).
 
-Compilation goes through `torch.cuda._compile_kernel` (NVRTC, shipped with CUDA torch; it reads the CUDA
-headers' folder, so a toolkit must be findable). Where it is missing or fails, `status()` says why and the
-caller uses the Triton kernel (same bytes) after one warning.
+Compiled with NVRTC at first use (`nvrtc`). Where that is missing or fails, `status()` says why and the caller
+uses the Triton kernel (same bytes) after one warning.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import threading
 
 import torch
 
 from ..formats import FP8_DTYPE, QuantizedTensor
-from .launch import launch_override
+from .nvrtc import DEVICE_FUNCTIONS, NvrtcKernel, compile_kernel, unavailable_reason
 
 __all__ = ["requantize_1x128_to_128x1_t", "kernel_for", "launch", "supported_shape", "supported_layout", "status", "usable", "GRAPH_KERNEL",
            "KERNEL_NAME"]
@@ -36,53 +32,7 @@ __all__ = ["requantize_1x128_to_128x1_t", "kernel_for", "launch", "supported_sha
 logger = logging.getLogger(__name__)
 
 
-_SOURCE = r"""
-typedef unsigned int u32;
-typedef unsigned short u16;
-
-__device__ __forceinline__ float max_nan(float a, float b) {
-    float d;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-    return d;
-}
-
-// Four e4m3 bytes (lowest byte = lowest column) -> four floats, exact (e4m3 is a subset of f16).
-__device__ __forceinline__ void fp8x4_to_f32(u32 w, float v[4]) {
-    u32 lo, hi;
-    asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}"
-        : "=r"(lo), "=r"(hi) : "r"(w));
-    asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n}"
-        : "=f"(v[0]), "=f"(v[1]) : "r"(lo));
-    asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n}"
-        : "=f"(v[2]), "=f"(v[3]) : "r"(hi));
-}
-
-// e4m3 of two floats, saturating (+-inf and |v| > 448 -> +-448, NaN stays NaN); `lo` lands in the low byte.
-__device__ __forceinline__ u16 f32x2_to_fp8x2(float lo, float hi) {
-    u16 d;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
-template <bool POW2>
-__device__ __forceinline__ float group_scale(float amax) {
-    float scale = __fdiv_rn(max_nan(amax, 1e-10f), 448.0f);
-    if (POW2) {
-        int bits = __float_as_int(scale);
-        int expo = bits & 0x7F800000;
-        int up = (bits & 0x7FFFFF) ? expo + 0x800000 : expo;
-        scale = expo != 0x7F800000 ? __int_as_float(up) : 1.0f;
-    }
-    return scale;
-}
-
-template <bool POW2>
-__device__ __forceinline__ float quotient(float x, float recip, float s_res) {
-    float q = __fmul_rn(x, recip);
-    if (!POW2) q = __fmaf_rn(-__fmaf_rn(q, s_res, -x), recip, q);  // one correction: RN(x / scale) (Markstein)
-    return q;
-}
-
+_SOURCE = DEVICE_FUNCTIONS + r"""
 // One CTA = 128 tokens x 128 columns (one input 1x128 group wide), 4 warps. Warp w owns tokens [32w, 32w+32),
 // lane l columns [4l, 4l+4): 32 words in flight per thread. Needs K % 4 == 0, a 4-byte-aligned input row stride
 // and M % 16 == 0. (Slower on the H200: 16 tokens per thread, keeping the dequantized floats in registers
@@ -204,103 +154,27 @@ KERNEL_NAME = "requant_1x128_to_128x1_t"  # what `launch.override_launches` rece
 
 _lock = threading.Lock()
 _usable: dict[str, bool] = {}
-_kernels: dict[tuple[int, bool], "_Kernel"] = {}
+_kernels: dict[tuple[int, bool], NvrtcKernel] = {}
 _failed: dict[int, str] = {}
 
 
-class _Kernel:
-    """A compiled kernel with a lean launcher: torch's `_CudaKernel.__call__` re-opens libcuda and converts
-    every argument on each call, which doubles the host time per launch. Here each thread keeps one ctypes
-    argument block per kernel and refills it (cuLaunchKernel copies the arguments before it returns)."""
-
-    _launch = None
-    N_PTRS, N_INTS = 4, 7
-
-    def __init__(self, compiled, name: str, device_index: int) -> None:
-        self.compiled = compiled  # keeps torch's handle (and its module) alive
-        self.func = compiled.func
-        self.name = name
-        self.device_index = device_index
-        self._local = threading.local()
-        if _Kernel._launch is None:
-            fn = _libcuda().cuLaunchKernel
-            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            fn.restype = ctypes.c_int
-            _Kernel._launch = fn
-
-    def _args(self):
-        block = getattr(self._local, "block", None)
-        if block is None:
-            ptrs = (ctypes.c_void_p * self.N_PTRS)()
-            ints = (ctypes.c_int * self.N_INTS)()
-            argv = (ctypes.c_void_p * (self.N_PTRS + self.N_INTS))(
-                *[ctypes.addressof(ptrs) + i * ctypes.sizeof(ctypes.c_void_p) for i in range(self.N_PTRS)],
-                *[ctypes.addressof(ints) + i * ctypes.sizeof(ctypes.c_int) for i in range(self.N_INTS)],
-            )
-            block = self._local.block = (ptrs, ints, argv, ctypes.addressof(argv))
-        return block
-
-    def __call__(self, grid: tuple[int, int], threads: int, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> None:
-        override = launch_override()
-        if override is not None:
-            override(self.name, grid, (*tensors, *ints), {"threads": threads})
-            return
-        ptr_block, int_block, _, argv = self._args()
-        for i, t in enumerate(tensors):
-            ptr_block[i] = t.data_ptr()
-        for i, v in enumerate(ints):
-            int_block[i] = v
-        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        rc = _Kernel._launch(self.func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, None)
-        if rc == _CUDA_ERROR_INVALID_CONTEXT:
-            # A thread with no current context yet (autograd's backward threads start so; the driver API does not
-            # pick the primary context by itself the way the runtime does): make it current, launch again.
-            _make_primary_context_current()
-            rc = _Kernel._launch(self.func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, None)
-        if rc != 0:
-            raise RuntimeError(f"jetrl_precision: cuLaunchKernel of the CUDA requantizer failed (CUresult {rc})")
-
-
-_CUDA_ERROR_INVALID_CONTEXT = 201
-
-
-@functools.cache
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")
-
-
-def _make_primary_context_current() -> None:
-    lib = _libcuda()
-    dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
-    rc = lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(torch.cuda.current_device()))
-    rc = rc or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
-    rc = rc or lib.cuCtxSetCurrent(ctx)
-    if rc != 0:
-        raise RuntimeError(f"jetrl_precision: could not make the primary CUDA context current (CUresult {rc})")
-
-
-def _compile(device_index: int, pow2: bool) -> _Kernel:
+def _compile(device_index: int, pow2: bool) -> NvrtcKernel:
     key = (device_index, pow2)
     with _lock:
         if key not in _kernels:
-            with torch.cuda.device(device_index):
-                name = f"requant_1x128_to_128x1_t<{'true' if pow2 else 'false'}>"
-                _kernels[key] = _Kernel(torch.cuda._compile_kernel(_SOURCE, name), KERNEL_NAME, device_index)
+            name = f"requant_1x128_to_128x1_t<{'true' if pow2 else 'false'}>"
+            _kernels[key] = compile_kernel(_SOURCE, name, KERNEL_NAME, device_index, 4, 7)
         return _kernels[key]
 
 
 def status(device: torch.device) -> tuple[bool, str]:
     """(usable, reason): compiles both kernels (plain and pow2 scales) once per device; the reason names what
     is missing."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False, "not a CUDA device"
+    why = unavailable_reason(device)
+    if why is not None:
+        return False, why
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.get_device_capability(idx) < (8, 9):
-        return False, "needs sm89+ (e4m3 conversion instructions)"
     if idx in _failed:
-        return False, _failed[idx]
-    if not hasattr(torch.cuda, "_compile_kernel"):
-        _failed[idx] = f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC); needs torch >= 2.8"
         return False, _failed[idx]
     try:
         for pow2 in (False, True):
@@ -358,12 +232,12 @@ def requantize_1x128_to_128x1_t(qt: QuantizedTensor, pow2_scale: bool = False, p
     return launch(qt, kernel_for(qt.data.device, pow2_scale), pad_to)
 
 
-def kernel_for(device: torch.device, pow2_scale: bool) -> _Kernel:
+def kernel_for(device: torch.device, pow2_scale: bool) -> NvrtcKernel:
     """The compiled kernel for `device` (compiled at first use); `status(device)` says whether that can work."""
     return _compile(device.index if device.index is not None else torch.cuda.current_device(), pow2_scale)
 
 
-def launch(qt: QuantizedTensor, kern: _Kernel, pad_to: int = 0) -> QuantizedTensor:
+def launch(qt: QuantizedTensor, kern: NvrtcKernel, pad_to: int = 0) -> QuantizedTensor:
     """`requantize_1x128_to_128x1_t` without its checks, for callers that checked `supported_shape` already
     (a layer's step plan, once per input layout)."""
     data, s_in = qt.data, qt.scale

@@ -32,6 +32,17 @@ def _model():
     return model.requires_grad_(False).eval()
 
 
+def _cuda_tensors() -> dict[int, tuple]:
+    """id -> (shape, dtype, bytes of its storage) of every CUDA tensor the garbage collector can see."""
+    import gc
+
+    out = {}
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.is_cuda:
+            out[id(o)] = (tuple(o.shape), str(o.dtype), o.untyped_storage().nbytes())
+    return out
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
@@ -44,17 +55,22 @@ def test_frozen_reference_forward_and_memory():
     with torch.no_grad():
         want = model(ids).logits
     torch.cuda.synchronize()
+    alive_before = _cuda_tensors()
     before = torch.cuda.memory_allocated()
     report = freeze_fp8_weights(model)
     torch.cuda.empty_cache()
     after = torch.cuda.memory_allocated()
     # The BF16 weights and the FP8 caches the unfrozen forward built go; the FP8 weights stay.
-    if before - after < report.freed_bytes:  # say whether what is missing was only waiting for the cycle collector
+    if before - after < report.freed_bytes:  # name what is still held: new tensors that are not the frozen weights
         import gc
 
         gc.collect()
-        torch.cuda.empty_cache()
-        pytest.fail(f"freed {before - after} bytes < {report}; after gc.collect(): {before - torch.cuda.memory_allocated()}")
+        kept = {id(b) for m in fp8_linears(model).values() for b in (m.weight_fp8, m.weight_fp8_scale)}
+        now = _cuda_tensors()
+        new = [desc for i, desc in now.items() if i not in alive_before and i not in kept]
+        fp8_left = [desc for i, desc in now.items() if i in alive_before and i not in kept and "float8" in desc[1]]
+        pytest.fail(f"freed {before - after} bytes < {report}; after gc.collect(): {before - torch.cuda.memory_allocated()}; "
+                    f"tensors made during freezing and still alive: {new[:8]}; FP8 tensors from before still alive: {fp8_left[:8]}")
     with torch.no_grad():
         got = model(ids).logits
     assert torch.equal(_bits(got), _bits(want))

@@ -14,7 +14,7 @@ from jetrl_precision.recipe import get_recipe
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_cuda_reason)
 
 if torch.cuda.is_available():
-    from jetrl_precision.kernels import cast_transpose, fused, quant
+    from jetrl_precision.kernels import cast_transpose, fused, quant, quant_cuda
 
 SHAPES = [(1, 128), (3, 100), (257, 1000), (1000, 4096), (4096, 14336)]
 if torch.cuda.is_available():
@@ -139,6 +139,10 @@ def _assert_every_kernel_bitwise(x: torch.Tensor, pow2: bool) -> None:
     q1c = quantize_fp8(x[: x.shape[0] // 16 * 16], (1, 128), nonfinite="propagate")
     ref_c = requantize_fp8(q1c, (128, 1), pow2_scale=pow2).t()
     _bits_equal(cast_transpose.requantize_1x128_to_128x1_t(q1c, pow2), ref_c, "cuda requant^T")
+    if x.dtype in (torch.bfloat16, torch.float16):  # the engine's CUDA activation quantizer takes 16-bit inputs
+        cq = quant_cuda.quantizer_1x128(x.device, pow2, x.dtype)
+        assert cq is not None, quant_cuda.status(x.device, pow2, x.dtype)
+        _bits_equal(cq(x), ref(x, (1, 128)), "cuda 1x128")
 
 
 def _division_edge_data(dtype: torch.dtype, amax: float, pow2: bool, seed: int) -> torch.Tensor:
