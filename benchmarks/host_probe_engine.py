@@ -161,6 +161,17 @@ def main() -> None:
     }
     if plan:
         pieces["EngineLinear plan call"] = lambda: plan(x)
+    from jetrl_precision.integrations import vllm_cutlass
+
+    cut_why = vllm_cutlass.unusable_reason("cuda")
+    print("vllm cutlass decode GEMM:", cut_why or "usable")
+    if not cut_why:
+        cut = vllm_cutlass.decode_gemm("cuda")
+        wst = wq.scale.t()
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        lin_c = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, spec, "torch", "vllm_cutlass", 512)
+        pieces["vllm cutlass_scaled_mm op, output preallocated"] = lambda: cut(out, xq.data, xq.scale, wt, wst)
+        pieces["EngineLinear, cuda quantizer + cutlass decode"] = lambda: lin_c(x)
     if cq is not None:
         pieces["cuda quantizer (quant_cuda)"] = lambda: cq(x, m)
         pieces["cuda quantize + scaled_mm, inline"] = lambda: (lambda t: mm(t.data, wt, t.scale, sb, torch.bfloat16))(cq(x, m))

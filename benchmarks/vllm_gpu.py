@@ -423,6 +423,8 @@ def _with_compile_state(out_json: Path) -> dict:
     log = out_json.with_suffix(".log")
     res["engine_compile"] = engine_compile(log.read_text(errors="replace")) if log.exists() else ""
     res["vllm_use_aot_compile"] = os.environ.get("VLLM_USE_AOT_COMPILE", "")  # the jobs inherit this process's environment
+    # the engine's A/B switches (jetrl_precision: the CUDA activation quantizer, the eager CUTLASS decode GEMM)
+    res["engine_switches"] = {k: os.environ[k] for k in ENGINE_SWITCHES if k in os.environ}
     out_json.write_text(json.dumps(res, indent=1))
     return res
 
@@ -492,9 +494,14 @@ def _backend_label(job: dict) -> str:
     return label + ("+" + job["decode_gemm"].replace(" ", "") if job.get("decode_gemm") else "")
 
 
+ENGINE_SWITCHES = ("JETRL_CUDA_QUANT", "JETRL_EAGER_CUTLASS")
+
+
 def _aot_note(job: dict) -> str:
-    # VLLM_USE_AOT_COMPILE=0 changes vLLM's cache key: such an engine compiles again (with Inductor's cache as it finds it)
-    return ", VLLM_USE_AOT_COMPILE=0" if job.get("vllm_use_aot_compile") == "0" else ""
+    # VLLM_USE_AOT_COMPILE=0 changes vLLM's cache key: such an engine compiles again (with Inductor's cache as it finds it).
+    # An engine switch set by hand is named too: such a record is an A/B arm, never the shipped engine's figure.
+    switches = "".join(f", {k}={v}" for k, v in sorted(job.get("engine_switches", {}).items()))
+    return (", VLLM_USE_AOT_COMPILE=0" if job.get("vllm_use_aot_compile") == "0" else "") + switches
 
 
 def _compile_note(job: dict) -> str:

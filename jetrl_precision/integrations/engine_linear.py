@@ -8,9 +8,9 @@ quantizer's bytes) and the GEMM runs: two launches on the cuBLASLt path. The act
 the CUDA kernel with the lean launch (`kernels.quant_cuda`) where it passed its first-use check, else the
 Triton kernel: an eager decode step waits on the host time of these launches (`activation_quantizer`).
 
-An engine may run a second backend for decode-sized batches (`decode_backend` for M <= `decode_max_m`;
-`auto` picks DeepGEMM there, `gemm.resolve_decode_backend`): the same FP8 operands, another kernel's
-accumulation, as between any two backends.
+An engine may run a second backend for decode-sized batches (`decode_backend` for M <= `decode_max_m`): DeepGEMM
+(`auto` under CUDA graphs, `gemm.resolve_decode_backend`) or vLLM's CUTLASS blockwise kernel (`auto` in an eager
+engine, `vllm_cutlass`): the same FP8 operands, another kernel's accumulation, as between any two backends.
 
 `EngineLinear.from_op_args` rebuilds the same object from the custom op's arguments, so the
 compiled path (`torch.ops.jetrl.fp8_linear`) and the eager path run one implementation.
@@ -159,9 +159,8 @@ class _CublasPlan:
         self.w_t = lin.weight.t()
         self.sb_buf: torch.Tensor | None = None
         self.n = lin.n
-        # (fp8_gemm_nt, its keywords): DeepGEMM for M <= decode_max (bf16 outputs: the only ones its kernel writes)
+        # fn(xq, m, mp) -> y for M <= decode_max: DeepGEMM or vLLM's CUTLASS kernel (bf16 outputs only)
         self.decode, self.decode_max = decode, lin.decode_max_m
-        self.w_dg = (lin.weight, lin.weight_scale)  # DeepGEMM reads the row-major (N/128, K/128) scale parameter itself
         self.refresh(lin)
 
     @classmethod
@@ -186,9 +185,16 @@ class _CublasPlan:
 
             # Only a scale grid DeepGEMM reads in place: weight installs copy into it, and the kernel must see them.
             if _sm90_sfb(lin.weight_scale) is lin.weight_scale:
-                decode = _deep_gemm_call(lin.weight.device)
+                decode = _deep_gemm_decode(*_deep_gemm_call(lin.weight.device), lin.weight, lin.weight_scale, lin.n)
+        elif lin.decode_backend == "vllm_cutlass" and lin.decode_max_m > 0:
+            from . import vllm_cutlass
+
+            fn = vllm_cutlass.decode_gemm(lin.weight.device)
+            if fn is not None:
+                decode = _cutlass_decode(fn, lin.weight.t(), lin.weight_scale.t(), lin.n)
         elif lin.decode_backend:
-            raise ValueError(f"EngineLinear: decode backend {lin.decode_backend!r} is not supported here; use 'deep_gemm' or ''")
+            raise ValueError(f"EngineLinear: decode backend {lin.decode_backend!r} is not supported here; use 'deep_gemm', "
+                             "'vllm_cutlass' or ''")
         return cls(lin, torch_backend.prepared_scaled_mm(lin.weight.device), decode)
 
     def quantizer(self, dtype: torch.dtype):
@@ -218,13 +224,32 @@ class _CublasPlan:
         mp = -(-m // 4) * 4  # cuBLASLt refuses an MN-major scale_a whose M is not a multiple of 4
         xq = (self._quantizers.get(x2.dtype) or self.quantizer(x2.dtype))(x2, mp)
         if m <= self.decode_max and self.decode is not None and x2.dtype == torch.bfloat16:
-            # The first m rows, scales still strided by mp: the TMA-aligned MN-major layout DeepGEMM reads as is.
-            fn, kw = self.decode
-            y = torch.empty((m, self.n), dtype=torch.bfloat16, device=x2.device)
-            fn((xq.data[:m], xq.scale[:m]), self.w_dg, y, **kw)
-            return y
+            return self.decode(xq, m, mp)
         y = self.mm(xq.data, self.w_t, xq.scale, self.sb, x2.dtype)
         return y if mp == m else y[:m]
+
+
+def _deep_gemm_decode(fn, kw: dict, weight: torch.Tensor, weight_scale: torch.Tensor, n: int):
+    w_dg = (weight, weight_scale)  # DeepGEMM reads the row-major (N/128, K/128) scale parameter itself
+
+    def decode(xq, m: int, mp: int) -> torch.Tensor:
+        # The first m rows, scales still strided by mp: the TMA-aligned MN-major layout DeepGEMM reads as is.
+        y = torch.empty((m, n), dtype=torch.bfloat16, device=xq.data.device)
+        fn((xq.data[:m], xq.scale[:m]), w_dg, y, **kw)
+        return y
+
+    return decode
+
+
+def _cutlass_decode(fn, w_t: torch.Tensor, w_scale_t: torch.Tensor, n: int):
+    # Views of the weight parameters (W^T column-major, its scales transposed): in-place weight installs show.
+
+    def decode(xq, m: int, mp: int) -> torch.Tensor:
+        y = torch.empty((mp, n), dtype=torch.bfloat16, device=xq.data.device)
+        fn(y, xq.data, xq.scale, w_t, w_scale_t)
+        return y if mp == m else y[:m]  # leading rows of a contiguous buffer: contiguous
+
+    return decode
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,6 +7,7 @@ imports vLLM at module level. What the method does is described in `vllm_plugin`
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -222,24 +223,41 @@ class JetFp8LinearMethod(LinearMethodBase):
         DeepGEMM only takes batches that vLLM replays from captured CUDA graphs: it compiles a kernel per tiling at
         first use (the capture's warm-up does that before the engine serves), and an eager engine ran slower with it
         even with every tiling compiled at load (docs/vllm.md has the measurement): host-bound decode steps pay for
-        its calls, which a replay skips. An eager engine stays on `backend_for`'s backend.
+        its calls, which a replay skips. An eager engine takes `_eager_decode_backend`'s choice instead.
         """
+        captured = captured_batch_max()
+        if captured == 0:
+            return self._eager_decode_backend(device)
         decode = resolve_decode_backend(self.settings.gemm_backend, device, self.backend_for(device))
         if decode is None:
             return None, 0
-        captured = captured_batch_max()
         max_m = ROLLOUT_DECODE_MAX_M if captured is None else min(ROLLOUT_DECODE_MAX_M, captured)
-        if max_m <= 0:
-            if "eager" not in _logged:
-                _logged.add("eager")
-                logger.info("jetrl_fp8: the engine captures no CUDA graphs (eager), so its decode GEMMs stay on %s: "
-                            "%s runs slower there than on graph replays", self.backend_for(device), decode)
-            return None, 0
         if ("decode", max_m) not in _logged:
             _logged.add(("decode", max_m))
             logger.info("jetrl_fp8: decode batches of up to %d rows run %s (compiled while vLLM captures its CUDA "
                         "graphs), larger ones %s", max_m, decode, self.backend_for(device))
         return decode, max_m
+
+    def _eager_decode_backend(self, device: torch.device) -> tuple[str | None, int]:
+        """An eager engine's decode GEMM under `auto`: vLLM's CUTLASS blockwise kernel where it runs and passed its
+        check (`vllm_cutlass`: one C++ op, where torch's cuBLASLt scaled_mm spends ~28-30 us of host time per call, and
+        an eager decode step waits on the host), else cuBLASLt. JETRL_EAGER_CUTLASS=0 keeps cuBLASLt (an A/B switch)."""
+        backend = self.backend_for(device)
+        if self.settings.gemm_backend != "auto" or backend != "torch" or device.type != "cuda":
+            return None, 0
+        from . import vllm_cutlass
+
+        why = "JETRL_EAGER_CUTLASS=0" if os.environ.get("JETRL_EAGER_CUTLASS", "1") == "0" else vllm_cutlass.unusable_reason(device)
+        if why:
+            if "eager" not in _logged:
+                _logged.add("eager")
+                logger.info("jetrl_fp8: eager engine (no CUDA graphs): decode GEMMs stay on %s (%s)", backend, why)
+            return None, 0
+        if "eager" not in _logged:
+            _logged.add("eager")
+            logger.info("jetrl_fp8: eager engine (no CUDA graphs): decode batches of up to %d rows run vLLM's CUTLASS "
+                        "blockwise kernel, larger ones %s", ROLLOUT_DECODE_MAX_M, backend)
+        return vllm_cutlass.NAME, ROLLOUT_DECODE_MAX_M
 
     # -- forward ------------------------------------------------------------------------------------
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

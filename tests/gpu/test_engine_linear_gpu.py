@@ -129,3 +129,31 @@ def test_op_passes_opcheck():
     x = outlier_data(20, 576, seed=6)
     torch.library.opcheck(torch.ops.jetrl.fp8_linear.default, (x, eng.weight, eng.weight_scale, *eng.op_args),
                           test_utils=("test_faketensor",))  # test_schema mutates inputs with ops e4m3 lacks
+
+
+@pytest.mark.parametrize("m", [1, 3, 64, 130, 256, 600])
+def test_eager_decode_on_vllm_cutlass(m):
+    """vLLM's CUTLASS blockwise kernel as the decode GEMM (an eager engine's auto): within the GEMM backends' bound of
+    a float64 product of the same FP8 operands for M <= 512, contiguous [M, N]; above 512 the cuBLASLt bytes."""
+    pytest.importorskip("vllm")
+    from jetrl_precision.integrations import vllm_cutlass
+
+    why = vllm_cutlass.unusable_reason("cuda")
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert why == "", f"the kernel must run and pass its check on sm90: {why}"
+    else:
+        pytest.skip(why)
+    plain, _ = _engine_and_trainer([1536], 4096)
+    eng = EngineLinear(plain.weight, plain.weight_scale, plain.groups, 128, RECIPE.rollout.input, plain.backend, "vllm_cutlass", 512)
+    assert eng.decode_gemm == "vllm_cutlass (M <= 512)"
+    x = outlier_data(m, 4096, seed=11)
+    y = eng(x)
+    assert y.is_contiguous() and y.shape == (m, 1536) and y.dtype == torch.bfloat16
+    if m > 512:
+        assert torch.equal(y, plain(x))
+        return
+    xq = quantize_fp8(x, (1, 128))
+    ref = xq.dequantize(torch.float64) @ QuantizedTensor(plain.weight, plain.weight_scale, (128, 128)).dequantize(torch.float64).t()
+    assert rel_err(y, ref) <= vllm_cutlass.REL_TOL
+    op = torch.ops.jetrl.fp8_linear(x, eng.weight, eng.weight_scale, *eng.op_args)
+    assert torch.equal(op, y)

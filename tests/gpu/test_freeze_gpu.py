@@ -60,8 +60,10 @@ def test_frozen_reference_forward_and_memory():
     report = freeze_fp8_weights(model)
     torch.cuda.empty_cache()
     after = torch.cuda.memory_allocated()
-    # The BF16 weights and the FP8 caches the unfrozen forward built go; the FP8 weights stay.
-    if before - after < report.freed_bytes:  # name what is still held: new tensors that are not the frozen weights
+    # The BF16 weights and the FP8 caches the unfrozen forward built go; the FP8 weights stay. The frozen layers hold
+    # more, smaller tensors than the stacked caches did (a scale per layer, not per group): the caching allocator
+    # rounds each up to 512 bytes, so up to 512 bytes per kept tensor may go to rounding.
+    if before - after < report.freed_bytes - 512 * 2 * report.layers:  # name what is still held: new tensors that are not the frozen weights
         import gc
 
         gc.collect()

@@ -101,6 +101,9 @@ def test_op_args_round_trip():
     again = EngineLinear.from_op_args(weight, scale, *split.op_args)
     assert (again.decode_backend, again.decode_max_m) == ("deep_gemm", 512) and split.op_args[-2:] == ("deep_gemm", 512)
     assert lin.op_args[-2:] == ("", 0) and split.decode_gemm == ""  # no fast path on CPU: one backend at every M
+    cut = EngineLinear(weight, scale, groups, 128, INPUT, "emulated", "vllm_cutlass", 512)
+    again = EngineLinear.from_op_args(weight, scale, *cut.op_args)
+    assert (again.decode_backend, again.decode_max_m) == ("vllm_cutlass", 512)
 
 
 def test_decode_backend_is_deep_gemm_only_for_auto_over_cublaslt(monkeypatch):
@@ -158,3 +161,35 @@ def test_decode_gemm_takes_only_batches_vllm_replays_from_cuda_graphs(monkeypatc
     with set_current_vllm_config(cfg):
         assert captured_batch_max() == 0
         assert JetFp8LinearMethod(JetFp8Settings.default(), "x").decode_backend_for(cuda) == (None, 0)
+
+
+def test_eager_engine_decodes_on_vllm_cutlass_only_where_it_passed_its_check(monkeypatch):
+    """No CUDA graphs: under auto, decode-sized batches go to vLLM's CUTLASS kernel when its check passed; a named
+    backend, the A/B switch or a failed check keep cuBLASLt."""
+    pytest.importorskip("vllm")
+    import dataclasses
+
+    from vllm.config import CUDAGraphMode, VllmConfig, set_current_vllm_config
+
+    from jetrl_precision.integrations import vllm_cutlass, vllm_quant
+    from jetrl_precision.integrations.vllm_plugin import JetFp8Settings
+
+    dispatch._ensure_registered()
+    b = dispatch._REGISTRY["torch"]
+    monkeypatch.setitem(dispatch._REGISTRY, "torch", dispatch.GemmBackend("torch", b.gemm_nt, lambda d: None))
+    cuda = torch.device("cuda", 0)
+    cfg = VllmConfig()
+    cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    checked = {"cuda:0": (lambda *a: None, "")}
+    monkeypatch.setattr(vllm_cutlass, "_checked", checked)
+    auto = JetFp8Settings.default()
+    with set_current_vllm_config(cfg):
+        assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == ("vllm_cutlass", 512)
+        named = dataclasses.replace(auto, recipe=dataclasses.replace(auto.recipe, gemm_backend="torch"))
+        assert vllm_quant.JetFp8LinearMethod(named, "x").decode_backend_for(cuda) == (None, 0)
+        monkeypatch.setenv("JETRL_EAGER_CUTLASS", "0")
+        assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == (None, 0)
+        monkeypatch.delenv("JETRL_EAGER_CUTLASS")
+        checked["cuda:0"] = (None, "relative error 1e-1 against float64")
+        assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == (None, 0)
+        assert vllm_cutlass.unusable_reason(cuda) == "relative error 1e-1 against float64"

@@ -75,10 +75,11 @@ def test_inputs_it_cannot_take_go_to_triton(monkeypatch):
     kern = _FakeKernel(pow2=False)
     q = quant_cuda.Quantizer1x128(kern, False, torch.bfloat16)
     wide = _x(8, 1026)
-    # fp32, strided columns, rows 2-byte aligned, C % 4 != 0, fp16 into a bf16 quantizer
-    for x in (_x(8, 256, torch.float32), _x(256, 8).t(), wide[:, 1:1025], _x(8, 254), _x(8, 256, torch.float16)):
+    # fp32, strided columns, rows 2-byte aligned, C % 4 != 0, fp16 into a bf16 quantizer, more rows than MAX_ROWS
+    for x in (_x(8, 256, torch.float32), _x(256, 8).t(), wide[:, 1:1025], _x(8, 254), _x(8, 256, torch.float16),
+              _x(quant_cuda.MAX_ROWS + 1, 128)):
         q(x, 12)
-    assert len(calls) == 5 and not kern.launches
+    assert len(calls) == 6 and not kern.launches
     assert calls[0] == (torch.float32, (256, 1), 12)
 
 
@@ -99,3 +100,10 @@ def test_probe_inputs_hold_the_cases_that_break_quantizers():
     assert any((x.float().view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any() for x in xs)
     assert any(x.shape[1] % 128 for x in xs) and any(x.shape[0] % 4 for x in xs)
     assert all(bool((x[0, :128] == 0).all()) for x in xs)  # a zero group in each
+
+
+def test_vllm_cutlass_is_refused_by_name_without_cuda():
+    from jetrl_precision.integrations import vllm_cutlass
+
+    assert vllm_cutlass.unavailable_reason("cpu") == "not a CUDA device"
+    assert vllm_cutlass.unusable_reason("cpu") == "not a CUDA device"
