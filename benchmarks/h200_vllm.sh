@@ -42,9 +42,10 @@
 #            torch's AOT artifact (vLLM's default on a warm cache), `no-aot` restarts with VLLM_USE_AOT_COMPILE=0
 #            (another vLLM cache key: it compiles again, Inductor's cache warm); AOT_RUNS picks which, in that order (~3.5 min cold, ~2 min each
 #            warm; needs only `install`). Here: `python benchmarks/vllm_gpu.py record --from <res>/aot/<run>` for each
-#   eager_ab  the eager engine's host-time levers (the CUDA activation quantizer, vLLM's CUTLASS decode GEMM) on and
-#            off, beside bf16, EAGER_AB_LAYERS (16) layers, 256 prompts (~5 min; needs only `install`). Here:
-#            `python benchmarks/vllm_gpu.py record --from <res>/eager_ab_l16` and `... --from <res>/eager_ab_off_l16`
+#   eager_ab  the eager engine's host-time levers, each arm a bf16 + jet_fp8 pair: as shipped, with vLLM's CUTLASS
+#            decode GEMM (JETRL_EAGER_CUTLASS=1), with the Triton quantizer (JETRL_CUDA_QUANT=0); EAGER_AB_ARMS,
+#            EAGER_AB_LAYERS (16), 256 prompts (~3.5 min per arm; needs only `install`). Here, per arm:
+#            `python benchmarks/vllm_gpu.py record --from <res>/eager_ab_<arm>_l16`
 #   route32  the route at 32 layers: ROUTE32_RECIPES (jet_fp8 and jet_fp8+bitwise; bf16 and jet_fp8+bitwise in another
 #            call: three 32-layer engines with 42 GiB of KV cache each do not fit), two timed passes at 256 and 64 prompts
 #            (~5 min; its own call). Here: `python benchmarks/vllm_gpu.py record --from <res>/route32`
@@ -137,18 +138,25 @@ stage_spread() {
 }
 
 stage_eager_ab() {
-  # The eager engine's host-time levers in one lease: bf16 and jet_fp8 as shipped (the CUDA activation quantizer,
-  # vLLM's CUTLASS kernel for decode GEMMs), then jet_fp8 with both switched off (the Triton quantizer, cuBLASLt at
-  # every M), 256 prompts x 1024 tokens. EAGER_AB_LAYERS (16; 32 fits one engine beside another on an H200),
-  # EAGER_AB_REPEATS (2).
-  local layers=${EAGER_AB_LAYERS:-16} reps=${EAGER_AB_REPEATS:-2} kv
+  # The eager engine's host-time levers, each arm a bf16 + jet_fp8 pair taking turns (so every arm has the same
+  # company and its own bf16 baseline): `shipped` (the CUDA activation quantizer, cuBLASLt), `cutlass`
+  # (JETRL_EAGER_CUTLASS=1: vLLM's CUTLASS kernel for decode GEMMs), `tritonq` (JETRL_CUDA_QUANT=0: the Triton
+  # quantizer). 256 prompts x 1024 tokens, EAGER_AB_ARMS ("shipped cutlass"), EAGER_AB_LAYERS (16), EAGER_AB_REPEATS (2);
+  # ~3.5 min per arm at 16 layers.
+  local layers=${EAGER_AB_LAYERS:-16} reps=${EAGER_AB_REPEATS:-2} kv arm env
   kv=$(((layers * 13 + 9) / 10 + 1))
-  python3 benchmarks/vllm_gpu.py throughput --layers "$layers" --modes eager --recipes bf16 jet_fp8 --repeats "$reps" \
-    --kv-gib "$kv" --prompts 256 --out /tmp/res/eager_ab_l"$layers" --timeout 330 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -4
-  JETRL_CUDA_QUANT=0 JETRL_EAGER_CUTLASS=0 python3 benchmarks/vllm_gpu.py throughput --layers "$layers" --modes eager \
-    --recipes jet_fp8 --repeats "$reps" --kv-gib "$kv" --prompts 256 --out /tmp/res/eager_ab_off_l"$layers" --timeout 200 2>&1 \
-    | grep -v "^(EngineCore\|WARNING" | tail -3
-  grep -h "median of\|engine up\|jetrl_fp8: eager engine" /tmp/res/eager_ab_l"$layers"/*.log /tmp/res/eager_ab_off_l"$layers"/*.log
+  for arm in ${EAGER_AB_ARMS:-shipped cutlass}; do
+    case $arm in
+      shipped) env="" ;;
+      cutlass) env="JETRL_EAGER_CUTLASS=1" ;;
+      tritonq) env="JETRL_CUDA_QUANT=0" ;;
+      *) echo "eager_ab: unknown arm $arm (shipped, cutlass, tritonq)" >&2; return 1 ;;
+    esac
+    # shellcheck disable=SC2086
+    env $env python3 benchmarks/vllm_gpu.py throughput --layers "$layers" --modes eager --recipes bf16 jet_fp8 --repeats "$reps" \
+      --kv-gib "$kv" --prompts 256 --out /tmp/res/eager_ab_"$arm"_l"$layers" --timeout 330 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -3
+    grep -h "median of" /tmp/res/eager_ab_"$arm"_l"$layers"/*.log
+  done
 }
 
 stage_bench32() {

@@ -9,8 +9,8 @@ the CUDA kernel with the lean launch (`kernels.quant_cuda`) where it passed its 
 Triton kernel: an eager decode step waits on the host time of these launches (`activation_quantizer`).
 
 An engine may run a second backend for decode-sized batches (`decode_backend` for M <= `decode_max_m`): DeepGEMM
-(`auto` under CUDA graphs, `gemm.resolve_decode_backend`) or vLLM's CUTLASS blockwise kernel (`auto` in an eager
-engine, `vllm_cutlass`): the same FP8 operands, another kernel's accumulation, as between any two backends.
+(`auto` under CUDA graphs, `gemm.resolve_decode_backend`) or vLLM's CUTLASS blockwise kernel (an eager engine that
+asks for it, `vllm_cutlass`): the same FP8 operands, another kernel's accumulation, as between any two backends.
 
 `EngineLinear.from_op_args` rebuilds the same object from the custom op's arguments, so the
 compiled path (`torch.ops.jetrl.fp8_linear`) and the eager path run one implementation.

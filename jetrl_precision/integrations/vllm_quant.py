@@ -239,25 +239,31 @@ class JetFp8LinearMethod(LinearMethodBase):
         return decode, max_m
 
     def _eager_decode_backend(self, device: torch.device) -> tuple[str | None, int]:
-        """An eager engine's decode GEMM under `auto`: vLLM's CUTLASS blockwise kernel where it runs and passed its
-        check (`vllm_cutlass`: one C++ op, where torch's cuBLASLt scaled_mm spends ~28-30 us of host time per call, and
-        an eager decode step waits on the host), else cuBLASLt. JETRL_EAGER_CUTLASS=0 keeps cuBLASLt (an A/B switch)."""
+        """An eager engine's decode GEMM under `auto`: cuBLASLt (the trainer's GEMM) unless JETRL_EAGER_CUTLASS=1 asks
+        for vLLM's CUTLASS blockwise kernel (`vllm_cutlass`: one C++ op with less host time per call than torch's
+        cuBLASLt scaled_mm, checked at first use). Opt-in: it accumulates differently from the trainer's GEMM, and the
+        eager engine's tokens/s with it has not yet been shown higher (docs/vllm.md)."""
         backend = self.backend_for(device)
         if self.settings.gemm_backend != "auto" or backend != "torch" or device.type != "cuda":
             return None, 0
-        from . import vllm_cutlass
-
-        why = "JETRL_EAGER_CUTLASS=0" if os.environ.get("JETRL_EAGER_CUTLASS", "1") == "0" else vllm_cutlass.unusable_reason(device)
-        if why:
+        if os.environ.get("JETRL_EAGER_CUTLASS", "0") != "1":
             if "eager" not in _logged:
                 _logged.add("eager")
-                logger.info("jetrl_fp8: eager engine (no CUDA graphs): decode GEMMs stay on %s (%s)", backend, why)
+                logger.info("jetrl_fp8: eager engine (no CUDA graphs): every GEMM runs %s (DeepGEMM takes decode batches only "
+                            "under CUDA graphs; JETRL_EAGER_CUTLASS=1 tries vLLM's CUTLASS kernel for them)", backend)
             return None, 0
-        if "eager" not in _logged:
-            _logged.add("eager")
-            logger.info("jetrl_fp8: eager engine (no CUDA graphs): decode batches of up to %d rows run vLLM's CUTLASS "
-                        "blockwise kernel, larger ones %s", ROLLOUT_DECODE_MAX_M, backend)
-        return vllm_cutlass.NAME, ROLLOUT_DECODE_MAX_M
+        from . import vllm_cutlass
+
+        why = vllm_cutlass.unusable_reason(device)
+        if ("eager", why) not in _logged:
+            _logged.add(("eager", why))
+            if why:
+                logger.warning("jetrl_fp8: JETRL_EAGER_CUTLASS=1, but vLLM's CUTLASS kernel is not used on %s: %s; decode "
+                               "GEMMs stay on %s", device, why, backend)
+            else:
+                logger.info("jetrl_fp8: eager engine (JETRL_EAGER_CUTLASS=1): decode batches of up to %d rows run vLLM's "
+                            "CUTLASS blockwise kernel, larger ones %s", ROLLOUT_DECODE_MAX_M, backend)
+        return (None, 0) if why else (vllm_cutlass.NAME, ROLLOUT_DECODE_MAX_M)
 
     # -- forward ------------------------------------------------------------------------------------
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

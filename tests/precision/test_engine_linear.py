@@ -163,9 +163,9 @@ def test_decode_gemm_takes_only_batches_vllm_replays_from_cuda_graphs(monkeypatc
         assert JetFp8LinearMethod(JetFp8Settings.default(), "x").decode_backend_for(cuda) == (None, 0)
 
 
-def test_eager_engine_decodes_on_vllm_cutlass_only_where_it_passed_its_check(monkeypatch):
-    """No CUDA graphs: under auto, decode-sized batches go to vLLM's CUTLASS kernel when its check passed; a named
-    backend, the A/B switch or a failed check keep cuBLASLt."""
+def test_eager_engine_decodes_on_vllm_cutlass_only_when_asked_and_checked(monkeypatch):
+    """No CUDA graphs: decode-sized batches stay on cuBLASLt unless JETRL_EAGER_CUTLASS=1 asks for vLLM's CUTLASS
+    kernel, and then only under auto and where its check passed."""
     pytest.importorskip("vllm")
     import dataclasses
 
@@ -184,12 +184,11 @@ def test_eager_engine_decodes_on_vllm_cutlass_only_where_it_passed_its_check(mon
     monkeypatch.setattr(vllm_cutlass, "_checked", checked)
     auto = JetFp8Settings.default()
     with set_current_vllm_config(cfg):
+        assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == (None, 0)  # off by default
+        monkeypatch.setenv("JETRL_EAGER_CUTLASS", "1")
         assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == ("vllm_cutlass", 512)
         named = dataclasses.replace(auto, recipe=dataclasses.replace(auto.recipe, gemm_backend="torch"))
         assert vllm_quant.JetFp8LinearMethod(named, "x").decode_backend_for(cuda) == (None, 0)
-        monkeypatch.setenv("JETRL_EAGER_CUTLASS", "0")
-        assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == (None, 0)
-        monkeypatch.delenv("JETRL_EAGER_CUTLASS")
         checked["cuda:0"] = (None, "relative error 1e-1 against float64")
         assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == (None, 0)
         assert vllm_cutlass.unusable_reason(cuda) == "relative error 1e-1 against float64"
