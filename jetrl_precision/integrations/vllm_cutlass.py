@@ -1,8 +1,8 @@
 """vLLM's CUTLASS blockwise FP8 GEMM as an eager engine's decode GEMM.
 
 An engine that captures no CUDA graphs (eager) waits on the host time of every launch of a decode step. There
-cuBLASLt's blockwise scaled_mm costs ~28-30 us of host time per call through torch (it sets up the matmul and asks
-cuBLASLt's heuristic on every call), more than a whole BF16 `F.linear`; vLLM's CUTLASS kernel for the same
+cuBLASLt's blockwise scaled_mm costs ~28-30 us of host time per call through torch (it sets the matmul up on every
+call), more than a whole BF16 `F.linear`; vLLM's CUTLASS kernel for the same
 operands (1x128 activation scales, 128x128 weight scales, the layout vLLM's own block-FP8 linear feeds it) is one
 C++ op (~21 us of host time against ~30 us for the scaled_mm, on an H100 host). It accumulates differently from
 cuBLASLt, the trainer's GEMM, as any two backends do, so an eager engine runs it only when asked
@@ -41,14 +41,13 @@ def unavailable_reason(device: torch.device | str) -> str | None:
         return "vLLM's blockwise CUTLASS kernel needs sm90+"
     try:
         import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
-        op = torch.ops._C.cutlass_scaled_mm
+        torch.ops._C.cutlass_scaled_mm  # noqa: B018 - raises where this vLLM build lacks the op
     except Exception as e:  # noqa: BLE001 - no vLLM, or one built without the op
         return f"vLLM's cutlass_scaled_mm is not importable ({type(e).__name__}: {str(e)[:120]})"
     supported = getattr(torch.ops._C, "cutlass_scaled_mm_supports_block_fp8", None)
     cap = torch.cuda.get_device_capability(device)
     if supported is not None and not supported(cap[0] * 10 + cap[1]):
         return "this vLLM build has no blockwise FP8 CUTLASS kernel for this GPU"
-    del op
     return None
 
 
