@@ -15,7 +15,8 @@ counts per step:
   cpu_us         wall time per step with no-op stubs and no counters (CPU tensors: a rough guide only)
 
 The counts are deterministic and comparable between revisions; the GPU's figure is `gpu_bench.py --sections linear`
-(`linear_fwd_bwd_host_ms`). With `--check`, the stubs compute what the kernels compute (the reference quantizer,
+(`linear_fwd_bwd_host_ms`). Beside the training steps it counts one call of an inference engine's FP8 linear
+(`EngineLinear`, what an eager vLLM decode step pays per projection; the GPU's figure is `host_probe_engine.py`). With `--check`, the stubs compute what the kernels compute (the reference quantizer,
 a float64 GEMM), and the step's outputs must equal the CPU reference path's bit for bit: the host-path logic
 (plans, layouts, padding, buffer reuse) is checked without a GPU.
 
@@ -419,6 +420,17 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
     # and --check compares the padded path's bytes): the path the layers take then.
     saved_pad = dict(padding_probe._verdicts)
     padding_probe._verdicts["cpu"] = True
+    # The engine's CUDA 1x128 activation quantizer (kernels.quant_cuda), its launch going to the override like the
+    # others; the engine's per-process choice of quantizer is made afresh inside the block and forgotten after it.
+    from jetrl_precision.integrations import engine_linear
+    from jetrl_precision.kernels import quant_cuda
+
+    saved_qc = quant_cuda.quantizer_1x128
+    quant_cuda.quantizer_1x128 = lambda device, pow2, dtype: (
+        quant_cuda.Quantizer1x128(_NvrtcStub(quant_cuda.KERNEL_NAME, launch.launch_override), pow2, dtype)
+        if dtype in (torch.bfloat16, torch.float16) else None)
+    saved_act = dict(engine_linear._ACT_QUANTIZERS)
+    engine_linear._ACT_QUANTIZERS.clear()
 
     def override(name, grid, args, meta):
         c = _COUNTER[0]
@@ -448,6 +460,21 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
         cast_transpose._usable.update(saved_ct[2])
         padding_probe._verdicts.clear()
         padding_probe._verdicts.update(saved_pad)
+        quant_cuda.quantizer_1x128 = saved_qc
+        engine_linear._ACT_QUANTIZERS.clear()
+        engine_linear._ACT_QUANTIZERS.update(saved_act)
+
+
+class _NvrtcStub:
+    """Stands in for an `nvrtc.NvrtcKernel` taking CPU tensors (device index -1): its launch goes to the override."""
+
+    device_index = -1
+
+    def __init__(self, name: str, launch_override: Callable) -> None:
+        self.name, self.launch_override = name, launch_override
+
+    def __call__(self, grid, threads, tensors, ints, meta=None):
+        self.launch_override()(self.name, grid, (*tensors, *ints), {"threads": threads, **(meta or {})})
 
 
 class _RequantStub:
@@ -501,6 +528,46 @@ def linear_steps(m: int, k: int, n: int, backend: str = "torch", dtype=torch.bfl
 
     return {"nn.Linear fwd+bwd": lambda: run(lin), "Fp8Linear fwd+bwd": lambda: run(f8),
             "Fp8Linear fwd no_grad": fwd_nograd, "_modules": (lin, f8, xs, dys)}
+
+
+def engine_steps(m: int, k: int, n: int) -> dict[str, Callable]:
+    """{label: step} for one call of an inference engine's FP8 linear (`EngineLinear`, the vLLM plugin's forward) on
+    the prepared cuBLASLt path, against F.linear: what an eager decode step pays per projection."""
+    from jetrl_precision import get_recipe, quantize_fp8
+    from jetrl_precision.integrations.engine_linear import EngineLinear
+
+    w = _data((n, k), 1, 0.02)
+    wq = quantize_fp8(w, (128, 128))
+    x = _data((m, k), 2)
+    spec = get_recipe("jet_fp8").rollout.input
+    built: list[EngineLinear] = []
+
+    def call():
+        if not built:  # at the first (warm-up) call, inside `simulated_cuda`: the engine derives its plan at load
+            built.append(EngineLinear(wq.data, wq.scale, [(n, -(-n // 128), 128)], 128, spec, "torch"))
+        return built[0](x)
+
+    return {"F.linear (engine, bf16)": lambda: F.linear(x, w), "EngineLinear call": call}
+
+
+def check_engine_bytes(m: int, k: int, n: int) -> list[str]:
+    """The engine call on the simulated CUDA path (its prepared plan, the CUDA quantizer's launch) against the
+    general path's emulated GEMM, bit for bit."""
+    from jetrl_precision import get_recipe, quantize_fp8
+    from jetrl_precision.gemm import gemm_nt
+    from jetrl_precision.integrations.engine_linear import EngineLinear
+
+    wq = quantize_fp8(_data((n, k), 1, 0.02), (128, 128))
+    x = _data((m, k), 2)
+    want = gemm_nt(quantize_fp8(x, (1, 128)), wq, torch.bfloat16, "emulated")
+    with simulated_cuda(check=True):
+        lin = EngineLinear(wq.data, wq.scale, [(n, -(-n // 128), 128)], 128, get_recipe("jet_fp8").rollout.input, "torch")
+        if not lin._fast:
+            return [f"engine M={m} K={k} N={n}: the prepared path was not built on the simulated CUDA path"]
+        got = lin(x)
+    if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+        return [f"engine M={m} K={k} N={n}: the simulated engine call differs from the reference path"]
+    return []
 
 
 def check_bytes(m: int, k: int, n: int) -> list[str]:
@@ -617,9 +684,14 @@ def check_layer_bytes(tokens: int = 200) -> list[str]:
             for k, want in out["reference"].items() if not torch.equal(out["simulated"][k], want)]
 
 
+# An eager decode step's projection (M = 64 sequences; M = 3 takes the M-padded path).
+ENGINE_SHAPES = ((64, 512, 768), (3, 512, 768))
+
+
 def measure(shapes: list[tuple[int, int, int]], top: int = 0, layer_tokens: int = 0) -> list[dict]:
     rows = []
     work = [(f"M={m} K={k} N={n}", lambda m=m, k=k, n=n: linear_steps(m, k, n)) for m, k, n in shapes]
+    work += [(f"engine M={m} K={k} N={n}", lambda m=m, k=k, n=n: engine_steps(m, k, n)) for m, k, n in ENGINE_SHAPES]
     if layer_tokens:
         work.append((f"{layer_tokens} tokens, hidden 512, MLP 1024", lambda: layer_steps(layer_tokens)))
     for shape, make in work:
@@ -630,7 +702,7 @@ def measure(shapes: list[tuple[int, int, int]], top: int = 0, layer_tokens: int 
                     continue
                 counts = count_host_work(step)
                 # With no-op stubs an FP8 step's wall time is host work only; nn.Linear's includes its CPU matmuls.
-                us = round(cpu_us(step), 1) if label.startswith("Fp8") else None
+                us = round(cpu_us(step), 1) if label.startswith(("Fp8", "EngineLinear")) else None
                 row = {"shape": shape, "step": label, **counts.summary(), "cpu_us": us,
                        "launch_names": counts.launch_names}
                 if top:
@@ -663,6 +735,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.check:
         for m, k, n in shapes:
             problems += check_bytes(m, k, n)
+        for m, k, n in ENGINE_SHAPES:
+            problems += check_engine_bytes(m, k, n)
         if a.layer_tokens:
             problems += check_layer_bytes()
         print("check: " + ("bytes equal to the reference path" if not problems else "\n  ".join(["FAILED"] + problems)))

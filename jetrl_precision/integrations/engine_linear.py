@@ -202,7 +202,7 @@ class _CublasPlan:
         fn = self._quantizers.get(dtype)
         if fn is None:
             fn, _ = activation_quantizer(self.device, self.pow2, dtype)
-            if not torch.cuda.is_current_stream_capturing():
+            if not _capturing():
                 self._quantizers[dtype] = fn
         return fn
 
@@ -265,6 +265,11 @@ def _deep_gemm_call(device: torch.device) -> tuple:
 _ACT_QUANTIZERS: dict[tuple, tuple] = {}
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never, where this torch has no CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def activation_quantizer(device: torch.device, pow2: bool, dtype: torch.dtype) -> tuple:
     """(fn(x, rows_alloc), kernel name) quantizing an engine's `dtype` activations 1x128 on `device`: the CUDA kernel
     with the lean launch where it compiled and wrote the reference's bytes at first use (`quant_cuda`), else the
@@ -279,7 +284,7 @@ def activation_quantizer(device: torch.device, pow2: bool, dtype: torch.dtype) -
         return hit
     from ..kernels import quant, quant_cuda
 
-    if os.environ.get("JETRL_CUDA_QUANT", "1") != "0" and not torch.cuda.is_current_stream_capturing():
+    if os.environ.get("JETRL_CUDA_QUANT", "1") != "0" and not _capturing():
         fn = quant_cuda.quantizer_1x128(device, pow2, dtype)
         if fn is not None:
             hit = _ACT_QUANTIZERS[key] = (fn, quant_cuda.GRAPH_KERNEL)
@@ -290,6 +295,6 @@ def activation_quantizer(device: torch.device, pow2: bool, dtype: torch.dtype) -
         return triton_q(x, pow2, rows_alloc=rows_alloc)
 
     hit = (triton_fn, "triton")
-    if not torch.cuda.is_current_stream_capturing():
+    if not _capturing():
         _ACT_QUANTIZERS[key] = hit
     return hit

@@ -345,6 +345,12 @@ def test_host_cost_proxy_checks_bytes_and_holds_the_budget(tmp_path):
             assert row[key] <= budget[key], (step, key, row[key])
         base = bf16["python_calls"] if "bwd" in step else 0
         assert row["python_calls"] - base <= budget["extra_python_calls"], (step, row["python_calls"], base)
+    # An eager engine's FP8 projection call (EngineLinear's prepared plan): the CUDA activation quantizer's launch and
+    # one GEMM, two allocations, a handful of Python calls; M = 3 adds only the slice of the M-padded output.
+    for m in (64, 3):
+        call = rows[(f"engine M={m} K=512 N=768", "EngineLinear call")]
+        assert call["launch_names"] == {"quant_1x128_rows": 1, "torch._scaled_mm": 1}, call
+        assert call["allocations"] <= 2 and call["python_calls"] <= 8 and call["torch_calls"] <= 15, call
     # The ragged shape (M % 128 != 0) takes the padding paths; same launches, bytes checked above.
     assert rows[("M=200 K=384 N=640", "Fp8Linear fwd+bwd")]["launches"] == 7
     # A decoder layer: q/k/v and gate/up run as stacked GEMMs (grouped.py), SwiGLU's product is quantized in its own
