@@ -91,11 +91,13 @@ def _vllm_quantizer_probe(k: int) -> None:
 
 
 def gpu_us(fn, reps: int = 200) -> float:
-    """GPU time per call (CUDA events around `reps` calls)."""
+    """GPU time per call: CUDA events around `reps` calls queued behind a spin kernel, so the GPU runs them back to
+    back and the host's launch time does not show."""
     for _ in range(10):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
     start.record()
     for _ in range(reps):
         fn()
