@@ -414,7 +414,7 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
     torch_backend._v2_same["cpu"] = True
     saved_ct = (cast_transpose.supported_shape, cast_transpose.kernel_for, dict(cast_transpose._usable))
     cast_transpose.supported_shape = cast_transpose.supported_layout  # the layout rules, on CPU tensors
-    cast_transpose.kernel_for = lambda device, pow2: _RequantStub(pow2, cast_transpose.KERNEL_NAME, launch.launch_override)
+    cast_transpose.kernel_for = lambda device, pow2: _NvrtcStub(cast_transpose.KERNEL_NAME, launch.launch_override, {"POW2": pow2})
     cast_transpose._usable["cpu"] = True
     # The padding probe's verdict where the kernels pad WGrad operands right (the emulation below is the reference,
     # and --check compares the padded path's bytes): the path the layers take then.
@@ -466,25 +466,16 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
 
 
 class _NvrtcStub:
-    """Stands in for an `nvrtc.NvrtcKernel` taking CPU tensors (device index -1): its launch goes to the override."""
+    """Stands in for an `nvrtc.NvrtcKernel` taking CPU tensors (device index -1): its launch goes to the override,
+    with `meta` (what the compiled kernel fixes, e.g. its POW2 template argument) beside the call's own."""
 
     device_index = -1
 
-    def __init__(self, name: str, launch_override: Callable) -> None:
-        self.name, self.launch_override = name, launch_override
+    def __init__(self, name: str, launch_override: Callable, meta: dict | None = None) -> None:
+        self.name, self.launch_override, self.meta = name, launch_override, meta or {}
 
     def __call__(self, grid, threads, tensors, ints, meta=None):
-        self.launch_override()(self.name, grid, (*tensors, *ints), {"threads": threads, **(meta or {})})
-
-
-class _RequantStub:
-    """Stands in for the compiled CUDA requantizer (an `nvrtc.NvrtcKernel`): its launch goes to the override."""
-
-    def __init__(self, pow2: bool, name: str, launch_override: Callable) -> None:
-        self.pow2, self.name, self.launch_override = pow2, name, launch_override
-
-    def __call__(self, grid, threads, tensors, ints):
-        self.launch_override()(self.name, grid, (*tensors, *ints), {"threads": threads, "POW2": self.pow2})
+        self.launch_override()(self.name, grid, (*tensors, *ints), {"threads": threads, **self.meta, **(meta or {})})
 
 
 # ---- the steps measured -------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ and `unusable_reason(device)`).
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
+
+from ..kernels._probe import device_key, verdict_once
 
 __all__ = ["decode_gemm", "unavailable_reason", "unusable_reason", "first_failure", "NAME", "REL_TOL"]
 
@@ -29,8 +30,8 @@ NAME = "vllm_cutlass"
 # bf16 output against a float64 product of the same FP8 operands (the GEMM backends' bound in tests/gpu)
 REL_TOL = 2e-3
 
-_lock = threading.Lock()
-_checked: dict[str, tuple] = {}
+_verdicts: dict[str, bool] = {}
+_reasons: dict[str, str] = {}
 
 
 def unavailable_reason(device: torch.device | str) -> str | None:
@@ -60,16 +61,13 @@ def decode_gemm(device: torch.device | str):
     w_scale_t (K/128, N/128) (the row-major weight scale, transposed)) where the kernel runs here and passed its check,
     else None."""
     device = torch.device(device)
-    key = str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
-    if key not in _checked:
-        with _lock:
-            if key not in _checked:
-                why = unavailable_reason(device) or first_failure(device)
-                if why:
-                    logger.warning("jetrl_fp8: vLLM's CUTLASS blockwise GEMM is not used for eager decode batches on %s: "
-                                   "%s. cuBLASLt runs them (more host time per call).", key, why)
-                _checked[key] = (None if why else _call, why)
-    return _checked[key][0]
+
+    def warn(why: str) -> None:
+        logger.warning("jetrl_fp8: vLLM's CUTLASS blockwise GEMM is not used for eager decode batches on %s: %s. "
+                       "cuBLASLt runs them (more host time per call).", device_key(device), why)
+
+    check = lambda: unavailable_reason(device) or first_failure(device)  # noqa: E731
+    return _call if verdict_once(_verdicts, _reasons, device_key(device), check, warn) else None
 
 
 def unusable_reason(device: torch.device | str) -> str:
@@ -77,8 +75,7 @@ def unusable_reason(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type != "cuda":
         return "not a CUDA device"
-    decode_gemm(device)
-    return _checked[str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))][1]
+    return "" if decode_gemm(device) is not None else _reasons[device_key(device)]
 
 
 def first_failure(device: torch.device) -> str:

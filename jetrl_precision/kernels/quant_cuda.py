@@ -20,11 +20,11 @@ quantizer, or None after one warning naming the reason (the caller keeps the Tri
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 
 from ..formats import FP8_DTYPE, QuantizedTensor
+from ._probe import device_key, verdict_once
 from .nvrtc import DEVICE_FUNCTIONS, NvrtcKernel, compile_kernel, unavailable_reason
 
 __all__ = ["Quantizer1x128", "quantizer_1x128", "status", "KERNEL_NAME", "GRAPH_KERNEL"]
@@ -112,24 +112,32 @@ class Quantizer1x128:
         return QuantizedTensor.trusted(q, scale, (1, 128))
 
 
-_lock = threading.Lock()
-_quantizers: dict[tuple[int, bool, torch.dtype], Quantizer1x128 | None] = {}
-_reasons: dict[tuple[int, bool, torch.dtype], str] = {}
+_quantizers: dict[tuple[str, bool, torch.dtype], Quantizer1x128] = {}
+_verdicts: dict[tuple[str, bool, torch.dtype], bool] = {}
+_reasons: dict[tuple[str, bool, torch.dtype], str] = {}
 
 
 def quantizer_1x128(device: torch.device | str, pow2: bool, dtype: torch.dtype) -> Quantizer1x128 | None:
     """The checked CUDA quantizer for `dtype` inputs on `device`, or None (the reason is logged once; `status`)."""
     device = torch.device(device)
-    why = unavailable_reason(device)
-    if why is not None or dtype not in _IN_CODE:
+    if unavailable_reason(device) is not None or dtype not in _IN_CODE:
         return None
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, pow2, dtype)
-    if key not in _quantizers:
-        with _lock:
-            if key not in _quantizers:
-                _quantizers[key] = _build(key)
-    return _quantizers[key]
+    key = (device_key(device), pow2, dtype)
+
+    def check() -> str:
+        idx = torch.device(key[0]).index
+        name = f"quant_1x128_rows<{'true' if pow2 else 'false'}, {_IN_CODE[dtype]}>"
+        quant = Quantizer1x128(compile_kernel(_SOURCE, name, KERNEL_NAME, idx, 3, 5), pow2, dtype)
+        bad = first_mismatch(quant, torch.device(key[0]))
+        if not bad:
+            _quantizers[key] = quant
+        return bad
+
+    def warn(why: str) -> None:
+        logger.warning("jetrl_precision: the CUDA 1x128 quantizer (%s inputs, pow2 scales %s) is not used on %s: %s. "
+                       "The Triton kernel quantizes instead: same bytes, more host time per call.", dtype, pow2, key[0], why)
+
+    return _quantizers[key] if verdict_once(_verdicts, _reasons, key, check, warn) else None
 
 
 def status(device: torch.device | str, pow2: bool = False, dtype: torch.dtype = torch.bfloat16) -> tuple[bool, str]:
@@ -141,25 +149,8 @@ def status(device: torch.device | str, pow2: bool = False, dtype: torch.dtype = 
     if dtype not in _IN_CODE:
         return False, f"{dtype} inputs are not handled (bf16 and fp16 are)"
     if quantizer_1x128(device, pow2, dtype) is None:
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return False, _reasons[(idx, pow2, dtype)]
+        return False, _reasons[(device_key(device), pow2, dtype)]
     return True, "ok"
-
-
-def _build(key: tuple[int, bool, torch.dtype]) -> Quantizer1x128 | None:
-    idx, pow2, dtype = key
-    try:
-        name = f"quant_1x128_rows<{'true' if pow2 else 'false'}, {_IN_CODE[dtype]}>"
-        quant = Quantizer1x128(compile_kernel(_SOURCE, name, KERNEL_NAME, idx, 3, 5), pow2, dtype)
-        bad = first_mismatch(quant, torch.device("cuda", idx))
-    except Exception as e:  # noqa: BLE001 - a kernel that cannot build or run here is reported, not fatal
-        bad = f"NVRTC compile or launch failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    if not bad:
-        return quant
-    _reasons[key] = bad
-    logger.warning("jetrl_precision: the CUDA 1x128 quantizer (%s inputs, pow2 scales %s) is not used on cuda:%d: %s. "
-                   "The Triton kernel quantizes instead: same bytes, more host time per call.", dtype, pow2, idx, bad)
-    return None
 
 
 def probe_inputs(dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

@@ -180,8 +180,9 @@ def test_eager_engine_decodes_on_vllm_cutlass_only_when_asked_and_checked(monkey
     cuda = torch.device("cuda", 0)
     cfg = VllmConfig()
     cfg.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-    checked = {"cuda:0": (lambda *a: None, "")}
-    monkeypatch.setattr(vllm_cutlass, "_checked", checked)
+    verdicts, reasons = {"cuda:0": True}, {}
+    monkeypatch.setattr(vllm_cutlass, "_verdicts", verdicts)
+    monkeypatch.setattr(vllm_cutlass, "_reasons", reasons)
     auto = JetFp8Settings.default()
     with set_current_vllm_config(cfg):
         assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == (None, 0)  # off by default
@@ -189,6 +190,6 @@ def test_eager_engine_decodes_on_vllm_cutlass_only_when_asked_and_checked(monkey
         assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == ("vllm_cutlass", 512)
         named = dataclasses.replace(auto, recipe=dataclasses.replace(auto.recipe, gemm_backend="torch"))
         assert vllm_quant.JetFp8LinearMethod(named, "x").decode_backend_for(cuda) == (None, 0)
-        checked["cuda:0"] = (None, "relative error 1e-1 against float64")
+        verdicts["cuda:0"], reasons["cuda:0"] = False, "relative error 1e-1 against float64"
         assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == (None, 0)
         assert vllm_cutlass.unusable_reason(cuda) == "relative error 1e-1 against float64"
