@@ -12,7 +12,8 @@ host time called through the op directly and through vLLM's Python wrapper.
 
 The engine's activation quantizer is the CUDA kernel of `kernels.quant_cuda` where it passes its first-use check;
 the probe times it beside the Triton kernel (host time, and GPU time per call at decode and prefill sizes), the
-whole EngineLinear call with either quantizer, its parts called the way the plan calls them, and ends with a
+prepared GEMM (a cuBLASLt plan, `gemm.cublaslt`, where its first-use check passed) beside `torch._scaled_mm`, the
+whole EngineLinear call with either quantizer and either GEMM, its parts called the way the plan calls them, and ends with a
 torch.profiler table of EngineLinear calls by self CPU time. Each list of pieces is timed twice, interleaved, so a
 drifting host shows as two different figures for one piece.
 """
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jetrl_precision import quantize_fp8  # noqa: E402
-from jetrl_precision.gemm import resolve_backend, torch_backend  # noqa: E402
+from jetrl_precision.gemm import cublaslt, resolve_backend, torch_backend  # noqa: E402
 from jetrl_precision.kernels import quant  # noqa: E402
 from jetrl_precision.kernels.layout import row_major_padded_t  # noqa: E402
 
@@ -143,9 +144,14 @@ def main() -> None:
     triton_fn = lambda t, rows_alloc=None: quant.quantize_1x128(t, False, rows_alloc=rows_alloc)  # noqa: E731
     cq = quant_cuda.quantizer_1x128("cuda", False, torch.bfloat16)
     print("engine activation quantizer:", activation_quantizer(x.device, False, torch.bfloat16)[1], "| quant_cuda status:",
-          quant_cuda.status("cuda"), "| plan:", type(lin._fast).__name__)
+          quant_cuda.status("cuda"), "| plan:", type(lin._fast).__name__, "| prepared GEMM:", type(mm).__name__,
+          "| cuBLASLt plans:", cublaslt.unavailable_reason("cuda") or cublaslt._reasons.get(("cuda:0", "1x128", "128x128"), "usable"))
     if lin_t._fast:
         lin_t._fast._quantizers[torch.bfloat16] = triton_fn
+    legacy_mm = lambda a, b_t, sa, sb_, od: torch._scaled_mm(a, b_t, scale_a=sa, scale_b=sb_, out_dtype=od)  # noqa: E731
+    lin_s = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, spec, "torch")
+    if lin_s._fast:
+        lin_s._fast.mm = legacy_mm  # the engine call as it was before the cuBLASLt plans
     plan = lin._fast
     pieces = {
         "F.linear": lambda: F.linear(x, w),
@@ -159,6 +165,7 @@ def main() -> None:
         "torch._scaled_mm direct": lambda: torch._scaled_mm(xq.data, wt, scale_a=xq.scale, scale_b=sb, out_dtype=torch.bfloat16),
         "triton quantize + scaled_mm, inline": lambda: (lambda t: mm(t.data, wt, t.scale, sb, torch.bfloat16))(quant.quantize_1x128(x, False, rows_alloc=m)),
         "EngineLinear, triton quantizer": lambda: lin_t(x),
+        "EngineLinear, torch._scaled_mm GEMM": lambda: lin_s(x),
         "EngineLinear (the eager engine's call)": lambda: lin(x),
     }
     if plan:

@@ -431,6 +431,12 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
             g.add_node(name, "norm", **({"impl": impl} if impl != type(m).__name__ else {}))
             if phase != "train_bwd":
                 g.add_edge(name, "weight", EdgeAttrs(dtype=dt, quantizer_id=f"{dt}/none"))
+    torch_devices = {m.weight_device for m in model.modules() if isinstance(m, Fp8Linear) and m.resolved_backend == "torch"}
+    cuda = sorted({d for d in torch_devices if d.type == "cuda"}, key=str)
+    if cuda:
+        from .gemm import cublaslt
+
+        g.meta["gemm_call"] = cublaslt.call_status(cuda[0])
     impls = sorted({n.attrs["impl"] for n in g.nodes.values() if n.op == "norm" and "impl" in n.attrs})
     if impls:
         g.meta["norm_impl"] = ",".join(impls)

@@ -9,9 +9,10 @@ Layouts (cuBLASLt on an H200 with torch 2.11):
 The recipe enum is looked up through `__members__` (its spelling differs across torch versions);
 torch builds without `F.scaled_mm` use the legacy `torch._scaled_mm`, which infers the recipe from
 the scale shapes. The prepared calls (a layer's step plan, the inference engine) take the entry point with
-the least host time that the availability probe finds bitwise equal to F.scaled_mm: the legacy call for
-1x128.128x128, else `torch._scaled_mm_v2` with the arguments F.scaled_mm builds (without the wrapper's
-per-call list building). K or N that are not multiples of 128 are zero-padded (logged once).
+the least host time whose bits equal F.scaled_mm's on the device: a cuBLASLt plan per shape (`cublaslt`: the
+same library call with its descriptors and algorithm made once), else the legacy call for 1x128.128x128, else
+`torch._scaled_mm_v2` with the arguments F.scaled_mm builds (without the wrapper's per-call list building).
+K or N that are not multiples of 128 are zero-padded (logged once).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from ..formats import QuantizedTensor
 from ..kernels._probe import device_key
 from ..kernels.layout import mn_major, pad_operands, row_major_padded_t
+from . import cublaslt
 from .dispatch import GemmBackend, PreparedGemm, register_backend
 
 __all__ = ["torch_gemm_nt", "scaling_types", "prepared_scaled_mm", "TorchPreparedGemm"]
@@ -81,13 +83,16 @@ def torch_gemm_nt(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype
 def prepared_scaled_mm(device: torch.device | str):
     """The scaled_mm call `torch_gemm_nt` makes for 1x128 x 128x128 on `device`, for callers that prepare the
     operands themselves (an inference engine's static weights): fn(a_data, b_data_t, scale_a, scale_b, out_dtype)
-    with scale_a MN-major (M a multiple of 4) and scale_b from `row_major_padded_t`. Of the entry points the device
-    probe found bitwise equal to F.scaled_mm, the one with the least host time: the legacy `torch._scaled_mm`, else
-    `torch._scaled_mm_v2` called with the arguments F.scaled_mm builds (its Python wrapper costs several
-    microseconds per call), else F.scaled_mm itself."""
+    with scale_a MN-major (M a multiple of 4) and scale_b from `row_major_padded_t`. Of the entry points whose bits
+    equal F.scaled_mm's on the device, the one with the least host time: a cuBLASLt plan per shape
+    (`cublaslt.blockwise_gemm`), else the legacy `torch._scaled_mm`, else `torch._scaled_mm_v2` called with the
+    arguments F.scaled_mm builds (its Python wrapper costs several microseconds per call), else F.scaled_mm."""
     reason = unavailable_reason(torch.device(device))
     if reason is not None:
         raise RuntimeError(f"the torch GEMM backend cannot run on {device}: {reason}")
+    lt = cublaslt.blockwise_gemm(device, "1x128", "128x128")
+    if lt is not None:
+        return lt
     types = scaling_types()
     if types is None or _legacy_same.get(device_key(device), False):
 
@@ -107,14 +112,18 @@ def prepared_scaled_mm(device: torch.device | str):
 
 def prepared_scaled_mm_1x128(device: torch.device | str):
     """The scaled_mm call `torch_gemm_nt` makes for 1x128 x 1x128 (WGrad) on `device`: fn(a, b_t, sa, sb, out_dtype),
-    both scales MN-major. Where the probe found it bitwise equal, `torch._scaled_mm_v2` is called with the arguments
-    `F.scaled_mm` builds (the same op, without the wrapper's per-call list building)."""
+    both scales MN-major. A cuBLASLt plan per shape where its first-use check passed, else, where the probe found it
+    bitwise equal, `torch._scaled_mm_v2` called with the arguments `F.scaled_mm` builds (the same op, without the
+    wrapper's per-call list building), else F.scaled_mm."""
     reason = unavailable_reason(torch.device(device))
     if reason is not None:
         raise RuntimeError(f"the torch GEMM backend cannot run on {device}: {reason}")
     types = scaling_types()
     if types is None:
         raise RuntimeError(f"torch {torch.__version__} has no F.scaled_mm: 1x128 x 1x128 needs it")
+    lt = cublaslt.blockwise_gemm(device, "1x128", "1x128")
+    if lt is not None:
+        return lt
     one = types[0]
     if _v2_same.get(device_key(device), False):
         return _v2_call(one, one)

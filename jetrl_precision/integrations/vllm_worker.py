@@ -495,6 +495,10 @@ def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
     decode = sorted({m.jetrl_gemm.decode_gemm for m in model.modules() if getattr(m, "jetrl_gemm", None) is not None} - {""})
     if decode:
         g.meta["decode_gemm"] = ", ".join(decode)
+    if any(getattr(m, "jetrl_gemm", None) is not None and m.jetrl_gemm.backend == "torch" for m in model.modules()) and device.type == "cuda":
+        from ..gemm import cublaslt
+
+        g.meta["gemm_call"] = cublaslt.call_status(device)
     return g.to_dict()
 
 
