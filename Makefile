@@ -38,8 +38,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist load) $(TESTS)
 	$(MAKE) --no-print-directory test-triton
 
-# Tests that need Triton on CPU: Liger's model patching (not its kernels, which need a GPU) and the quantizer kernels'
-# WGrad padding in Triton's interpreter. Triton stays out of the main venv, whose CPU code paths expect it absent:
+# Tests that need Triton on CPU: Liger's model patching (not its kernels, which need a GPU), the quantizer kernels'
+# WGrad padding and the one-launch FP8 linear in Triton's interpreter. Triton stays out of the main venv, whose CPU code paths expect it absent:
 # Triton and Liger live in their own folder, on PYTHONPATH for these tests only.
 LIGER_SITE := .liger-site
 LIGER_STAMP := $(LIGER_SITE)/.installed
@@ -48,7 +48,8 @@ $(LIGER_STAMP): $(STAMP)
 	touch $(LIGER_STAMP)
 
 test-triton: $(LIGER_STAMP)
-	PYTHONPATH=$(CURDIR)/$(LIGER_SITE) $(BIN)/python -m pytest -q tests/rl/test_liger_patch.py tests/precision/test_kernels_interpreted.py
+	PYTHONPATH=$(CURDIR)/$(LIGER_SITE) $(BIN)/python -m pytest -q tests/rl/test_liger_patch.py tests/precision/test_kernels_interpreted.py \
+		tests/precision/test_quant_gemm_interpret.py
 
 # The edit-test loop: unit tests of both packages, no end-to-end runs or real engines (about a minute).
 test-fast: $(STAMP)

@@ -14,8 +14,9 @@ The engine's activation quantizer is the CUDA kernel of `kernels.quant_cuda` whe
 the probe times it beside the Triton kernel (host time, and GPU time per call at decode and prefill sizes), the
 prepared GEMM (a cuBLASLt plan, `gemm.cublaslt`, where its first-use check passed) beside `torch._scaled_mm`, the
 whole EngineLinear call with either quantizer and either GEMM, its parts called the way the plan calls them, and ends with a
-torch.profiler table of EngineLinear calls by self CPU time. Each list of pieces is timed twice, interleaved, so a
-drifting host shows as two different figures for one piece.
+torch.profiler table of EngineLinear calls by self CPU time. Each list of pieces is timed three times, interleaved, so
+a drifting host shows as different figures for one piece. The one-launch FP8 linear (`kernels.quant_gemm`, the
+eager engine's JETRL_EAGER_FUSED=1 decode path) is timed beside them, host and GPU (the four 8B projections).
 """
 
 from __future__ import annotations
@@ -120,6 +121,24 @@ def _quantizer_gpu_times(k: int) -> None:
               f"cuda {gpu_us(lambda: cq(x))}")
 
 
+def _fused_gpu_times() -> None:
+    """GPU time per call of the one-launch FP8 linear against the engine's two-launch call and F.linear, for the four
+    Llama-3.1-8B projections at decode sizes (the fused kernel's price for its host saving)."""
+    from jetrl_precision import get_recipe
+    from jetrl_precision.integrations.engine_linear import EngineLinear
+    from jetrl_precision.kernels.quant_gemm import fp8_linear_invariant
+
+    spec = get_recipe("jet_fp8").rollout.input
+    for name, (n, k) in {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        wq = quantize_fp8(w, (128, 128))
+        lin = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, spec, "torch")
+        for m in (1, 16, 64, 128, 256):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            print(f"GPU us {name} M={m}: F.linear {gpu_us(lambda: F.linear(x, w))}, engine 2-launch {gpu_us(lambda: lin(x))}, "
+                  f"fused 1-launch {gpu_us(lambda: fp8_linear_invariant(x, wq.data, wq.scale, 128))}")
+
+
 def main() -> None:
     import triton
 
@@ -170,6 +189,12 @@ def main() -> None:
     }
     if plan:
         pieces["EngineLinear plan call"] = lambda: plan(x)
+    from jetrl_precision.integrations.engine_linear import FUSED_DECODE, FUSED_DECODE_MAX_M
+    from jetrl_precision.kernels.quant_gemm import fp8_linear_invariant
+
+    lin_f = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, spec, "torch", FUSED_DECODE, FUSED_DECODE_MAX_M)
+    pieces["fp8_linear_invariant (one launch)"] = lambda: fp8_linear_invariant(x, wq.data, wq.scale, 128)
+    pieces["EngineLinear, fused decode"] = lambda: lin_f(x)
     from jetrl_precision.integrations import vllm_cutlass
 
     cut_why = vllm_cutlass.unusable_reason("cuda")
@@ -184,11 +209,12 @@ def main() -> None:
     if cq is not None:
         pieces["cuda quantizer (quant_cuda)"] = lambda: cq(x, m)
         pieces["cuda quantize + scaled_mm, inline"] = lambda: (lambda t: mm(t.data, wt, t.scale, sb, torch.bfloat16))(cq(x, m))
-    for rnd in (1, 2):
+    for rnd in (1, 2, 3):
         for name, fn in pieces.items():
             print(f"[round {rnd}] {name} {host_us(fn)}")
     print("triton", triton.__version__)
     _quantizer_gpu_times(k)
+    _fused_gpu_times()
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()

@@ -45,6 +45,7 @@ _OP_N, _OP_T = 0, 1
 _TRANSA, _TRANSB, _A_SCALE_POINTER, _B_SCALE_POINTER, _FAST_ACCUM, _A_SCALE_MODE, _B_SCALE_MODE = 3, 4, 17, 18, 25, 31, 32
 _PREF_MAX_WORKSPACE_BYTES = 1
 _MIN_VERSION = 120900  # blockwise scale modes
+_EXECUTION_FAILED = 13  # CUBLAS_STATUS_EXECUTION_FAILED: what a launch from a thread with no current context returns
 _HEURISTIC_BYTES = 96  # cublasLtMatmulHeuristicResult_t: algo (64 B), workspaceSize, state, wavesCount, reserved[4]
 _MAX_PLANS = 1024  # per GEMM object; packed batches vary M, so the table is bounded
 
@@ -194,6 +195,7 @@ class LtBlockwiseGemm:
         self._workspaces: dict[int, torch.Tensor] = {}  # stream -> workspace
         self._ws_ptrs: dict[int, int] = {}  # stream -> its address
         self._lock = threading.Lock()
+        self._threads = threading.local()
         handle, addr = _out()
         _check(self.lib.cublasLtCreate(addr), "cublasLtCreate")
         self.handle = handle.value
@@ -218,10 +220,24 @@ class LtBlockwiseGemm:
             la, lb, lc, ld = plan.layouts
             rc = lib.cublasLtMatmul(self.handle, plan.desc, self._alpha_addr, b_t.data_ptr(), la, a.data_ptr(), lb, self._beta_addr,
                                     out_ptr, lc, out_ptr, ld, plan.algo, ws, self.ws_bytes, stream)
+        if rc == _EXECUTION_FAILED and not self._thread_ready():
+            # A thread without a current CUDA context (a plain Python thread; torch's own threads set the device)
+            # fails the launch: make the primary context current, then run the call again.
+            return self(a, b_t, sa, sb, out_dtype)
         if rc != 0:
             raise RuntimeError(f"jetrl_precision: cublasLtMatmul failed (cublasStatus_t {rc}) for M={m} N={n} K={k} "
                                f"{self.block_a} x {self.block_b} -> {out_dtype}")
         return out
+
+    def _thread_ready(self) -> bool:
+        """False once per thread that had no current context, after making the primary context current."""
+        if getattr(self._threads, "ready", False) or self.device.type != "cuda":
+            return True
+        self._threads.ready = True
+        from ..kernels.nvrtc import make_primary_context_current
+
+        make_primary_context_current(self.device.index if self.device.index is not None else torch.cuda.current_device())
+        return False
 
     # -- plans ------------------------------------------------------------------------------------------------
     def _plan(self, a, b_t, sa, sb, out_dtype) -> _Plan:

@@ -35,7 +35,12 @@ from ..formats import Granularity, QuantizedTensor
 from ..gemm import gemm_nt
 from ..recipe import TensorSpec
 
-__all__ = ["EngineLinear", "activation_quantizer", "spec_code", "spec_from_code"]
+__all__ = ["EngineLinear", "activation_quantizer", "spec_code", "spec_from_code", "FUSED_DECODE", "FUSED_DECODE_MAX_M"]
+
+# The decode backend that quantizes inside the GEMM (`kernels.quant_gemm`): one launch per projection, for eager
+# engines, whose decode steps wait on host time. Up to 256 rows: its invariant tiles are slow beyond (GPU time).
+FUSED_DECODE = "triton_fused"
+FUSED_DECODE_MAX_M = 256
 
 
 def spec_code(spec: TensorSpec) -> str:
@@ -192,9 +197,11 @@ class _CublasPlan:
             fn = vllm_cutlass.decode_gemm(lin.weight.device)
             if fn is not None:
                 decode = _cutlass_decode(fn, lin.weight.t(), lin.weight_scale.t(), lin.n)
+        elif lin.decode_backend == FUSED_DECODE and lin.decode_max_m > 0:
+            decode = _fused_decode(lin.weight, lin.weight_scale, lin.input_spec.pow2_scale)
         elif lin.decode_backend:
             raise ValueError(f"EngineLinear: decode backend {lin.decode_backend!r} is not supported here; use 'deep_gemm', "
-                             "'vllm_cutlass' or ''")
+                             f"'vllm_cutlass', '{FUSED_DECODE}' or ''")
         return cls(lin, torch_backend.prepared_scaled_mm(lin.weight.device), decode)
 
     def quantizer(self, dtype: torch.dtype):
@@ -221,12 +228,34 @@ class _CublasPlan:
 
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
         m = x2.shape[0]
+        if m <= self.decode_max and self.decode is not None and self.decode.takes_x and x2.dtype != torch.float32:
+            return self.decode(x2)
         mp = -(-m // 4) * 4  # cuBLASLt refuses an MN-major scale_a whose M is not a multiple of 4
         xq = (self._quantizers.get(x2.dtype) or self.quantizer(x2.dtype))(x2, mp)
         if m <= self.decode_max and self.decode is not None and x2.dtype == torch.bfloat16:
             return self.decode(xq, m, mp)
         y = self.mm(xq.data, self.w_t, xq.scale, self.sb, x2.dtype)
         return y if mp == m else y[:m]
+
+
+class _Decode:
+    """A decode-sized batch's GEMM: fn(xq, m, mp) on the quantized activation, or fn(x2) on the activation itself
+    (`takes_x`: the fused kernel quantizes inside the GEMM)."""
+
+    __slots__ = ("fn", "takes_x")
+
+    def __init__(self, fn, takes_x: bool = False) -> None:
+        self.fn, self.takes_x = fn, takes_x
+
+    def __call__(self, *args) -> torch.Tensor:
+        return self.fn(*args)
+
+
+def _fused_decode(weight: torch.Tensor, weight_scale: torch.Tensor, pow2: bool) -> _Decode:
+    from ..kernels.quant_gemm import fp8_linear_invariant
+
+    # The weight parameters themselves (row-major 128x128 scales, read in place): in-place weight installs show.
+    return _Decode(lambda x2: fp8_linear_invariant(x2, weight, weight_scale, 128, x2.dtype, pow2), takes_x=True)
 
 
 def _deep_gemm_decode(fn, kw: dict, weight: torch.Tensor, weight_scale: torch.Tensor, n: int):
@@ -238,7 +267,7 @@ def _deep_gemm_decode(fn, kw: dict, weight: torch.Tensor, weight_scale: torch.Te
         fn((xq.data[:m], xq.scale[:m]), w_dg, y, **kw)
         return y
 
-    return decode
+    return _Decode(decode)
 
 
 def _cutlass_decode(fn, w_t: torch.Tensor, w_scale_t: torch.Tensor, n: int):
@@ -249,7 +278,7 @@ def _cutlass_decode(fn, w_t: torch.Tensor, w_scale_t: torch.Tensor, n: int):
         fn(y, xq.data, xq.scale, w_t, w_scale_t)
         return y if mp == m else y[:m]  # leading rows of a contiguous buffer: contiguous
 
-    return decode
+    return _Decode(decode)
 
 
 @functools.lru_cache(maxsize=None)

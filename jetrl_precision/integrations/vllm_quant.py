@@ -27,7 +27,7 @@ from .. import ops
 from ..formats import QuantizedTensor
 from ..gemm import resolve_backend, resolve_decode_backend
 from ..gemm.dispatch import ROLLOUT_DECODE_MAX_M
-from .engine_linear import EngineLinear
+from .engine_linear import FUSED_DECODE, FUSED_DECODE_MAX_M, EngineLinear
 from .vllm_plugin import QUANT_NAME, JetFp8Settings, Scope, plan_quant_groups
 
 __all__ = ["JetFp8Config", "JetFp8LinearMethod", "shard_window", "local_window", "check_aligned", "captured_batch_max"]
@@ -239,13 +239,20 @@ class JetFp8LinearMethod(LinearMethodBase):
         return decode, max_m
 
     def _eager_decode_backend(self, device: torch.device) -> tuple[str | None, int]:
-        """An eager engine's decode GEMM under `auto`: cuBLASLt (the trainer's GEMM) unless JETRL_EAGER_CUTLASS=1 asks
-        for vLLM's CUTLASS blockwise kernel (`vllm_cutlass`: one C++ op with less host time per call than torch's
+        """An eager engine's decode GEMM under `auto`: cuBLASLt (the trainer's GEMM) unless JETRL_EAGER_FUSED=1 asks for
+        the one-launch FP8 linear (`kernels.quant_gemm`: the activation quantized inside the batch-invariant GEMM, the
+        trainer's bytes, another accumulation than cuBLASLt's) or JETRL_EAGER_CUTLASS=1 for vLLM's CUTLASS blockwise kernel (`vllm_cutlass`: one C++ op with less host time per call than torch's
         cuBLASLt scaled_mm, checked at first use). Opt-in: it accumulates differently from the trainer's GEMM, and the
         eager engine's tokens/s with it has not yet been shown higher (docs/vllm.md)."""
         backend = self.backend_for(device)
         if self.settings.gemm_backend != "auto" or backend != "torch" or device.type != "cuda":
             return None, 0
+        if os.environ.get("JETRL_EAGER_FUSED", "0") == "1":
+            if "eager_fused" not in _logged:
+                _logged.add("eager_fused")
+                logger.info("jetrl_fp8: eager engine (JETRL_EAGER_FUSED=1): decode batches of up to %d rows run the FP8 "
+                            "linear in one launch (activation quantized inside the GEMM), larger ones %s", FUSED_DECODE_MAX_M, backend)
+            return FUSED_DECODE, FUSED_DECODE_MAX_M
         if os.environ.get("JETRL_EAGER_CUTLASS", "0") != "1":
             if "eager" not in _logged:
                 _logged.add("eager")

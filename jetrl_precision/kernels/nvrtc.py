@@ -20,7 +20,7 @@ import torch
 
 from .launch import launch_override
 
-__all__ = ["DEVICE_FUNCTIONS", "NvrtcKernel", "unavailable_reason", "compile_kernel"]
+__all__ = ["DEVICE_FUNCTIONS", "NvrtcKernel", "unavailable_reason", "compile_kernel", "make_primary_context_current"]
 
 DEVICE_FUNCTIONS = r"""
 typedef unsigned int u32;
@@ -143,7 +143,7 @@ class NvrtcKernel:
         if rc == _CUDA_ERROR_INVALID_CONTEXT:
             # A thread with no current context yet (autograd's backward threads start so; the driver API does not
             # pick the primary context by itself the way the runtime does): make it current, launch again.
-            _make_primary_context_current()
+            make_primary_context_current(self.device_index)
             rc = NvrtcKernel._launch(self.func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, None)
         if rc != 0:
             raise RuntimeError(f"jetrl_precision: cuLaunchKernel of {self.name} failed (CUresult {rc})")
@@ -154,10 +154,11 @@ def _libcuda() -> ctypes.CDLL:
     return ctypes.CDLL("libcuda.so.1")
 
 
-def _make_primary_context_current() -> None:
+def make_primary_context_current(device_index: int) -> None:
+    """Make the device's primary context current on this thread (the driver API does not pick it by itself)."""
     lib = _libcuda()
     dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
-    rc = lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(torch.cuda.current_device()))
+    rc = lib.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(device_index))
     rc = rc or lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
     rc = rc or lib.cuCtxSetCurrent(ctx)
     if rc != 0:
