@@ -431,14 +431,6 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
         if dtype in (torch.bfloat16, torch.float16) else None)
     saved_act = dict(engine_linear._ACT_QUANTIZERS)
     engine_linear._ACT_QUANTIZERS.clear()
-    # The cuBLASLt plans (gemm.cublaslt) the prepared calls take where their first-use check passes, on the library's
-    # CPU emulation; its matmul is the GEMM's launch.
-    from jetrl_precision.gemm import cublaslt
-
-    saved_lt = dict(cublaslt._gemms)
-    lt_lib = _lt_stub(check)
-    for blocks in (("1x128", "128x128"), ("1x128", "1x128")):
-        cublaslt._gemms[("cpu", *blocks)] = cublaslt.LtBlockwiseGemm(torch.device("cpu"), *blocks, lib=lt_lib, stream=lambda: 0)
 
     def override(name, grid, args, meta):
         c = _COUNTER[0]
@@ -471,38 +463,6 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
         quant_cuda.quantizer_1x128 = saved_qc
         engine_linear._ACT_QUANTIZERS.clear()
         engine_linear._ACT_QUANTIZERS.update(saved_act)
-        cublaslt._gemms.clear()
-        cublaslt._gemms.update(saved_lt)
-
-
-def _lt_stub(check: bool):
-    """cuBLASLt on CPU memory (`gemm.cublaslt_cpu`) for the plans' per-call functions: their work is the library's, not
-    the step's (paused), and `cublasLtMatmul` is the GEMM launch, computed only in check mode."""
-    from jetrl_precision.gemm.cublaslt_cpu import EmulatedLt
-
-    class LtStub(EmulatedLt):
-        def cublasLtMatmulDescSetAttribute(self, *args) -> int:
-            c = _COUNTER[0]
-            if c is not None:
-                c.paused += 1
-            try:
-                return super().cublasLtMatmulDescSetAttribute(*args)
-            finally:
-                if c is not None:
-                    c.paused -= 1
-
-        def cublasLtMatmul(self, *args) -> int:
-            c = _COUNTER[0]
-            if c is not None:
-                c.launched("cublasLtMatmul")
-                c.paused += 1
-            try:
-                return super().cublasLtMatmul(*args) if check else 0
-            finally:
-                if c is not None:
-                    c.paused -= 1
-
-    return LtStub()
 
 
 class _NvrtcStub:

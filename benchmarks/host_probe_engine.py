@@ -15,7 +15,8 @@ the probe times it beside the Triton kernel (host time, and GPU time per call at
 prepared GEMM (a cuBLASLt plan, `gemm.cublaslt`, where its first-use check passed) beside `torch._scaled_mm`, the
 whole EngineLinear call with either quantizer and either GEMM, its parts called the way the plan calls them, and ends with a
 torch.profiler table of EngineLinear calls by self CPU time. Each list of pieces is timed three times, interleaved, so
-a drifting host shows as different figures for one piece. The one-launch FP8 linear (`kernels.quant_gemm`, the
+a drifting host shows as different figures for one piece. The engine call is timed with and without its activation
+workspace (JETRL_ENGINE_WORKSPACE) and with a cuBLASLt plan (`gemm.cublaslt`) for its GEMM. The one-launch FP8 linear (`kernels.quant_gemm`, the
 eager engine's JETRL_EAGER_FUSED=1 decode path) is timed beside them, host and GPU (the four 8B projections).
 """
 
@@ -189,6 +190,35 @@ def main() -> None:
     }
     if plan:
         pieces["EngineLinear plan call"] = lambda: plan(x)
+    lt = cublaslt.blockwise_gemm("cuda", "1x128", "128x128") or cublaslt.LtBlockwiseGemm(torch.device("cuda"), "1x128", "128x128")
+    if lt is not None:
+        pieces["cuBLASLt plan call (gemm.cublaslt)"] = lambda: lt(xq.data, wt, xq.scale, sb, torch.bfloat16)
+        lt(xq.data, wt, xq.scale, sb, torch.bfloat16)
+        plan_ = lt._plans[(m, n, k, torch.bfloat16)]
+        y_pre = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        ptrs = (wt.data_ptr(), xq.data.data_ptr(), y_pre.data_ptr())
+        stream_ = torch.cuda.current_stream().cuda_stream
+        ws_ = lt._ws_ptrs.get(stream_) or lt._workspace(stream_)
+        la, lb, lc, ld = plan_.layouts
+        raw = lt.lib.cublasLtMatmul
+        # The library call alone: descriptors made, scale pointers set once, output preallocated, no torch in between.
+        pieces["cublasLtMatmul alone (ctypes)"] = lambda: raw(lt.handle, plan_.desc, lt._alpha_addr, ptrs[0], la, ptrs[1], lb,
+                                                              lt._beta_addr, ptrs[2], lc, ptrs[2], ld, plan_.algo, ws_, lt.ws_bytes, stream_)
+    from jetrl_precision.integrations import engine_linear
+
+    def no_workspace():
+        engine_linear._USE_WS = False
+        try:
+            return lin(x)
+        finally:
+            engine_linear._USE_WS = True
+
+    pieces["EngineLinear, no activation workspace"] = no_workspace
+    if lt is not None:
+        lin_lt = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, spec, "torch")
+        if lin_lt._fast:
+            lin_lt._fast.mm = lt
+            pieces["EngineLinear, cuBLASLt plan GEMM"] = lambda: lin_lt(x)
     from jetrl_precision.integrations.engine_linear import FUSED_DECODE, FUSED_DECODE_MAX_M
     from jetrl_precision.kernels.quant_gemm import fp8_linear_invariant
 

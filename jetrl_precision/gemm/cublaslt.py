@@ -9,12 +9,17 @@ calls `cublasLtMatmul`, in the library torch loaded: same descriptors, same heur
 and the same bits. `blockwise_gemm(device, ...)` checks that bit for bit against `F.scaled_mm` at first use
 (`_probe.verdict_once`) and returns None otherwise; callers then keep torch's entry point.
 
+Opt-in (`JETRL_CUBLASLT_PLAN=1`), because it did not pay: timed one call at a time behind a sleep kernel (H100 and
+H200 hosts, M = 64, N = K = 4096), a plan's call costs what `torch._scaled_mm` costs (18-31 us against 19-30 us
+over the same rounds), and `cublasLtMatmul` alone, with every descriptor made and the output preallocated, costs
+10-14 us of it: the library's own host work, not torch's wrapper, is the bulk of an FP8 GEMM call's host time.
+
 Operands are those of torch's row-major product out[M, N] = a[M, K] @ b_t[K, N], with a contiguous and b_t the
 transpose of a contiguous [N, K]: torch (`cublasCommonArgs`) runs it column-major as out^T = b_t^T @ a^T, so
 cuBLAS's A is b (transposed), its B is a, and the scale pointers and modes swap with them.
 
 The enum values below are cublasLt.h's (CUDA 12.9-13.1); a library older than 12.9 has no blockwise scale modes and
-is refused. `JETRL_CUBLASLT_PLAN=0` turns the plans off (torch's entry point everywhere).
+is refused.
 """
 
 from __future__ import annotations
@@ -331,8 +336,8 @@ _gemms: dict[tuple, LtBlockwiseGemm] = {}
 def unavailable_reason(device: torch.device | str) -> str | None:
     """Why plans cannot run on `device` (None: they may; `blockwise_gemm` still checks their bits)."""
     device = torch.device(device)
-    if os.environ.get("JETRL_CUBLASLT_PLAN", "1").strip() == "0":
-        return "turned off (JETRL_CUBLASLT_PLAN=0)"
+    if not _asked():
+        return "not asked for (JETRL_CUBLASLT_PLAN=1 turns the plans on)"
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"needs a CUDA device, got {device}"
     lib = _library()
@@ -340,9 +345,9 @@ def unavailable_reason(device: torch.device | str) -> str | None:
 
 
 def blockwise_gemm(device: torch.device | str, block_a: str, block_b: str) -> LtBlockwiseGemm | None:
-    """The per-shape-plan GEMM for `block_a` x `block_b` on `device`, or None: turned off (silently), or no CUDA or
+    """The per-shape-plan GEMM for `block_a` x `block_b` on `device`, or None: not asked for (silently), or no CUDA or
     library, or its first-use check found other bits than F.scaled_mm's (each warned once)."""
-    if os.environ.get("JETRL_CUBLASLT_PLAN", "1").strip() == "0":
+    if not _asked():
         return None
     device = torch.device(device)
     key = (device_key(device), block_a, block_b)
@@ -368,9 +373,16 @@ def blockwise_gemm(device: torch.device | str, block_a: str, block_b: str) -> Lt
     return _gemms.get(key)
 
 
+def _asked() -> bool:
+    return os.environ.get("JETRL_CUBLASLT_PLAN", "0").strip() == "1"
+
+
 def call_status(device: torch.device | str) -> str:
-    """What the torch backend's prepared GEMMs call on `device`, for precision graphs and logs: 'cublaslt_plan', or
-    'torch.scaled_mm (why the plans are not used)'. Same bits either way; the plans cost less host time."""
+    """What the torch backend's prepared GEMMs call on `device`, for precision graphs and logs: 'torch.scaled_mm'
+    (the default), 'cublaslt_plan' (asked for and checked), or 'torch.scaled_mm (why the plans asked for are not
+    used)'. Same bits either way."""
+    if not _asked():
+        return "torch.scaled_mm"
     device = torch.device(device)
     used = [blockwise_gemm(device, "1x128", b) is not None for b in ("128x128", "1x128")]
     if all(used):

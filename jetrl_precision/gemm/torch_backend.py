@@ -9,9 +9,9 @@ Layouts (cuBLASLt on an H200 with torch 2.11):
 The recipe enum is looked up through `__members__` (its spelling differs across torch versions);
 torch builds without `F.scaled_mm` use the legacy `torch._scaled_mm`, which infers the recipe from
 the scale shapes. The prepared calls (a layer's step plan, the inference engine) take the entry point with
-the least host time whose bits equal F.scaled_mm's on the device: a cuBLASLt plan per shape (`cublaslt`: the
-same library call with its descriptors and algorithm made once), else the legacy call for 1x128.128x128, else
-`torch._scaled_mm_v2` with the arguments F.scaled_mm builds (without the wrapper's per-call list building).
+the least host time whose bits equal F.scaled_mm's on the device: the legacy call for 1x128.128x128, else
+`torch._scaled_mm_v2` with the arguments F.scaled_mm builds (without the wrapper's per-call list building); with
+JETRL_CUBLASLT_PLAN=1, a cuBLASLt plan per shape first (`cublaslt`; opt-in: no host time saved, measured).
 K or N that are not multiples of 128 are zero-padded (logged once).
 """
 
@@ -84,9 +84,10 @@ def prepared_scaled_mm(device: torch.device | str):
     """The scaled_mm call `torch_gemm_nt` makes for 1x128 x 128x128 on `device`, for callers that prepare the
     operands themselves (an inference engine's static weights): fn(a_data, b_data_t, scale_a, scale_b, out_dtype)
     with scale_a MN-major (M a multiple of 4) and scale_b from `row_major_padded_t`. Of the entry points whose bits
-    equal F.scaled_mm's on the device, the one with the least host time: a cuBLASLt plan per shape
-    (`cublaslt.blockwise_gemm`), else the legacy `torch._scaled_mm`, else `torch._scaled_mm_v2` called with the
-    arguments F.scaled_mm builds (its Python wrapper costs several microseconds per call), else F.scaled_mm."""
+    equal F.scaled_mm's on the device, the one with the least host time: the legacy `torch._scaled_mm`, else
+    `torch._scaled_mm_v2` called with the arguments F.scaled_mm builds (its Python wrapper costs several
+    microseconds per call), else F.scaled_mm; a cuBLASLt plan per shape before them where JETRL_CUBLASLT_PLAN=1
+    (`cublaslt.blockwise_gemm`)."""
     reason = unavailable_reason(torch.device(device))
     if reason is not None:
         raise RuntimeError(f"the torch GEMM backend cannot run on {device}: {reason}")
@@ -112,9 +113,9 @@ def prepared_scaled_mm(device: torch.device | str):
 
 def prepared_scaled_mm_1x128(device: torch.device | str):
     """The scaled_mm call `torch_gemm_nt` makes for 1x128 x 1x128 (WGrad) on `device`: fn(a, b_t, sa, sb, out_dtype),
-    both scales MN-major. A cuBLASLt plan per shape where its first-use check passed, else, where the probe found it
-    bitwise equal, `torch._scaled_mm_v2` called with the arguments `F.scaled_mm` builds (the same op, without the
-    wrapper's per-call list building), else F.scaled_mm."""
+    both scales MN-major. Where the probe found it bitwise equal, `torch._scaled_mm_v2` called with the arguments
+    `F.scaled_mm` builds (the same op, without the wrapper's per-call list building), else F.scaled_mm; a cuBLASLt
+    plan per shape before them where JETRL_CUBLASLT_PLAN=1 and its first-use check passed."""
     reason = unavailable_reason(torch.device(device))
     if reason is not None:
         raise RuntimeError(f"the torch GEMM backend cannot run on {device}: {reason}")

@@ -38,9 +38,10 @@ from ..recipe import TensorSpec
 __all__ = ["EngineLinear", "activation_quantizer", "spec_code", "spec_from_code", "FUSED_DECODE", "FUSED_DECODE_MAX_M"]
 
 # The decode backend that quantizes inside the GEMM (`kernels.quant_gemm`): one launch per projection, for eager
-# engines, whose decode steps wait on host time. Up to 256 rows: its invariant tiles are slow beyond (GPU time).
+# engines, whose decode steps wait on host time. Up to 16 rows: there its GPU time is within a few us of the
+# two-launch call's on the 8B projections; at 64 rows and more every program re-quantizing its rows costs 2-9x.
 FUSED_DECODE = "triton_fused"
-FUSED_DECODE_MAX_M = 256
+FUSED_DECODE_MAX_M = 16
 
 
 def spec_code(spec: TensorSpec) -> str:
@@ -160,6 +161,9 @@ class _CublasPlan:
         self.mm = mm
         self.pow2 = lin.input_spec.pow2_scale
         self.device = lin.weight.device
+        # fn() -> the current stream's handle (the workspace's key); 0 off CUDA (the CPU host-cost proxy)
+        self._stream = (functools.partial(torch._C._cuda_getCurrentRawStream, self.device.index if self.device.index is not None
+                                          else torch.cuda.current_device()) if self.device.type == "cuda" else int)
         self._quantizers: dict[torch.dtype, object] = {}  # activation dtype -> fn(x, rows_alloc)
         self.w_t = lin.weight.t()
         self.sb_buf: torch.Tensor | None = None
@@ -213,6 +217,19 @@ class _CublasPlan:
                 self._quantizers[dtype] = fn
         return fn
 
+    def _quantize(self, x2: torch.Tensor, m: int, mp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data, scale) of x2 quantized 1x128 with M padded to mp: into the shared workspace where the quantizer
+        writes into buffers and the batch is decode-sized, else freshly allocated."""
+        fn = self._quantizers.get(x2.dtype) or self.quantizer(x2.dtype)
+        into = getattr(fn, "into", None)
+        if into is not None and mp <= _WS_MAX_M and _USE_WS:
+            key = (self._stream(), x2.shape[1], mp)
+            q, s = _ACT_WS.get(key) or _act_workspace(self.device, *key)
+            if into(x2, q, s):
+                return q, s
+        xq = fn(x2, mp)
+        return xq.data, xq.scale
+
     def refresh(self, lin: EngineLinear) -> None:
         from ..kernels.layout import row_major_padded_t
 
@@ -231,10 +248,10 @@ class _CublasPlan:
         if m <= self.decode_max and self.decode is not None and self.decode.takes_x and x2.dtype != torch.float32:
             return self.decode(x2)
         mp = -(-m // 4) * 4  # cuBLASLt refuses an MN-major scale_a whose M is not a multiple of 4
-        xq = (self._quantizers.get(x2.dtype) or self.quantizer(x2.dtype))(x2, mp)
+        q, s = self._quantize(x2, m, mp)
         if m <= self.decode_max and self.decode is not None and x2.dtype == torch.bfloat16:
-            return self.decode(xq, m, mp)
-        y = self.mm(xq.data, self.w_t, xq.scale, self.sb, x2.dtype)
+            return self.decode(QuantizedTensor.trusted(q, s, (1, 128)), m, mp)
+        y = self.mm(q, self.w_t, s, self.sb, x2.dtype)
         return y if mp == m else y[:m]
 
 
@@ -292,6 +309,30 @@ def _deep_gemm_call(device: torch.device) -> tuple:
 
 
 _ACT_QUANTIZERS: dict[tuple, tuple] = {}
+
+
+# Decode-sized batches quantize their activation into a workspace shared by every layer of one K on one stream
+# (`_act_workspace`), saving the quantizer's two allocations per call. Safe because the stream orders each layer's
+# GEMM (the reader) before the next layer's quantization (the writer); up to _WS_MAX_M rows, so a workspace is
+# at most _WS_MAX_M x K bytes (plus scales). JETRL_ENGINE_WORKSPACE=0 allocates per call (an A/B switch).
+_WS_MAX_M = 512
+_USE_WS = os.environ.get("JETRL_ENGINE_WORKSPACE", "1") != "0"
+_ACT_WS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (stream, K, mp) -> (data, scale) views
+_ACT_WS_FLAT: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (stream, K) -> flat buffers
+
+
+def _act_workspace(device: torch.device, stream: int, k: int, mp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the (stream, K) workspace for mp rows: data [mp, K] contiguous, scale [mp, ceil(K/128)] MN-major
+    (strides (1, mp), the layout cuBLASLt reads; the first mp x G floats of the flat buffer)."""
+    hit = _ACT_WS.get((stream, k, mp))
+    if hit is None:
+        g = -(-k // 128)
+        flat = _ACT_WS_FLAT.get((stream, k))
+        if flat is None:
+            flat = _ACT_WS_FLAT[(stream, k)] = (torch.empty(_WS_MAX_M * k, dtype=torch.float8_e4m3fn, device=device),
+                                                torch.empty(_WS_MAX_M * g, dtype=torch.float32, device=device))
+        hit = _ACT_WS[(stream, k, mp)] = (flat[0][: mp * k].view(mp, k), torch.as_strided(flat[1], (mp, g), (1, mp)))
+    return hit
 
 
 def _capturing() -> bool:

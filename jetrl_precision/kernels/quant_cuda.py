@@ -111,6 +111,19 @@ class Quantizer1x128:
         self.kern((-(-rows // 4), groups), 128, (x, q, scale), (rows, cols, sxr, cols // 4, alloc), self.meta)
         return QuantizedTensor.trusted(q, scale, (1, 128))
 
+    def into(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> bool:
+        """Quantize x [R, C] into the caller's q [A, C] (contiguous e4m3) and scale [A, ceil(C/128)] (strides (1, A)),
+        A >= R, rows R.. left as they are: what `__call__(x, A)` returns, without its two allocations (an engine's
+        per-shape workspace). False, with nothing written, for an input this kernel is not for."""
+        rows, cols = x.shape
+        sxr, sxc = x.stride()
+        if (x.dtype is not self.dtype or sxc != 1 or cols % 4 or sxr % 4 or x.data_ptr() % 8 or rows == 0
+                or rows > self.max_rows or x.get_device() != self.kern.device_index):
+            return False
+        alloc = q.shape[0]
+        self.kern((-(-rows // 4), -(-cols // 128)), 128, (x, q, scale), (rows, cols, sxr, cols // 4, alloc), self.meta)
+        return True
+
 
 _quantizers: dict[tuple[str, bool, torch.dtype], Quantizer1x128] = {}
 _verdicts: dict[tuple[str, bool, torch.dtype], bool] = {}

@@ -1,4 +1,5 @@
-"""cuBLASLt GEMM plans (gemm.cublaslt) give F.scaled_mm's exact bits on this GPU, wherever the project calls them.
+"""cuBLASLt GEMM plans (gemm.cublaslt, opt-in: JETRL_CUBLASLT_PLAN=1) give F.scaled_mm's exact bits on this GPU,
+wherever the project would call them.
 
 Decode, prefill and training shapes (split-K-prone small M with long K included), both recipes (the forward and
 DGrad's 1x128 x 128x128, WGrad's 1x128 x 1x128), bf16 and fp32 outputs; under CUDA graph capture and replay, on a
@@ -21,6 +22,11 @@ if torch.cuda.is_available():
     from jetrl_precision.gemm import cublaslt, torch_backend
     from jetrl_precision.kernels.layout import mn_major, row_major_padded_t
     from jetrl_precision.quantize import quantize_fp8
+
+@pytest.fixture(autouse=True)
+def _asked(monkeypatch):
+    monkeypatch.setenv("JETRL_CUBLASLT_PLAN", "1")
+
 
 SHAPES = [  # (M, N, K)
     (4, 4096, 4096), (8, 1024, 4096), (60, 4096, 4096), (64, 14336, 4096), (64, 4096, 14336), (128, 6144, 4096),

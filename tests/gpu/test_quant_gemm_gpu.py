@@ -70,7 +70,7 @@ def test_engine_fused_decode_runs_the_kernel():
     from jetrl_precision.integrations.engine_linear import FUSED_DECODE, FUSED_DECODE_MAX_M, EngineLinear
 
     spec = get_recipe("jet_fp8").rollout.input
-    x, w = _case(64, 4096, 4096, torch.bfloat16, 9)
+    x, w = _case(FUSED_DECODE_MAX_M, 4096, 4096, torch.bfloat16, 9)
     lin = EngineLinear(w.data, w.scale, [(4096, 32, 128)], 128, spec, "torch", FUSED_DECODE, FUSED_DECODE_MAX_M)
     assert lin.decode_gemm == f"{FUSED_DECODE} (M <= {FUSED_DECODE_MAX_M})"
     assert torch.equal(_bits(lin(x)), _bits(fp8_linear_invariant(x, w.data, w.scale, 128, torch.bfloat16, spec.pow2_scale)))

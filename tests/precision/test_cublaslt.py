@@ -166,17 +166,19 @@ def test_plan_asks_the_heuristic_with_torchs_cap(monkeypatch):
     assert seen == [2 * 1024 * 1024] and gemm._workspaces[0].numel() == 2 * 1024 * 1024
 
 
-def test_blockwise_gemm_without_cuda_is_none_and_says_why(caplog, monkeypatch):
+def test_plans_are_opt_in_and_say_why_they_cannot_run(caplog, monkeypatch):
     monkeypatch.setattr(cublaslt, "_verdicts", {})
     monkeypatch.setattr(cublaslt, "_reasons", {})
-    monkeypatch.setenv("JETRL_CUBLASLT_PLAN", "0")
+    monkeypatch.delenv("JETRL_CUBLASLT_PLAN", raising=False)
     with caplog.at_level(logging.WARNING, logger="jetrl_precision.gemm.cublaslt"):
         assert blockwise_gemm("cpu", "1x128", "128x128") is None
-    assert not caplog.records  # turned off on purpose: nothing to warn about
-    monkeypatch.delenv("JETRL_CUBLASLT_PLAN")
+    assert not caplog.records  # not asked for: nothing to warn about
+    assert cublaslt.call_status("cpu") == "torch.scaled_mm"
     if torch.cuda.is_available():
         pytest.skip("the no-CUDA branch")
+    monkeypatch.setenv("JETRL_CUBLASLT_PLAN", "1")
     with caplog.at_level(logging.WARNING, logger="jetrl_precision.gemm.cublaslt"):
         assert blockwise_gemm("cpu", "1x128", "128x128") is None
         assert blockwise_gemm("cpu", "1x128", "128x128") is None
     assert len(caplog.records) == 1 and "needs a CUDA device" in caplog.records[0].getMessage()
+    assert cublaslt.call_status("cpu").startswith("torch.scaled_mm (needs a CUDA device")
