@@ -144,8 +144,8 @@ stage_eager_ab() {
   # company and its own bf16 baseline): `shipped` (the CUDA activation quantizer, cuBLASLt), `cutlass`
   # (JETRL_EAGER_CUTLASS=1: vLLM's CUTLASS kernel for decode GEMMs), `tritonq` (JETRL_CUDA_QUANT=0: the Triton
   # quantizer), `ltplan` (JETRL_CUBLASLT_PLAN=1: cuBLASLt plans per shape instead of torch's scaled_mm), `fused` (JETRL_EAGER_FUSED=1:
-  decode GEMMs quantize inside one Triton launch), `nows` (JETRL_ENGINE_WORKSPACE=0: the quantized activation in
-  fresh buffers per call instead of the shared workspace). 256 prompts x 1024 tokens, EAGER_AB_ARMS ("shipped cutlass"), EAGER_AB_LAYERS (16), EAGER_AB_REPEATS (2);
+  # decode GEMMs quantize inside one Triton launch), `nows` (JETRL_ENGINE_WORKSPACE=0: the quantized activation in
+  # fresh buffers per call instead of the shared workspace). 256 prompts x 1024 tokens, EAGER_AB_ARMS ("shipped cutlass"), EAGER_AB_LAYERS (16), EAGER_AB_REPEATS (2);
   # ~3.5 min per arm at 16 layers.
   local layers=${EAGER_AB_LAYERS:-16} reps=${EAGER_AB_REPEATS:-2} kv arm env
   kv=$(((layers * 13 + 9) / 10 + 1))

@@ -14,8 +14,8 @@ The engine's activation quantizer is the CUDA kernel of `kernels.quant_cuda` whe
 the probe times it beside the Triton kernel (host time, and GPU time per call at decode and prefill sizes), the
 prepared GEMM (a cuBLASLt plan, `gemm.cublaslt`, where its first-use check passed) beside `torch._scaled_mm`, the
 whole EngineLinear call with either quantizer and either GEMM, its parts called the way the plan calls them, and ends with a
-torch.profiler table of EngineLinear calls by self CPU time. Each list of pieces is timed three times, interleaved, so
-a drifting host shows as different figures for one piece. The engine call is timed with and without its activation
+torch.profiler table of EngineLinear calls by self CPU time. The pieces take turns sample by sample (`paired_us`;
+PROBE_SAMPLES, default 25): each gets its minimum and median over the samples, so a drifting host weighs on all alike. The engine call is timed with and without its activation
 workspace (JETRL_ENGINE_WORKSPACE) and with a cuBLASLt plan (`gemm.cublaslt`) for its GEMM. The one-launch FP8 linear (`kernels.quant_gemm`, the
 eager engine's JETRL_EAGER_FUSED=1 decode path) is timed beside them, host and GPU (the four 8B projections).
 """
@@ -51,6 +51,28 @@ def host_us(fn, reps: int = 100) -> float:
         times.append((time.perf_counter() - t0) / reps * 1e6)
         torch.cuda.synchronize()
     return round(statistics.median(times), 1)
+
+
+def paired_us(pieces: dict, samples: int = 25, reps: int = 50) -> dict[str, tuple[float, float]]:
+    """{name: (min, median)} host us per call, the pieces taking turns sample by sample (each sample `reps` calls
+    queued behind a spin kernel), so a drifting or noisy host weighs on every piece alike; the minimum is the
+    least-disturbed figure, the median the typical one."""
+    for fn in pieces.values():
+        for _ in range(10):
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in pieces}
+    names = list(pieces)
+    for i in range(samples):
+        for name in names[i % len(names):] + names[: i % len(names)]:  # rotate the order: no piece always follows another
+            fn = pieces[name]
+            torch.cuda._sleep(40_000_000)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times[name].append((time.perf_counter() - t0) / reps * 1e6)
+            torch.cuda.synchronize()
+    return {n: (round(min(v), 1), round(statistics.median(v), 1)) for n, v in times.items()}
 
 
 def _vllm_quantizer_probe(k: int) -> None:
@@ -239,9 +261,10 @@ def main() -> None:
     if cq is not None:
         pieces["cuda quantizer (quant_cuda)"] = lambda: cq(x, m)
         pieces["cuda quantize + scaled_mm, inline"] = lambda: (lambda t: mm(t.data, wt, t.scale, sb, torch.bfloat16))(cq(x, m))
-    for rnd in (1, 2, 3):
-        for name, fn in pieces.items():
-            print(f"[round {rnd}] {name} {host_us(fn)}")
+    import os
+
+    for name, (lo, med) in paired_us(pieces, samples=int(os.environ.get("PROBE_SAMPLES", "25"))).items():
+        print(f"[host us min/median] {name} {lo} / {med}")
     print("triton", triton.__version__)
     _quantizer_gpu_times(k)
     _fused_gpu_times()
