@@ -422,6 +422,25 @@ def _check_common(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, who:
         raise ValueError(f"{who}: A is on {a.device} and B on {b.device}; move both to one device")
 
 
+def _fp8_plan(a: torch.Tensor, b: torch.Tensor, b_block_n: int, out_dtype: torch.dtype, config: InvariantConfig | None, who: str):
+    """What an FP8 entry point (A [M, K] of any dtype its kernel reads, B e4m3 [N, K]) checks and derives before its
+    launch: (config, K groups per split, splits, destination, its split stride, output, grid), or the empty output
+    for M = 0."""
+    _check_common(a, b, out_dtype, who)
+    if b_block_n not in (1, 128):
+        raise ValueError(f"{who}: B must be 128x128- or 1x128-scaled, got a {b_block_n}-row block")
+    m, k = a.shape
+    n = b.shape[0]
+    cfg = config or invariant_config(n, k, torch.float8_e4m3fn, m)
+    if b_block_n == 128 and cfg.block_n > 128:
+        raise ValueError(f"{who}: block_n {cfg.block_n} > 128 cannot read one 128x128 scale per slab")
+    if m == 0:
+        return torch.empty((0, n), dtype=out_dtype, device=a.device)
+    per, splits = _splits(-(-k // _FP8_GROUP), cfg.split_k)
+    dest, s_ws, out = _output(m, n, splits, out_dtype, a.device)
+    return cfg, per, splits, dest, s_ws, out, (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
+
+
 def fp8_gemm_nt_invariant(
     a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_block_n: int, out_dtype: torch.dtype,
     config: InvariantConfig | None = None,
@@ -429,21 +448,14 @@ def fp8_gemm_nt_invariant(
     """a e4m3 [M, K] with sa (M, ceil(K/128)); b e4m3 [N, K] with sb (ceil(N/128) or N, ceil(K/128)) for
     `b_block_n` 128 or 1. Any strides. `config` defaults to `invariant_config(N, K, e4m3, M)`: the numerics of
     K, the tile of N and M's bucket."""
-    _check_common(a, b, out_dtype, "fp8_gemm_nt_invariant")
     if a.dtype != torch.float8_e4m3fn or b.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_gemm_nt_invariant: A and B must be float8_e4m3fn, got {a.dtype} and {b.dtype}")
-    if b_block_n not in (1, 128):
-        raise ValueError(f"fp8_gemm_nt_invariant: B must be 128x128- or 1x128-scaled, got a {b_block_n}-row block")
+    plan = _fp8_plan(a, b, b_block_n, out_dtype, config, "fp8_gemm_nt_invariant")
+    if isinstance(plan, torch.Tensor):
+        return plan
+    cfg, per, splits, dest, s_ws, out, grid = plan
     m, k = a.shape
     n = b.shape[0]
-    cfg = config or invariant_config(n, k, torch.float8_e4m3fn, m)
-    if b_block_n == 128 and cfg.block_n > 128:
-        raise ValueError(f"fp8_gemm_nt_invariant: block_n {cfg.block_n} > 128 cannot read one 128x128 scale per slab")
-    if m == 0:
-        return torch.empty((0, n), dtype=out_dtype, device=a.device)
-    per, splits = _splits(-(-k // _FP8_GROUP), cfg.split_k)
-    dest, s_ws, out = _output(m, n, splits, out_dtype, a.device)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
     _fp8_launch(
         grid, a, sa, b, sb, dest, m, n, k, per,
         a.stride(0), a.stride(1), sa.stride(0), sa.stride(1), b.stride(0), b.stride(1), sb.stride(0), sb.stride(1),

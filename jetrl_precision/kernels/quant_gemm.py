@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._common import abs_max, group_scale, quantize_values
-from .invariant_gemm import _FP8_GROUP, InvariantConfig, _finish, _interpreted, _output, _splits, _store_tile, invariant_config
+from .invariant_gemm import _FP8_GROUP, InvariantConfig, _finish, _fp8_plan, _interpreted, _store_tile
 from .launch import TritonLauncher
 
 __all__ = ["fp8_linear_invariant"]
@@ -87,22 +87,14 @@ def fp8_linear_invariant(
     `fp8_gemm_nt_invariant(quantize_1x128(x), ...)` bit for bit under the same `config` (default
     `invariant_config(N, K, e4m3, M)`)."""
     out_dtype = out_dtype or x.dtype
-    if x.dim() != 2 or b.dim() != 2 or x.shape[1] != b.shape[1]:
-        raise ValueError(f"fp8_linear_invariant: needs x [M, K] and B [N, K] with the same K, got {tuple(x.shape)} and {tuple(b.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16) or b.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_linear_invariant: x must be bf16/fp16 and B float8_e4m3fn, got {x.dtype} and {b.dtype}")
-    if b_block_n not in (1, 128):
-        raise ValueError(f"fp8_linear_invariant: B must be 128x128- or 1x128-scaled, got a {b_block_n}-row block")
+    plan = _fp8_plan(x, b, b_block_n, out_dtype, config, "fp8_linear_invariant")
+    if isinstance(plan, torch.Tensor):
+        return plan
+    cfg, per, splits, dest, s_ws, out, grid = plan
     m, k = x.shape
     n = b.shape[0]
-    cfg = config or invariant_config(n, k, torch.float8_e4m3fn, m)
-    if b_block_n == 128 and cfg.block_n > 128:
-        raise ValueError(f"fp8_linear_invariant: block_n {cfg.block_n} > 128 cannot read one 128x128 scale per slab")
-    if m == 0:
-        return torch.empty((0, n), dtype=out_dtype, device=x.device)
-    per, splits = _splits(-(-k // _FP8_GROUP), cfg.split_k)
-    dest, s_ws, out = _output(m, n, splits, out_dtype, x.device)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), splits)
     _launch(
         grid, x, b, sb, dest, m, n, k, per,
         x.stride(0), x.stride(1), b.stride(0), b.stride(1), sb.stride(0), sb.stride(1), s_ws, n, 1,
