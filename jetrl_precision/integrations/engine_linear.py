@@ -161,9 +161,9 @@ class _CublasPlan:
         self.mm = mm
         self.pow2 = lin.input_spec.pow2_scale
         self.device = lin.weight.device
-        # fn() -> the current stream's handle (the workspace's key); 0 off CUDA (the CPU host-cost proxy)
-        self._stream = (functools.partial(torch._C._cuda_getCurrentRawStream, self.device.index if self.device.index is not None
-                                          else torch.cuda.current_device()) if self.device.type == "cuda" else int)
+        # fn() -> the current stream's handle (with the device, the workspace's key); 0 off CUDA (the host-cost proxy)
+        self.device_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) if self.device.type == "cuda" else -1
+        self._stream = functools.partial(torch._C._cuda_getCurrentRawStream, self.device_index) if self.device.type == "cuda" else int
         self._quantizers: dict[torch.dtype, object] = {}  # activation dtype -> fn(x, rows_alloc)
         self.w_t = lin.weight.t()
         self.sb_buf: torch.Tensor | None = None
@@ -217,16 +217,16 @@ class _CublasPlan:
                 self._quantizers[dtype] = fn
         return fn
 
-    def _quantize(self, x2: torch.Tensor, m: int, mp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantize(self, x2: torch.Tensor, mp: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(data, scale) of x2 quantized 1x128 with M padded to mp: into the shared workspace where the quantizer
-        writes into buffers and the batch is decode-sized, else freshly allocated."""
+        writes into buffers and the batch is decode-sized (outside graph capture), else freshly allocated."""
         fn = self._quantizers.get(x2.dtype) or self.quantizer(x2.dtype)
         into = getattr(fn, "into", None)
         if into is not None and mp <= _WS_MAX_M and _USE_WS:
-            key = (self._stream(), x2.shape[1], mp)
-            q, s = _ACT_WS.get(key) or _act_workspace(self.device, *key)
-            if into(x2, q, s):
-                return q, s
+            key = (self.device_index, self._stream(), x2.shape[1], mp)
+            ws = _ACT_WS.get(key) or _act_workspace(self.device, key)
+            if ws is not None and into(x2, *ws):
+                return ws
         xq = fn(x2, mp)
         return xq.data, xq.scale
 
@@ -248,7 +248,7 @@ class _CublasPlan:
         if m <= self.decode_max and self.decode is not None and self.decode.takes_x and x2.dtype != torch.float32:
             return self.decode(x2)
         mp = -(-m // 4) * 4  # cuBLASLt refuses an MN-major scale_a whose M is not a multiple of 4
-        q, s = self._quantize(x2, m, mp)
+        q, s = self._quantize(x2, mp)
         if m <= self.decode_max and self.decode is not None and x2.dtype == torch.bfloat16:
             return self.decode(QuantizedTensor.trusted(q, s, (1, 128)), m, mp)
         y = self.mm(q, self.w_t, s, self.sb, x2.dtype)
@@ -311,27 +311,33 @@ def _deep_gemm_call(device: torch.device) -> tuple:
 _ACT_QUANTIZERS: dict[tuple, tuple] = {}
 
 
-# Decode-sized batches quantize their activation into a workspace shared by every layer of one K on one stream
-# (`_act_workspace`), saving the quantizer's two allocations per call. Safe because the stream orders each layer's
-# GEMM (the reader) before the next layer's quantization (the writer); up to _WS_MAX_M rows, so a workspace is
-# at most _WS_MAX_M x K bytes (plus scales). JETRL_ENGINE_WORKSPACE=0 allocates per call (an A/B switch).
+# Eager decode-sized batches quantize their activation into a workspace shared by every layer of one K on one
+# stream (`_act_workspace`), saving the quantizer's two allocations per call. Safe because the stream orders each
+# layer's GEMM (the reader) before the next layer's quantization (the writer); up to _WS_MAX_M rows, so a workspace
+# is at most _WS_MAX_M x K bytes (plus scales). Not while a CUDA graph is captured: replays pay no host time, and a
+# captured engine keeps the allocations it was validated with. JETRL_ENGINE_WORKSPACE=0 allocates per call (A/B).
 _WS_MAX_M = 512
 _USE_WS = os.environ.get("JETRL_ENGINE_WORKSPACE", "1") != "0"
-_ACT_WS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (stream, K, mp) -> (data, scale) views
-_ACT_WS_FLAT: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (stream, K) -> flat buffers
+# (device index, stream, K, mp) -> (data, scale) views; (device index, stream, K) -> the flat buffers
+_ACT_WS: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_ACT_WS_FLAT: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _act_workspace(device: torch.device, stream: int, k: int, mp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of the (stream, K) workspace for mp rows: data [mp, K] contiguous, scale [mp, ceil(K/128)] MN-major
-    (strides (1, mp), the layout cuBLASLt reads; the first mp x G floats of the flat buffer)."""
-    hit = _ACT_WS.get((stream, k, mp))
+def _act_workspace(device: torch.device, key: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Views of the (device, stream, K) workspace for mp rows: data [mp, K] contiguous, scale [mp, ceil(K/128)]
+    MN-major (strides (1, mp), the layout cuBLASLt reads: the first mp x G floats of the flat buffer). None while
+    the stream captures a graph."""
+    if _capturing():
+        return None
+    hit = _ACT_WS.get(key)
     if hit is None:
+        k, mp = key[2], key[3]
         g = -(-k // 128)
-        flat = _ACT_WS_FLAT.get((stream, k))
+        flat = _ACT_WS_FLAT.get(key[:3])
         if flat is None:
-            flat = _ACT_WS_FLAT[(stream, k)] = (torch.empty(_WS_MAX_M * k, dtype=torch.float8_e4m3fn, device=device),
-                                                torch.empty(_WS_MAX_M * g, dtype=torch.float32, device=device))
-        hit = _ACT_WS[(stream, k, mp)] = (flat[0][: mp * k].view(mp, k), torch.as_strided(flat[1], (mp, g), (1, mp)))
+            flat = _ACT_WS_FLAT[key[:3]] = (torch.empty(_WS_MAX_M * k, dtype=torch.float8_e4m3fn, device=device),
+                                            torch.empty(_WS_MAX_M * g, dtype=torch.float32, device=device))
+        hit = _ACT_WS[key] = (flat[0][: mp * k].view(mp, k), torch.as_strided(flat[1], (mp, g), (1, mp)))
     return hit
 
 

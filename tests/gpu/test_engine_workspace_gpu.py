@@ -1,6 +1,7 @@
 """The eager engine's activation workspace (engine_linear._act_workspace): decode-sized batches quantize into buffers
-shared by every layer of one K on one stream. Layers of one K called in turn, at changing M, under a captured CUDA
-graph and on a side stream give the bits of the allocate-per-call path."""
+shared by every layer of one K on one stream. Layers of one K called in turn, at changing M, and on a side stream
+give the bits of the allocate-per-call path; a captured CUDA graph keeps allocating (no workspace is made while a
+stream captures) and replays the same bits."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_workspace_path_equals_fresh_buffers(monkeypatch):
         monkeypatch.setattr(engine_linear, "_USE_WS", True)
         for i, (a, b) in enumerate(zip(with_ws, fresh)):
             assert torch.equal(_bits(a), _bits(b)), f"M={m} layer {i}"
-    assert any(k[1] == 4096 for k in engine_linear._ACT_WS)
+    assert any(key[2] == 4096 for key in engine_linear._ACT_WS)
 
 
 def test_workspace_under_graph_capture_and_side_stream():
@@ -65,13 +66,17 @@ def test_workspace_under_graph_capture_and_side_stream():
     layers = _layers()
     if not layers[0]._fast:
         pytest.skip("no prepared path here")
+    from jetrl_precision.integrations import engine_linear
+
     static = outlier_data(64, 4096, seed=1).clone()
     _chain(layers, static)  # warm-up outside the capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
+    before = set(engine_linear._ACT_WS)
     with torch.cuda.graph(graph, stream=stream):
         outs = _chain(layers, static)
+    assert set(engine_linear._ACT_WS) == before  # nothing made for the capture stream
     for seed in (2, 3):
         fresh = outlier_data(64, 4096, seed=seed)
         static.copy_(fresh)
