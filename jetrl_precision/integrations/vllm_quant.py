@@ -239,11 +239,12 @@ class JetFp8LinearMethod(LinearMethodBase):
         return decode, max_m
 
     def _eager_decode_backend(self, device: torch.device) -> tuple[str | None, int]:
-        """An eager engine's decode GEMM under `auto`: cuBLASLt (the trainer's GEMM) unless JETRL_EAGER_FUSED=1 asks for
-        the one-launch FP8 linear (`kernels.quant_gemm`: the activation quantized inside the batch-invariant GEMM, the
-        trainer's bytes, another accumulation than cuBLASLt's) or JETRL_EAGER_CUTLASS=1 for vLLM's CUTLASS blockwise kernel (`vllm_cutlass`: one C++ op with less host time per call than torch's
-        cuBLASLt scaled_mm, checked at first use). Opt-in: it accumulates differently from the trainer's GEMM, and the
-        eager engine's tokens/s with it has not yet been shown higher (docs/vllm.md)."""
+        """An eager engine's decode GEMM under `auto`: cuBLASLt (the trainer's GEMM), unless asked for
+        - JETRL_EAGER_FUSED=1: the one-launch FP8 linear up to FUSED_DECODE_MAX_M rows (`kernels.quant_gemm`: the
+          activation quantized inside the batch-invariant GEMM);
+        - JETRL_EAGER_CUTLASS=1: vLLM's CUTLASS blockwise kernel (`vllm_cutlass`, checked at first use).
+        Both opt-in: they accumulate differently from the trainer's GEMM, and neither has shown the eager engine
+        faster (docs/vllm.md)."""
         backend = self.backend_for(device)
         if self.settings.gemm_backend != "auto" or backend != "torch" or device.type != "cuda":
             return None, 0

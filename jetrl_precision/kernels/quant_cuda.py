@@ -96,14 +96,20 @@ class Quantizer1x128:
         self.kern, self.pow2, self.dtype, self.max_rows = kern, pow2, dtype, max_rows
         self.meta = {"POW2": pow2}
 
-    def __call__(self, x: torch.Tensor, rows_alloc: int | None = None) -> QuantizedTensor:
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the kernel is for x: its dtype and device, contiguous columns, C % 4 == 0, 16-byte rows, 1..MAX_ROWS rows."""
         rows, cols = x.shape
         sxr, sxc = x.stride()
-        if (x.dtype is not self.dtype or sxc != 1 or cols % 4 or sxr % 4 or x.data_ptr() % 8 or rows == 0
-                or rows > self.max_rows or x.get_device() != self.kern.device_index):
+        return not (x.dtype is not self.dtype or sxc != 1 or cols % 4 or sxr % 4 or x.data_ptr() % 8 or rows == 0
+                    or rows > self.max_rows or x.get_device() != self.kern.device_index)
+
+    def __call__(self, x: torch.Tensor, rows_alloc: int | None = None) -> QuantizedTensor:
+        if not self.takes(x):
             from .quant import quantize_1x128
 
             return quantize_1x128(x, self.pow2, rows_alloc=rows_alloc)
+        rows, cols = x.shape
+        sxr = x.stride(0)
         alloc = rows if rows_alloc is None or rows_alloc < rows else rows_alloc
         groups = -(-cols // 128)
         q = torch.empty((alloc, cols), dtype=FP8_DTYPE, device=x.device)
@@ -115,13 +121,10 @@ class Quantizer1x128:
         """Quantize x [R, C] into the caller's q [A, C] (contiguous e4m3) and scale [A, ceil(C/128)] (strides (1, A)),
         A >= R, rows R.. left as they are: what `__call__(x, A)` returns, without its two allocations (an engine's
         per-shape workspace). False, with nothing written, for an input this kernel is not for."""
-        rows, cols = x.shape
-        sxr, sxc = x.stride()
-        if (x.dtype is not self.dtype or sxc != 1 or cols % 4 or sxr % 4 or x.data_ptr() % 8 or rows == 0
-                or rows > self.max_rows or x.get_device() != self.kern.device_index):
+        if not self.takes(x):
             return False
-        alloc = q.shape[0]
-        self.kern((-(-rows // 4), -(-cols // 128)), 128, (x, q, scale), (rows, cols, sxr, cols // 4, alloc), self.meta)
+        rows, cols = x.shape
+        self.kern((-(-rows // 4), -(-cols // 128)), 128, (x, q, scale), (rows, cols, x.stride(0), cols // 4, q.shape[0]), self.meta)
         return True
 
 
