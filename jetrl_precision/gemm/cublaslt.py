@@ -3,16 +3,17 @@
 torch's scaled_mm rebuilds everything on each call (`scaled_gemm` in ATen's CUDABlas.cpp): a matmul descriptor
 (compute 32F, scale 32F), TRANSA/TRANSB, both scale pointers, FAST_ACCUM = 0, both scale modes, four matrix
 layouts (C typed like D), a preference capped at torch's cuBLASLt workspace size, one heuristic query, then
-`cublasLtMatmul`. That is most of the host time of an FP8 linear call. An `LtBlockwiseGemm` builds the same
+`cublasLtMatmul`. An `LtBlockwiseGemm` builds the same
 objects with the same values once per (M, N, K, output dtype) and per call only sets the two scale pointers and
 calls `cublasLtMatmul`, in the library torch loaded: same descriptors, same heuristic inputs, so the same algorithm
 and the same bits. `blockwise_gemm(device, ...)` checks that bit for bit against `F.scaled_mm` at first use
 (`_probe.verdict_once`) and returns None otherwise; callers then keep torch's entry point.
 
-Opt-in (`JETRL_CUBLASLT_PLAN=1`), because it did not pay: timed one call at a time behind a sleep kernel (H100 and
-H200 hosts, M = 64, N = K = 4096), a plan's call costs what `torch._scaled_mm` costs (18-31 us against 19-30 us
-over the same rounds), and `cublasLtMatmul` alone, with every descriptor made and the output preallocated, costs
-10-14 us of it: the library's own host work, not torch's wrapper, is the bulk of an FP8 GEMM call's host time.
+Opt-in (`JETRL_CUBLASLT_PLAN=1`), because it did not pay (benchmarks/host_probe_engine.py, M = 64, N = K = 4096,
+calls queued behind a sleep kernel, H100 and H200 hosts): a plan's call costs what `torch._scaled_mm` costs (min /
+median 25.6 / 35.9 us against 24.2 / 36.3 on one H100 host), and `cublasLtMatmul` alone, every descriptor made and
+the output preallocated, 12.0 / 17.9 us of it: the library's own host work, not torch's descriptor building, is the
+bulk of an FP8 GEMM call's host time.
 
 Operands are those of torch's row-major product out[M, N] = a[M, K] @ b_t[K, N], with a contiguous and b_t the
 transpose of a contiguous [N, K]: torch (`cublasCommonArgs`) runs it column-major as out^T = b_t^T @ a^T, so
