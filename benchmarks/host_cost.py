@@ -542,23 +542,28 @@ def engine_steps(m: int, k: int, n: int) -> dict[str, Callable]:
 
 
 def check_engine_bytes(m: int, k: int, n: int) -> list[str]:
-    """The engine call on the simulated CUDA path (its prepared plan, the CUDA quantizer's launch) against the
-    general path's emulated GEMM, bit for bit."""
+    """The engine call on the simulated CUDA path (its prepared plan, the CUDA quantizer's launch into the activation
+    workspace) against the general path's emulated GEMM, bit for bit: two layers of one K taking turns, at M, then
+    at M + 5 (another view of the same workspace), then at M again."""
     from jetrl_precision import get_recipe, quantize_fp8
     from jetrl_precision.gemm import gemm_nt
     from jetrl_precision.integrations.engine_linear import EngineLinear
 
-    wq = quantize_fp8(_data((n, k), 1, 0.02), (128, 128))
-    x = _data((m, k), 2)
-    want = gemm_nt(quantize_fp8(x, (1, 128)), wq, torch.bfloat16, "emulated")
+    wqs = [quantize_fp8(_data((n, k), seed, 0.02), (128, 128)) for seed in (1, 3)]
+    problems = []
     with simulated_cuda(check=True):
-        lin = EngineLinear(wq.data, wq.scale, [(n, -(-n // 128), 128)], 128, get_recipe("jet_fp8").rollout.input, "torch")
-        if not lin._fast:
+        lins = [EngineLinear(wq.data, wq.scale, [(n, -(-n // 128), 128)], 128, get_recipe("jet_fp8").rollout.input, "torch")
+                for wq in wqs]
+        if not lins[0]._fast:
             return [f"engine M={m} K={k} N={n}: the prepared path was not built on the simulated CUDA path"]
-        got = lin(x)
-    if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-        return [f"engine M={m} K={k} N={n}: the simulated engine call differs from the reference path"]
-    return []
+        for rows in (m, m + 5, m):
+            x = _data((rows, k), rows)
+            for i, (lin, wq) in enumerate(zip(lins, wqs)):
+                want = gemm_nt(quantize_fp8(x, (1, 128)), wq, torch.bfloat16, "emulated")
+                got = lin(x)
+                if got.shape != want.shape or not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                    problems.append(f"engine M={rows} K={k} N={n} layer {i}: the simulated engine call differs from the reference path")
+    return problems
 
 
 def check_bytes(m: int, k: int, n: int) -> list[str]:
