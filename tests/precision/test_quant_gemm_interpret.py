@@ -22,12 +22,15 @@ import torch
 from precision_testutil import outlier_data
 from jetrl_precision import quantize_fp8
 
-_MODS = ("jetrl_precision.kernels.invariant_gemm", "jetrl_precision.kernels.quant_gemm", "jetrl_precision.kernels.quant")
+# _common holds the @triton.jit helpers the kernels call: a copy imported without the interpreter (by an earlier test
+# in this process) cannot be called from an interpreted kernel, so it is imported afresh too.
+_MODS = ("jetrl_precision.kernels._common", "jetrl_precision.kernels.invariant_gemm", "jetrl_precision.kernels.quant_gemm",
+         "jetrl_precision.kernels.quant")
 
 
 @pytest.fixture(scope="module")
 def kern():
-    """Both kernel modules imported under TRITON_INTERPRET=1, dropped afterwards."""
+    """The kernel modules imported under TRITON_INTERPRET=1, dropped afterwards (later imports get compiled kernels)."""
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine runs the compiled kernels in tests/gpu/test_quant_gemm_gpu.py")
     for name in _MODS:
@@ -35,9 +38,10 @@ def kern():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         pytest.importorskip("triton", reason="triton is not installed (the CI venv): the interpreter tests need it")
-        ig = importlib.import_module(_MODS[0])
-        qg = importlib.import_module(_MODS[1])
-        q = importlib.import_module(_MODS[2])
+        importlib.import_module(_MODS[0])
+        ig = importlib.import_module(_MODS[1])
+        qg = importlib.import_module(_MODS[2])
+        q = importlib.import_module(_MODS[3])
         yield ig, qg, q
     for name in _MODS:
         sys.modules.pop(name, None)
