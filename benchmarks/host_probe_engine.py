@@ -12,12 +12,12 @@ host time called through the op directly and through vLLM's Python wrapper.
 
 The engine's activation quantizer is the CUDA kernel of `kernels.quant_cuda` where it passes its first-use check;
 the probe times it beside the Triton kernel (host time, and GPU time per call at decode and prefill sizes), the
-prepared GEMM (a cuBLASLt plan, `gemm.cublaslt`, where its first-use check passed) beside `torch._scaled_mm`, the
-whole EngineLinear call with either quantizer and either GEMM, its parts called the way the plan calls them, and ends with a
-torch.profiler table of EngineLinear calls by self CPU time. The pieces take turns sample by sample (`paired_us`;
-PROBE_SAMPLES, default 25): each gets its minimum and median over the samples, so a drifting host weighs on all alike. The engine call is timed with and without its activation
-workspace (JETRL_ENGINE_WORKSPACE) and with a cuBLASLt plan (`gemm.cublaslt`) for its GEMM. The one-launch FP8 linear (`kernels.quant_gemm`, the
-eager engine's JETRL_EAGER_FUSED=1 decode path) is timed beside them, host and GPU (the four 8B projections).
+GEMM as `torch._scaled_mm`, as a cuBLASLt plan (`gemm.cublaslt`) and as `cublasLtMatmul` alone (everything made once,
+output preallocated), the whole EngineLinear call with either quantizer, either GEMM, with and without its activation
+workspace (JETRL_ENGINE_WORKSPACE), and the one-launch FP8 linear (`kernels.quant_gemm`; host and GPU time, the
+four 8B projections), and ends with a torch.profiler table of EngineLinear calls by self CPU time. The pieces take
+turns sample by sample (`paired_us`; PROBE_SAMPLES, default 25): each gets its minimum and median over the samples,
+so a drifting host weighs on all alike.
 """
 
 from __future__ import annotations
@@ -241,12 +241,9 @@ def main() -> None:
         if lin_lt._fast:
             lin_lt._fast.mm = lt
             pieces["EngineLinear, cuBLASLt plan GEMM"] = lambda: lin_lt(x)
-    from jetrl_precision.integrations.engine_linear import FUSED_DECODE, FUSED_DECODE_MAX_M
     from jetrl_precision.kernels.quant_gemm import fp8_linear_invariant
 
-    lin_f = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, spec, "torch", FUSED_DECODE, FUSED_DECODE_MAX_M)
     pieces["fp8_linear_invariant (one launch)"] = lambda: fp8_linear_invariant(x, wq.data, wq.scale, 128)
-    pieces["EngineLinear, fused decode"] = lambda: lin_f(x)
     from jetrl_precision.integrations import vllm_cutlass
 
     cut_why = vllm_cutlass.unusable_reason("cuda")

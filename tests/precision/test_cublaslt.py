@@ -6,6 +6,7 @@ worker thread) is tests/gpu/test_cublaslt_gpu.py.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 
@@ -111,10 +112,7 @@ def test_bad_operands_get_one_clear_line():
 
 class _NoAlgorithm(EmulatedLt):
     def cublasLtMatmulAlgoGetHeuristic(self, *args):
-        ctypes_found = args[-1]
-        import ctypes
-
-        ctypes.c_int.from_address(ctypes_found).value = 0
+        ctypes.c_int.from_address(args[-1]).value = 0  # the heuristic found nothing
         return 0
 
 
@@ -155,8 +153,6 @@ def test_plan_asks_the_heuristic_with_torchs_cap(monkeypatch):
 
     class Records(EmulatedLt):
         def cublasLtMatmulPreferenceSetAttribute(self, pref, attr, addr, size):
-            import ctypes
-
             seen.append(int.from_bytes(ctypes.string_at(addr, size), "little"))
             return super().cublasLtMatmulPreferenceSetAttribute(pref, attr, addr, size)
 
