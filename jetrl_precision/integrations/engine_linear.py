@@ -102,7 +102,7 @@ class EngineLinear:
     @property
     def decode_gemm(self) -> str:
         """What runs the decode-sized GEMMs when it is not `backend`: e.g. 'deep_gemm (M <= 512)'; '' otherwise."""
-        if not self._fast or self._fast.decode is None:
+        if not self._fast or (self._fast.decode is None and self._fast.fused is None):
             return ""
         return f"{self.decode_backend} (M <= {self.decode_max_m})"
 
@@ -157,7 +157,7 @@ class _CublasPlan:
     quantized activation instead: the same call the `deep_gemm` backend makes, so the bytes equal `gemm_nt`'s
     on that backend."""
 
-    def __init__(self, lin: EngineLinear, mm, decode=None) -> None:
+    def __init__(self, lin: EngineLinear, mm, decode=None, fused=None) -> None:
         self.mm = mm
         self.pow2 = lin.input_spec.pow2_scale
         self.device = lin.weight.device
@@ -168,8 +168,9 @@ class _CublasPlan:
         self.w_t = lin.weight.t()
         self.sb_buf: torch.Tensor | None = None
         self.n = lin.n
-        # fn(xq, m, mp) -> y for M <= decode_max: DeepGEMM or vLLM's CUTLASS kernel (bf16 outputs only)
-        self.decode, self.decode_max = decode, lin.decode_max_m
+        # For M <= decode_max, at most one of: fn(xq, m, mp) -> y on the quantized activation (DeepGEMM or vLLM's
+        # CUTLASS kernel, bf16 outputs only), or fn(x2) -> y quantizing inside the GEMM (the one-launch FP8 linear)
+        self.decode, self.fused, self.decode_max = decode, fused, lin.decode_max_m
         self.refresh(lin)
 
     @classmethod
@@ -188,7 +189,7 @@ class _CublasPlan:
             return False
         from ..gemm import torch_backend
 
-        decode = None
+        decode = fused = None
         if lin.decode_backend == "deep_gemm" and lin.decode_max_m > 0:
             from ..gemm.deep_gemm_backend import _sm90_sfb
 
@@ -202,11 +203,11 @@ class _CublasPlan:
             if fn is not None:
                 decode = _cutlass_decode(fn, lin.weight.t(), lin.weight_scale.t(), lin.n)
         elif lin.decode_backend == FUSED_DECODE and lin.decode_max_m > 0:
-            decode = _fused_decode(lin.weight, lin.weight_scale, lin.input_spec.pow2_scale)
+            fused = _fused_decode(lin.weight, lin.weight_scale, lin.input_spec.pow2_scale)
         elif lin.decode_backend:
             raise ValueError(f"EngineLinear: decode backend {lin.decode_backend!r} is not supported here; use 'deep_gemm', "
                              f"'vllm_cutlass', '{FUSED_DECODE}' or ''")
-        return cls(lin, torch_backend.prepared_scaled_mm(lin.weight.device), decode)
+        return cls(lin, torch_backend.prepared_scaled_mm(lin.weight.device), decode, fused)
 
     def quantizer(self, dtype: torch.dtype):
         """fn(x, rows_alloc) quantizing `dtype` activations: `activation_quantizer`'s choice, kept per dtype."""
@@ -245,8 +246,8 @@ class _CublasPlan:
 
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
         m = x2.shape[0]
-        if m <= self.decode_max and self.decode is not None and self.decode.takes_x and x2.dtype != torch.float32:
-            return self.decode(x2)
+        if m <= self.decode_max and self.fused is not None and x2.dtype != torch.float32:
+            return self.fused(x2)
         mp = -(-m // 4) * 4  # cuBLASLt refuses an MN-major scale_a whose M is not a multiple of 4
         q, s = self._quantize(x2, mp)
         if m <= self.decode_max and self.decode is not None and x2.dtype == torch.bfloat16:
@@ -255,24 +256,12 @@ class _CublasPlan:
         return y if mp == m else y[:m]
 
 
-class _Decode:
-    """A decode-sized batch's GEMM: fn(xq, m, mp) on the quantized activation, or fn(x2) on the activation itself
-    (`takes_x`: the fused kernel quantizes inside the GEMM)."""
-
-    __slots__ = ("fn", "takes_x")
-
-    def __init__(self, fn, takes_x: bool = False) -> None:
-        self.fn, self.takes_x = fn, takes_x
-
-    def __call__(self, *args) -> torch.Tensor:
-        return self.fn(*args)
-
-
-def _fused_decode(weight: torch.Tensor, weight_scale: torch.Tensor, pow2: bool) -> _Decode:
+def _fused_decode(weight: torch.Tensor, weight_scale: torch.Tensor, pow2: bool):
+    """fn(x2) -> y: the FP8 linear in one launch, quantizing x2 inside the GEMM."""
     from ..kernels.quant_gemm import fp8_linear_invariant
 
     # The weight parameters themselves (row-major 128x128 scales, read in place): in-place weight installs show.
-    return _Decode(lambda x2: fp8_linear_invariant(x2, weight, weight_scale, 128, x2.dtype, pow2), takes_x=True)
+    return lambda x2: fp8_linear_invariant(x2, weight, weight_scale, 128, x2.dtype, pow2)
 
 
 def _deep_gemm_decode(fn, kw: dict, weight: torch.Tensor, weight_scale: torch.Tensor, n: int):
@@ -284,7 +273,7 @@ def _deep_gemm_decode(fn, kw: dict, weight: torch.Tensor, weight_scale: torch.Te
         fn((xq.data[:m], xq.scale[:m]), w_dg, y, **kw)
         return y
 
-    return _Decode(decode)
+    return decode
 
 
 def _cutlass_decode(fn, w_t: torch.Tensor, w_scale_t: torch.Tensor, n: int):
@@ -295,7 +284,7 @@ def _cutlass_decode(fn, w_t: torch.Tensor, w_scale_t: torch.Tensor, n: int):
         fn(y, xq.data, xq.scale, w_t, w_scale_t)
         return y if mp == m else y[:m]  # leading rows of a contiguous buffer: contiguous
 
-    return _Decode(decode)
+    return decode
 
 
 @functools.lru_cache(maxsize=None)
