@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 RAY_USAGE_S
 
 TESTS ?= tests
 
-.PHONY: demo test test-fast test-triton setup clean
+.PHONY: demo test test-avx2 test-fast test-triton setup clean
 
 $(STAMP): setup.py
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,11 @@ JOBS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist load) $(TESTS)
 	$(MAKE) --no-print-directory test-triton
+
+# The same suite with torch's vector kernels, MKL and oneDNN held to AVX2: CI's machines have AVX-512 (and AMX), users'
+# CPUs may not, and a bound must not depend on which kernels summed the numbers. About as long as `make test`.
+test-avx2: $(STAMP)
+	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) --no-print-directory test
 
 # Tests that need Triton on CPU: Liger's model patching (not its kernels, which need a GPU), the quantizer kernels'
 # WGrad padding and the one-launch FP8 linear in Triton's interpreter. Triton stays out of the main venv, whose CPU code paths expect it absent:
