@@ -130,6 +130,21 @@ def test_cli_reports_layers_and_per_recipe_mismatch(tiny, tmp_path, capsys):
     assert 0.5 < cov["fp8_share"] < 1 and cov["other_share"] == 0 and f"FP8 coverage (jet_fp8): {cov['summary']}" in out
 
 
+@pytest.mark.parametrize("jet,hint", [(0.116, True), (0.06, False)])
+def test_the_verdict_points_to_bitwise_mode_where_fp8_amplifies_the_engines_noise(jet, hint):
+    """SmolLM2 on a CPU (transformers engine, bf16): jet_fp8 0.116 against bf16's float-noise floor 0.037."""
+    from openrlhf.cli.check_fp8 import _verdict
+
+    report = {"diagnose_recipe": "jet_fp8", "fp8_coverage": {"summary": "79% of the weight matrices in FP8"},
+              "flagged_layers": [], "layers": [{}] * 3,
+              "recipes": [{"recipe": r, "rollout_train": {"abs_logp_diff_mean": v}}
+                          for r, v in (("bf16", 0.037), ("jet_fp8", jet), ("fp8_rollout", 0.152))]}
+    text = _verdict(report)
+    assert ("--precision.bitwise" in text) is hint, text
+    if hint:
+        assert "jet_fp8's mismatch is 3.1x bf16's" in text
+
+
 def test_cli_strict_and_bad_input(tiny, tmp_path, capsys):
     assert check_main(["--model", str(tiny), "--recipes", "jet_fp8", "--max_new_tokens", "4", "--min_sqnr_db", "99", "--strict"]) == 1
     assert "SQNR below 99" in capsys.readouterr().err
