@@ -40,8 +40,11 @@ test: $(STAMP)
 
 # The same suite with torch's vector kernels, MKL and oneDNN held to AVX2: CI's machines have AVX-512 (and AMX), users'
 # CPUs may not, and a bound must not depend on which kernels summed the numbers. About as long as `make test`.
+# Its compile caches (Inductor's, vLLM's) are its own: their keys do not name the instruction set.
 test-avx2: $(STAMP)
-	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 $(MAKE) --no-print-directory test
+	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+		TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/.cache-avx2/inductor VLLM_CACHE_ROOT=$(CURDIR)/.cache-avx2/vllm \
+		$(MAKE) --no-print-directory test
 
 # Tests that need Triton on CPU: Liger's model patching (not its kernels, which need a GPU), the quantizer kernels'
 # WGrad padding and the one-launch FP8 linear in Triton's interpreter. Triton stays out of the main venv, whose CPU code paths expect it absent:

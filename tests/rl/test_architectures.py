@@ -394,4 +394,5 @@ def test_the_transformers_engine_takes_the_sync_in_its_own_layout(arch, model_di
     with torch.no_grad():
         lp = Actor(trainer)(exp.sequences, exp.attention_mask, exp.num_actions).float()
     mask = exp.action_mask
-    assert (lp[mask] - exp.rollout_logprobs[mask]).abs().max() < 1e-4
+    d = (lp[mask] - exp.rollout_logprobs[mask]).abs()
+    assert within_mismatch_bounds(arch, d), d  # KV-cached decoding against the full forward: the engines' bounds

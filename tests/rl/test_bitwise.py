@@ -39,7 +39,7 @@ def _cfg(*extra: str):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_engine_logprobs_are_the_trainers_bit_for_bit(peaky, recipe, dtype):
     """KV-cached decoding in batches of 7 vs the trainer's padded and packed full forwards: every sampled
-    token's log-prob is identical, where ordinary numerics differ on most tokens."""
+    token's log-prob is identical."""
     r = get_recipe(recipe)
     trainer = make_batch_invariant(convert_to_fp8(load_causal_lm(str(peaky), dtype, "jetrl_invariant"), r, side="train")).eval()
     engine = HFEngine(str(peaky), r, dtype=dtype, attn_implementation="jetrl_invariant", batch_invariant=True, generate_batch_size=7)
@@ -52,14 +52,15 @@ def test_engine_logprobs_are_the_trainers_bit_for_bit(peaky, recipe, dtype):
         with torch.no_grad():
             lp = Actor(trainer, packing=packing)(exp.sequences, exp.attention_mask, exp.num_actions, temperature=0.9).float()
         assert torch.equal(lp[mask], exp.rollout_logprobs[mask]), f"packing={packing}"
-    # The same model with ordinary numerics on both sides (sdpa, MKL linears) is not bit-exact.
-    ordinary_trainer = convert_to_fp8(load_causal_lm(str(peaky), dtype, "sdpa"), r, side="train").eval()
-    ordinary = sample_after_sync(ordinary_trainer, HFEngine(str(peaky), r, dtype=dtype), r, prompts,
-                                 SamplingConfig(max_new_tokens=24, temperature=0.9, n=2, seed=1), 0)
+    # The comparison sees the engine's own numbers: an ordinary engine in the other dtype differs on most tokens, on
+    # any CPU. (Whether ordinary numerics in one dtype differ is up to the CPU's kernels: on most tokens with AVX-512
+    # or AVX2, on none for jet_fp8 in bf16 with torch's scalar kernels; so that is not asserted.)
+    other = sample_after_sync(trainer, HFEngine(str(peaky), r, dtype=torch.bfloat16 if dtype == torch.float32 else torch.float32),
+                              r, prompts, SamplingConfig(max_new_tokens=24, temperature=0.9, n=2, seed=1), 0)
     with torch.no_grad():
-        lp = Actor(ordinary_trainer)(ordinary.sequences, ordinary.attention_mask, ordinary.num_actions, temperature=0.9).float()
-    m = ordinary.action_mask
-    assert (lp[m] != ordinary.rollout_logprobs[m]).float().mean() > 0.1
+        lp = Actor(trainer)(other.sequences, other.attention_mask, other.num_actions, temperature=0.9).float()
+    m = other.action_mask
+    assert (lp[m] != other.rollout_logprobs[m]).float().mean() > 0.5
 
 
 # ---- the proof ---------------------------------------------------------------------------------------------
