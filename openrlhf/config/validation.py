@@ -229,10 +229,9 @@ def _precision_errors(precision: PrecisionConfig) -> list[str]:
     try:
         recipe = precision.load_recipe()
     except Exception as e:  # RecipeError, FileNotFoundError, YAML/JSON syntax errors: all mean a bad recipe
-        return [
-            f"--precision.recipe {precision.recipe}: {e}. Use one of bf16, fp8_rollout, jet_fp8 "
-            f"(--fp8_unified = jet_fp8) or a path to a .yaml/.json recipe file"
-        ]
+        # An unknown name's error already lists the names; a recipe file's error says what is wrong in the file.
+        is_file = str(precision.recipe).endswith((".yaml", ".yml", ".json"))
+        return [f"--precision.recipe {precision.recipe}: {e}" + ("" if is_file else " (--fp8_unified is jet_fp8)")]
     if precision.strict and recipe.off_policy:
         return [
             f"--precision.strict refuses an off-policy recipe ({recipe.name}: rollout quantization differs "

@@ -286,6 +286,11 @@ def test_validation_errors(capsys, argv, needles):
     assert needles[0] in err
 
 
+def test_an_unknown_recipe_names_the_recipes_once():
+    msg = config_error([*BASE, "--precision.recipe", "fp9"])
+    assert msg.count("fp8_rollout") == 1 and "--fp8_unified is jet_fp8" in msg, msg
+
+
 def test_all_errors_are_listed_at_once():
     msg = config_error(["--algo.advantage.estimator", "rloo", "--data.max_len", "-1"])
     assert msg.startswith("4 configuration errors:")
