@@ -125,7 +125,8 @@ def test_prepare_splits_the_wheels_over_the_calls_under_the_limit(tmp_path, ray_
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_dry_run_of_the_measuring_stages_writes_records_and_headline_figures(tmp_path):
+def test_dry_run_of_the_measuring_stages_writes_records_and_headline_figures(tmp_path, ray_turn):
+    # ray_turn: its stages start Ray clusters, which take turns with the other Ray tests' (tests/conftest.py)
     pytest.importorskip("vllm")
     pytest.importorskip("ray")
     st, out = tmp_path / "st", tmp_path / "out"
