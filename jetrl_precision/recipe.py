@@ -23,6 +23,7 @@ from typing import Any
 from .formats import Granularity
 
 __all__ = [
+    "RECIPE_FILE_SUFFIXES",
     "DType",
     "ScaleRule",
     "TensorSpec",
@@ -34,6 +35,9 @@ __all__ = [
     "RECIPE_NAMES",
     "get_recipe",
 ]
+
+# What names a recipe file rather than a recipe (get_recipe reads these; any other name must be a known recipe).
+RECIPE_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
 GEMM_BACKENDS = ("auto", "emulated", "torch", "triton", "deep_gemm", "triton_invariant")
 
@@ -301,12 +305,12 @@ def _yaml():
 
 def _where(text_or_path: str | Path) -> str:
     text = str(text_or_path)
-    return "recipe text" if "\n" in text or not text.endswith((".yaml", ".yml", ".json")) else f"recipe file {text}"
+    return "recipe text" if "\n" in text or not text.endswith(RECIPE_FILE_SUFFIXES) else f"recipe file {text}"
 
 
 def _read_text(text_or_path: str | Path) -> str:
     p = Path(text_or_path) if isinstance(text_or_path, Path) or "\n" not in str(text_or_path) else None
-    if p is not None and (isinstance(text_or_path, Path) or str(p).endswith((".yaml", ".yml", ".json"))):
+    if p is not None and (isinstance(text_or_path, Path) or str(p).endswith(RECIPE_FILE_SUFFIXES)):
         if not p.exists():
             raise FileNotFoundError(f"recipe file {p} does not exist; pass a named recipe {RECIPE_NAMES} or a valid path")
         try:
@@ -323,7 +327,7 @@ _BASE_CHAIN: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("j
 def _resolve_base(base: Any) -> "PrecisionRecipe":
     if not isinstance(base, (str, Path)) or not str(base):
         raise RecipeError(f"recipe base must be a recipe name {RECIPE_NAMES} or a .yaml/.json path, got {base!r}")
-    key = str(Path(base).resolve()) if Path(base).suffix in (".yaml", ".yml", ".json") else str(base)
+    key = str(Path(base).resolve()) if Path(base).suffix in RECIPE_FILE_SUFFIXES else str(base)
     chain = _BASE_CHAIN.get()
     if key in chain:
         cycle = " -> ".join([*chain[chain.index(key):], key])
@@ -415,7 +419,7 @@ def get_recipe(name: str | Path) -> PrecisionRecipe:
     if name in recipes:
         return recipes[name]
     path = Path(name)
-    if path.suffix in (".yaml", ".yml", ".json"):
+    if path.suffix in RECIPE_FILE_SUFFIXES:
         if not path.exists():
             raise FileNotFoundError(f"recipe file {path} does not exist")
         return PrecisionRecipe.from_json(path) if path.suffix == ".json" else PrecisionRecipe.from_yaml(path)

@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from jetrl_precision.recipe import RECIPE_FILE_SUFFIXES
+
 from .fields import BOUNDS, ConfigError
 from .flags import FlagSpec, default_str, flag_specs, get_field
 from .schema import GROUP_ESTIMATORS, PPOConfig, PrecisionConfig, RewardConfig
@@ -230,7 +232,7 @@ def _precision_errors(precision: PrecisionConfig) -> list[str]:
         recipe = precision.load_recipe()
     except Exception as e:  # RecipeError, FileNotFoundError, YAML/JSON syntax errors: all mean a bad recipe
         # An unknown name's error already lists the names; a recipe file's error says what is wrong in the file.
-        is_file = str(precision.recipe).endswith((".yaml", ".yml", ".json"))
+        is_file = str(precision.recipe).endswith(RECIPE_FILE_SUFFIXES)
         return [f"--precision.recipe {precision.recipe}: {e}" + ("" if is_file else " (--fp8_unified is jet_fp8)")]
     if precision.strict and recipe.off_policy:
         return [
