@@ -125,18 +125,23 @@ def _field(name, shape=None, backend=None, field="value", where=None, transform=
     return pick
 
 
-def _auto_variant(name, shape=None, field="ratio_vs_bf16"):
-    """The `auto` jet_fp8 variant of the newest run with such records: the first jet_fp8 one a run writes
-    (gpu_bench times `auto` first, then the other backends asked for, then the unfused SwiGLU A/B)."""
+def _auto_variant(name, shape=None, field="ratio_vs_bf16", backend="deep_gemm"):
+    """The `auto` jet_fp8 variant of the newest run whose `auto` resolved to `backend`: the first jet_fp8 record a
+    run writes (gpu_bench times `auto` first, then the other backends asked for, then the unfused SwiGLU A/B). A run
+    on a machine without DeepGEMM resolves `auto` to torch and must not stand in for a row labelled deep_gemm."""
+    def first_fp8(run):
+        return next((r for r in run if r.get("backend", "").startswith("jet_fp8") and r.get("fused_swiglu") is not False),
+                    None)
+
     def pick(records):
         hits = [r for r in records if r.get("name") == name and (shape is None or r.get("shape") == shape)]
-        if not hits:
+        runs = [[r for r in hits if r["_run_file"] == f] for f in dict.fromkeys(r["_run_file"] for r in hits)]
+        runs = [run for run in runs if (first_fp8(run) or {}).get("backend") == f"jet_fp8 {backend}"]
+        if not runs:
             return None, None
-        run = [r for r in hits if r["_run_file"] == hits[-1]["_run_file"]]
-        fp8 = [r for r in run if r.get("backend", "").startswith("jet_fp8") and r.get("fused_swiglu") is not False]
+        run = runs[-1]
+        fp8 = [first_fp8(run)]
         bf16 = [r for r in run if r.get("backend") == "bf16"]
-        if not fp8:
-            return None, None
         if field == "peak_ratio":
             return (fp8[0]["peak_mem_gib"] / bf16[0]["peak_mem_gib"], fp8[0]) if bf16 else (None, None)
         return fp8[0].get(field), fp8[0]
@@ -161,11 +166,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("linear_fwd_bwd_vs_bf16_cuda_graph", "x bf16",
            "FP8 linear layer forward+backward over nn.Linear BF16, M = 8192, geomean of the 4 Llama-3.1-8B projections, "
            "under CUDA graphs, deep_gemm backend (DeepGEMM built from source)",
-           _field("linear_fwd_bwd_geomean_ratio", "M=8192 4 layers graph")),
+           _field("linear_fwd_bwd_geomean_ratio", "M=8192 4 layers graph", backend="deep_gemm")),
     Metric("linear_fwd_bwd_vs_bf16_eager", "x bf16",
            "the same, eager (host-bound for the smaller projections: it depends on the host CPU)",
-           lambda recs: _field("linear_fwd_bwd_geomean_ratio",
-                               f"M=8192 4 layers {(latest(recs, 'linear_fwd_bwd_geomean_ratio', 'M=8192 4 layers graph') or {}).get('backend')}_cached")(recs)),
+           _field("linear_fwd_bwd_geomean_ratio", "M=8192 4 layers deep_gemm_cached")),
     Metric("linear_fwd_bwd_vs_bf16_eager_cublaslt", "x bf16",
            "the same, eager, torch backend (cuBLASLt blockwise: what a pip install gives)",
            _field("linear_fwd_bwd_geomean_ratio", "M=8192 4 layers torch_cached")),

@@ -477,6 +477,30 @@ def test_the_rollout_headline_is_the_full_depth_model_and_the_8_layer_figure_has
                       "bitwise_rollout_tokens_per_s_ratio_64": None, "bitwise_rollout_tokens_per_s_ratio_64_invariant_kernels": None}
 
 
+def test_rows_labelled_deep_gemm_skip_runs_whose_auto_resolved_to_torch():
+    """On a device without DeepGEMM `auto` resolves to torch: that newer run fills the torch rows, never the rows
+    whose label names the deep_gemm backend."""
+    stack = "stack_train_tokens_per_s"
+    dg_run = [{"name": stack, "backend": "bf16", "peak_mem_gib": 60.0, "ratio_vs_bf16": 1.0, "_run_file": "a"},
+              {"name": stack, "backend": "jet_fp8 deep_gemm", "peak_mem_gib": 54.0, "ratio_vs_bf16": 1.29, "_run_file": "a"},
+              {"name": "linear_fwd_bwd_geomean_ratio", "shape": "M=8192 4 layers graph", "backend": "deep_gemm",
+               "value": 1.45, "_run_file": "a"},
+              {"name": "linear_fwd_bwd_geomean_ratio", "shape": "M=8192 4 layers deep_gemm_cached", "backend": "deep_gemm",
+               "value": 1.31, "_run_file": "a"}]
+    torch_run = [{"name": stack, "backend": "bf16", "peak_mem_gib": 62.0, "ratio_vs_bf16": 1.0, "_run_file": "b"},
+                 {"name": stack, "backend": "jet_fp8 torch", "peak_mem_gib": 55.0, "ratio_vs_bf16": 1.26, "_run_file": "b"},
+                 {"name": "linear_fwd_bwd_geomean_ratio", "shape": "M=8192 4 layers graph", "backend": "torch",
+                  "value": 1.36, "_run_file": "b"},
+                 {"name": "linear_fwd_bwd_geomean_ratio", "shape": "M=8192 4 layers torch_cached", "backend": "torch",
+                  "value": 1.34, "_run_file": "b"}]
+    picked = {m.key: m.pick(dg_run + torch_run)[0] for m in headline.METRICS}
+    assert picked["stack_train_tokens_per_s_ratio"] == 1.29 and picked["stack_peak_memory_ratio"] == 0.9
+    assert picked["linear_fwd_bwd_vs_bf16_cuda_graph"] == 1.45 and picked["linear_fwd_bwd_vs_bf16_eager"] == 1.31
+    assert picked["linear_fwd_bwd_vs_bf16_eager_cublaslt"] == 1.34
+    only_torch = {m.key: m.pick(torch_run)[0] for m in headline.METRICS}
+    assert only_torch["stack_train_tokens_per_s_ratio"] is None and only_torch["linear_fwd_bwd_vs_bf16_cuda_graph"] is None
+
+
 def test_layers_section_runs_its_variants_on_a_small_cpu_stack(monkeypatch):
     """gpu_bench's `layers` section (stacked against separate projections) end to end on a small CPU stack, its
     timers stubbed: every variant runs, the stacked and separate outputs are compared, and the records are typed."""
