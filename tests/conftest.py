@@ -48,6 +48,25 @@ def _one_ray_at_a_time(base: Path):
             _ray_turn["file"] = None
 
 
+RAY_FIXTURES = frozenset({"ray_turn", "ray_turn_for_module"})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the work for two xdist workers (`make test` runs `--dist loadgroup`): the tests that start Ray form one
+    group, which one worker runs from the start (taking turns on the lock above, they are a serial path of about a
+    third of the suite, and a worker that draws one while the other holds the turn sits idle); the slow and
+    integration tests come next, the quick ones last to fill the gaps."""
+    def rank(item):
+        if RAY_FIXTURES & set(item.fixturenames):
+            return 0
+        return 1 if item.get_closest_marker("slow") or item.get_closest_marker("integration") else 2
+
+    for item in items:
+        if rank(item) == 0:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+    items.sort(key=rank)  # stable: each rank keeps the collection order
+
+
 @pytest.fixture
 def ray_turn(tmp_path_factory):
     with _one_ray_at_a_time(tmp_path_factory.getbasetemp().parent):
