@@ -480,19 +480,19 @@ def test_the_rollout_headline_is_the_full_depth_model_and_the_8_layer_figure_has
 def test_rows_labelled_deep_gemm_skip_runs_whose_auto_resolved_to_torch():
     """On a device without DeepGEMM `auto` resolves to torch: that newer run fills the torch rows, never the rows
     whose label names the deep_gemm backend."""
-    stack = "stack_train_tokens_per_s"
-    dg_run = [{"name": stack, "backend": "bf16", "peak_mem_gib": 60.0, "ratio_vs_bf16": 1.0, "_run_file": "a"},
-              {"name": stack, "backend": "jet_fp8 deep_gemm", "peak_mem_gib": 54.0, "ratio_vs_bf16": 1.29, "_run_file": "a"},
-              {"name": "linear_fwd_bwd_geomean_ratio", "shape": "M=8192 4 layers graph", "backend": "deep_gemm",
-               "value": 1.45, "_run_file": "a"},
-              {"name": "linear_fwd_bwd_geomean_ratio", "shape": "M=8192 4 layers deep_gemm_cached", "backend": "deep_gemm",
-               "value": 1.31, "_run_file": "a"}]
-    torch_run = [{"name": stack, "backend": "bf16", "peak_mem_gib": 62.0, "ratio_vs_bf16": 1.0, "_run_file": "b"},
-                 {"name": stack, "backend": "jet_fp8 torch", "peak_mem_gib": 55.0, "ratio_vs_bf16": 1.26, "_run_file": "b"},
-                 {"name": "linear_fwd_bwd_geomean_ratio", "shape": "M=8192 4 layers graph", "backend": "torch",
-                  "value": 1.36, "_run_file": "b"},
-                 {"name": "linear_fwd_bwd_geomean_ratio", "shape": "M=8192 4 layers torch_cached", "backend": "torch",
-                  "value": 1.34, "_run_file": "b"}]
+    def run(file, backend, peaks, ratio, graph, cached):
+        """One gpu_bench run's stack and linear records, its `auto` having resolved to `backend`."""
+        linear = "linear_fwd_bwd_geomean_ratio"
+        return [{"name": "stack_train_tokens_per_s", "backend": "bf16", "peak_mem_gib": peaks[0], "ratio_vs_bf16": 1.0,
+                 "_run_file": file},
+                {"name": "stack_train_tokens_per_s", "backend": f"jet_fp8 {backend}", "peak_mem_gib": peaks[1],
+                 "ratio_vs_bf16": ratio, "_run_file": file},
+                {"name": linear, "shape": "M=8192 4 layers graph", "backend": backend, "value": graph, "_run_file": file},
+                {"name": linear, "shape": f"M=8192 4 layers {backend}_cached", "backend": backend, "value": cached,
+                 "_run_file": file}]
+
+    dg_run = run("a", "deep_gemm", (60.0, 54.0), 1.29, 1.45, 1.31)
+    torch_run = run("b", "torch", (62.0, 55.0), 1.26, 1.36, 1.34)
     picked = {m.key: m.pick(dg_run + torch_run)[0] for m in headline.METRICS}
     assert picked["stack_train_tokens_per_s_ratio"] == 1.29 and picked["stack_peak_memory_ratio"] == 0.9
     assert picked["linear_fwd_bwd_vs_bf16_cuda_graph"] == 1.45 and picked["linear_fwd_bwd_vs_bf16_eager"] == 1.31
