@@ -140,11 +140,11 @@ def _auto_variant(name, shape=None, field="ratio_vs_bf16", backend="deep_gemm"):
         if not runs:
             return None, None
         run = runs[-1]
-        fp8 = [first_fp8(run)]
+        fp8 = first_fp8(run)
         bf16 = [r for r in run if r.get("backend") == "bf16"]
         if field == "peak_ratio":
-            return (fp8[0]["peak_mem_gib"] / bf16[0]["peak_mem_gib"], fp8[0]) if bf16 else (None, None)
-        return fp8[0].get(field), fp8[0]
+            return (fp8["peak_mem_gib"] / bf16[0]["peak_mem_gib"], fp8) if bf16 else (None, None)
+        return fp8.get(field), fp8
     return pick
 
 
