@@ -57,9 +57,10 @@ $(LIGER_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-deps --target $(LIGER_SITE) 'triton==3.6.0' 'liger-kernel==0.8.5'
 	touch $(LIGER_STAMP)
 
+# On JOBS workers too: the interpreter's tests are CPU-bound and independent (about 160 s serially, 95 s on two).
 test-triton: $(LIGER_STAMP)
-	PYTHONPATH=$(CURDIR)/$(LIGER_SITE) $(BIN)/python -m pytest -q tests/rl/test_liger_patch.py tests/precision/test_kernels_interpreted.py \
-		tests/precision/test_quant_gemm_interpret.py
+	PYTHONPATH=$(CURDIR)/$(LIGER_SITE) $(BIN)/python -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS)) \
+		tests/rl/test_liger_patch.py tests/precision/test_kernels_interpreted.py tests/precision/test_quant_gemm_interpret.py
 
 # The edit-test loop: unit tests of both packages, no end-to-end runs or real engines (about a minute).
 test-fast: $(STAMP)
