@@ -36,8 +36,9 @@ demo: $(STAMP)
 # Keeping each module on one worker (`loadscope`) was slower (its two heaviest modules then ran side by side at the end).
 # The 25 slowest tests close the report: where CI time goes.
 JOBS ?= 2
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS))
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadgroup --no-loadscope-reorder) $(TESTS)
+	$(BIN)/python -m pytest -q --durations=25 $(if $(XDIST),$(XDIST) --dist loadgroup --no-loadscope-reorder) $(TESTS)
 	$(MAKE) --no-print-directory test-triton
 
 # The same suite with torch's vector kernels, MKL and oneDNN held to AVX2: CI's machines have AVX-512 (and AMX), users'
@@ -59,7 +60,7 @@ $(LIGER_STAMP): $(STAMP)
 
 # On JOBS workers too: the interpreter's tests are CPU-bound and independent (about 160 s serially, 95 s on two).
 test-triton: $(LIGER_STAMP)
-	PYTHONPATH=$(CURDIR)/$(LIGER_SITE) $(BIN)/python -m pytest -q $(if $(filter 0,$(JOBS)),,-n $(JOBS)) \
+	PYTHONPATH=$(CURDIR)/$(LIGER_SITE) $(BIN)/python -m pytest -q $(XDIST) \
 		tests/rl/test_liger_patch.py tests/precision/test_kernels_interpreted.py tests/precision/test_quant_gemm_interpret.py
 
 # The edit-test loop: unit tests of both packages, no end-to-end runs or real engines (about a minute).
