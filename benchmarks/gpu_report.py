@@ -191,6 +191,11 @@ def gemm_table(records):
     return "\n".join(lines)
 
 
+def _card(records) -> str:
+    """The GPU the plotted records ran on, for a plot's title (lent machines are H100s or H200s)."""
+    return (records[0].get("device") or "GPU").removeprefix("NVIDIA ") if records else "GPU"
+
+
 def plot(records, path):
     import matplotlib
 
@@ -217,7 +222,7 @@ def plot(records, path):
     ax.set_ylabel("TFLOP/s")
     gemm = [r for r in records if r["name"] == "gemm_tflops"]
     how = ", each at the 700 W power cap" if any(r.get("timing") == "sustained" for r in gemm) else ""
-    ax.set_title(f"H200, Llama-3.1-8B GEMM shapes: FP8 1x128 x 128x128 blockwise vs BF16 (same run{how}, {gemm[0]['date']})")
+    ax.set_title(f"{_card(gemm)}, Llama-3.1-8B GEMM shapes: FP8 1x128 x 128x128 blockwise vs BF16 (same run{how}, {gemm[0]['date']})")
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -257,7 +262,7 @@ def plot_linear(records, path, run_label):
     ax.set_xticklabels([f"{lay}\n{dims}" for lay, dims in zip(layers, ("6144x4096", "4096x4096", "28672x4096", "4096x14336"))])
     ax.set_ylabel("BF16 time / FP8 time (graph: against BF16 graph)")
     ax.set_ylim(0, 1.85)
-    ax.set_title(f"H200, FP8 linear fwd+bwd vs nn.Linear BF16, M=8192, weights cached ({run_label})", fontsize=10)
+    ax.set_title(f"{_card(records)}, FP8 linear fwd+bwd vs nn.Linear BF16, M=8192, weights cached ({run_label})", fontsize=10)
     ax.legend(fontsize=8, loc="upper center", ncol=3)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

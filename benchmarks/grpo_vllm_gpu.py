@@ -520,7 +520,7 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
     return recs
 
 
-def plot_phases(results: list[dict], path: Path) -> Path | None:
+def plot_phases(results: list[dict], path: Path, device: str = "") -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -544,7 +544,8 @@ def plot_phases(results: list[dict], path: Path) -> Path | None:
         ax.text(i, p["step"] * 1.01, note, ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("seconds per GRPO step (mean after warm-up)")
     ax.set_ylim(0, max(p["step"] for p in ph) * 1.2)
-    ax.set_title(textwrap.fill(runs[0]["shape"], 60), fontsize=7)  # long run descriptions would run off the figure
+    title = f"{device.removeprefix('NVIDIA ')}: {runs[0]['shape']}" if device else runs[0]["shape"]
+    ax.set_title(textwrap.fill(title, 60), fontsize=7)  # long run descriptions would run off the figure
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -716,7 +717,7 @@ def cmd_report(a: argparse.Namespace) -> None:
     phases = "grpo_vllm_phase_split.png" if "bf16" in speed or not speed else f"grpo_vllm_{variant}_phase_split.png"
     if any("Liger" in r.get("shape", "") for r in results if r["part"] == "speed"):  # not the default setup's plot
         phases = phases.replace("grpo_vllm_", "grpo_vllm_liger_")
-    for p in (plot_phases(results, docs / phases), plot_learning(results, docs / "grpo_vllm_learning.png")):
+    for p in (plot_phases(results, docs / phases, env.get("device", "")), plot_learning(results, docs / "grpo_vllm_learning.png")):
         if p:
             print(f"wrote {p}")
     text = table(results)

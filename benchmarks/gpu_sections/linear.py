@@ -15,7 +15,7 @@ from jetrl_precision.gemm import available_backends, gemm_nt, resolve_backend
 from jetrl_precision.kernels import quant
 from host_profile import busy_us, loop_us  # benchmarks/ is on sys.path: gpu_bench.py runs as a script from there
 
-from .timing import LAYERS, bench, data, rec
+from .timing import LAYERS, bench, data, rec, recover_from_failed_capture
 
 __all__ = ["section_linear"]
 
@@ -63,7 +63,8 @@ def section_linear(args):
         rec("linear_fwd_bwd_host_us", f"M={m} {lname}", "bf16", round(hb_bf, 1), "us", host_ratio_vs_bf16=1.0)
         res = {"layer": lname, "bf16_ms": t_bf, "bf16_graph": _graphed_step_ms(_linear_over, lin.weight, xs, dys)}
         rec("linear_fwd_bwd_ms", f"M={m} {lname}", "bf16", round(t_bf, 4), "ms", 1.0, saved_activation_bytes=saved_bf)
-        rec("linear_fwd_bwd_ms", f"M={m} {lname} cuda-graph", "bf16", round(res["bf16_graph"], 4), "ms", 1.0)
+        if math.isfinite(res["bf16_graph"]):
+            rec("linear_fwd_bwd_ms", f"M={m} {lname} cuda-graph", "bf16", round(res["bf16_graph"], 4), "ms", 1.0)
         auto_name = resolve_backend("auto", "cuda")
         # auto first, then the other backends asked for that are present (torch stays in the table when auto is
         # deep_gemm).
@@ -110,8 +111,9 @@ def section_linear(args):
                 # Host time out of the picture: the same step captured once and replayed as a CUDA graph.
                 t_g = _graphed_step_ms(lambda w: Fp8Linear.from_linear(_linear_over(w), fp, bw, gemm_backend=backend), lin.weight, xs, dys)
                 res["graph"] = t_g
-                rec("linear_fwd_bwd_ms", f"M={m} {lname} weight-cached cuda-graph", name, round(t_g, 4), "ms",
-                    round(res["bf16_graph"] / t_g, 3))
+                if math.isfinite(t_g):  # a failed capture is printed, not recorded
+                    rec("linear_fwd_bwd_ms", f"M={m} {lname} weight-cached cuda-graph", name, round(t_g, 4), "ms",
+                        round(res["bf16_graph"] / t_g, 3))
             res[f"{name}_saved"] = saved
             rec("linear_fwd_bwd_ms", f"M={m} {lname} weight-cached", name, round(t_c, 4), "ms", round(t_bf / t_c, 3),
                 saved_activation_bytes=saved, saved_vs_bf16=round(saved / saved_bf, 4))
@@ -176,8 +178,9 @@ def section_linear(args):
     ratios["engine_on_calling_thread"] = [r["bf16_1thread"] / r["1thread"] for r in rows]
     ratios["kernels_sum"] = [r["bf16_ms"] / r["kernels_sum"] for r in rows]
     for key, v in ratios.items():
-        v = [r for r in v if math.isfinite(r)]
-        if not v:
+        if not all(map(math.isfinite, v)):  # a geomean of fewer layers would pass for the 4 layers' figure
+            failed = [r["layer"] for r, x in zip(rows, v) if not math.isfinite(x)]
+            print(f"geomean bf16/fp8 ({key}): not recorded, no figure for {', '.join(failed)}")
             continue
         g = gm(v)
         print(f"geomean bf16/fp8 ({key}): {g:.3f}x")
@@ -253,11 +256,15 @@ def _graphed_step_ms(build, weight, xs, dys):
     share = getattr(impl, "share_results", None)
     if share is not None:
         impl.share_results = False
+    stream = torch.cuda.current_stream()
     try:
         graphed = torch.cuda.make_graphed_callables(build(w), (x,), num_warmup_iters=3)
         return bench(lambda: graphed(x).backward(dy), grad_to_none=[x, w], rep=150)
     except Exception as e:  # noqa: BLE001 - a failed capture must not lose the eager figures
-        print(f"  CUDA-graph capture failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+        free, total = torch.cuda.mem_get_info()
+        print(f"  CUDA-graph capture failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]} "
+              f"(device memory free {free / 2**30:.1f} of {total / 2**30:.1f} GiB)")
+        recover_from_failed_capture(stream)
         return float("nan")
     finally:
         if share is not None:

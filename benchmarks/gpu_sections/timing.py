@@ -13,7 +13,8 @@ import time
 
 import torch
 
-__all__ = ["LAYERS", "MS", "DATE", "RECORDS", "COMMAND", "rec", "bench", "capture", "bench_sustained", "data", "rel_err", "set_command"]
+__all__ = ["LAYERS", "MS", "DATE", "RECORDS", "COMMAND", "rec", "bench", "capture", "recover_from_failed_capture", "bench_sustained",
+           "data", "rel_err", "set_command"]
 
 LAYERS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 MS = (64, 256, 4096, 8192, 16384)
@@ -67,6 +68,24 @@ def capture(fn, calls=1):
         for _ in range(calls):
             fn()
     return graph
+
+
+def recover_from_failed_capture(stream: torch.cuda.Stream) -> None:
+    """Leave a failed CUDA-graph capture behind: `stream` current again and the CUDA generators out of capture mode.
+
+    torch clears a capture's RNG bookkeeping only when the capture ends cleanly. After one that an illegal call
+    invalidated, the default generators stay flagged as capturing, and every later CUDA random op in the process
+    raises "Offset increment outside graph capture encountered unexpectedly" (a failed capture in the linear section
+    once took the stack, reference, host and decode sections down with it), and the capture's side stream stays
+    current. A small clean capture runs the generators' prologue and epilogue again, which clears the flag."""
+    torch.cuda.set_stream(stream)
+    torch.cuda.synchronize()
+    scratch = torch.empty(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scratch.add_(1)
+    del graph
+    torch.randn(1, device="cuda")  # raises here, with the cause above, if the generators are still flagged
 
 
 def bench_sustained(fn, per=20, warm_s=0.25, run_s=0.4):
