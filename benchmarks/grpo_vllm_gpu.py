@@ -228,10 +228,34 @@ def build_random_llama(out: Path, shape: dict, layers: int) -> Path:
 
 def n_params(model: Path) -> int:
     cfg = json.loads((model / "config.json").read_text())
-    h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    return params_at(cfg, cfg["num_hidden_layers"])
+
+
+def params_at(cfg: dict, layers: int) -> int:
+    """A Llama config's parameter count at `layers` decoder layers."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
     return layers * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2) + h
+
+
+# Peak device memory per parameter of the speed runs, engine asleep beside the trainer (bf16 weights and gradients,
+# fp32 master weights and Adam's moments, activations, the engine's residue): 110.9 GiB for 4.54B parameters at 16
+# layers with activation checkpointing on an H200, 77.8 GiB for 2.80B at 8 layers without it on an H100.
+DEVICE_BYTES_PER_PARAM = 26
+
+
+def check_fits(cfg: dict, card_bytes: int) -> None:
+    """Refuse, in one line, a speed run that would outgrow the card: it would start the engine, generate a whole
+    rollout and then die in the first optimizer step (about two minutes a recipe on the device; an 80 GB H100 at 16
+    layers did)."""
+    layers = cfg["num_hidden_layers"]
+    need = DEVICE_BYTES_PER_PARAM * params_at(cfg, layers)
+    if need > card_bytes:
+        fits = max((n for n in range(1, layers) if DEVICE_BYTES_PER_PARAM * params_at(cfg, n) <= card_bytes), default=0)
+        raise SystemExit(f"speed: {layers} layers need about {need / 2**30:.0f} GiB ({DEVICE_BYTES_PER_PARAM} B per parameter, as "
+                         f"measured) on a {card_bytes / 2**30:.0f} GiB card; use --layers {fits} or fewer (LAYERS= in h200_grpo.sh), "
+                         "or a larger card")
 
 
 def speed_inputs(work: Path, plan: SpeedPlan) -> tuple[Path, Path, Path]:
@@ -290,6 +314,10 @@ def cmd_speed(a: argparse.Namespace, out: Path, deadline: float) -> list[dict]:
     model, data, reward = speed_inputs(Path(a.workdir), plan)
     cfg = json.loads((model / "config.json").read_text())
     meta = {"plan": dataclasses.asdict(plan), "shape": plan.shape(cfg, n_params(model)), "params": n_params(model)}
+    if _cuda():
+        import torch
+
+        check_fits(cfg, torch.cuda.get_device_properties(0).total_memory)
     _log(f"speed: {meta['shape']}")
     # One after another: each run is timed. On CPU (--tiny) the times mean nothing and the runs go side by side: their
     # start-ups (imports, the launcher, the engine) are most of a tiny run, and they overlap on the machine's cores.

@@ -307,6 +307,23 @@ def test_a_repeat_count_below_one_is_refused_in_one_line(capsys):
     assert "--repeats (0) and --repeat (1) must be 1 or more" in capsys.readouterr().err
 
 
+def test_a_speed_run_that_outgrows_the_card_is_refused_in_one_line():
+    """16 layers died in the first optimizer step on an 80 GB H100 (after two minutes of start-up and rollout); the
+    same depth ran on the 141 GB H200, and 8 layers on the H100."""
+    import grpo_vllm_gpu as g
+
+    def at(layers):
+        return {**g.LLAMA_8B, "num_hidden_layers": layers}
+
+    h100, h200 = int(79.2 * 2**30), int(139.8 * 2**30)
+    g.check_fits(at(8), h100)
+    g.check_fits(at(16), h200)
+    with pytest.raises(SystemExit) as e:
+        g.check_fits(at(16), h100)
+    msg = str(e.value)
+    assert "\n" not in msg and "16 layers need about 110 GiB" in msg and "--layers 10 or fewer" in msg, msg
+
+
 def test_pool_never_joins_learning_curves(tmp_path, capsys):
     """`report --pool` averages speed repeats only: of a recipe's learning runs in two folders the last stands."""
     import grpo_vllm_gpu as g
