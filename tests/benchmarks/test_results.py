@@ -501,6 +501,23 @@ def test_rows_labelled_deep_gemm_skip_runs_whose_auto_resolved_to_torch():
     assert only_torch["stack_train_tokens_per_s_ratio"] is None and only_torch["linear_fwd_bwd_vs_bf16_cuda_graph"] is None
 
 
+def test_the_grpo_step_ratio_reads_the_deepest_model_measured():
+    """An 8-layer run on a smaller card, newer than the 16-layer one, does not replace the 16-layer figure; a newer
+    16-layer run does. fp8_rollout's ratio is read the same way, on its own row."""
+    def step(layers, backend, ratio, gpus=1, liger=False):
+        shape = f"Llama-3.1-8B shape, {layers} layers (x.xxB), 64 prompts{', Liger' if liger else ''}"
+        return {"name": "e2e_grpo_step_s", "shape": shape, "backend": backend, "ratio_vs_bf16": ratio, "gpus": gpus}
+
+    older16, newer8 = step(16, "jet_fp8", 1.17), step(8, "jet_fp8", 1.2)
+    others = [step(16, "jet_fp8", 1.5, gpus=2), step(32, "jet_fp8", 1.6, liger=True), step(8, "fp8_rollout", 1.03)]
+    metric = {m.key: m for m in headline.METRICS}
+    ratio, fp8_rollout = metric["e2e_grpo_step_ratio_1gpu"], metric["e2e_grpo_step_ratio_1gpu_fp8_rollout"]
+    assert ratio.pick([older16, newer8, *others])[0] == 1.17
+    assert ratio.pick([older16, newer8, step(16, "jet_fp8", 1.22), *others])[0] == 1.22
+    assert ratio.pick([newer8, *others])[0] == 1.2
+    assert fp8_rollout.pick([older16, newer8, *others])[0] == 1.03
+
+
 def test_layers_section_runs_its_variants_on_a_small_cpu_stack(monkeypatch):
     """gpu_bench's `layers` section (stacked against separate projections) end to end on a small CPU stack, its
     timers stubbed: every variant runs, the stacked and separate outputs are compared, and the records are typed."""
