@@ -67,7 +67,7 @@ if [[ "${PYTEST_K:-}" != skip ]]; then
   # The Triton GEMM backend's autotuning and DeepGEMM's per-shape JIT are what take time here: the first is left out
   # (not what is measured), the second is shared with the benchmark through DG_JIT_CACHE_DIR.
   timeout "$(left)" python3 -m pytest -q -p no:cacheprovider -rfs tests/gpu/test_train_plan_gpu.py \
-    tests/gpu/test_cast_transpose.py tests/gpu/test_linear_gpu.py \
+    tests/gpu/test_cast_transpose.py tests/gpu/test_linear_gpu.py tests/gpu/test_bench_capture_gpu.py \
     -k "${PYTEST_K:-not triton}" > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$OUT/pytest.txt" | tail -n 12
   echo "[$(( $(date +%s) - START )) s]"
