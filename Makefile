@@ -50,7 +50,7 @@ test-avx2: $(STAMP)
 		$(MAKE) --no-print-directory test
 
 # Tests that need Triton on CPU: Liger's model patching (not its kernels, which need a GPU), the quantizer kernels'
-# WGrad padding and the one-launch FP8 linear in Triton's interpreter. Triton stays out of the main venv, whose CPU code paths expect it absent:
+# WGrad padding and the one-launch FP8 linear in Triton's interpreter, and gpu_bench's section loop (it imports them). Triton stays out of the main venv, whose CPU code paths expect it absent:
 # Triton and Liger live in their own folder, on PYTHONPATH for these tests only.
 LIGER_SITE := .liger-site
 LIGER_STAMP := $(LIGER_SITE)/.installed
@@ -61,7 +61,8 @@ $(LIGER_STAMP): $(STAMP)
 # On JOBS workers too: the interpreter's tests are CPU-bound and independent (about 160 s serially, 95 s on two).
 test-triton: $(LIGER_STAMP)
 	PYTHONPATH=$(CURDIR)/$(LIGER_SITE) $(BIN)/python -m pytest -q $(XDIST) \
-		tests/rl/test_liger_patch.py tests/precision/test_kernels_interpreted.py tests/precision/test_quant_gemm_interpret.py
+		tests/rl/test_liger_patch.py tests/precision/test_kernels_interpreted.py tests/precision/test_quant_gemm_interpret.py \
+		tests/benchmarks/test_gpu_bench_main.py
 
 # The edit-test loop: unit tests of both packages, no end-to-end runs or real engines (about a minute).
 test-fast: $(STAMP)

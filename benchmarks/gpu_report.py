@@ -64,8 +64,9 @@ class Target:
 
 def _quant_row(label, name, shape):
     def value(records):
-        r = _last(records, name, shape)
-        return (None, "") if r is None or r.get("frac_of_copy") is None else (100 * r["frac_of_copy"], f"{name} {shape}")
+        # A record without a share of copy (its run measured no copy on that device) does not hide an older one.
+        r = _last([x for x in records if x.get("frac_of_copy") is not None], name, shape)
+        return (None, "") if r is None else (100 * r["frac_of_copy"], f"{name} {shape}")
     return Target(label, "%", 85.0, value)
 
 
