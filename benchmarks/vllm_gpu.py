@@ -397,12 +397,42 @@ def _wait(procs: dict[str, subprocess.Popen], timeout: float) -> dict[str, int]:
     return codes
 
 
+# Per engine beside its weights and KV cache: activations, CUDA graphs, the CUDA context (vLLM's start-up log on the
+# H100: 1.7 GiB of peak activation and 0.9 GiB of CUDA graphs at 16 layers).
+ENGINE_OVERHEAD_GIB = 3.0
+
+
+def engines_gib(shape: dict, layers: int, recipes: list[str], kv_gib: float) -> float:
+    """Device memory the throughput engines take together (they are all alive at once, taking turns): each engine's
+    weights (bf16, or e4m3 projections beside bf16 embeddings, lm_head and norms), its KV cache and its overhead."""
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
+    proj = layers * (2 * h * h + 2 * h * kv + 3 * h * i)
+    rest = layers * 2 * h + v * h * (1 if shape.get("tie_word_embeddings") else 2) + h
+    weights = [(proj + 2 * rest if r.split("@")[0].split("+")[0] != "bf16" else 2 * (proj + rest)) / GiB for r in recipes]
+    return sum(weights) + len(recipes) * (kv_gib + ENGINE_OVERHEAD_GIB)
+
+
+def check_engines_fit(shape: dict, layers: int, recipes: list[str], kv_gib: float, card_gib: float) -> None:
+    """Refuse, in one line, engines that cannot all be alive on this card: they would compile and load for minutes
+    of device time before vLLM found no room for the last one's KV cache."""
+    need = engines_gib(shape, layers, recipes, kv_gib)
+    if need > card_gib:
+        raise SystemExit(f"throughput: {len(recipes)} engines of {layers} layers with {kv_gib:g} GiB of KV cache each need about "
+                         f"{need:.0f} GiB, the card has {card_gib:.0f}; pass fewer --recipes, a smaller --kv-gib "
+                         "(the engines may then preempt), fewer --layers, or use a larger card")
+
+
 def run_throughput(a: argparse.Namespace, out: Path) -> list[dict]:
+    combos = [(r, m) for m in a.modes for r in a.recipes]
+    import torch
+
+    if torch.cuda.is_available():
+        check_engines_fit(SHAPE, a.layers, [r for r, _ in combos], a.kv_gib, torch.cuda.get_device_properties(0).total_memory / GiB)
     # --model: one checkpoint folder across calls (made there if missing), so a later call's engines find the compile
     # cache of an earlier one's (vLLM's cache key includes the model's path).
     model = make_model_dir(Path(a.model) if a.model else out / f"llama8b_l{a.layers}", a.layers)
     sync_dir = out / f"turns_{int(time.time())}"
-    combos = [(r, m) for m in a.modes for r in a.recipes]
     procs = {}
     for r, m in combos:
         procs[f"{r}-{m}"] = _spawn("throughput", out / f"throughput_{r}_{m}.json", [

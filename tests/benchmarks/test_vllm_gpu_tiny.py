@@ -65,3 +65,21 @@ def test_repeated_passes_time_the_prefill_apart_and_become_records(tmp_path):
     off = vllm_gpu.records_from(tmp_path, None, "cmd")
     assert {r["shape"] for r in off} == {r["shape"].replace("cold cache", "cold cache, VLLM_USE_AOT_COMPILE=0")
                                          + ("" if "start" in r["name"] else ", VLLM_USE_AOT_COMPILE=0") for r in recs}
+
+
+def test_engines_that_cannot_all_be_alive_on_the_card_are_refused_in_one_line():
+    """The throughput engines are alive together: two 32-layer engines with 42 GiB of KV cache each ran on the 141 GB
+    H200 and cannot fit an 80 GB H100, where two 16-layer ones with 21 GiB each did run; three 32-layer engines fit
+    neither."""
+    import vllm_gpu
+
+    shape, h100, h200 = vllm_gpu.LLAMA_8B, 79.2, 139.8
+    vllm_gpu.check_engines_fit(shape, 32, ["bf16", "jet_fp8"], 42, h200)
+    vllm_gpu.check_engines_fit(shape, 16, ["bf16", "jet_fp8"], 21, h100)
+    for layers, recipes, card in ((32, ["bf16", "jet_fp8"], h100), (32, ["bf16", "jet_fp8", "jet_fp8+bitwise"], h200)):
+        with pytest.raises(SystemExit) as e:
+            vllm_gpu.check_engines_fit(shape, layers, recipes, 42, card)
+        assert "\n" not in str(e.value) and f"{len(recipes)} engines of {layers} layers" in str(e.value) and "--kv-gib" in str(e.value)
+    # FP8 engines hold e4m3 projections: less than bf16's weights, more than half of them (embeddings, lm_head stay bf16)
+    bf16, fp8 = (vllm_gpu.engines_gib(shape, 32, [r], 0) - vllm_gpu.ENGINE_OVERHEAD_GIB for r in ("bf16", "jet_fp8@torch"))
+    assert 14.5 < bf16 < 15.5 and bf16 / 2 < fp8 < 0.6 * bf16
