@@ -37,6 +37,8 @@
 #   eager32  bf16 and jet_fp8 (the engine's auto: cuBLASLt at every size when eager) at 32 layers in eager mode, two
 #            timed passes at 256 and 64 prompts (~5 min; needs only `install`). Here:
 #            `python benchmarks/vllm_gpu.py record --from <res>/eager32`
+#            bench32, decode32 and eager32 give each engine KV32 GiB of KV cache (42: 256 sequences of 1280 tokens, no
+#            preemption; two such engines need the H200's memory). On an 80 GB H100: KV32=12 PROMPTS32=64 (64 sequences).
 #   aot      a cold start against warm starts of the same engines (bf16 and jet_fp8, AOT_LAYERS=16 layers, default mode,
 #            cuBLASLt, 256 prompts, two timed passes): `cold` compiles into an empty cache, `aot-loaded` restarts from
 #            torch's AOT artifact (vLLM's default on a warm cache), `no-aot` restarts with VLLM_USE_AOT_COMPILE=0
@@ -172,7 +174,7 @@ stage_bench32() {
   # sequences at 1280 tokens, so neither engine preempts; two engines of 32 layers fit the H200 side by side.
   # Three timed passes each: bf16's 256-prompt passes have spread by 20% within one lease.
   python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes bf16 jet_fp8 \
-    --repeats "${REPEATS32:-3}" --kv-gib 42 --out /tmp/res/vllm32 --timeout "${BENCH32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+    --repeats "${REPEATS32:-3}" --kv-gib "${KV32:-42}" ${PROMPTS32:+--prompts $PROMPTS32} --out /tmp/res/vllm32 --timeout "${BENCH32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
   grep -h "median of\|engine up" /tmp/res/vllm32/*.log
 }
 
@@ -181,7 +183,7 @@ stage_bench32() {
 # while vLLM captures its CUDA graphs: the first start is the cold figure (no ~/.deep_gemm cache on a fresh machine).
 stage_decode32() {
   python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes ${DECODE32_RECIPES:-jet_fp8@torch jet_fp8} \
-    --repeats "${REPEATS32:-2}" --kv-gib 42 --out /tmp/res/decode32 --timeout "${DECODE32_S:-540}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+    --repeats "${REPEATS32:-2}" --kv-gib "${KV32:-42}" ${PROMPTS32:+--prompts $PROMPTS32} --out /tmp/res/decode32 --timeout "${DECODE32_S:-540}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
   grep -h "median of\|engine up\|decode-sized" /tmp/res/decode32/*.log
 }
 
@@ -189,7 +191,7 @@ stage_decode32() {
 # beside jet_fp8. Here: `python benchmarks/vllm_gpu.py record --from <res>/eager32`
 stage_eager32() {
   python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes eager --recipes bf16 jet_fp8 \
-    --repeats "${REPEATS32:-2}" --kv-gib 42 --out /tmp/res/eager32 --timeout "${EAGER32_S:-540}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+    --repeats "${REPEATS32:-2}" --kv-gib "${KV32:-42}" ${PROMPTS32:+--prompts $PROMPTS32} --out /tmp/res/eager32 --timeout "${EAGER32_S:-540}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
   grep -h "median of\|engine up" /tmp/res/eager32/*.log
 }
 
