@@ -25,6 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from llama_params import llama_params  # noqa: E402  (benchmarks/ is on sys.path: this file runs as a script from there)
+
 
 def build(workdir: Path, hidden: int, layers: int, inter: int) -> tuple[Path, Path]:
     import torch
@@ -95,10 +97,7 @@ def finish_one(job: dict, a) -> dict:
 
 def n_params(model: Path) -> int:
     cfg = json.loads((model / "config.json").read_text())
-    h, i, layers, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    return layers * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2) + h
+    return sum(llama_params(cfg, cfg["num_hidden_layers"]))
 
 
 PARTS = [("perf/rollout_s", "rollout"), ("perf/old_logprob_s", "old logprob"), ("perf/ref_s", "reference"),

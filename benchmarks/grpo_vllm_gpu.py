@@ -45,6 +45,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+from llama_params import llama_params  # noqa: E402  benchmarks/
 from train_runs import cuda as _cuda, env_info, finish, free_port, start, wait_engine_ready  # noqa: E402  benchmarks/
 
 RECIPES = ("bf16", "jet_fp8", "fp8_rollout")  # what a plain run compares
@@ -233,10 +234,7 @@ def n_params(model: Path) -> int:
 
 def params_at(cfg: dict, layers: int) -> int:
     """A Llama config's parameter count at `layers` decoder layers."""
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    return layers * per_layer + v * h * (1 if cfg.get("tie_word_embeddings") else 2) + h
+    return sum(llama_params(cfg, layers))
 
 
 # Peak device memory per parameter of the speed runs, engine asleep beside the trainer (bf16 weights and gradients,

@@ -156,12 +156,12 @@ def _deepest(name, backend, field, where):
         return int(m.group(1)) if m else 0
 
     def pick(records):
-        hits = [r for r in records if r.get("name") == name and r.get("backend") == backend and r.get(field) is not None
-                and where(r)]
+        ok = lambda r: r.get(field) is not None and where(r)  # noqa: E731
+        hits = [r for r in records if r.get("name") == name and r.get("backend") == backend and ok(r)]
         if not hits:
             return None, None
         deepest = max(map(layers, hits))
-        r = [h for h in hits if layers(h) == deepest][-1]
+        r = latest(records, name, backend=backend, where=lambda r: ok(r) and layers(r) == deepest)
         return r[field], r
     return pick
 

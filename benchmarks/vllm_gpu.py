@@ -405,11 +405,10 @@ ENGINE_OVERHEAD_GIB = 3.0
 def engines_gib(shape: dict, layers: int, recipes: list[str], kv_gib: float) -> float:
     """Device memory the throughput engines take together (they are all alive at once, taking turns): each engine's
     weights (bf16, or e4m3 projections beside bf16 embeddings, lm_head and norms), its KV cache and its overhead."""
-    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
-    proj = layers * (2 * h * h + 2 * h * kv + 3 * h * i)
-    rest = layers * 2 * h + v * h * (1 if shape.get("tie_word_embeddings") else 2) + h
-    weights = [(proj + 2 * rest if r.split("@")[0].split("+")[0] != "bf16" else 2 * (proj + rest)) / GiB for r in recipes]
+    from llama_params import llama_params  # benchmarks/ is on sys.path (above)
+
+    proj, rest = llama_params(shape, layers)
+    weights = [(2 * (proj + rest) if r.partition("+")[0].partition("@")[0] == "bf16" else proj + 2 * rest) / GiB for r in recipes]
     return sum(weights) + len(recipes) * (kv_gib + ENGINE_OVERHEAD_GIB)
 
 
