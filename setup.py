@@ -23,6 +23,7 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text() if Path("README.md").exists() else "",
     long_description_content_type="text/markdown",
     packages=find_packages(include=["jetrl_precision", "jetrl_precision.*", "openrlhf", "openrlhf.*"]),
+    package_data={"jetrl_precision": ["csrc/*.cpp"]},  # built at first use (integrations/engine_native.py)
     python_requires=">=3.10",
     # jetrl_precision itself needs only torch; the framework needs the rest.
     install_requires=["torch>=2.6", *FRAMEWORK],

@@ -47,7 +47,8 @@
 #   eager_ab  the eager engine's host-time levers, each arm a bf16 + jet_fp8 pair: as shipped, with vLLM's CUTLASS
 #            decode GEMM (JETRL_EAGER_CUTLASS=1), with the Triton quantizer (JETRL_CUDA_QUANT=0), with torch's
 #            scaled_mm replaced by cuBLASLt plans (JETRL_CUBLASLT_PLAN=1), with the one-launch fused decode linear
-#            (JETRL_EAGER_FUSED=1), without the activation workspace (JETRL_ENGINE_WORKSPACE=0); EAGER_AB_ARMS,
+#            (JETRL_EAGER_FUSED=1), without the activation workspace (JETRL_ENGINE_WORKSPACE=0), with the Python path
+#            instead of the native one-call linear (JETRL_NATIVE_LINEAR=0, arm `python`); EAGER_AB_ARMS,
 #            EAGER_AB_LAYERS (16), 256 prompts (~3.5 min per arm; needs only `install`). Here, per arm:
 #            `python benchmarks/vllm_gpu.py record --from <res>/eager_ab_<arm>_l16`
 #   route32  the route at 32 layers: ROUTE32_RECIPES (jet_fp8 and jet_fp8+bitwise; bf16 and jet_fp8+bitwise in another
@@ -147,7 +148,8 @@ stage_eager_ab() {
   # (JETRL_EAGER_CUTLASS=1: vLLM's CUTLASS kernel for decode GEMMs), `tritonq` (JETRL_CUDA_QUANT=0: the Triton
   # quantizer), `ltplan` (JETRL_CUBLASLT_PLAN=1: cuBLASLt plans per shape instead of torch's scaled_mm), `fused` (JETRL_EAGER_FUSED=1:
   # decode GEMMs quantize inside one Triton launch), `nows` (JETRL_ENGINE_WORKSPACE=0: the quantized activation in
-  # fresh buffers per call instead of the shared workspace). 256 prompts x 1024 tokens, EAGER_AB_ARMS ("shipped cutlass"), EAGER_AB_LAYERS (16), EAGER_AB_REPEATS (2);
+  # fresh buffers per call instead of the shared workspace), `python` (JETRL_NATIVE_LINEAR=0: the Python path instead
+  # of the one C++ call per projection). 256 prompts x 1024 tokens, EAGER_AB_ARMS ("shipped cutlass"), EAGER_AB_LAYERS (16), EAGER_AB_REPEATS (2);
   # ~3.5 min per arm at 16 layers.
   local layers=${EAGER_AB_LAYERS:-16} reps=${EAGER_AB_REPEATS:-2} kv arm env
   kv=$(((layers * 13 + 9) / 10 + 1))
@@ -159,7 +161,8 @@ stage_eager_ab() {
       ltplan) env="JETRL_CUBLASLT_PLAN=1" ;;
       fused) env="JETRL_EAGER_FUSED=1" ;;
       nows) env="JETRL_ENGINE_WORKSPACE=0" ;;
-      *) echo "eager_ab: unknown arm $arm (shipped, cutlass, tritonq, ltplan, fused, nows)" >&2; return 1 ;;
+      python) env="JETRL_NATIVE_LINEAR=0" ;;
+      *) echo "eager_ab: unknown arm $arm (shipped, cutlass, tritonq, ltplan, fused, nows, python)" >&2; return 1 ;;
     esac
     # shellcheck disable=SC2086
     env $env python3 benchmarks/vllm_gpu.py throughput --layers "$layers" --modes eager --recipes bf16 jet_fp8 --repeats "$reps" \

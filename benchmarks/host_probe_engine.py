@@ -1,6 +1,7 @@
 """Host cost of the pieces of one eager FP8 engine linear call (`EngineLinear`), against F.linear.
 
     python benchmarks/host_probe_engine.py
+    PROBE_QUICK=1 python benchmarks/host_probe_engine.py   # F.linear against the eager engine's call, Python and native
 
 The GPU is held busy by a spin kernel while the calls are enqueued, so each figure is the Python +
 launch time alone (what an eager decode step pays per layer), whatever the call's GPU time.
@@ -258,10 +259,24 @@ def main() -> None:
     if cq is not None:
         pieces["cuda quantizer (quant_cuda)"] = lambda: cq(x, m)
         pieces["cuda quantize + scaled_mm, inline"] = lambda: (lambda t: mm(t.data, wt, t.scale, sb, torch.bfloat16))(cq(x, m))
+    from jetrl_precision.integrations import engine_native
+
+    lin_n = EngineLinear(wq.data, wq.scale, [(n, n // 128, 128)], 128, spec, "torch", native=True)
+    print("native engine linear:", engine_native.status("cuda"))
+    if lin_n.host_call == "native":
+        native_fn, stream_n = lin_n._native, torch.cuda.current_stream().cuda_stream
+        pieces["EngineLinear, native (what an eager engine calls)"] = lambda: lin_n(x)
+        pieces["native call alone (csrc/engine_linear.cpp)"] = lambda: native_fn(x, stream_n)
     import os
 
+    if os.environ.get("PROBE_QUICK") == "1":  # the eager engine's call against F.linear only, no GPU-time tables
+        keep = ("F.linear", "torch._scaled_mm direct", "EngineLinear (the eager engine's call)",
+                "EngineLinear, native (what an eager engine calls)", "native call alone (csrc/engine_linear.cpp)")
+        pieces = {k_: v for k_, v in pieces.items() if k_ in keep}
     for name, (lo, med) in paired_us(pieces, samples=int(os.environ.get("PROBE_SAMPLES", "25"))).items():
         print(f"[host us min/median] {name} {lo} / {med}")
+    if os.environ.get("PROBE_QUICK") == "1":
+        return
     print("triton", triton.__version__)
     _quantizer_gpu_times(k)
     _fused_gpu_times()

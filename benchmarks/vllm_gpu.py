@@ -523,7 +523,8 @@ def _backend_label(job: dict) -> str:
     return label + ("+" + job["decode_gemm"].replace(" ", "") if job.get("decode_gemm") else "")
 
 
-ENGINE_SWITCHES = ("JETRL_CUDA_QUANT", "JETRL_EAGER_CUTLASS", "JETRL_CUBLASLT_PLAN", "JETRL_EAGER_FUSED", "JETRL_ENGINE_WORKSPACE")
+ENGINE_SWITCHES = ("JETRL_CUDA_QUANT", "JETRL_EAGER_CUTLASS", "JETRL_CUBLASLT_PLAN", "JETRL_EAGER_FUSED", "JETRL_ENGINE_WORKSPACE",
+                   "JETRL_NATIVE_LINEAR")
 
 
 def _aot_note(job: dict) -> str:

@@ -6,7 +6,9 @@ time and refreshed in place after each sync (`refresh`), keeping buffers that a 
 reads at the same addresses. Per call only the activation is quantized (1x128, the training
 quantizer's bytes) and the GEMM runs: two launches on the cuBLASLt path. The activation quantizer there is
 the CUDA kernel with the lean launch (`kernels.quant_cuda`) where it passed its first-use check, else the
-Triton kernel: an eager decode step waits on the host time of these launches (`activation_quantizer`).
+Triton kernel: an eager decode step waits on the host time of these launches (`activation_quantizer`), so an
+eager engine's decode-sized batches make both launches from one C++ call where it builds and matches these bits
+(`engine_native`, asked for with `native=True`).
 
 An engine may run a second backend for decode-sized batches (`decode_backend` for M <= `decode_max_m`): DeepGEMM
 (`auto` under CUDA graphs, `gemm.resolve_decode_backend`) or vLLM's CUTLASS blockwise kernel (an eager engine that
@@ -72,6 +74,7 @@ class EngineLinear:
         backend: str,
         decode_backend: str = "",
         decode_max_m: int = 0,
+        native: bool = False,
     ) -> None:
         self.weight, self.weight_scale = weight, weight_scale
         self.groups = tuple((int(r), int(sr), int(b0)) for r, sr, b0 in groups)
@@ -85,6 +88,9 @@ class EngineLinear:
         # The groups tile one block grid when every part but the last fills whole block rows.
         self.one_grid = len(self.groups) == 1 or (len(b0s) == 1 and all(r % self.groups[0][2] == 0 for r, _, _ in self.groups[:-1]))
         self._fast = None
+        # An eager engine asks for the native call (`engine_native`): decode-sized batches then quantize and multiply
+        # in one C++ call, with the Python path's bits; everything else runs the Python path.
+        self.native_asked, self._native = native, None
         self.refresh()
 
     @classmethod
@@ -127,9 +133,24 @@ class EngineLinear:
             self._fast = _CublasPlan.build(self)
         elif self._fast:
             self._fast.refresh(self)
+        if self.native_asked and self._fast and self._fast.decode is None and self._fast.fused is None:
+            from .engine_native import native_linear
+
+            # rebuilt on each refresh: it holds the scale tensor the Python path reads now
+            self._native = native_linear(self.weight, self._fast.sb, self.input_spec.pow2_scale)
+
+    @property
+    def host_call(self) -> str:
+        """'native' where decode-sized batches run the one C++ call, else 'python'."""
+        return "native" if self._native is not None else "python"
 
     # -- forward ------------------------------------------------------------------------------------
     def __call__(self, x2: torch.Tensor) -> torch.Tensor:
+        native = self._native
+        if native is not None:
+            y = native(x2, self._fast.stream())
+            if y is not None:  # None: a batch it is not for (see `engine_native`)
+                return y
         if x2.shape[0] == 0:
             return x2.new_empty((0, self.n))
         if not self.input_spec.is_fp8:
@@ -163,7 +184,7 @@ class _CublasPlan:
         self.device = lin.weight.device
         # fn() -> the current stream's handle (with the device, the workspace's key); 0 off CUDA (the host-cost proxy)
         self.device_index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) if self.device.type == "cuda" else -1
-        self._stream = functools.partial(torch._C._cuda_getCurrentRawStream, self.device_index) if self.device.type == "cuda" else int
+        self.stream = functools.partial(torch._C._cuda_getCurrentRawStream, self.device_index) if self.device.type == "cuda" else int
         self._quantizers: dict[torch.dtype, object] = {}  # activation dtype -> fn(x, rows_alloc)
         self.w_t = lin.weight.t()
         self.sb_buf: torch.Tensor | None = None
@@ -224,7 +245,7 @@ class _CublasPlan:
         fn = self._quantizers.get(x2.dtype) or self.quantizer(x2.dtype)
         into = getattr(fn, "into", None)
         if into is not None and mp <= _WS_MAX_M and _USE_WS:
-            key = (self.device_index, self._stream(), x2.shape[1], mp)
+            key = (self.device_index, self.stream(), x2.shape[1], mp)
             ws = _ACT_WS.get(key) or _act_workspace(self.device, key)
             if ws is not None and into(x2, *ws):
                 return ws

@@ -198,6 +198,8 @@ class JetFp8LinearMethod(LinearMethodBase):
         layer.jetrl_gemm = EngineLinear(
             layer.weight, layer.weight_scale, groups, layer.jetrl_groups[0].block[1], self.fprop.input,
             self.backend_for(device), decode or "", decode_max,
+            # an eager engine's decode steps wait on host time: one C++ call per projection (`engine_native`)
+            native=captured_batch_max() == 0 and device.type == "cuda",
         )
 
     # -- views used by the weight sync and the digests ---------------------------------------------

@@ -492,9 +492,18 @@ def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
             g.add_node(name, "norm")
             g.add_edge(name, "weight", EdgeAttrs(dtype=dt, quantizer_id=f"{dt}/none"))
     # The edges name each layer's backend; decode-sized batches may run another (auto: DeepGEMM up to M = 512).
-    decode = sorted({m.jetrl_gemm.decode_gemm for m in model.modules() if getattr(m, "jetrl_gemm", None) is not None} - {""})
+    gemms = [m.jetrl_gemm for m in model.modules() if getattr(m, "jetrl_gemm", None) is not None]
+    decode = sorted({gm.decode_gemm for gm in gemms} - {""})
     if decode:
         g.meta["decode_gemm"] = ", ".join(decode)
+    if any(gm.native_asked for gm in gemms):
+        # an eager engine: how many projections make one C++ call per decode-sized batch, or why none do
+        from .engine_native import status as native_status
+
+        took = sum(gm.host_call == "native" for gm in gemms)
+        why = native_status(device)
+        g.meta["eager_linear_call"] = (f"native ({took} of {len(gemms)} projections)" if took else
+                                       "python (no projection has a shape it takes)" if why == "native" else why)
     if any(getattr(m, "jetrl_gemm", None) is not None and m.jetrl_gemm.backend == "torch" for m in model.modules()) and device.type == "cuda":
         from ..gemm import cublaslt
 

@@ -193,3 +193,18 @@ def test_eager_engine_decodes_on_vllm_cutlass_only_when_asked_and_checked(monkey
         verdicts["cuda:0"], reasons["cuda:0"] = False, "relative error 1e-1 against float64"
         assert vllm_quant.JetFp8LinearMethod(auto, "x").decode_backend_for(cuda) == (None, 0)
         assert vllm_cutlass.unusable_reason(cuda) == "relative error 1e-1 against float64"
+
+
+def test_native_call_off_cuda_names_why_and_changes_nothing(sliced_backend):
+    """An engine asking for the native one-call linear where it cannot run (here: no CUDA) keeps the Python path,
+    with the same output, and says why (what the rollout precision graph records)."""
+    from jetrl_precision.integrations import engine_native
+
+    weight, scale, groups, _ = _weight([256], 384)
+    x = outlier_data((5, 384), generator=torch.Generator().manual_seed(2))
+    plain = EngineLinear(weight, scale, groups, 128, INPUT, sliced_backend)
+    asked = EngineLinear(weight, scale, groups, 128, INPUT, sliced_backend, native=True)
+    assert asked.native_asked and asked.host_call == "python" and not plain.native_asked
+    assert torch.equal(asked(x), plain(x))
+    assert engine_native.status("cpu") == "python (needs a CUDA device, got cpu)"
+    assert engine_native.native_linear(weight, scale, pow2=True) is None
