@@ -287,6 +287,12 @@ METRICS += (
     Metric("vllm_rollout_tokens_per_s_ratio_8layers_64", "x bf16", "the same with 64 prompts", _rollout_ratio(8, 64, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_8layers_eager", "x bf16", "the same, 256 prompts, eager mode",
            _rollout_ratio(8, 256, "eager")),
+    # Eager engines are host-bound, so half depth is where the projections' host time weighs most against the rest
+    # of vLLM's step; the engine A/Bs of the native one-call linear (engine_native) ran there (the newest run wins).
+    Metric("vllm_rollout_tokens_per_s_ratio_16layers_eager", "x bf16",
+           "the same, eager mode, 256 prompts, on the 16-layer truncation of the shape", _rollout_ratio(16, 256, "eager")),
+    Metric("vllm_rollout_tokens_per_s_ratio_16layers_eager_64", "x bf16", "the same with 64 prompts",
+           _rollout_ratio(16, 64, "eager")),
     Metric("vllm_logprob_mismatch_smollm2_bf16", "mean |dlogp|",
            "vLLM engine vs trainer recompute, per sampled token, SmolLM2-135M-Instruct, 16 chat prompts, T=1, default "
            "mode on the GPU: bf16 recipe", _field("vllm_logprob_mismatch_abs_mean", VLLM_SMOL, "bf16"), digits=2),

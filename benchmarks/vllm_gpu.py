@@ -196,7 +196,9 @@ def job_throughput(a: argparse.Namespace) -> dict:
     backends = sorted({e.attrs.backend for e in graph.edges if e.attrs.backend})
     kernels = sorted({e.attrs.kernel for e in graph.edges if getattr(e.attrs, "kernel", None)})
     result = {"job": "throughput", "start_only": a.start_only, "recipe": a.recipe, "mode": a.mode, "layers": a.layers, "start_seconds": round(start_s, 1),
-              "gemm_backends": backends, "decode_gemm": graph.meta.get("decode_gemm", ""), "quant_kernels": kernels, "runs": []}
+              "gemm_backends": backends, "decode_gemm": graph.meta.get("decode_gemm", ""), "quant_kernels": kernels, "runs": [],
+              # eager engines: whether the projections made the native one-call linear (engine_native), or why not
+              "eager_linear_call": graph.meta.get("eager_linear_call", "")}
     if a.start_only:
         engine.shutdown()
         return result

@@ -468,12 +468,17 @@ def test_the_rollout_headline_is_the_full_depth_model_and_the_8_layer_figure_has
     recs = [rec(8, 256, "default", 0.75), rec(32, 256, "default", 1.15), rec(32, 64, "default", 1.09), rec(32, 256, "eager", 0.92),
             rec(32, 64, "eager", 1.02), rec(32, 64, "eager", 0.63, "jet_fp8/torch+deep_gemm(M<=512)"),  # not what eager runs
             rec(8, 256, "eager", 1.07), rec(32, 256, "default", 0.94, "jet_fp8+bitwise/triton_invariant"),
-            rec(32, 256, "default", 1.21, "jet_fp8+bitwise/triton_invariant+cublaslt_route(4/5 shapes)")]
+            rec(32, 256, "default", 1.21, "jet_fp8+bitwise/triton_invariant+cublaslt_route(4/5 shapes)"),
+            rec(16, 256, "eager", 0.93), rec(16, 64, "eager", 1.25),
+            # an A/B arm with an engine switch set names it in its shape: never the shipped engine's figure
+            dict(rec(16, 256, "eager", 0.77), shape=headline.VLLM_8B.format(16, 256, "eager") + ", JETRL_NATIVE_LINEAR=0",
+                 _run_file="zz-newest-arm")]
     picked = {m.key: m.pick(recs)[0] for m in headline.METRICS if m.key.startswith(("vllm_rollout_tokens", "bitwise_rollout_tokens"))}
     assert picked == {"vllm_rollout_tokens_per_s_ratio": 1.15, "vllm_rollout_tokens_per_s_ratio_64": 1.09,
                       "vllm_rollout_tokens_per_s_ratio_eager": 0.92, "vllm_rollout_tokens_per_s_ratio_eager_64": 1.02,
                       "vllm_rollout_tokens_per_s_ratio_8layers": 0.75,
                       "vllm_rollout_tokens_per_s_ratio_8layers_64": None, "vllm_rollout_tokens_per_s_ratio_8layers_eager": 1.07,
+                      "vllm_rollout_tokens_per_s_ratio_16layers_eager": 0.93, "vllm_rollout_tokens_per_s_ratio_16layers_eager_64": 1.25,
                       "bitwise_rollout_tokens_per_s_ratio": 1.21, "bitwise_rollout_tokens_per_s_ratio_invariant_kernels": 0.94,
                       "bitwise_rollout_tokens_per_s_ratio_64": None, "bitwise_rollout_tokens_per_s_ratio_64_invariant_kernels": None}
 
