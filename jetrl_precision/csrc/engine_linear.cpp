@@ -23,7 +23,6 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
-#include <unordered_map>
 
 namespace {
 
@@ -158,7 +157,10 @@ class Runtime {
     return mp == m ? y : y.narrow(0, 0, m);
   }
 
-  int64_t plan_count() const { return static_cast<int64_t>(plans_.size()); }
+  int64_t plan_count() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(plans_.size());
+  }
 
  private:
   struct Workspace {
@@ -246,6 +248,7 @@ class Runtime {
   ltMatmul_t matmul_;
   std::mutex mu_;
   std::map<std::pair<int64_t, int64_t>, Workspace> workspaces_;
+  // bounded by construction: M is padded to a multiple of 4 up to kMaxRows, so at most 128 plans per (N, K)
   std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::unique_ptr<Plan>> plans_;
 };
 
