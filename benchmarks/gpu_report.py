@@ -263,7 +263,8 @@ def plot_linear(records, path, run_label):
     ax.set_xticklabels([f"{lay}\n{dims}" for lay, dims in zip(layers, ("6144x4096", "4096x4096", "28672x4096", "4096x14336"))])
     ax.set_ylabel("BF16 time / FP8 time (graph: against BF16 graph)")
     ax.set_ylim(0, 1.85)
-    ax.set_title(f"{_card(records)}, FP8 linear fwd+bwd vs nn.Linear BF16, M=8192, weights cached ({run_label})", fontsize=10)
+    # the run label on its own line: long labels ran off a one-line title
+    ax.set_title(f"{_card(records)}, FP8 linear fwd+bwd vs nn.Linear BF16, M=8192, weights cached\n{run_label}", fontsize=10)
     ax.legend(fontsize=8, loc="upper center", ncol=3)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
