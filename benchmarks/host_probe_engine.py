@@ -269,13 +269,14 @@ def main() -> None:
         pieces["native call alone (csrc/engine_linear.cpp)"] = lambda: native_fn(x, stream_n)
     import os
 
-    if os.environ.get("PROBE_QUICK") == "1":  # the eager engine's call against F.linear only, no GPU-time tables
+    quick = os.environ.get("PROBE_QUICK") == "1"  # the eager engine's call against F.linear only, no GPU-time tables
+    if quick:
         keep = ("F.linear", "torch._scaled_mm direct", "EngineLinear (the eager engine's call)",
                 "EngineLinear, native (what an eager engine calls)", "native call alone (csrc/engine_linear.cpp)")
         pieces = {k_: v for k_, v in pieces.items() if k_ in keep}
     for name, (lo, med) in paired_us(pieces, samples=int(os.environ.get("PROBE_SAMPLES", "25"))).items():
         print(f"[host us min/median] {name} {lo} / {med}")
-    if os.environ.get("PROBE_QUICK") == "1":
+    if quick:
         return
     print("triton", triton.__version__)
     _quantizer_gpu_times(k)

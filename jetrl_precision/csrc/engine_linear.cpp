@@ -128,10 +128,11 @@ class Runtime {
     void* args[] = {&xp, &q, &s, &mi, &ki, &ldx, &ldq, &lds};
     auto fn = reinterpret_cast<void*>(quant_fn);
     const unsigned gx = static_cast<unsigned>((m + 3) / 4), gy = static_cast<unsigned>(groups);
-    int rc = launch_(fn, gx, gy, 1, 128, 1, 1, 0, stream, args, nullptr);
+    auto quantize = [&] { return launch_(fn, gx, gy, 1, 128, 1, 1, 0, stream, args, nullptr); };
+    int rc = quantize();
     if (rc == kCudaErrorInvalidContext) {  // a thread with no current context yet: make the primary one current
       make_current();
-      rc = launch_(fn, gx, gy, 1, 128, 1, 1, 0, stream, args, nullptr);
+      rc = quantize();
     }
     check(rc, "cuLaunchKernel of the 1x128 quantizer");
 
@@ -145,12 +146,14 @@ class Runtime {
       const void* sa = w_scale_t.data_ptr();
       desc_set_(plan.desc, kAScalePtr, &sa, sizeof(sa));
       desc_set_(plan.desc, kBScalePtr, &s, sizeof(s));
-      rc = matmul_(handle_, plan.desc, &one_, w.data_ptr(), plan.layouts[0], q, plan.layouts[1], &zero_, yp,
-                   plan.layouts[2], yp, plan.layouts[3], plan.result, lt_ws, ws_bytes_, stream);
-      if (rc == kStatusExecutionFailed) {
+      auto multiply = [&] {
+        return matmul_(handle_, plan.desc, &one_, w.data_ptr(), plan.layouts[0], q, plan.layouts[1], &zero_, yp,
+                       plan.layouts[2], yp, plan.layouts[3], plan.result, lt_ws, ws_bytes_, stream);
+      };
+      rc = multiply();
+      if (rc == kStatusExecutionFailed) {  // cuBLASLt's answer to a thread with no current context
         make_current();
-        rc = matmul_(handle_, plan.desc, &one_, w.data_ptr(), plan.layouts[0], q, plan.layouts[1], &zero_, yp,
-                     plan.layouts[2], yp, plan.layouts[3], plan.result, lt_ws, ws_bytes_, stream);
+        rc = multiply();
       }
     }
     check(rc, "cublasLtMatmul");

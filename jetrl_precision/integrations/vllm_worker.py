@@ -501,9 +501,11 @@ def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
         from .engine_native import status as native_status
 
         took = sum(gm.host_call == "native" for gm in gemms)
-        why = native_status(device)
-        g.meta["eager_linear_call"] = (f"native ({took} of {len(gemms)} projections)" if took else
-                                       "python (no projection has a shape it takes)" if why == "native" else why)
+        if took:
+            g.meta["eager_linear_call"] = f"native ({took} of {len(gemms)} projections)"
+        else:
+            why = native_status(device)
+            g.meta["eager_linear_call"] = "python (no projection has a shape it takes)" if why == "native" else why
     if any(getattr(m, "jetrl_gemm", None) is not None and m.jetrl_gemm.backend == "torch" for m in model.modules()) and device.type == "cuda":
         from ..gemm import cublaslt
 
