@@ -32,6 +32,7 @@ for _p in (ROOT, ROOT / "benchmarks"):
         sys.path.insert(0, str(_p))
 
 from headline import job_device, recorded_device  # noqa: E402  (benchmarks/)
+from host_sampler import StackSampler, per_step  # noqa: E402  (benchmarks/)
 from openrlhf.utils.profiling import kernel_times  # noqa: E402  (torch only; no vLLM import)
 
 __all__ = ["CATEGORIES", "category", "kernel_times", "decode_kernels", "summarize", "main"]
@@ -63,26 +64,41 @@ def decode_kernels(short: dict[str, float], long: dict[str, float], steps: int) 
     return {k: max(0.0, (long.get(k, 0.0) - short.get(k, 0.0)) / steps) for k in sorted(set(short) | set(long))}
 
 
+def _generate(llm, prompts, max_tokens: int) -> float:
+    """Wall seconds of one generate of `max_tokens` new tokens per prompt, the device drained before and after."""
+    import torch
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    return time.perf_counter() - t0
+
+
 def _profile(llm, prompts, max_tokens: int) -> tuple[dict[str, float], float]:
     """(device us per kernel name, wall seconds) of one generate."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from vllm import SamplingParams
 
-    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
     cuda = torch.cuda.is_available()
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        sync()
-        wall = time.perf_counter() - t0
+        wall = _generate(llm, prompts, max_tokens)
     return kernel_times(prof, cuda), wall
+
+
+def _sampled(llm, prompts, max_tokens: int) -> StackSampler:
+    with StackSampler() as s:
+        _generate(llm, prompts, max_tokens)
+    return s
 
 
 def job(a: argparse.Namespace) -> dict:
     import torch
+
+    from jetrl_precision import PrecisionGraph
 
     import vllm_gpu
 
@@ -92,6 +108,11 @@ def job(a: argparse.Namespace) -> dict:
     _profile(engine.llm, prompts, 1 + a.steps)  # warm-up: graphs captured, kernels compiled and tuned
     short, wall_short = _profile(engine.llm, prompts, 1)
     long, wall_long = _profile(engine.llm, prompts, 1 + a.steps)
+    # the same without the profiler (CUPTI adds host time per launch, and FP8 launches more), best of two
+    bare = {n: min(_generate(engine.llm, prompts, n) for _ in range(2)) for n in (1, 1 + a.steps)}
+    # where the host time goes, by Python function (an eager step waits on it)
+    s_short, s_long = _sampled(engine.llm, prompts, 1), _sampled(engine.llm, prompts, 1 + a.steps)
+    meta = PrecisionGraph.from_dict(engine.precision_graph()).meta
     engine.shutdown()
     per_kernel = decode_kernels(short, long, a.steps)
     cats: dict[str, float] = {}
@@ -103,7 +124,12 @@ def job(a: argparse.Namespace) -> dict:
             "decode_step_wall_us": round(1e6 * (wall_long - wall_short) / a.steps, 1),
             "decode_step_kernel_us": round(sum(per_kernel.values()), 1),
             "categories_us": {c: round(v, 2) for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "top_kernels_us": [[k, round(v, 2), category(k)] for k, v in top], "date": time.strftime("%Y-%m-%d"),
+            "top_kernels_us": [[k, round(v, 2), category(k)] for k, v in top],
+            "decode_step_wall_unprofiled_us": round(1e6 * (bare[1 + a.steps] - bare[1]) / a.steps, 1),
+            "host_self_us": per_step(s_long.self_us(), s_short.self_us(), a.steps, 30),
+            "host_cum_us": per_step(s_long.cum_us(), s_short.cum_us(), a.steps, 60),
+            "host_samples": s_long.samples, "eager_linear_call": meta.get("eager_linear_call", ""),
+            "gemm_call": meta.get("gemm_call", ""), "date": time.strftime("%Y-%m-%d"),
             "device": job_device()}
 
 
@@ -115,6 +141,8 @@ def summarize(results: list[dict]) -> str:
     lines = [f"{results[0]['prompts']} sequences, {results[0]['layers']} layers, prompt {results[0]['prompt_len']}, "
              f"{results[0]['steps']} decode steps profiled", "", head, "|---" * (len(results) + 1) + "|"]
     lines.append("| wall | " + " | ".join(f"{r['decode_step_wall_us']:.0f}" for r in results) + " |")
+    if all("decode_step_wall_unprofiled_us" in r for r in results):
+        lines.append("| wall, no profiler | " + " | ".join(f"{r['decode_step_wall_unprofiled_us']:.0f}" for r in results) + " |")
     lines.append("| GPU kernels, total | " + " | ".join(f"{r['decode_step_kernel_us']:.0f}" for r in results) + " |")
     for c in cats:
         if any(r["categories_us"].get(c) for r in results):
@@ -124,6 +152,12 @@ def summarize(results: list[dict]) -> str:
             lines.append(f"\n{r['recipe']}: the profiler recorded no GPU kernels (CUPTI unavailable?): its columns are empty")
         lines += ["", f"{r['recipe']} ({r['mode']}), top kernels per decode step:"]
         lines += [f"  {us:8.1f} us  {cat:17s} {name[:110]}" for name, us, cat in r["top_kernels_us"][:12]]
+        if r.get("host_self_us"):
+            lines += ["", f"{r['recipe']} ({r['mode']}), host time per decode step by Python line (innermost frame; "
+                          f"eager linear call: {r.get('eager_linear_call') or 'n/a'}):"]
+            lines += [f"  {us:8.1f} us  {key[:120]}" for key, us in r["host_self_us"][:15]]
+            lines += ["", f"{r['recipe']} ({r['mode']}), host time per decode step by function (on the stack):"]
+            lines += [f"  {us:8.1f} us  {key[:120]}" for key, us in r["host_cum_us"][:30]]
     return "\n".join(lines)
 
 
@@ -192,7 +226,8 @@ def record(results: list[dict], device: str | None, command: str, runs_dir: Path
     device = recorded_device(results, device, "vllm_decode_profile")
 
     def flat(r: dict) -> dict[str, float]:
-        return {"decode_step_wall_us": r["decode_step_wall_us"], "decode_step_kernel_us": r["decode_step_kernel_us"],
+        bare = {"decode_step_wall_unprofiled_us": r["decode_step_wall_unprofiled_us"]} if "decode_step_wall_unprofiled_us" in r else {}
+        return {"decode_step_wall_us": r["decode_step_wall_us"], **bare, "decode_step_kernel_us": r["decode_step_kernel_us"],
                 **{f"decode_step_group_us/{c}": v for c, v in r["categories_us"].items()}}
 
     bf16 = next((flat(r) for r in results if r["recipe"] == "bf16"), {})
