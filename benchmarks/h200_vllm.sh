@@ -25,9 +25,10 @@
 #   profile32  the same for bf16 and jet_fp8 (the engine's auto: DeepGEMM decode) at 32 layers, 64 sequences
 #            (~6 min with DeepGEMM's cold compile; needs only `install`). Here:
 #            `python benchmarks/vllm_decode_profile.py --from <res>/profile32 --record --command "..."`
-#   profile_eager  the same for bf16 and jet_fp8 in eager mode at 16 layers, 256 sequences: the GPU time of a decode
-#            step beside its wall time, where the eager engine's remaining gap to bf16 is (~4 min; needs only
-#            `install`). Here: `python benchmarks/vllm_decode_profile.py --from <res>/profile_eager16 --record --command "..."`
+#   profile_eager  the same for bf16 and jet_fp8 in eager mode at PROFILE_LAYERS (16) layers, 256 sequences: the GPU
+#            time of a decode step beside its wall time with and without the profiler, and its host time by Python
+#            function (~3 min at 16 layers; PROFILE_LAYERS=32 PROFILE_KV=12 fits an 80 GB H100, ~5 min; needs only
+#            `install`). Here: `python benchmarks/vllm_decode_profile.py --from <res>/profile_eager<layers> --record --command "..."`
 #   route    the bitwise mode's cuBLASLt route (on by default; the stages set JETRL_INVARIANT_VENDOR_GEMM=probe to say
 #            so): tests/gpu/test_vendor_route_gpu.py and the 8B-shape proof (8 layers, 144 prompts x 256 tokens: decode
 #            batches the route takes) (~3 min; needs only `install`). Here:
@@ -257,8 +258,9 @@ stage_aot() {
 # Eager engines: the projections' host time is bf16's since the native one-call linear, yet the engine stays a few
 # percent behind at 256 sequences; wall time against GPU time per decode step says whether host or kernels hold it.
 stage_profile_eager() {
-  python3 benchmarks/vllm_decode_profile.py --mode eager --layers 16 --prompts 256 --recipes bf16 jet_fp8 \
-    --kv-gib 22 --out /tmp/res/profile_eager16 --timeout 260 2>&1 | tail -40
+  local layers="${PROFILE_LAYERS:-16}"
+  python3 benchmarks/vllm_decode_profile.py --mode eager --layers "$layers" --prompts 256 --recipes bf16 jet_fp8 \
+    --kv-gib "${PROFILE_KV:-22}" --out /tmp/res/profile_eager"$layers" --timeout "${PROFILE_TIMEOUT:-260}" 2>&1 | tail -100
 }
 
 stage_profile32() {
