@@ -219,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _host(r: dict) -> dict:
+    """What the unprofiled wall record carries beside its value: where the host time went, and the eager linear call."""
+    return {"host_self_us": r.get("host_self_us", [])[:15], "host_cum_us": r.get("host_cum_us", [])[:30],
+            "eager_linear_call": r.get("eager_linear_call", "")}
+
+
 def record(results: list[dict], device: str | None, command: str, runs_dir: Path | None = None) -> Path:
     """File the profiles as a benchmark run: per recipe, the decode step's wall and GPU time and each kernel group.
     `device`: None takes the one the jobs recorded (`headline.recorded_device`)."""
@@ -242,7 +248,8 @@ def record(results: list[dict], device: str | None, command: str, runs_dir: Path
             recs.append({"name": name, "shape": f"{shape}, {group}" if group else shape, "backend": r["recipe"], "value": v,
                          "unit": "us", "ratio_vs_bf16": round(ref / v, 4) if ref and v else None, "command": command,
                          "date": r["date"], "device": device,
-                         **({"top_kernels_us": r["top_kernels_us"][:12]} if name == "decode_step_kernel_us" else {})})
+                         **({"top_kernels_us": r["top_kernels_us"][:12]} if name == "decode_step_kernel_us" else {}),
+                         **(_host(r) if name == "decode_step_wall_unprofiled_us" else {})})
     return write_run(recs, "vllm-decode-profile", results[0]["date"], runs_dir or RUNS)
 
 

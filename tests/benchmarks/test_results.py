@@ -437,7 +437,14 @@ def test_decode_profile_records_carry_each_group_and_the_ratio_to_bf16(tmp_path)
     res = [{"recipe": r, "mode": "default", "layers": 8, "prompts": 256, "prompt_len": 256, "steps": 32, "kernels_captured": 40,
             "decode_step_wall_us": w, "decode_step_kernel_us": w / 2, "categories_us": {"gemm": w / 4, "attention": 50.0},
             "top_kernels_us": [["x", 1.0, "gemm"]], "date": "2026-12-02"} for r, w in (("bf16", 900.0), ("jet_fp8", 1200.0))]
+    res.append(dict(res[1], recipe="jet_fp8", mode="eager", decode_step_wall_unprofiled_us=1100.0, host_self_us=[["a.py:f:1", 5.0]],
+                    host_cum_us=[["a.py:f", 7.0]], eager_linear_call="native (64 of 64 projections)"))
     recs = json.loads(vdp.record(res, "NVIDIA H200", "cmd", runs_dir=tmp_path).read_text())
+    eager = [r for r in recs if r["shape"].split(", ")[5] == "eager"]
+    bare = next(r for r in eager if r["name"] == "decode_step_wall_unprofiled_us")
+    assert bare["value"] == 1100.0 and bare["eager_linear_call"].startswith("native") and bare["host_cum_us"] == [["a.py:f", 7.0]]
+    assert bare["ratio_vs_bf16"] is None  # bf16 timed no unprofiled wall here
+    recs = [r for r in recs if r not in eager]
     by = {(r["name"], r["shape"].rsplit(", ", 1)[-1], r["backend"]): r for r in recs}
     assert by[("decode_step_wall_us", "default", "jet_fp8")]["ratio_vs_bf16"] == 0.75
     assert by[("decode_step_group_us", "gemm", "jet_fp8")]["value"] == 300.0
