@@ -8,10 +8,11 @@ decode steps), cheap enough to leave the loop's shape intact.
 
 A background thread reads the sampled thread's stack (`sys._current_frames`) every `interval_s` and charges the time
 since its previous read to each function on it. torch.profiler's host events name aten ops but not the Python around
-them, and an eager decode step's host time is mostly that Python. Sampling only sees the stack between bytecodes:
-time inside one long C call (a launch, a synchronize) is charged to the line that made it, which is what we want.
-The interpreter's switch interval is lowered while sampling, so the sampler gets the GIL within about one interval of
-asking rather than the default 5 ms; it is put back on exit.
+them, and an eager decode step's host time is mostly that Python. Sampling only sees the stack when the sampled
+thread lets go of the GIL: time inside a C call that releases it (torch's ops, a synchronize) is charged to the line
+that made the call; time inside one that holds it is charged to wherever the thread next lets go (a few bytecodes
+on, often the next function entered). The interpreter's switch interval is lowered while sampling, so the sampler gets
+the GIL within about one interval of asking rather than the default 5 ms; it is put back on exit.
 """
 
 from __future__ import annotations

@@ -290,5 +290,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear")
       .def(py::init<std::shared_ptr<Runtime>, at::Tensor, at::Tensor, int64_t>(), py::arg("runtime"),
            py::arg("weight"), py::arg("weight_scale_t"), py::arg("quant_fn"))
-      .def("__call__", &Linear::operator(), py::arg("x"), py::arg("stream"));
+      // lets go of the GIL while it launches, as torch's own ops do: the engine's other Python threads run meanwhile
+      .def("__call__", &Linear::operator(), py::arg("x"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
 }
