@@ -9,7 +9,8 @@
   `--prompts` x `--new-tokens` (ignore_eos, T=1, sampled-token logprobs as the trainer asks for) with
   each recipe in vLLM's default mode (torch.compile + CUDA graphs) and eager. Engines start together
   (each in its own process: vLLM keeps GPU memory until its process ends), wait until all are up, then
-  take turns, so no two timed sections overlap. Start-up seconds are recorded per engine (cold: empty
+  time their passes in strict rotation (one pass each, then the next round), so no two timed sections overlap
+  and the host's drift over minutes falls on every recipe alike. Start-up seconds are recorded per engine (cold: empty
   compile cache on a fresh machine; a later `warm` job restarts one from the cache).
 - host: host time of one eager FP8 linear call (EngineLinear, what the jetrl_fp8 method runs) against
   nn.functional.linear, at decode size, for the 8B projections.
@@ -27,7 +28,7 @@ Writes one JSON per job under --out and a summary `vllm_gpu.json`; prints a tabl
 from __future__ import annotations
 
 import argparse
-import fcntl
+import contextlib
 import json
 import os
 import statistics
@@ -101,32 +102,86 @@ def make_model_dir(out: Path, layers: int, weights: bool = True, seed: int = 0) 
 
 # ---- jobs (each runs in its own process) -------------------------------------------------------------
 class _Turn:
-    """Engines start together, then time their work one at a time: a barrier, then a file lock."""
+    """Engines start together (a barrier), then time their passes in strict rotation: party 0's pass, party 1's, ...,
+    party 0's next. A pass of each recipe runs beside a pass of every other, so the host's speed drifting over minutes
+    (eager engines are host-bound, and bf16 alone moved 10.3k-16.3k tok/s within one lease) falls on every recipe
+    alike rather than on whichever ran its passes last. A party that failed or finished is skipped; one that keeps
+    the turn longer than `timeout` seconds is skipped too."""
 
-    def __init__(self, sync_dir: Path, parties: int) -> None:
-        self.dir, self.parties = sync_dir, parties
+    def __init__(self, sync_dir: Path, parties: int, index: int, timeout: float = 900.0) -> None:
+        if not 0 <= index < parties:
+            raise ValueError(f"turn: party {index} of {parties}")
+        self.dir, self.parties, self.index, self.timeout = sync_dir, parties, index, timeout
         self.dir.mkdir(parents=True, exist_ok=True)
 
-    def arrive(self, name: str, timeout: float = 900.0) -> None:
-        (self.dir / f"ready.{name}").touch()
+    def arrive(self, name: str) -> None:
+        (self.dir / f"ready.{self.index}").touch()
         t0 = time.time()
         while len(list(self.dir.glob("ready.*"))) + len(list(self.dir.glob("failed.*"))) < self.parties:
-            if time.time() - t0 > timeout:
+            if time.time() - t0 > self.timeout:
                 _log(f"{name}: barrier timed out; going on")
                 break
             time.sleep(1.0)
 
-    def fail(self, name: str) -> None:
-        (self.dir / f"failed.{name}").touch()
+    def fail(self) -> None:
+        (self.dir / f"failed.{self.index}").touch()
+        self._hand_over()
 
-    def __enter__(self):
-        self._f = open(self.dir / "lock", "w")
-        fcntl.flock(self._f, fcntl.LOCK_EX)
-        return self
+    def done(self) -> None:
+        (self.dir / f"done.{self.index}").touch()
+        self._hand_over()
 
-    def __exit__(self, *exc) -> None:
-        fcntl.flock(self._f, fcntl.LOCK_UN)
-        self._f.close()
+    def _gone(self, i: int) -> bool:
+        return (self.dir / f"failed.{i}").exists() or (self.dir / f"done.{i}").exists()
+
+    def _holder(self) -> int:
+        try:
+            return int((self.dir / "turn").read_text())
+        except (FileNotFoundError, ValueError):
+            return 0  # nobody has handed over yet: party 0 starts
+
+    def _hand_over(self) -> None:
+        if self._holder() != self.index:
+            return
+        nxt = next((i % self.parties for i in range(self.index + 1, self.index + 1 + self.parties)
+                    if not self._gone(i % self.parties)), self.index)
+        self._write(nxt)
+
+    def _write(self, holder: int) -> None:
+        tmp = self.dir / f"turn.{self.index}.tmp"
+        tmp.write_text(str(holder))
+        tmp.replace(self.dir / "turn")  # atomic: a reader sees the old holder or the new one
+
+    @contextlib.contextmanager
+    def take(self):
+        """Wait for this party's turn, run one timed pass, hand over (also when the pass raises)."""
+        t0 = time.time()
+        while (holder := self._holder()) != self.index:
+            if self._gone(holder) or time.time() - t0 > self.timeout:
+                _log(f"party {self.index}: party {holder} holds the turn but is gone or silent; taking it")
+                self._write(self.index)
+                break
+            time.sleep(0.02)
+        try:
+            yield
+        finally:
+            self._hand_over()
+
+
+class _Solo:
+    """One engine alone: every pass is its turn."""
+
+    def arrive(self, name: str) -> None:
+        pass
+
+    def fail(self) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+    def take(self):
+        return contextlib.nullcontext()
 
 
 def _recipe(a: argparse.Namespace):
@@ -175,22 +230,23 @@ def random_prompts(g, n: int, length: int) -> list[dict]:
 
 
 def job_throughput(a: argparse.Namespace) -> dict:
-    import torch
-    from vllm import SamplingParams
-
-    from jetrl_precision import PrecisionGraph
-    from openrlhf.utils.telemetry import Telemetry
-
-    turn = _Turn(Path(a.sync_dir), a.parties) if a.sync_dir else None
-    name = f"{a.recipe}-{a.mode}"
-    try:
-        t0 = time.perf_counter()
-        engine = rollout_engine(a, a.prompt_len + a.new_tokens + 8)
-        start_s = time.perf_counter() - t0
+    turn = _Turn(Path(a.sync_dir), a.parties, a.party) if a.sync_dir else _Solo()
+    try:  # a party that fails anywhere says so, so the others stop waiting for it
+        result = _throughput(a, turn)
     except BaseException:
-        if turn:
-            turn.fail(name)
+        turn.fail()
         raise
+    turn.done()
+    return result
+
+
+def _throughput(a: argparse.Namespace, turn: _Turn | _Solo) -> dict:
+    from jetrl_precision import PrecisionGraph
+
+    name = f"{a.recipe}-{a.mode}"
+    t0 = time.perf_counter()
+    engine = rollout_engine(a, a.prompt_len + a.new_tokens + 8)
+    start_s = time.perf_counter() - t0
     _log(f"{name}: engine up in {start_s:.1f} s")
     graph = PrecisionGraph.from_dict(engine.precision_graph())
     backends = sorted({e.attrs.backend for e in graph.edges if e.attrs.backend})
@@ -199,47 +255,55 @@ def job_throughput(a: argparse.Namespace) -> dict:
               "gemm_backends": backends, "decode_gemm": graph.meta.get("decode_gemm", ""), "quant_kernels": kernels, "runs": [],
               # eager engines: whether the projections made the native one-call linear (engine_native), or why not
               "eager_linear_call": graph.meta.get("eager_linear_call", "")}
-    if a.start_only:
-        engine.shutdown()
-        return result
-    if turn:
-        turn.arrive(name)
+    if not a.start_only:
+        _timed_passes(a, engine.llm, turn, name, result)
+        result["vendor_route"] = _vendor_routes()
+    engine.shutdown()
+    return result
+
+
+def _timed_passes(a: argparse.Namespace, llm, turn: _Turn | _Solo, name: str, result: dict) -> None:
+    """Each prompt count's `--repeats` passes, every pass in its turn; appends one run per prompt count to `result`."""
+    import torch
+    from vllm import SamplingParams
+
+    from openrlhf.utils.telemetry import Telemetry
+
+    turn.arrive(name)
     g = torch.Generator().manual_seed(0)
-    llm = engine.llm
-    with turn or _nullctx():
+    with turn.take():
         _log(f"{name}: timing")
         warm = random_prompts(g, 8, a.prompt_len)
         llm.generate(warm, SamplingParams(max_tokens=32, ignore_eos=True, logprobs=0, detokenize=False), use_tqdm=False)
-        first = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
-        for n_prompts in a.prompts:
-            params = SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
-            walls, prefills, telemetry = [], [], []
-            for _ in range(a.repeats):  # fresh prompts each pass: a repeated batch would hit the prefix cache
+    first = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
+    for n_prompts in a.prompts:
+        params = SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
+        walls, prefills, telemetry, started = [], [], [], []
+        for _ in range(a.repeats):  # fresh prompts each pass: a repeated batch would hit the prefix cache
+            with turn.take():
                 # The prefill alone (one token per prompt, other prompts of the same shape), then the whole rollout:
                 # a run slower than another shows which of the two phases it lost its time in.
+                started.append(round(time.time(), 3))
                 t0 = time.perf_counter()
                 llm.generate(random_prompts(g, n_prompts, a.prompt_len), first, use_tqdm=False)
                 prefills.append(time.perf_counter() - t0)
                 prompts = random_prompts(g, n_prompts, a.prompt_len)
                 with Telemetry() as t:  # a pass slower than another: at a lower clock, or waiting on the host?
                     outs = llm.generate(prompts, params, use_tqdm=False)
-                walls.append(t.wall_s)
-                telemetry.append(t.summary())
-            tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
-            mean_lp = sum(lp[t].logprob for out in outs for o in out.outputs for t, lp in zip(o.token_ids, o.logprobs)) / tokens
-            wall = statistics.median(walls)
-            run = {"prompts": n_prompts, "output_tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
-                   "tokens_per_s_each": [round(tokens / w, 1) for w in walls], "prefill_seconds": round(statistics.median(prefills), 3),
-                   "prefill_seconds_each": [round(v, 3) for v in prefills], "mean_sampled_logprob": round(mean_lp, 4),
-                   "telemetry_each": telemetry}
-            result["runs"].append(run)
-            _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s, prefill alone "
-                 f"{run['prefill_seconds']:.2f} s; median of {a.repeats}: {', '.join(f'{v:.0f}' for v in run['tokens_per_s_each'])}; "
-                 f"SM MHz {[x['sm_mhz_mean'] for x in telemetry]}, W {[x['watts_mean'] for x in telemetry]}, "
-                 f"host CPU share {[x['host_cpu_share'] for x in telemetry]}, main thread on CPUs {[x['main_thread_cpus'] for x in telemetry]})")
-    result["vendor_route"] = _vendor_routes()
-    engine.shutdown()
-    return result
+            walls.append(t.wall_s)
+            telemetry.append(t.summary())
+        tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
+        mean_lp = sum(lp[t].logprob for out in outs for o in out.outputs for t, lp in zip(o.token_ids, o.logprobs)) / tokens
+        wall = statistics.median(walls)
+        run = {"prompts": n_prompts, "output_tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+               "tokens_per_s_each": [round(tokens / w, 1) for w in walls], "prefill_seconds": round(statistics.median(prefills), 3),
+               "prefill_seconds_each": [round(v, 3) for v in prefills], "mean_sampled_logprob": round(mean_lp, 4),
+               "telemetry_each": telemetry, "pass_started_each": started}
+        result["runs"].append(run)
+        _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s, prefill alone "
+             f"{run['prefill_seconds']:.2f} s; median of {a.repeats}: {', '.join(f'{v:.0f}' for v in run['tokens_per_s_each'])}; "
+             f"SM MHz {[x['sm_mhz_mean'] for x in telemetry]}, W {[x['watts_mean'] for x in telemetry]}, "
+             f"host CPU share {[x['host_cpu_share'] for x in telemetry]}, main thread on CPUs {[x['main_thread_cpus'] for x in telemetry]})")
 
 
 def _vendor_routes() -> dict[str, bool]:
@@ -248,14 +312,6 @@ def _vendor_routes() -> dict[str, bool]:
     from jetrl_precision.gemm import vendor_route
 
     return {k: v.passed for k, v in vendor_route.routes().items()} if vendor_route.route_enabled() else {}
-
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def job_host(a: argparse.Namespace) -> dict:
@@ -435,11 +491,11 @@ def run_throughput(a: argparse.Namespace, out: Path) -> list[dict]:
     model = make_model_dir(Path(a.model) if a.model else out / f"llama8b_l{a.layers}", a.layers)
     sync_dir = out / f"turns_{int(time.time())}"
     procs = {}
-    for r, m in combos:
+    for i, (r, m) in enumerate(combos):
         procs[f"{r}-{m}"] = _spawn("throughput", out / f"throughput_{r}_{m}.json", [
             "--model", str(model), "--recipe", r, "--mode", m, "--layers", str(a.layers), "--prompt-len", str(a.prompt_len),
             "--new-tokens", str(a.new_tokens), "--prompts", *map(str, a.prompts), "--repeats", str(a.repeats), "--gpu-mem", str(a.gpu_mem),
-            "--kv-gib", str(a.kv_gib), "--sync-dir", str(sync_dir), "--parties", str(len(combos))])
+            "--kv-gib", str(a.kv_gib), "--sync-dir", str(sync_dir), "--parties", str(len(combos)), "--party", str(i)])
     _wait(procs, a.timeout)
     return [_with_compile_state(p) for r, m in combos if (p := out / f"throughput_{r}_{m}.json").exists()]
 
@@ -624,6 +680,7 @@ def main() -> None:
     ap.add_argument("--digest-sample", type=int, default=8)
     ap.add_argument("--sync-dir", default=None)
     ap.add_argument("--parties", type=int, default=1)
+    ap.add_argument("--party", type=int, default=0, help=argparse.SUPPRESS)  # this engine's place in the rotation
     ap.add_argument("--start-only", action="store_true")
     ap.add_argument("--timeout", type=float, default=540.0)
     ap.add_argument("--gemm-backend", default=None, help="override the recipe's GEMM backend (auto, torch, deep_gemm, triton)")

@@ -43,6 +43,10 @@ def test_repeated_passes_time_the_prefill_apart_and_become_records(tmp_path):
             assert t["wall_s"] > 0 and 0 < t["host_cpu_s"] and t["host_cpu_share"] == pytest.approx(t["host_cpu_s"] / t["wall_s"], rel=1e-2)
             assert t["sm_mhz_mean"] is None and t["samples"] == 0 and t["main_thread_cpus"]
         assert run["tokens_per_s_each"] == pytest.approx([32 / t["wall_s"] for t in (t1, t2)], rel=0.01)  # the same passes
+    # the engines' passes alternated (strict rotation, bf16 first), not all of one engine's then the other's
+    starts = sorted((t, recipe) for recipe in ("bf16", "jet_fp8")
+                    for t in json.loads((tmp_path / f"throughput_{recipe}_eager.json").read_text())["runs"][0]["pass_started_each"])
+    assert [r for _, r in starts] == ["bf16", "jet_fp8", "bf16", "jet_fp8"]
     assert (tmp_path / "shared_model" / "config.json").exists() and not (tmp_path / "llama8b_l8").exists()
     recs = vllm_gpu.records_from(tmp_path, None, "cmd")
     assert {r["device"] for r in recs} == {"x86-64 CPU"}  # what the jobs recorded
@@ -83,3 +87,40 @@ def test_engines_that_cannot_all_be_alive_on_the_card_are_refused_in_one_line():
     # FP8 engines hold e4m3 projections: less than bf16's weights, more than half of them (embeddings, lm_head stay bf16)
     bf16, fp8 = (vllm_gpu.engines_gib(shape, 32, [r], 0) - vllm_gpu.ENGINE_OVERHEAD_GIB for r in ("bf16", "jet_fp8@torch"))
     assert 14.5 < bf16 < 15.5 and bf16 / 2 < fp8 < 0.6 * bf16
+
+
+def _parties(tmp_path, plans: dict[int, int], fail_at: dict[int, int] | None = None) -> list[int]:
+    """Parties (threads here, processes in a run) taking `plans[i]` passes each; returns who ran each pass, in order."""
+    import threading
+
+    import vllm_gpu
+
+    order, lock, fail_at = [], threading.Lock(), fail_at or {}
+
+    def party(i: int) -> None:
+        turn = vllm_gpu._Turn(tmp_path / "turns", len(plans), i, timeout=30)
+        turn.arrive(f"p{i}")
+        try:
+            for k in range(plans[i]):
+                with turn.take():
+                    if fail_at.get(i) == k:
+                        raise RuntimeError("engine died")
+                    with lock:
+                        order.append(i)
+        except RuntimeError:
+            turn.fail()
+            return
+        turn.done()
+
+    threads = [threading.Thread(target=party, args=(i,)) for i in plans]
+    for t in reversed(threads):  # started out of order: the rotation, not the start, decides
+        t.start()
+    for t in threads:
+        t.join(60)
+    return order
+
+
+def test_passes_rotate_between_engines_and_skip_one_that_finished_or_failed(tmp_path):
+    assert _parties(tmp_path / "a", {0: 3, 1: 3, 2: 3}) == [0, 1, 2] * 3
+    assert _parties(tmp_path / "b", {0: 1, 1: 3}) == [0, 1, 1, 1]  # party 0 done: party 1 alone from then on
+    assert _parties(tmp_path / "c", {0: 3, 1: 3, 2: 3}, fail_at={1: 1}) == [0, 1, 2, 0, 2, 0, 2]
