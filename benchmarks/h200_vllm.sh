@@ -27,7 +27,7 @@
 #            `python benchmarks/vllm_decode_profile.py --from <res>/profile32 --record --command "..."`
 #   profile_eager  the same for bf16 and jet_fp8 in eager mode at PROFILE_LAYERS (16) layers, 256 sequences: the GPU
 #            time of a decode step beside its wall time with and without the profiler, and its host time by Python
-#            function (~3 min at 16 layers; PROFILE_LAYERS=32 PROFILE_KV=12 fits an 80 GB H100, ~5 min; needs only
+#            function; both engines alive, their timed sections in rotation (~3 min at 16 layers; PROFILE_LAYERS=32 PROFILE_KV=12 fits an 80 GB H100, ~5 min; needs only
 #            `install`). Here: `python benchmarks/vllm_decode_profile.py --from <res>/profile_eager<layers> --record --command "..."`
 #   route    the bitwise mode's cuBLASLt route (on by default; the stages set JETRL_INVARIANT_VENDOR_GEMM=probe to say
 #            so): tests/gpu/test_vendor_route_gpu.py and the 8B-shape proof (8 layers, 144 prompts x 256 tokens: decode
@@ -259,7 +259,7 @@ stage_aot() {
 # percent behind at 256 sequences; wall time against GPU time per decode step says whether host or kernels hold it.
 stage_profile_eager() {
   local layers="${PROFILE_LAYERS:-16}"
-  python3 benchmarks/vllm_decode_profile.py --mode eager --layers "$layers" --prompts 256 --recipes bf16 jet_fp8 \
+  python3 benchmarks/vllm_decode_profile.py --mode eager --layers "$layers" --prompts 256 --recipes bf16 jet_fp8 --together \
     --kv-gib "${PROFILE_KV:-22}" --out /tmp/res/profile_eager"$layers" --timeout "${PROFILE_TIMEOUT:-260}" 2>&1 | tail -100
 }
 

@@ -4,15 +4,18 @@
     python benchmarks/vllm_decode_profile.py --from DIR            # the table again, from the jobs' JSON
     python benchmarks/vllm_decode_profile.py --from DIR --record   # and file it in benchmarks/results/runs
 
-Each recipe runs in its own process (vLLM keeps GPU memory until its process ends): a Llama-3.1-8B-shaped engine
-(random weights, `--layers` layers; benchmarks/vllm_gpu.py's model) in vLLM's default mode (torch.compile + CUDA
-graphs) or eager, warmed up, then profiled by torch.profiler twice: a generate of `--prompts` prompts with one new
-token (prefill and one sample), and the same with 1 + `--steps` new tokens. The difference, per kernel, divided by
+Each recipe runs in its own process (vLLM keeps GPU memory until its process ends), one after another, or with
+`--together` all alive at once, their timed sections in strict rotation (the card must hold every engine): a
+Llama-3.1-8B-shaped engine (random weights, `--layers` layers; benchmarks/vllm_gpu.py's model) in vLLM's default
+mode (torch.compile + CUDA graphs) or eager, warmed up, then profiled by torch.profiler twice: a generate of
+`--prompts` prompts with one new token (prefill and one sample), and the same with 1 + `--steps` new tokens. The difference, per kernel, divided by
 `--steps`, is what one decode step of that many sequences spends, prefill excluded; kernels launched inside CUDA-graph
 replays are recorded by CUPTI like any other. Kernels are grouped by name (`CATEGORIES`: GEMM, activation quantizer,
 attention, norm, rotary, SiLU*mul, sampler and log-probs, other), and the table puts the recipes side by side with
-the wall time per decode step. It answers what the throughput ratio alone cannot: which part of the step FP8 makes
-faster or slower, and what the bitwise mode's kernels cost.
+the wall time per decode step, under the profiler and without it (best of three), and where the step's host time
+goes by Python function (`host_sampler.py`, a stack sampler). It answers what the throughput ratio alone cannot:
+which part of the step FP8 makes faster or slower, whether the step waits on the host, and what the bitwise mode's
+kernels cost.
 """
 
 from __future__ import annotations
@@ -96,6 +99,21 @@ def _sampled(llm, prompts, max_tokens: int) -> StackSampler:
 
 
 def job(a: argparse.Namespace) -> dict:
+    import vllm_gpu
+
+    # --together: every recipe's engine is alive at once and their timed sections rotate (vllm_gpu._Turn), so drift
+    # in the host's speed falls on all recipes alike; alone, this engine has the GPU to itself anyway
+    turn = vllm_gpu._Turn(Path(a.sync_dir), a.parties, a.party) if a.sync_dir else vllm_gpu._Solo()
+    try:
+        result = _job(a, turn)
+    except BaseException:
+        turn.fail()
+        raise
+    turn.done()
+    return result
+
+
+def _job(a: argparse.Namespace, turn) -> dict:
     import torch
 
     from jetrl_precision import PrecisionGraph
@@ -105,14 +123,21 @@ def job(a: argparse.Namespace) -> dict:
     vllm_gpu.use_shape(a.tiny)
     engine = vllm_gpu.rollout_engine(a, a.prompt_len + a.steps + 16)
     prompts = vllm_gpu.random_prompts(torch.Generator().manual_seed(0), a.prompts, a.prompt_len)
-    _profile(engine.llm, prompts, 1 + a.steps)  # warm-up: graphs captured, kernels compiled and tuned
-    short, wall_short = _profile(engine.llm, prompts, 1)
-    long, wall_long = _profile(engine.llm, prompts, 1 + a.steps)
+    turn.arrive(a.recipe)
+    with turn.take():
+        _profile(engine.llm, prompts, 1 + a.steps)  # warm-up: graphs captured, kernels compiled and tuned
+    with turn.take():
+        short, wall_short = _profile(engine.llm, prompts, 1)
+        long, wall_long = _profile(engine.llm, prompts, 1 + a.steps)
     # the same without the profiler (CUPTI adds host time per launch, and FP8 launches more), best of three: a
     # host-bound step's noise (other work on the host) only ever adds time
-    bare = {n: min(_generate(engine.llm, prompts, n) for _ in range(3)) for n in (1, 1 + a.steps)}
-    # where the host time goes, by Python function (an eager step waits on it)
-    s_short, s_long = _sampled(engine.llm, prompts, 1), _sampled(engine.llm, prompts, 1 + a.steps)
+    bare: dict[int, float] = {}
+    for _ in range(3):
+        with turn.take():
+            for n in (1, 1 + a.steps):
+                bare[n] = min(bare.get(n, float("inf")), _generate(engine.llm, prompts, n))
+    with turn.take():  # where the host time goes, by Python function (an eager step waits on it)
+        s_short, s_long = _sampled(engine.llm, prompts, 1), _sampled(engine.llm, prompts, 1 + a.steps)
     meta = PrecisionGraph.from_dict(engine.precision_graph()).meta
     engine.shutdown()
     per_kernel = decode_kernels(short, long, a.steps)
@@ -177,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-gib", type=float, default=12.0)
     ap.add_argument("--gemm-backend", default="torch", help="the plain recipes' FP8 GEMM (the bitwise one is always invariant)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per recipe")
+    ap.add_argument("--together", action="store_true",
+                    help="every recipe's engine alive at once, their timed sections in rotation (the card must hold them all)")
+    ap.add_argument("--sync-dir", default=None, help=argparse.SUPPRESS)  # --together: the rotation's folder (a child)
+    ap.add_argument("--parties", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--party", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="vllm_decode_profile")
     ap.add_argument("--from", dest="from_dir", default=None)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on CPU: checks the plumbing, measures nothing")
@@ -199,17 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_gpu.use_shape(a.tiny)
         out.mkdir(parents=True, exist_ok=True)
         model = vllm_gpu.make_model_dir(out / f"{'tiny' if a.tiny else 'llama8b'}_l{a.layers}", a.layers)
-        for r in a.recipes:  # one at a time: each profile has the GPU to itself
-            f = out / f"profile_{r}_{a.mode}.json"
-            cmd = [sys.executable, __file__, "--recipe", r, "--model", str(model), "--json", str(f), "--mode", a.mode,
-                   "--layers", str(a.layers), "--prompts", str(a.prompts), "--prompt-len", str(a.prompt_len), "--steps", str(a.steps),
-                   "--gpu-mem", str(a.gpu_mem), "--kv-gib", str(a.kv_gib), "--gemm-backend", a.gemm_backend, *(["--tiny"] if a.tiny else [])]
-            with open(f.with_suffix(".log"), "w") as log:
-                try:
-                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
-                except subprocess.TimeoutExpired:
-                    rc = "timeout"
-            print(f"[decode_profile] {r}: {'done' if rc == 0 else f'FAILED ({rc}); see ' + str(f.with_suffix('.log'))}", flush=True)
+        _run_jobs(a, out, model)
     results = [json.loads(p.read_text()) for p in sorted(out.glob("profile_*.json"))]
     order = {r: i for i, r in enumerate(["bf16", "jet_fp8", "jet_fp8+bitwise", "fp8_rollout"])}
     results.sort(key=lambda r: (order.get(r["recipe"], 9), r["mode"]))
@@ -217,6 +237,43 @@ def main(argv: list[str] | None = None) -> int:
     if a.record:
         print(record(results, a.device_name, a.command))
     return 0
+
+
+def _run_jobs(a: argparse.Namespace, out: Path, model: Path) -> None:
+    """One process per recipe: one after another (each has the GPU to itself), or with --together all alive at once
+    and timing in rotation."""
+    import vllm_gpu
+
+    if a.together and not a.tiny:
+        import torch
+
+        if torch.cuda.is_available():
+            vllm_gpu.check_engines_fit(vllm_gpu.SHAPE, a.layers, a.recipes, a.kv_gib,
+                                       torch.cuda.get_device_properties(0).total_memory / vllm_gpu.GiB)
+    sync_dir = out / f"turns_{int(time.time())}"
+    procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    for i, r in enumerate(a.recipes):
+        f = out / f"profile_{r}_{a.mode}.json"
+        cmd = [sys.executable, __file__, "--recipe", r, "--model", str(model), "--json", str(f), "--mode", a.mode,
+               "--layers", str(a.layers), "--prompts", str(a.prompts), "--prompt-len", str(a.prompt_len), "--steps", str(a.steps),
+               "--gpu-mem", str(a.gpu_mem), "--kv-gib", str(a.kv_gib), "--gemm-backend", a.gemm_backend, *(["--tiny"] if a.tiny else []),
+               *(["--sync-dir", str(sync_dir), "--parties", str(len(a.recipes)), "--party", str(i)] if a.together else [])]
+        with open(f.with_suffix(".log"), "w") as log:
+            procs[r] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f)
+        if not a.together:
+            _finish(r, *procs.pop(r), a.timeout)
+    t0 = time.time()
+    for r, (proc, f) in procs.items():  # --together: one deadline for all, `--timeout` per recipe
+        _finish(r, proc, f, max(1.0, a.timeout * len(a.recipes) - (time.time() - t0)))
+
+
+def _finish(recipe: str, proc: subprocess.Popen, f: Path, timeout: float) -> None:
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = "timeout"
+    print(f"[decode_profile] {recipe}: {'done' if rc == 0 else f'FAILED ({rc}); see ' + str(f.with_suffix('.log'))}", flush=True)
 
 
 def _host(r: dict) -> dict:

