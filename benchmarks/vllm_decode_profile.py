@@ -101,9 +101,9 @@ def _sampled(llm, prompts, max_tokens: int) -> StackSampler:
 def job(a: argparse.Namespace) -> dict:
     import vllm_gpu
 
-    # --together: every recipe's engine is alive at once and their timed sections rotate (vllm_gpu._Turn), so drift
+    # --together: every recipe's engine is alive at once and their timed sections rotate (vllm_gpu.Rotation), so drift
     # in the host's speed falls on all recipes alike; alone, this engine has the GPU to itself anyway
-    turn = vllm_gpu._Turn(Path(a.sync_dir), a.parties, a.party) if a.sync_dir else vllm_gpu._Solo()
+    turn = vllm_gpu.Rotation(Path(a.sync_dir), a.parties, a.party) if a.sync_dir else vllm_gpu.Alone()
     try:
         result = _job(a, turn)
     except BaseException:

@@ -101,7 +101,7 @@ def make_model_dir(out: Path, layers: int, weights: bool = True, seed: int = 0) 
 
 
 # ---- jobs (each runs in its own process) -------------------------------------------------------------
-class _Turn:
+class Rotation:
     """Engines start together (a barrier), then time their passes in strict rotation: party 0's pass, party 1's, ...,
     party 0's next. A pass of each recipe runs beside a pass of every other, so the host's speed drifting over minutes
     (eager engines are host-bound, and bf16 alone moved 10.3k-16.3k tok/s within one lease) falls on every recipe
@@ -168,7 +168,7 @@ class _Turn:
             self._hand_over()
 
 
-class _Solo:
+class Alone:
     """One engine alone: every pass is its turn."""
 
     def arrive(self, name: str) -> None:
@@ -230,7 +230,7 @@ def random_prompts(g, n: int, length: int) -> list[dict]:
 
 
 def job_throughput(a: argparse.Namespace) -> dict:
-    turn = _Turn(Path(a.sync_dir), a.parties, a.party) if a.sync_dir else _Solo()
+    turn = Rotation(Path(a.sync_dir), a.parties, a.party) if a.sync_dir else Alone()
     try:  # a party that fails anywhere says so, so the others stop waiting for it
         result = _throughput(a, turn)
     except BaseException:
@@ -240,7 +240,7 @@ def job_throughput(a: argparse.Namespace) -> dict:
     return result
 
 
-def _throughput(a: argparse.Namespace, turn: _Turn | _Solo) -> dict:
+def _throughput(a: argparse.Namespace, turn: Rotation | Alone) -> dict:
     from jetrl_precision import PrecisionGraph
 
     name = f"{a.recipe}-{a.mode}"
@@ -262,7 +262,7 @@ def _throughput(a: argparse.Namespace, turn: _Turn | _Solo) -> dict:
     return result
 
 
-def _timed_passes(a: argparse.Namespace, llm, turn: _Turn | _Solo, name: str, result: dict) -> None:
+def _timed_passes(a: argparse.Namespace, llm, turn: Rotation | Alone, name: str, result: dict) -> None:
     """Each prompt count's `--repeats` passes, every pass in its turn; appends one run per prompt count to `result`."""
     import torch
     from vllm import SamplingParams

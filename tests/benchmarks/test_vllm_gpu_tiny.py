@@ -98,7 +98,7 @@ def _parties(tmp_path, plans: dict[int, int], fail_at: dict[int, int] | None = N
     order, lock, fail_at = [], threading.Lock(), fail_at or {}
 
     def party(i: int) -> None:
-        turn = vllm_gpu._Turn(tmp_path / "turns", len(plans), i, timeout=30)
+        turn = vllm_gpu.Rotation(tmp_path / "turns", len(plans), i, timeout=30)
         turn.arrive(f"p{i}")
         try:
             for k in range(plans[i]):
