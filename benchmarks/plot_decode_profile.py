@@ -11,11 +11,15 @@ shows in tokens/s only where it does not.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "benchmarks" / "results" / "runs"
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from plot_engine_ab import load_run, save_figure  # noqa: E402  (benchmarks/)
 
 __all__ = ["step_times", "plot", "main"]
 
@@ -74,11 +78,7 @@ def plot(times: dict[str, dict], title: str, path: Path) -> Path:
     ax.legend(fontsize=8, ncol=len(groups), loc="upper center", bbox_to_anchor=(0.5, -0.32), frameon=False)
     ax.set_title(title, fontsize=9)
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -88,15 +88,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", default=None)
     a = ap.parse_args(argv)
-    files = sorted(Path(a.runs_dir).glob(f"{a.run}*.json"))
-    if len(files) != 1:
-        raise SystemExit(f"plot_decode_profile: {len(files)} run files match {a.run!r} in {a.runs_dir}: "
-                         f"{', '.join(f.name for f in files) or 'none'}; give a stem that names exactly one")
-    data = json.loads(files[0].read_text())
-    records = data["records"] if isinstance(data, dict) else data
+    records = load_run(a.run, Path(a.runs_dir), "plot_decode_profile")
     times = step_times(records)
     first = next(r for r in records if r["name"] == "decode_step_wall_us")
-    title = a.title or f"decode step, {first['shape']}\n{first['device']}, {first['date']} ({files[0].stem})"
+    title = a.title or f"decode step, {first['shape']}\n{first['device']}, {first['date']} (run {a.run})"
     print(plot(times, title, Path(a.out)))
     for b, t in times.items():
         print(f"{b}: wall {t['wall']:.0f} us ({t['wall_source']}), kernels {sum(t['groups'].values()):.0f} us")

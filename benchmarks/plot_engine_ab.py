@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "benchmarks" / "results" / "runs"
 
-__all__ = ["arm_ratios", "plot", "main"]
+__all__ = ["arm_ratios", "plot", "save_figure", "load_run", "main"]
 
 SHIPPED = "as shipped"
 
@@ -61,11 +61,28 @@ def plot(ratios: dict[str, list[float]], title: str, path: Path) -> Path:
     ax.set_ylabel("jet_fp8 / bf16 output tokens/s")
     ax.set_title(title, fontsize=9)
     ax.grid(axis="y", alpha=0.3)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write (the folder made if missing) and close a figure; returns its path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def load_run(stem: str, runs_dir: Path, tool: str) -> list[dict]:
+    """The records of the one run file under `runs_dir` whose name starts with `stem`; anything else is one line."""
+    files = sorted(Path(runs_dir).glob(f"{stem}*.json"))
+    if len(files) != 1:
+        sys.exit(f"{tool}: {stem!r} names {len(files)} run files in {runs_dir}"
+                 f"{': ' + ', '.join(f.name for f in files) if files else ''}; give a stem that names exactly one")
+    data = json.loads(files[0].read_text())
+    return data["records"] if isinstance(data, dict) else data
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,11 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     records, devices = [], set()
     for stem in a.runs:
-        files = sorted(Path(a.runs_dir).glob(f"{stem}*.json"))
-        if len(files) != 1:
-            sys.exit(f"plot_engine_ab: {stem!r} names {len(files)} run files in {a.runs_dir}; give one unique stem each")
-        data = json.loads(files[0].read_text())
-        recs = data["records"] if isinstance(data, dict) else data
+        recs = load_run(stem, Path(a.runs_dir), "plot_engine_ab")
         records += recs
         devices |= {r.get("device", "") for r in recs}
     ratios = arm_ratios(records, a.prompts)

@@ -103,14 +103,7 @@ def job(a: argparse.Namespace) -> dict:
 
     # --together: every recipe's engine is alive at once and their timed sections rotate (vllm_gpu.Rotation), so drift
     # in the host's speed falls on all recipes alike; alone, this engine has the GPU to itself anyway
-    turn = vllm_gpu.Rotation(Path(a.sync_dir), a.parties, a.party) if a.sync_dir else vllm_gpu.Alone()
-    try:
-        result = _job(a, turn)
-    except BaseException:
-        turn.fail()
-        raise
-    turn.done()
-    return result
+    return vllm_gpu.in_rotation(a, _job)
 
 
 def _job(a: argparse.Namespace, turn) -> dict:

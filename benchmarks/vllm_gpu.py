@@ -229,15 +229,21 @@ def random_prompts(g, n: int, length: int) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(10, SHAPE["vocab_size"] - 10, (length,), generator=g).tolist()} for _ in range(n)]
 
 
-def job_throughput(a: argparse.Namespace) -> dict:
+def in_rotation(a: argparse.Namespace, work) -> dict:
+    """`work(a, turn)` as one party of the rotation the job's arguments name (`--sync-dir`, `--parties`, `--party`),
+    or alone without them; a party that fails anywhere says so, so the others stop waiting for it."""
     turn = Rotation(Path(a.sync_dir), a.parties, a.party) if a.sync_dir else Alone()
-    try:  # a party that fails anywhere says so, so the others stop waiting for it
-        result = _throughput(a, turn)
+    try:
+        result = work(a, turn)
     except BaseException:
         turn.fail()
         raise
     turn.done()
     return result
+
+
+def job_throughput(a: argparse.Namespace) -> dict:
+    return in_rotation(a, _throughput)
 
 
 def _throughput(a: argparse.Namespace, turn: Rotation | Alone) -> dict:
