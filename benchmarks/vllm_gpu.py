@@ -104,8 +104,8 @@ def make_model_dir(out: Path, layers: int, weights: bool = True, seed: int = 0) 
 class Rotation:
     """Engines start together (a barrier), then time their passes in strict rotation: party 0's pass, party 1's, ...,
     party 0's next. A pass of each recipe runs beside a pass of every other, so the host's speed drifting over minutes
-    (eager engines are host-bound, and bf16 alone moved 10.3k-16.3k tok/s within one lease) falls on every recipe
-    alike rather than on whichever ran its passes last. A party that failed or finished is skipped; one that keeps
+    (eager engines are host-bound, and the lent hosts' speed moves by 10-25%) falls on every recipe alike rather than
+    on whichever ran its passes last. A party that failed or finished is skipped; one that keeps
     the turn longer than `timeout` seconds is skipped too."""
 
     def __init__(self, sync_dir: Path, parties: int, index: int, timeout: float = 900.0) -> None:
