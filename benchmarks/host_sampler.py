@@ -53,8 +53,10 @@ class StackSampler:
         self.max_depth = max_depth
         self.samples = 0
         self.seconds = 0.0
-        self._self: Counter[str] = Counter()
-        self._cum: Counter[str] = Counter()
+        # keyed by code object (and line) while sampling: the names are made once, when asked for, not per frame
+        # per sample, which would take the GIL from the thread being measured
+        self._self: Counter[tuple] = Counter()
+        self._cum: Counter = Counter()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._switch = sys.getswitchinterval()
@@ -83,24 +85,32 @@ class StackSampler:
             if frame is None:
                 continue
             self.samples += 1
-            self._self[frame_key(frame.f_code.co_filename, frame.f_code.co_name, frame.f_lineno)] += dt
-            seen: set[str] = set()
+            self._self[(frame.f_code, frame.f_lineno)] += dt
+            seen = set()
             depth = 0
             while frame is not None and depth < self.max_depth:
-                key = frame_key(frame.f_code.co_filename, frame.f_code.co_name)
-                if key not in seen:  # recursion counts once per sample
-                    seen.add(key)
-                    self._cum[key] += dt
+                code = frame.f_code
+                if code not in seen:  # recursion counts once per sample
+                    seen.add(code)
+                    self._cum[code] += dt
                 frame, depth = frame.f_back, depth + 1
         self.seconds = last - t0
 
     def self_us(self) -> dict[str, float]:
         """us charged to each innermost frame (function and line)."""
-        return {k: v * 1e6 for k, v in self._self.items()}
+        out: dict[str, float] = {}
+        for (code, line), v in self._self.items():
+            key = frame_key(code.co_filename, code.co_name, line)
+            out[key] = out.get(key, 0.0) + v * 1e6
+        return out
 
     def cum_us(self) -> dict[str, float]:
         """us during which each function was anywhere on the stack."""
-        return {k: v * 1e6 for k, v in self._cum.items()}
+        out: dict[str, float] = {}
+        for code, v in self._cum.items():  # two code objects may share a name (nested functions): summed
+            key = frame_key(code.co_filename, code.co_name)
+            out[key] = out.get(key, 0.0) + v * 1e6
+        return out
 
 
 def per_step(long: dict[str, float], short: dict[str, float], steps: int, top: int = 30) -> list[tuple[str, float]]:
