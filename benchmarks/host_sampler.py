@@ -4,7 +4,7 @@ decode steps), cheap enough to leave the loop's shape intact.
     with StackSampler() as s:
         llm.generate(...)
     s.self_us()   # {"vllm/v1/worker/gpu_model_runner.py:execute_model:1234": us, ...}  the innermost frame
-    s.cum_us()    # {"vllm/v1/worker/gpu_model_runner.py:execute_model": us, ...}       every frame on the stack
+    s.cum_us()    # {"vllm/v1/worker/gpu_model_runner.py:GPUModelRunner.execute_model": us, ...}  anywhere on the stack
 
 A background thread reads the sampled thread's stack (`sys._current_frames`) every `interval_s` and charges the time
 since its previous read to each function on it. torch.profiler's host events name aten ops but not the Python around
@@ -56,7 +56,7 @@ class StackSampler:
         # keyed by code object (and line) while sampling: the names are made once, when asked for, not per frame
         # per sample, which would take the GIL from the thread being measured
         self._self: Counter[tuple] = Counter()
-        self._cum: Counter = Counter()
+        self._stacks: Counter[tuple] = Counter()  # each sample's distinct code objects, innermost first
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._switch = sys.getswitchinterval()
@@ -86,31 +86,36 @@ class StackSampler:
                 continue
             self.samples += 1
             self._self[(frame.f_code, frame.f_lineno)] += dt
-            seen = set()
+            stack: list = []
             depth = 0
             while frame is not None and depth < self.max_depth:
-                code = frame.f_code
-                if code not in seen:  # recursion counts once per sample
-                    seen.add(code)
-                    self._cum[code] += dt
+                if frame.f_code not in stack:  # recursion counts once per sample
+                    stack.append(frame.f_code)
                 frame, depth = frame.f_back, depth + 1
+            self._stacks[tuple(stack)] += dt
         self.seconds = last - t0
 
     def self_us(self) -> dict[str, float]:
         """us charged to each innermost frame (function and line)."""
         out: dict[str, float] = {}
         for (code, line), v in self._self.items():
-            key = frame_key(code.co_filename, code.co_name, line)
+            key = frame_key(code.co_filename, _name(code), line)
             out[key] = out.get(key, 0.0) + v * 1e6
         return out
 
     def cum_us(self) -> dict[str, float]:
-        """us during which each function was anywhere on the stack."""
+        """us during which each function was anywhere on the stack: a sample counts once per name, so code objects
+        that share one (a nested module's `forward` inside its parent's) never add up to more than the wall time."""
         out: dict[str, float] = {}
-        for code, v in self._cum.items():  # two code objects may share a name (nested functions): summed
-            key = frame_key(code.co_filename, code.co_name)
-            out[key] = out.get(key, 0.0) + v * 1e6
+        for stack, v in self._stacks.items():
+            for key in {frame_key(code.co_filename, _name(code)) for code in stack}:
+                out[key] = out.get(key, 0.0) + v * 1e6
         return out
+
+
+def _name(code) -> str:
+    """The qualified name (`LlamaMLP.forward`, not `forward`): a model's modules all define `forward`."""
+    return getattr(code, "co_qualname", code.co_name)
 
 
 def per_step(long: dict[str, float], short: dict[str, float], steps: int, top: int = 30) -> list[tuple[str, float]]:

@@ -213,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if a.recipe:  # the child: one engine in this process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        Path(a.json).write_text(json.dumps(job(a), indent=1))
+        # written whole, then renamed: the parent takes a file that exists as a finished profile (`_finish`)
+        tmp = Path(a.json + ".part")
+        tmp.write_text(json.dumps(job(a), indent=1))
+        tmp.replace(a.json)
         return 0
     out = Path(a.from_dir or a.out)
     if not a.from_dir:
@@ -260,12 +263,27 @@ def _run_jobs(a: argparse.Namespace, out: Path, model: Path) -> None:
         _finish(r, proc, f, max(1.0, a.timeout * len(a.recipes) - (time.time() - t0)))
 
 
-def _finish(recipe: str, proc: subprocess.Popen, f: Path, timeout: float) -> None:
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = "timeout"
+def _finish(recipe: str, proc: subprocess.Popen, f: Path, timeout: float, grace_s: float = 30.0) -> None:
+    """Wait for one child; a child whose profile is on disk but which has not exited `grace_s` later is killed and
+    counted as done (an in-process engine under the CUDA profiler can hang in interpreter teardown)."""
+    deadline, written = time.time() + timeout, None
+    rc: int | str | None = None
+    while rc is None:
+        try:
+            rc = proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            if written is None and f.exists():
+                written = time.time()
+            if written is not None and time.time() - written > grace_s:
+                proc.kill()
+                proc.wait()
+                print(f"[decode_profile] {recipe}: wrote its profile but did not exit within {grace_s:.0f} s; killed",
+                      flush=True)
+                rc = 0
+            elif time.time() > deadline:
+                proc.kill()
+                proc.wait()
+                rc = "timeout"
     print(f"[decode_profile] {recipe}: {'done' if rc == 0 else f'FAILED ({rc}); see ' + str(f.with_suffix('.log'))}", flush=True)
 
 

@@ -43,6 +43,27 @@ def test_time_goes_to_the_function_that_spends_it_and_the_switch_interval_is_res
     assert s.samples > 100 and s.seconds == pytest.approx(0.4, rel=0.25)
 
 
+class _Outer:
+    def forward(self) -> None:
+        _Inner().forward()
+
+
+class _Inner:
+    def forward(self) -> None:
+        _spin(0.2)
+
+
+def test_functions_sharing_a_name_are_told_apart_and_never_counted_past_the_wall_time():
+    from host_sampler import StackSampler
+
+    with StackSampler(interval_s=0.001) as s:
+        _Outer().forward()
+    cum = {k.rsplit(":", 1)[-1]: v for k, v in s.cum_us().items() if "test_host_sampler" in k}
+    assert cum["_Outer.forward"] == pytest.approx(0.2e6, rel=0.25) and cum["_Inner.forward"] == pytest.approx(0.2e6, rel=0.25)
+    # every key, however many of its code objects were on one sample's stack, within the sampled time
+    assert max(s.cum_us().values()) <= s.seconds * 1e6 * 1.001
+
+
 def test_per_step_subtracts_the_shared_work_and_drops_noise():
     from host_sampler import per_step
 

@@ -431,6 +431,26 @@ def test_decode_profile_groups_kernels_and_subtracts_the_prefill():
     assert "jet_fp8: the profiler recorded no GPU kernels" in text
 
 
+def test_decode_profile_kills_a_child_that_hangs_after_writing_its_profile(tmp_path, capsys):
+    """A child whose profile is on disk but which never exits is killed after the grace period and counts as done;
+    one that writes nothing is killed at its deadline and counts as failed."""
+    import time
+
+    import vllm_decode_profile as vdp
+
+    hang = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text('{}'); time.sleep(600)"
+    silent = "import time; time.sleep(600)"
+    for code, name in ((hang, "hangs"), (silent, "silent")):
+        f = tmp_path / f"{name}.json"
+        proc = subprocess.Popen([sys.executable, "-c", code, str(f)])
+        t0 = time.time()
+        vdp._finish(name, proc, f, timeout=8.0, grace_s=1.0)
+        assert proc.poll() is not None and time.time() - t0 < 30
+    out = capsys.readouterr().out
+    assert "hangs: wrote its profile but did not exit within 1 s; killed" in out and "hangs: done" in out
+    assert "silent: FAILED (timeout)" in out
+
+
 def test_decode_profile_records_carry_each_group_and_the_ratio_to_bf16(tmp_path):
     import vllm_decode_profile as vdp
 
