@@ -168,12 +168,13 @@ def _out(ctype=ctypes.c_void_p):
 
 
 class _Plan:
-    """One shape's descriptor, layouts and algorithm, with the scale-pointer cells the descriptor is set from."""
+    """One shape's descriptor, layouts and algorithm, with the scale-pointer cells the descriptor is set from.
+    `result` holds the heuristic's `found` results back to back; `algo` is the address of the one the plan runs."""
 
-    __slots__ = ("desc", "layouts", "result", "algo", "ptr_a", "ptr_b", "addr_a", "addr_b", "lock")
+    __slots__ = ("desc", "layouts", "result", "found", "algo", "ptr_a", "ptr_b", "addr_a", "addr_b", "lock")
 
     def __init__(self) -> None:
-        self.desc, self.layouts, self.result, self.algo = 0, (), None, 0
+        self.desc, self.layouts, self.result, self.found, self.algo = 0, (), None, 0, 0
         self.ptr_a, self.addr_a = _out(ctypes.c_uint64)
         self.ptr_b, self.addr_b = _out(ctypes.c_uint64)
         self.lock = threading.Lock()  # the descriptor holds this call's scale pointers until cublasLtMatmul returns
@@ -246,7 +247,7 @@ class LtBlockwiseGemm:
         return False
 
     # -- plans ------------------------------------------------------------------------------------------------
-    def _plan(self, a, b_t, sa, sb, out_dtype) -> _Plan:
+    def _plan(self, a, b_t, sa, sb, out_dtype, count: int = 1) -> _Plan:
         m, k = a.shape
         n = b_t.shape[1]
         if not a.is_contiguous() or b_t.stride(0) != 1 or b_t.stride(1) != k:
@@ -256,13 +257,17 @@ class LtBlockwiseGemm:
             raise ValueError(f"LtBlockwiseGemm: output dtype {out_dtype} is not supported; use bfloat16, float16 or float32")
         plan = _Plan()
         try:
-            result = self._build(plan, m, n, k, a.dtype, b_t.dtype, sa, sb, out_dtype)
+            plan.result, plan.found = self._build(plan, m, n, k, a.dtype, b_t.dtype, sa, sb, out_dtype, count)
         except BaseException:
             self._destroy(plan)
             raise
         # the algorithm is the heuristic result's first 64 bytes: the plan keeps the buffer and passes its address
-        plan.result, plan.algo = result, ctypes.addressof(result)
+        plan.algo = ctypes.addressof(plan.result)
         with self._lock:
+            old = self._plans.pop((m, n, k, out_dtype), None)
+            if old is not None:
+                with old.lock:
+                    self._destroy(old)
             self._plans[(m, n, k, out_dtype)] = plan
             while len(self._plans) > _MAX_PLANS:
                 old = self._plans.pop(next(iter(self._plans)))
@@ -270,8 +275,9 @@ class LtBlockwiseGemm:
                     self._destroy(old)
         return plan
 
-    def _build(self, plan: _Plan, m: int, n: int, k: int, a_dtype, b_dtype, sa, sb, out_dtype):
-        """Descriptor, layouts and the heuristic's algorithm, as torch's scaled_gemm makes them; returns the result."""
+    def _build(self, plan: _Plan, m: int, n: int, k: int, a_dtype, b_dtype, sa, sb, out_dtype, count: int = 1):
+        """Descriptor, layouts and the heuristic's algorithms (its first `count`; torch asks for one), as torch's
+        scaled_gemm makes them; returns the results buffer and how many the heuristic filled."""
         lib = self.lib
         desc, addr = _out()
         _check(lib.cublasLtMatmulDescCreate(addr, _COMPUTE_32F, _R_32F), "cublasLtMatmulDescCreate")
@@ -298,15 +304,37 @@ class LtBlockwiseGemm:
             cap = ctypes.c_uint64(self.ws_bytes)
             _check(lib.cublasLtMatmulPreferenceSetAttribute(pref.value, _PREF_MAX_WORKSPACE_BYTES, ctypes.addressof(cap), 8),
                    "cublasLtMatmulPreferenceSetAttribute")
-            result = (ctypes.c_uint8 * _HEURISTIC_BYTES)()
+            result = (ctypes.c_uint8 * (_HEURISTIC_BYTES * count))()
             found, found_addr = _out(ctypes.c_int)
-            _check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, plan.desc, *plan.layouts, pref.value, 1, ctypes.addressof(result),
-                                                      found_addr), "cublasLtMatmulAlgoGetHeuristic")
+            _check(lib.cublasLtMatmulAlgoGetHeuristic(self.handle, plan.desc, *plan.layouts, pref.value, count,
+                                                      ctypes.addressof(result), found_addr), "cublasLtMatmulAlgoGetHeuristic")
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref.value)
         if found.value < 1:
             raise RuntimeError(f"jetrl_precision: cuBLASLt has no algorithm for M={m} N={n} K={k} {self.block_a} x {self.block_b}")
-        return result
+        return result, found.value
+
+    # -- algorithm choice (benchmarks/cublaslt_algos_gpu.py) ------------------------------------------------------
+    def offer_algorithms(self, a, b_t, sa, sb, out_dtype: torch.dtype, count: int = 16) -> list[dict]:
+        """Re-plan this call's shape with the heuristic's first `count` algorithms (the plan keeps running the first,
+        the one torch would pick) and describe each: its index, workspace bytes and the heuristic's waves count."""
+        if count < 1:
+            raise ValueError(f"LtBlockwiseGemm.offer_algorithms: count must be >= 1, got {count}")
+        plan = self._plan(a, b_t, sa, sb, out_dtype, count)
+        base = ctypes.addressof(plan.result)
+        return [{"index": i, "workspace_bytes": ctypes.c_uint64.from_address(base + i * _HEURISTIC_BYTES + 64).value,
+                 "waves": round(ctypes.c_float.from_address(base + i * _HEURISTIC_BYTES + 76).value, 3)}
+                for i in range(plan.found)]
+
+    def use_algorithm(self, m: int, n: int, k: int, out_dtype: torch.dtype, index: int) -> None:
+        """Run the shape's `index`-th offered algorithm from now on (`offer_algorithms` first)."""
+        plan = self._plans.get((m, n, k, out_dtype))
+        if plan is None or not 0 <= index < plan.found:
+            offered = 0 if plan is None else plan.found
+            raise ValueError(f"LtBlockwiseGemm.use_algorithm: M={m} N={n} K={k} {out_dtype} has {offered} offered algorithms, "
+                             f"no index {index}; call offer_algorithms for the shape first")
+        with plan.lock:
+            plan.algo = ctypes.addressof(plan.result) + index * _HEURISTIC_BYTES
 
     def _destroy(self, plan: _Plan) -> None:
         for layout in plan.layouts:

@@ -21,6 +21,7 @@ __all__ = ["EmulatedLt", "VERSION"]
 
 VERSION = 130100
 _OK, _INVALID_VALUE, _NOT_SUPPORTED = 0, 7, 15
+_HEURISTIC_BYTES = 96  # cublasLtMatmulHeuristicResult_t
 _TYPES = {0: torch.float32, 2: torch.float16, 14: torch.bfloat16, 28: torch.float8_e4m3fn, 29: torch.float8_e5m2}
 _ATTRS = {3: "transa", 4: "transb", 17: "a_scale", 18: "b_scale", 25: "fast_accum", 31: "a_mode", 32: "b_mode"}
 _VEC128, _BLK128 = 4, 5
@@ -55,10 +56,12 @@ class EmulatedLt:
 
     version = VERSION
 
-    def __init__(self) -> None:
+    def __init__(self, algorithms: int = 3) -> None:
         self._objects: dict[int, dict] = {}
         self._ids = itertools.count(1)
         self.matmuls = 0
+        self.algorithms = algorithms  # how many the heuristic offers at most (all compute the same product here)
+        self.algos_run: list[int] = []  # the first byte of each matmul's algorithm: which one it ran
 
     def _new(self, addr: int, **obj) -> int:
         key = next(self._ids)
@@ -121,10 +124,16 @@ class EmulatedLt:
 
     def cublasLtMatmulAlgoGetHeuristic(self, handle, desc, la, lb, lc, ld, pref, requested, result_addr, found_addr) -> int:
         ok = self._shapes(desc, la, lb, lc, ld) is not None
-        ctypes.c_int.from_address(found_addr).value = 1 if ok else 0
+        found = min(requested, self.algorithms) if ok else 0
+        for i in range(found):  # result i: its algorithm's first byte is i, workspace 0, waves 1 + i
+            ctypes.memset(result_addr + i * _HEURISTIC_BYTES, 0, _HEURISTIC_BYTES)
+            ctypes.c_uint8.from_address(result_addr + i * _HEURISTIC_BYTES).value = i
+            ctypes.c_float.from_address(result_addr + i * _HEURISTIC_BYTES + 76).value = 1.0 + i
+        ctypes.c_int.from_address(found_addr).value = found
         return _OK if ok else _NOT_SUPPORTED
 
     def cublasLtMatmul(self, handle, desc, alpha, a_ptr, la, b_ptr, lb, beta, c_ptr, lc, d_ptr, ld, algo, ws, ws_size, stream) -> int:
+        self.algos_run.append(ctypes.c_uint8.from_address(algo).value)
         shapes = self._shapes(desc, la, lb, lc, ld)
         if shapes is None or ctypes.c_float.from_address(alpha).value != 1.0 or ctypes.c_float.from_address(beta).value != 0.0:
             return _INVALID_VALUE

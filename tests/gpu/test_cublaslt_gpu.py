@@ -90,6 +90,33 @@ def test_wgrad_shapes_equal_f_scaled_mm(out_dtype):
         _assert_same(gemm(*args, out_dtype), ref(*args, out_dtype), f"WGrad N={n} K={k} tokens={tokens}")
 
 
+@pytest.mark.parametrize("block_b,mnk", [("1x128", (4096, 4096, 8192)), ("128x128", (8192, 4096, 4096))], ids=["wgrad", "fprop"])
+def test_every_offered_algorithm_computes_the_product_and_the_first_is_torchs(block_b, mnk):
+    # benchmarks/cublaslt_algos_gpu.py times them: each must be the GEMM (against a float64 product of the dequantized
+    # operands), and the heuristic's first, asked for among many, must still be the one torch runs
+    _sm90()
+    m, n, k = mnk
+    args = _operands(m, n, k, block_b, 7)
+    a, b_t, sa, sb = args
+    gemm = cublaslt.LtBlockwiseGemm(torch.device("cuda"), "1x128", block_b)
+    offered = gemm.offer_algorithms(*args, torch.bfloat16, count=8)
+    assert offered and [o["index"] for o in offered] == list(range(len(offered)))
+    a64 = a.double() * sa.double().repeat_interleave(128, dim=1)[:, :k]
+    if block_b == "1x128":
+        b64 = b_t.t().double() * sb.double().repeat_interleave(128, dim=1)[:, :k]
+    else:
+        blocks = sb.double().t()[:, : -(-k // 128)]  # row_major_padded_t's (KB padded, NB) view, back to (NB, KB)
+        b64 = b_t.t().double() * blocks.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    want = a64 @ b64.t()
+    for o in offered:
+        gemm.use_algorithm(m, n, k, torch.bfloat16, o["index"])
+        got = gemm(*args, torch.bfloat16)
+        rel = float((got.double() - want).norm() / want.norm())
+        assert rel < 1e-2, f"algorithm {o['index']}: relative error {rel:.2e} against the float64 product"
+        if o["index"] == 0:
+            _assert_same(got, _reference(block_b)(*args, torch.bfloat16), "the heuristic's first of many")
+
+
 def test_prepared_entry_points_are_the_plans():
     _sm90()
     assert torch_backend.prepared_scaled_mm("cuda") is _gemm("128x128")

@@ -79,6 +79,28 @@ def test_plans_are_made_once_per_shape_and_bounded(monkeypatch):
     assert gemm.plan_count == 3 and lib.live_objects == 3 * 5  # evicted plans free their descriptors
 
 
+def test_offered_algorithms_are_kept_with_the_plan_and_one_is_chosen():
+    lib = EmulatedLt(algorithms=3)
+    gemm = _gemm("1x128", lib=lib)
+    aq, wq, args = _operands(64, 256, 512, "1x128")
+    want = gemm_nt(aq, wq, torch.bfloat16, "emulated")
+    gemm(*args, torch.bfloat16)
+    made = lib.live_objects
+    offered = gemm.offer_algorithms(*args, torch.bfloat16, count=8)
+    # the heuristic's results as it filled them; the re-plan replaced the shape's plan and freed the old one's objects
+    assert [o["index"] for o in offered] == [0, 1, 2] and [o["waves"] for o in offered] == [1.0, 2.0, 3.0]
+    assert gemm.plan_count == 1 and lib.live_objects == made
+    assert torch.equal(gemm(*args, torch.bfloat16), want) and lib.algos_run[-1] == 0  # still the heuristic's first
+    gemm.use_algorithm(64, 256, 512, torch.bfloat16, 2)
+    assert torch.equal(gemm(*args, torch.bfloat16), want) and lib.algos_run[-1] == 2
+    with pytest.raises(ValueError, match=r"has 3 offered algorithms, no index 3; call offer_algorithms"):
+        gemm.use_algorithm(64, 256, 512, torch.bfloat16, 3)
+    with pytest.raises(ValueError, match=r"M=8 N=256 K=512 torch.bfloat16 has 0 offered algorithms"):
+        gemm.use_algorithm(8, 256, 512, torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        gemm.offer_algorithms(*args, torch.bfloat16, count=0)
+
+
 def test_concurrent_calls_on_one_plan_keep_their_own_scales():
     # The descriptor carries each call's scale pointers until its matmul: two threads on one shape must not mix them.
     gemm = _gemm()
