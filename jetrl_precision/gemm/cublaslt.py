@@ -317,7 +317,8 @@ class LtBlockwiseGemm:
     # -- algorithm choice (benchmarks/cublaslt_algos_gpu.py) ------------------------------------------------------
     def offer_algorithms(self, a, b_t, sa, sb, out_dtype: torch.dtype, count: int = 16) -> list[dict]:
         """Re-plan this call's shape with the heuristic's first `count` algorithms (the plan keeps running the first,
-        the one torch would pick) and describe each: its index, workspace bytes and the heuristic's waves count."""
+        the one torch would pick) and describe each: its index, workspace bytes and the heuristic's waves count.
+        The shape's old plan is destroyed: call it before other threads run the shape, as a benchmark does."""
         if count < 1:
             raise ValueError(f"LtBlockwiseGemm.offer_algorithms: count must be >= 1, got {count}")
         plan = self._plan(a, b_t, sa, sb, out_dtype, count)
