@@ -43,6 +43,7 @@ def section_quant(args, copy_bw):
         io_dual = m * k * 2 + 2 * m * k + 4 * m * math.ceil(k / 128) + 4 * k * math.ceil(m / 128)
         one("ops_quantize_dual", shp, lambda: ops.quantize_dual(x, BW.dgrad_grad_output, BW.wgrad_grad_output), io_dual)
         one("separate_1x128_then_128x1_T", shp, lambda: (quant.quantize_1x128(x), quant.quantize_128x1_t(x)), io_dual)
+        one("dual_fused_one_read", shp, lambda: quant.quantize_dual_1x128_128x1_t(x), io_dual)
         if (m, k) == (16384, 4096):
             # Other tiles (32 columns x 4 warps; 16 x 1 and 16 x 2, column blocks fastest) next to the default;
             # the full tile sweep is benchmarks/quant_sweep.py.

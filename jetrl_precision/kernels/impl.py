@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -206,12 +208,16 @@ class TritonQuantizeImpl:
     def bind_quantize_dual(self, block: Block, pow2_scale: bool, t_block: Block, t_pow2_scale: bool, device: torch.device,
                            pad_to: int = 0):
         """`pad_to`: the transposed result's columns (the tokens) zero-padded to a multiple of it, by the kernel where
-        the device's probe passed."""
+        the device's probe passed. JETRL_DUAL_QUANT_FUSED=1 runs both layouts in one kernel that reads x once (same
+        bytes); opt-in until a GPU measurement shows it faster than the two kernels."""
         if block == (1, 128) and t_block == (128, 1):
             kpad = self._kernel_pad(device, pad_to)
-
-            def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
-                return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pad_to=kpad)
+            if os.environ.get("JETRL_DUAL_QUANT_FUSED") == "1":
+                def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                    return quant.quantize_dual_1x128_128x1_t(x, pow2_scale, t_pow2_scale, pad_to=kpad)
+            else:
+                def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                    return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pad_to=kpad)
 
             if kpad == pad_to:
                 return dual

@@ -28,6 +28,7 @@ __all__ = [
     "quantize_128x128",
     "quantize_128x1",
     "quantize_128x1_t",
+    "quantize_dual_1x128_128x1_t",
     "requantize_1x128_to_128x1",
     "new_scale_1x128",
     "new_scale_128x128",
@@ -205,6 +206,58 @@ def quantize_128x1_t(x: torch.Tensor, pow2_scale: bool = False, tile: Tile128x1 
     if pad_to % 128 and pad_to > 1:
         _check_pad(pad_to)
     return _launch_128x1(x, None, x.shape[0], x.shape[1], True, pow2_scale, tile or TILE_128x1_T, pad_to)
+
+
+# ---------------------------------------------------------------------------------------------
+# Both layouts of dY from one read: 1x128 (DGrad) and 128x1 written transposed (WGrad). A program holds one
+# 128 x 128 tile, takes the row groups' and the column groups' amax from the same registers, and writes both.
+@triton.jit
+def _quant_dual_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C,
+    sxr, sxc, ssg, R_OUT,
+    POW2: tl.constexpr, T_POW2: tl.constexpr,
+):
+    rb = tl.program_id(0)
+    g = tl.program_id(1)
+    rr = rb * 128 + tl.arange(0, 128)
+    cc = g * 128 + tl.arange(0, 128)
+    mask = (rr[:, None] < R) & (cc[None, :] < C)
+    x = tl.load(x_ptr + rr[:, None].to(tl.int64) * sxr + cc[None, :] * sxc, mask=mask, other=0.0).to(tl.float32)
+    # 1x128: q [R, C] row-major, scales (R, G) MN-major (strides (1, ssg)), as `quantize_1x128` writes them
+    scale = group_scale(abs_max(x, 1), POW2)
+    tl.store(q_ptr + rr[:, None].to(tl.int64) * C + cc[None, :], quantize_values(x, scale[:, None], POW2), mask=mask)
+    tl.store(s_ptr + rr + g * ssg, scale, mask=rr < R)
+    # 128x1, transposed: qt [C, R_OUT], scales (C, RB) with strides (1, C), as `quantize_128x1_t` writes them;
+    # rows R..R_OUT-1 (the tokens' padding) stored as zeros
+    t_scale = group_scale(abs_max(x, 0), T_POW2)
+    qt_ptrs = qt_ptr + rr[:, None] + cc[None, :].to(tl.int64) * R_OUT
+    tl.store(qt_ptrs, quantize_values(x, t_scale[None, :], T_POW2), mask=mask)
+    if R_OUT > R:
+        pad = (rr[:, None] >= R) & (rr[:, None] < R_OUT) & (cc[None, :] < C)
+        tl.store(qt_ptrs, tl.zeros([128, 128], tl.float32).to(tl.float8e4nv), mask=pad)
+    tl.store(st_ptr + rb * C + cc, t_scale, mask=cc < C)
+
+
+_kern_dual = TritonLauncher(_quant_dual_kernel)
+
+
+def quantize_dual_1x128_128x1_t(x: torch.Tensor, pow2_scale: bool = False, t_pow2_scale: bool = False,
+                                pad_to: int = 0) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """(`quantize_1x128(x)`, `quantize_128x1_t(x, pad_to=pad_to)`) from one read of x: the same bytes and scale
+    layouts as the two calls, for half of their reads of x (dY in the backward, read once instead of twice)."""
+    _check_pad(pad_to)
+    rows, cols = x.shape
+    nrb, groups = _cdiv(rows, 128), _cdiv(cols, 128)
+    rows_out = -(-rows // pad_to) * pad_to if pad_to > 1 else rows
+    dev = x.device
+    q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=dev)
+    scale = torch.empty_strided((rows, groups), (1, rows), dtype=torch.float32, device=dev)
+    qt = torch.empty((cols, rows_out), dtype=FP8_DTYPE, device=dev)
+    t_scale = torch.empty_strided((cols, nrb), (1, cols), dtype=torch.float32, device=dev)
+    sxr, sxc = x.stride()
+    _kern_dual((nrb, groups), x, q, scale, qt, t_scale, rows, cols, sxr, sxc, rows, rows_out,
+               POW2=pow2_scale, T_POW2=t_pow2_scale, num_warps=8)
+    return QuantizedTensor.trusted(q, scale, (1, 128)), QuantizedTensor.trusted(qt, t_scale, (1, 128))
 
 
 def _check_pad(pad_to: int) -> int:

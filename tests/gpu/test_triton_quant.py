@@ -86,6 +86,29 @@ def test_dual_layout_bytes(shape):
     assert q.scale.stride() == (1, shape[0]) and qt.scale.stride() == (1, shape[1])  # both MN-major for the GEMMs
 
 
+@pytest.mark.parametrize("shape", SHAPES + [(8192, 1536), (200, 384)])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_one_read_dual_quantizer_bytes(shape, pow2, monkeypatch):
+    """The one-read dual kernel (JETRL_DUAL_QUANT_FUSED=1) writes both layouts byte-exact, in the two kernels'
+    scale layouts, and pads the transposed one along the tokens with zeros."""
+    x = outlier_data(*shape, seed=16)
+    q, qt = quant.quantize_dual_1x128_128x1_t(x, pow2, pow2)
+    assert_same(q, quantize_fp8(x, (1, 128), pow2_scale=pow2), f"one-read dual 1x128 {shape}")
+    assert_same(qt, quantize_fp8(x, (128, 1), pow2_scale=pow2).t(), f"one-read dual 128x1^T {shape}")
+    assert q.scale.stride() == (1, shape[0]) and qt.scale.stride() == (1, shape[1])
+    _, padded = quant.quantize_dual_1x128_128x1_t(x, pow2, pow2, pad_to=128)
+    rows_out = -(-shape[0] // 128) * 128
+    assert padded.data.shape == (shape[1], rows_out) and torch.equal(padded.scale, qt.scale)
+    assert torch.equal(padded.data[:, : shape[0]].view(torch.uint8), qt.data.view(torch.uint8))
+    assert not padded.data[:, shape[0]:].view(torch.uint8).any()
+    # through ops, as the backward binds it
+    monkeypatch.setenv("JETRL_DUAL_QUANT_FUSED", "1")
+    bw = get_recipe("jet_fp8").train_backward
+    q2, qt2 = ops.dual_quantizer(bw.dgrad_grad_output, bw.wgrad_grad_output, x.device)(x)
+    assert_same(q2, quantize_fp8(x, (1, 128), pow2_scale=bw.dgrad_grad_output.pow2_scale), "ops dual, fused")
+    assert_same(qt2, quantize_fp8(x, (128, 1), pow2_scale=bw.wgrad_grad_output.pow2_scale).t(), "ops dual^T, fused")
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("pow2", [False, True])
 def test_requantize_bytes(shape, pow2):
@@ -130,6 +153,9 @@ def _assert_every_kernel_bitwise(x: torch.Tensor, pow2: bool) -> None:
     _bits_equal(quant.quantize_1x128(x, pow2), ref(x, (1, 128)), "1x128")
     _bits_equal(quant.quantize_128x1(x, pow2), ref(x, (128, 1)), "128x1")
     _bits_equal(quant.quantize_128x1_t(x, pow2), ref(x, (128, 1)).t(), "128x1^T")
+    q, qt = quant.quantize_dual_1x128_128x1_t(x, pow2, pow2)
+    _bits_equal(q, ref(x, (1, 128)), "one-read dual 1x128")
+    _bits_equal(qt, ref(x, (128, 1)).t(), "one-read dual 128x1^T")
     w, w_t = quant.quantize_128x128(x, pow2, write_t=True)
     _bits_equal(w, ref(x, (128, 128)), "128x128")
     _bits_equal(w_t, ref(x, (128, 128)).t(), "128x128^T")

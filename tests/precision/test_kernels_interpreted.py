@@ -1,5 +1,6 @@
-"""The WGrad padding of the Triton quantizer kernels, run in Triton's CPU interpreter (`TRITON_INTERPRET=1`), and
-the output layout the fused SwiGLU backward picks for a stacked gate/up GEMM (its launch intercepted).
+"""The WGrad padding of the Triton quantizer kernels and the one-read dual quantizer against the two kernels it
+replaces, run in Triton's CPU interpreter (`TRITON_INTERPRET=1`), and the output layout the fused SwiGLU backward
+picks for a stacked gate/up GEMM (its launch intercepted).
 
 The interpreter's FP8 arithmetic is not the GPU's (its bytes differ from the reference quantizer's in places), so
 this does not replace the byte-exact GPU tests (tests/gpu/test_wgrad_padding_gpu.py). It checks what the padding
@@ -59,6 +60,39 @@ def test_padded_outputs_are_the_unpadded_ones_then_zeros():
         assert row["shape"][1] % 128 == 0 and row["diff"] == 0 and row["scales_same"], row
     assert any(row["nan_scale"] for row in rows), "the NaN-scale columns this checks were not produced"
 
+
+_DUAL_SCRIPT = r"""
+import json, torch
+from jetrl_precision.kernels import quant
+
+g = torch.Generator().manual_seed(2)
+out = []
+for rows, cols in ((200, 256), (16, 200)):  # rows past a 128-row block; columns past a 128-column group
+    x = (torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))).to(torch.bfloat16)
+    x[:, 3] *= 500.0                   # an outlier column: its 128x1 groups take a large scale
+    x[0, 0] = float("inf")
+    x[rows - 1, cols - 1] = float("nan")
+    for pow2, pad in ((False, 0), (True, 0), (False, 128)):
+        q, qt = quant.quantize_dual_1x128_128x1_t(x, pow2, pow2, pad_to=pad)
+        q_ref, qt_ref = quant.quantize_1x128(x, pow2), quant.quantize_128x1_t(x, pow2, pad_to=pad)
+        same = lambda a, b: bool(torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+                                 and torch.equal(a.scale.nan_to_num(7.0), b.scale.nan_to_num(7.0))
+                                 and a.scale.stride() == b.scale.stride() and a.block == b.block)
+        out.append({"shape": [rows, cols], "pow2": pow2, "pad": pad, "rows": same(q, q_ref), "cols": same(qt, qt_ref),
+                    "t_shape": list(qt.data.shape)})
+print(json.dumps(out))
+"""
+
+
+def test_one_read_dual_quantizer_writes_what_the_two_kernels_write():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    r = subprocess.run([sys.executable, "-c", _DUAL_SCRIPT], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6
+    for row in rows:
+        assert row["rows"] and row["cols"], row
+        assert row["t_shape"][1] == (-(-row["shape"][0] // 128) * 128 if row["pad"] else row["shape"][0]), row
 
 
 def test_swiglu_backward_writes_stacked_halves_for_a_stacked_gate_up():
