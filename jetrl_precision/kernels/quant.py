@@ -175,7 +175,7 @@ def _launch_128x1(x, in_scale, rows, cols, transposed: bool, pow2_scale: bool, t
     # The kernel writes scales as a row-major (nrb, C) buffer; transposed, the result's scale is its (C, nrb)
     # view with strides (1, C), allocated as such (one call, no view op).
     if transposed:
-        rows_out = -(-rows // pad_to) * pad_to if pad_to > 1 else rows  # within the last 128-row block, which the grid covers
+        rows_out = _padded_rows(rows, pad_to)
         scale = torch.empty_strided((cols, nrb), (1, cols), dtype=torch.float32, device=dev)
         q = torch.empty((cols, rows_out), dtype=FP8_DTYPE, device=dev)
         sqr, sqc = 1, rows_out
@@ -248,7 +248,7 @@ def quantize_dual_1x128_128x1_t(x: torch.Tensor, pow2_scale: bool = False, t_pow
     _check_pad(pad_to)
     rows, cols = x.shape
     nrb, groups = _cdiv(rows, 128), _cdiv(cols, 128)
-    rows_out = -(-rows // pad_to) * pad_to if pad_to > 1 else rows
+    rows_out = _padded_rows(rows, pad_to)
     dev = x.device
     q = torch.empty((rows, cols), dtype=FP8_DTYPE, device=dev)
     scale = torch.empty_strided((rows, groups), (1, rows), dtype=torch.float32, device=dev)
@@ -264,6 +264,15 @@ def _check_pad(pad_to: int) -> int:
     if pad_to > 1 and pad_to % 128:
         raise ValueError(f"pad_to must be a multiple of 128 (the padded columns stay within the last scale group), got {pad_to}")
     return pad_to
+
+
+def _padded_rows(rows: int, pad_to: int) -> int:
+    """`rows` rounded up to a multiple of `pad_to`, which must stay within the last 128-row block: the kernels write
+    the padding from the programs of that block, and the scales have no group for rows past it."""
+    out = -(-rows // pad_to) * pad_to if pad_to > 1 else rows
+    if out > _cdiv(rows, 128) * 128:
+        raise ValueError(f"pad_to={pad_to} pads {rows} rows to {out}, past their last 128-row block; pad to 128")
+    return out
 
 
 def requantize_1x128_to_128x1(

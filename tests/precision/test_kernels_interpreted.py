@@ -80,6 +80,13 @@ for rows, cols in ((200, 256), (16, 200)):  # rows past a 128-row block; columns
                                  and a.scale.stride() == b.scale.stride() and a.block == b.block)
         out.append({"shape": [rows, cols], "pow2": pow2, "pad": pad, "rows": same(q, q_ref), "cols": same(qt, qt_ref),
                     "t_shape": list(qt.data.shape)})
+refused = []
+for fn in (lambda: quant.quantize_dual_1x128_128x1_t(x, pad_to=256), lambda: quant.quantize_128x1_t(x, pad_to=256)):
+    try:  # 16 rows padded to 256: past their one 128-row block, which no program would write
+        fn()
+    except ValueError as e:
+        refused.append(str(e))
+out.append({"refused": refused})
 print(json.dumps(out))
 """
 
@@ -88,8 +95,8 @@ def test_one_read_dual_quantizer_writes_what_the_two_kernels_write():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
     r = subprocess.run([sys.executable, "-c", _DUAL_SCRIPT], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(rows) == 6
+    *rows, last = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6 and len(last["refused"]) == 2 and all("past their last 128-row block" in e for e in last["refused"])
     for row in rows:
         assert row["rows"] and row["cols"], row
         assert row["t_shape"][1] == (-(-row["shape"][0] // 128) * 128 if row["pad"] else row["shape"][0]), row
