@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -9,10 +10,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
-from . import cast_transpose, fused, padding_probe, quant, swiglu_probe
+from . import cast_transpose, fused, padding_probe, quant, quant_cuda, swiglu_probe
+from ._probe import device_key, verdict_once
 from .layout import pad_columns
 
 __all__ = ["TritonQuantizeImpl"]
+
+logger = logging.getLogger(__name__)
 
 
 def _fp8_capable(device: torch.device) -> bool:
@@ -28,6 +32,34 @@ def _capturing() -> bool:
 
 
 _HAS_CUDA = torch.cuda.is_available()
+
+
+_dual_verdicts: dict[tuple, bool] = {}
+_dual_reasons: dict[tuple, str] = {}
+
+
+def _one_read_dual_ok(device: torch.device, pow2: bool, t_pow2: bool, pad_to: int, inputs: list | None = None) -> bool:
+    """Whether the one-read dual kernel writes the two kernels' bytes and scale bits on this device (checked once per
+    device and options, on `quant_cuda.probe_inputs`: outliers, zero groups, NaN, +-inf and partial blocks, unless
+    `inputs` are given); logged once where not."""
+    if _capturing():  # the check reads results back: never inside a graph capture (the two kernels run there)
+        return False
+
+    def check() -> str:
+        for x in inputs if inputs is not None else quant_cuda.probe_inputs(torch.bfloat16, device):
+            pairs = zip(quant.quantize_dual_1x128_128x1_t(x, pow2, t_pow2, pad_to=pad_to),
+                        (quant.quantize_1x128(x, pow2), quant.quantize_128x1_t(x, t_pow2, pad_to=pad_to)), ("1x128", "128x1^T"))
+            for got, want, what in pairs:
+                if not (torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+                        and torch.equal(got.scale.contiguous().view(torch.int32), want.scale.contiguous().view(torch.int32))):
+                    return f"its {what} layout differs from the two kernels' at shape {tuple(x.shape)}"
+        return ""
+
+    def warn(why: str) -> None:
+        logger.warning("jetrl_precision: JETRL_DUAL_QUANT_FUSED=1 asked for the one-read dual quantizer, but %s on %s; "
+                       "dY's two layouts come from the two kernels there (same bytes, one more read of dY)", why, device)
+
+    return verdict_once(_dual_verdicts, _dual_reasons, (device_key(device), pow2, t_pow2, pad_to), check, warn)
 
 
 class _LastResult:
@@ -209,10 +241,10 @@ class TritonQuantizeImpl:
                            pad_to: int = 0):
         """`pad_to`: the transposed result's columns (the tokens) zero-padded to a multiple of it, by the kernel where
         the device's probe passed. JETRL_DUAL_QUANT_FUSED=1 runs both layouts in one kernel that reads x once (same
-        bytes); opt-in until a GPU measurement shows it faster than the two kernels."""
+        bytes, checked at first use); opt-in until a GPU measurement shows it faster than the two kernels."""
         if block == (1, 128) and t_block == (128, 1):
             kpad = self._kernel_pad(device, pad_to)
-            if os.environ.get("JETRL_DUAL_QUANT_FUSED") == "1":
+            if os.environ.get("JETRL_DUAL_QUANT_FUSED") == "1" and _one_read_dual_ok(device, pow2_scale, t_pow2_scale, kpad):
                 def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
                     return quant.quantize_dual_1x128_128x1_t(x, pow2_scale, t_pow2_scale, pad_to=kpad)
             else:

@@ -1,5 +1,5 @@
 """The WGrad padding of the Triton quantizer kernels and the one-read dual quantizer against the two kernels it
-replaces, run in Triton's CPU interpreter (`TRITON_INTERPRET=1`), and the output layout the fused SwiGLU backward
+replaces (with its first-use check), run in Triton's CPU interpreter (`TRITON_INTERPRET=1`), and the output layout the fused SwiGLU backward
 picks for a stacked gate/up GEMM (its launch intercepted).
 
 The interpreter's FP8 arithmetic is not the GPU's (its bytes differ from the reference quantizer's in places), so
@@ -87,6 +87,24 @@ for fn in (lambda: quant.quantize_dual_1x128_128x1_t(x, pad_to=256), lambda: qua
     except ValueError as e:
         refused.append(str(e))
 out.append({"refused": refused})
+
+# the first-use check JETRL_DUAL_QUANT_FUSED=1 runs: passes on these kernels, fails on one that flips a byte
+from jetrl_precision.kernels import impl, quant_cuda
+small = [t[:130, :200] for t in quant_cuda.probe_inputs(torch.bfloat16, torch.device("cpu"))[3:]]  # the GPU's are large
+probe = {"ok": impl._one_read_dual_ok(torch.device("cpu"), False, False, 128, small)}
+real = quant.quantize_dual_1x128_128x1_t
+
+
+def broken(x, *args, **kwargs):
+    q, qt = real(x, *args, **kwargs)
+    qt.data.view(torch.uint8)[0, 0] ^= 1
+    return q, qt
+
+
+quant.quantize_dual_1x128_128x1_t = broken
+probe["broken"] = impl._one_read_dual_ok(torch.device("cpu"), True, True, 128, small)
+probe["reason"] = impl._dual_reasons.get(("cpu", True, True, 128), "")
+out.append(probe)
 print(json.dumps(out))
 """
 
@@ -95,8 +113,9 @@ def test_one_read_dual_quantizer_writes_what_the_two_kernels_write():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
     r = subprocess.run([sys.executable, "-c", _DUAL_SCRIPT], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    *rows, last = json.loads(r.stdout.strip().splitlines()[-1])
-    assert len(rows) == 6 and len(last["refused"]) == 2 and all("past their last 128-row block" in e for e in last["refused"])
+    *rows, refused, probe = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 6 and len(refused["refused"]) == 2 and all("past their last 128-row block" in e for e in refused["refused"])
+    assert probe["ok"] and not probe["broken"] and "its 128x1^T layout differs from the two kernels'" in probe["reason"], probe
     for row in rows:
         assert row["rows"] and row["cols"], row
         assert row["t_shape"][1] == (-(-row["shape"][0] // 128) * 128 if row["pad"] else row["shape"][0]), row
