@@ -87,10 +87,13 @@ class StackSampler:
             self.samples += 1
             self._self[(frame.f_code, frame.f_lineno)] += dt
             stack: list = []
+            seen: set = set()  # a set beside the list: membership per frame stays O(1) on deep stacks
             depth = 0
             while frame is not None and depth < self.max_depth:
-                if frame.f_code not in stack:  # recursion counts once per sample
-                    stack.append(frame.f_code)
+                code = frame.f_code
+                if code not in seen:  # recursion counts once per sample
+                    seen.add(code)
+                    stack.append(code)
                 frame, depth = frame.f_back, depth + 1
             self._stacks[tuple(stack)] += dt
         self.seconds = last - t0

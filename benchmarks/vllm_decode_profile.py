@@ -271,19 +271,19 @@ def _finish(recipe: str, proc: subprocess.Popen, f: Path, timeout: float, grace_
     while rc is None:
         try:
             rc = proc.wait(timeout=1.0)
+            continue
         except subprocess.TimeoutExpired:
-            if written is None and f.exists():
-                written = time.time()
-            if written is not None and time.time() - written > grace_s:
-                proc.kill()
-                proc.wait()
-                print(f"[decode_profile] {recipe}: wrote its profile but did not exit within {grace_s:.0f} s; killed",
-                      flush=True)
-                rc = 0
-            elif time.time() > deadline:
-                proc.kill()
-                proc.wait()
-                rc = "timeout"
+            pass
+        if written is None and f.exists():
+            written = time.time()
+        if written is not None and time.time() - written > grace_s:
+            print(f"[decode_profile] {recipe}: wrote its profile but did not exit within {grace_s:.0f} s; killed", flush=True)
+            rc = 0
+        elif time.time() > deadline:
+            rc = "timeout"
+        if rc is not None:
+            proc.kill()
+            proc.wait()
     print(f"[decode_profile] {recipe}: {'done' if rc == 0 else f'FAILED ({rc}); see ' + str(f.with_suffix('.log'))}", flush=True)
 
 

@@ -264,16 +264,18 @@ class LtBlockwiseGemm:
         # the algorithm is the heuristic result's first 64 bytes: the plan keeps the buffer and passes its address
         plan.algo = ctypes.addressof(plan.result)
         with self._lock:
-            old = self._plans.pop((m, n, k, out_dtype), None)
-            if old is not None:
-                with old.lock:
-                    self._destroy(old)
+            replaced = self._plans.pop((m, n, k, out_dtype), None)  # `offer_algorithms` re-plans a shape
             self._plans[(m, n, k, out_dtype)] = plan
             while len(self._plans) > _MAX_PLANS:
-                old = self._plans.pop(next(iter(self._plans)))
-                with old.lock:
-                    self._destroy(old)
+                self._retire(self._plans.pop(next(iter(self._plans))))
+            if replaced is not None:
+                self._retire(replaced)
         return plan
+
+    def _retire(self, plan: _Plan) -> None:
+        """Destroy a plan dropped from the table once a call running it has returned (it holds the plan's lock)."""
+        with plan.lock:
+            self._destroy(plan)
 
     def _build(self, plan: _Plan, m: int, n: int, k: int, a_dtype, b_dtype, sa, sb, out_dtype, count: int = 1):
         """Descriptor, layouts and the heuristic's algorithms (its first `count`; torch asks for one), as torch's
