@@ -14,6 +14,8 @@ Sections (each guarded, so one failure does not lose the rest; one module each i
   decode    the same stack's forward at M=64 and 256 tokens (one position each), eager and CUDA graph
   layers    decoder layers at a GRPO micro-batch's token counts: stacked q/k/v + gate/up GEMMs against separate
             ones and BF16 (fwd+bwd, no-grad forward, host time per layer); not in the default sections
+`--kernel-split`: stack and reference also profile each variant's GPU time by kernel group and print the ratio the
+kernels FP8 leaves in BF16 (attention, norms, copies, the optimizer) cap it at (`gpu_sections/kernel_split.py`).
 Timing (`gpu_sections/timing.py`): triton.testing.do_bench medians (L2 flushed before each repeat); ratios are
 within this run. The GEMM section times each GEMM at the power cap instead (`bench_sustained`: a CUDA graph of
 back-to-back calls after a warm-up, BF16 and FP8 alternating), with the SM clock and power beside each figure and
@@ -56,6 +58,9 @@ def main():
                     help="backends of the linear section (auto first, then those present that auto is not)")
     ap.add_argument("--layer-tokens", default="4352,16384",
                     help="token counts of the layers section (4352: a GRPO micro-batch of 4 x (64 + 1024) tokens)")
+    ap.add_argument("--kernel-split", action="store_true",
+                    help="stack and reference: also profile each variant's GPU time by kernel group, and what the kernels "
+                         "FP8 leaves in BF16 cap its ratio at (gpu_sections/kernel_split.py)")
     ap.add_argument("--reference-batches", default="4,8", type=lambda s: [int(v) for v in s.split(",")],
                     help="batches of 4096 tokens the reference section's forward takes")
     args = ap.parse_args()

@@ -9,6 +9,7 @@ import torch
 from jetrl_precision import mark_weights_updated
 from jetrl_precision.gemm import resolve_backend
 
+from .kernel_split import ceiling, ceiling_line, kernel_split
 from .llama_stack import build_stack
 from .timing import bench, capture, data, rec
 
@@ -43,9 +44,33 @@ def _is_ab(name: str) -> bool:
     return ":" in name
 
 
+def _report_split(splits, shape, goal, what):
+    """Print and record the kernel splits (`--kernel-split`) of one section's variants, and each FP8 variant's
+    ceiling against BF16 (kernel_split.ceiling)."""
+    if "bf16" not in splits:
+        return
+    bf = splits["bf16"]
+    groups = sorted({g for s in splits.values() for g in s}, key=lambda g: -max(s.get(g, 0.0) for s in splits.values()))
+    print(f"\n{what}, GPU kernel time by group (ms per call), {shape}")
+    print("  " + " " * 22 + "".join(f"{g[:11]:>12s}" for g in groups))
+    for name, split in splits.items():
+        print(f"  {_variant_label(name):22s}" + "".join(f"{split.get(g, 0.0):12.2f}" for g in groups))
+        for g, ms in split.items():
+            rec("kernel_group_ms", f"{shape}, {what}, {g}", _variant_label(name), round(ms, 3), "ms",
+                round(bf[g] / ms, 3) if bf.get(g) and ms else None)
+    for name, split in splits.items():
+        if name == "bf16":
+            continue
+        c = ceiling(bf, split, goal)
+        print(ceiling_line(_variant_label(name), c))
+        rec("fp8_ceiling", f"{shape}, {what}", _variant_label(name), round(c["ceiling"], 3), "x", None,
+            **{k: round(v, 3) for k, v in c.items() if k != "ceiling"})
+
+
 def section_stack(args):
     seq = 4096
     results = {}
+    splits = {}
     for batch in (args.stack_batch, args.stack_batch // 2, args.stack_batch // 4):
         try:
             for name in _stack_variants(args, unfused=True, separate=True):
@@ -79,12 +104,14 @@ def section_stack(args):
                 peak = torch.cuda.max_memory_allocated() / 2**30
                 tok_s = batch * seq / (ms * 1e-3)
                 results[name] = (ms, tok_s, peak, float(loss))
+                if getattr(args, "kernel_split", False):
+                    splits[name] = kernel_split(step)
                 del model, opt, x
                 torch.cuda.empty_cache()
             break
         except torch.cuda.OutOfMemoryError:
             print(f"stack: batch {batch} ran out of memory; halving")
-            results = {}
+            results, splits = {}, {}
             torch.cuda.empty_cache()
     bf = results["bf16"]
     shape = f"4 layers, batch {batch} x seq {seq}"
@@ -101,6 +128,7 @@ def section_stack(args):
             # The issue's acceptance figures per GEMM backend: tokens/s over BF16's, and peak memory over BF16's.
             rec("stack_train_step_ratio", shape, gb, round(tok / bf[1], 3), "x", round(tok / bf[1], 3),
                 peak_ratio_vs_bf16=round(peak / bf[2], 3), ms_per_step=round(ms, 2), bf16_ms_per_step=round(bf[0], 2))
+    _report_split(splits, shape, 1.5, "fwd+bwd+AdamW step")
 
 
 def section_decode(args):
@@ -134,7 +162,7 @@ def section_reference(args):
     for batch in args.reference_batches:
         tokens = batch * seq
         shape = f"4 layers, batch {batch} x seq {seq}, no grad"
-        res = {}
+        res, splits = {}, {}
         for name in _stack_variants(args, separate=True):
             torch.cuda.empty_cache()
             model = build_stack(name).eval()
@@ -149,6 +177,8 @@ def section_reference(args):
                         return model(x)
 
                     t_rq = bench(fwd_requant, rep=500)
+                if getattr(args, "kernel_split", False):
+                    splits[name] = kernel_split(lambda: model(x))
             res[name] = (t, t_rq)
             del model, x
         bf = res["bf16"][0]
@@ -164,3 +194,4 @@ def section_reference(args):
                     tokens=tokens)
                 rec("reference_forward_ratio", shape, gb, round(bf / t, 3), "x", round(bf / t, 3), tokens=tokens,
                     requant_ratio_vs_bf16=round(bf / t_rq, 3), bf16_ms=round(bf, 3), fp8_ms=round(t, 3))
+        _report_split(splits, shape, 1.8, "no-grad forward")
