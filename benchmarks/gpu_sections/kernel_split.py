@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["GEMM_FP8", "GEMM_BF16", "QUANTIZE", "kernel_split", "ceiling", "ceiling_line"]
+__all__ = ["GEMM_FP8", "GEMM_BF16", "QUANTIZE", "FP8_PEAK_GAIN", "kernel_split", "ceiling", "ceiling_line"]
 
 GEMM_FP8, GEMM_BF16, QUANTIZE = "gemm fp8", "gemm bf16", "quantize"
 
@@ -36,11 +36,18 @@ def kernel_split(fn, calls: int = 2) -> dict[str, float]:
     return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
 
 
-def ceiling(bf16: dict[str, float], fp8: dict[str, float], goal: float | None = None) -> dict[str, float]:
+# Hopper's dense FP8 tensor-core peak over its BF16 peak (H100 SXM and H200: 1,979 against 989 TFLOP/s).
+FP8_PEAK_GAIN = 2.0
+
+
+def ceiling(bf16: dict[str, float], fp8: dict[str, float], goal: float | None = None,
+            peak_gain: float = FP8_PEAK_GAIN) -> dict[str, float]:
     """From the BF16 and FP8 kernel splits of one call (ms per group):
 
     - `fp8_rest_ms`: the FP8 call's kernels other than its FP8 GEMMs and quantizers (all that FP8 leaves as is);
     - `ceiling`: BF16's kernel time over that rest, the ratio if the FP8 GEMMs and quantizers took no time;
+    - `at_peak`: the ratio if the FP8 GEMMs ran `peak_gain` times as fast as the BF16 ones they replace and the
+      quantizers took no time: the most FP8 GEMMs can give this call;
     - `gemm_gain`: BF16's GEMM time over the FP8 GEMMs' plus quantizers' time, what the FP8 part achieves now;
     - `gemm_gain_needed` (with `goal`): the gain the FP8 part would need for the call to reach `goal`
       (inf where the rest alone is over the goal's budget)."""
@@ -53,6 +60,7 @@ def ceiling(bf16: dict[str, float], fp8: dict[str, float], goal: float | None = 
            "bf16_gemm_share": bf16.get(GEMM_BF16, 0.0) / bf_total if bf_total else 0.0,
            "kernel_ratio": bf_total / fp_total if fp_total else math.inf,
            "ceiling": bf_total / rest if rest > 0 else math.inf,
+           "at_peak": bf_total / (rest + replaced / peak_gain) if rest + replaced > 0 else math.inf,
            "gemm_gain": replaced / fp8_part if fp8_part > 0 else math.inf}
     if goal:
         budget = bf_total / goal - rest
@@ -70,4 +78,4 @@ def ceiling_line(label: str, c: dict[str, float]) -> str:
     return (f"  {label:22s} kernels {c['fp8_kernel_ms']:8.2f} ms ({c['kernel_ratio']:.3f}x BF16's "
             f"{c['bf16_kernel_ms']:.2f}); GEMMs {100 * c['bf16_gemm_share']:.0f}% of BF16's kernels; FP8 GEMMs+quantizers "
             f"{c['gemm_gain']:.2f}x BF16's GEMMs; the rest {c['fp8_rest_ms']:.2f} ms caps the call at "
-            f"{c['ceiling']:.2f}x{need}")
+            f"{c['ceiling']:.2f}x, and at {c['at_peak']:.2f}x with FP8 GEMMs at {FP8_PEAK_GAIN:g}x BF16's{need}")

@@ -241,7 +241,8 @@ class TritonQuantizeImpl:
                            pad_to: int = 0):
         """`pad_to`: the transposed result's columns (the tokens) zero-padded to a multiple of it, by the kernel where
         the device's probe passed. JETRL_DUAL_QUANT_FUSED=1 runs both layouts in one kernel that reads x once (same
-        bytes, checked at first use); opt-in until a GPU measurement shows it faster than the two kernels."""
+        bytes, checked at first use); opt-in, because it runs slower than the two kernels on an H100 (heavier programs,
+        each reducing a 128x128 tile both ways)."""
         if block == (1, 128) and t_block == (128, 1):
             kpad = self._kernel_pad(device, pad_to)
             if os.environ.get("JETRL_DUAL_QUANT_FUSED") == "1" and _one_read_dual_ok(device, pow2_scale, t_pow2_scale, kpad):

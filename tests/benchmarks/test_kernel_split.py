@@ -26,7 +26,9 @@ def test_ceiling_is_bf16_time_over_what_fp8_leaves():
     assert c["gemm_gain"] == pytest.approx(60.0 / 36.0)  # BF16 GEMMs over FP8 GEMMs + quantizers
     # 1.5x allows 66.7 ms; the rest takes 37, so the FP8 part may take 29.7 ms: 60 / 29.67 of BF16's GEMMs.
     assert c["gemm_gain_needed"] == pytest.approx(60.0 / (100.0 / 1.5 - 37.0))
-    assert "caps the call at 2.70x" in ceiling_line("jet_fp8 torch", c)
+    # FP8 GEMMs at twice BF16's rate and free quantizers: 37 + 60 / 2 = 67 ms.
+    assert c["at_peak"] == pytest.approx(100.0 / 67.0)
+    assert "caps the call at 2.70x, and at 1.49x" in ceiling_line("jet_fp8 torch", c)
 
 
 def test_bf16_gemms_the_fp8_call_keeps_are_not_counted_as_replaced():
