@@ -17,6 +17,7 @@ from .coverage import UNCOVERED_WARN_FRACTION, fp8_coverage
 from .linear import Fp8Linear, mark_weights_updated
 from .recipe import PrecisionRecipe, get_recipe
 from .grouped import fuse_projections as _fuse_projections
+from .rmsnorm import fuse_rmsnorm as _fuse_rmsnorm
 from .swiglu import fuse_swiglu as _fuse_swiglu
 
 __all__ = ["convert_to_fp8", "Fp8Converter", "default_module_filter", "ModuleFilter", "fp8_linears", "Side", "freeze_fp8_weights",
@@ -46,6 +47,7 @@ def convert_to_fp8(
     fuse_swiglu: bool = True,
     cache_weights: bool = True,
     fuse_projections: bool = True,
+    fuse_rmsnorm: bool = True,
 ) -> nn.Module:
     """Swap the model's nn.Linear layers for Fp8Linear in place and return the model.
 
@@ -65,6 +67,11 @@ def convert_to_fp8(
     With `fuse_projections` (the default) sibling projections that read one input (q/k/v, gate/up) run as one
     stacked FP8 GEMM forward and backward (`grouped.fuse_projections`): fewer launches and host work per block, the
     same FP8 bytes; pass False to run every layer on its own.
+
+    With `fuse_rmsnorm` (the default) the Llama-family RMSNorms that feed FP8 projections only (a decoder layer's
+    input and post-attention norms) become `rmsnorm.FusedRMSNorm`: the norm and its consumers' 1x128 quantization
+    in one kernel on CUDA, the backward in one more. y may differ from transformers' eager formula by an ulp on a
+    few elements (the kernel's summation order), the same in every forward; pass False to keep the model's norms.
 
     `cache_weights` (the default) keeps each layer's quantized weight, and after a backward its transpose, until the
     weight changes: one byte per weight each, beside the BF16 weight. False quantizes them in every forward and
@@ -95,6 +102,8 @@ def convert_to_fp8(
         _fuse_swiglu(model)
     if fuse_projections:
         _fuse_projections(model)
+    if fuse_rmsnorm:
+        _fuse_rmsnorm(model)
     if converted == 0:
         logger.warning("convert_to_fp8(%s, side=%s): no nn.Linear matched the module filter; nothing converted", recipe.name, side)
         return model
@@ -173,11 +182,13 @@ class Fp8Converter:
     fuse_swiglu: bool = True
     cache_weights: bool = True
     fuse_projections: bool = True
+    fuse_rmsnorm: bool = True
 
     def convert(self, model: nn.Module) -> nn.Module:
         """`convert_to_fp8(model, recipe, ...)` with this converter's settings; in place, returns the model."""
         return convert_to_fp8(model, self.recipe, self.module_filter, side=self.side, fuse_swiglu=self.fuse_swiglu,
-                              cache_weights=self.cache_weights, fuse_projections=self.fuse_projections)
+                              cache_weights=self.cache_weights, fuse_projections=self.fuse_projections,
+                              fuse_rmsnorm=self.fuse_rmsnorm)
 
     def post_optimizer_hook(self, model: nn.Module | Iterable[nn.Module]) -> None:
         """The weights changed: drop the cached FP8 weights (and the step's shared activation quantizations).

@@ -151,6 +151,27 @@ def silu_mul_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
     return None if fn is None else fn(dh, gate, up)
 
 
+def rmsnorm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: TensorSpec) -> torch.Tensor | None:
+    """transformers' Llama-family RMSNorm of a 2-D x, with quantize(y, spec) computed in the same kernel and kept
+    for the consumers' next `quantize(y, spec)` call. None when no implementation can (the caller computes y).
+
+    y may differ from transformers' eager formula by an ulp where the mean's summation order rounds differently;
+    the consumers' quantization is the reference quantizer's of this y."""
+    impl = _impl_for(x.device)
+    fn = getattr(impl, "rmsnorm_quantized", None)
+    if fn is None or not spec.is_fp8:
+        return None
+    return fn(x, weight, eps, spec.granularity.block(tuple(x.shape)), spec.pow2_scale)
+
+
+def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(dx, dweight) of that RMSNorm for 2-D operands from a fused kernel; None when no implementation can (the
+    caller differentiates the formula)."""
+    fn = getattr(_impl_for(x.device), "rmsnorm_backward", None)
+    return None if fn is None else fn(dy, x, weight, eps)
+
+
 def release_shared_results() -> None:
     """Drop the quantizations implementations keep for sibling layers and fused producers.
 
@@ -237,5 +258,6 @@ def _padded(fn: Callable[..., QuantizedTensor], pad_to: int) -> Callable[..., Qu
     return lambda t: pad_columns(fn(t), pad_to)
 
 
-__all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual", "silu_mul_quantized", "silu_mul_backward", "release_shared_results",
+__all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual", "silu_mul_quantized", "silu_mul_backward",
+            "rmsnorm_quantized", "rmsnorm_backward", "release_shared_results",
             "quantizer", "dual_quantizer", "transposed_quantizer", "transposed_requantizer"]

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jetrl_precision import convert_to_fp8, get_recipe
+from jetrl_precision.rmsnorm import fuse_rmsnorm
 from jetrl_precision.swiglu import fuse_swiglu
 
 __all__ = ["RMSNorm", "Attn", "MLP", "Block", "Stack", "build_stack"]
@@ -106,7 +107,8 @@ class Stack(nn.Module):
 
 def build_stack(variant, seed=0):
     """variant: "bf16" or "jet_fp8/<gemm backend>", optionally with ":" and "+"-joined modes: "unfused" keeps the
-    plain MLP (no fused SwiGLU), "separate" runs q/k/v and gate/up as their own GEMMs (no stacked projections)."""
+    plain MLP (no fused SwiGLU), "separate" runs q/k/v and gate/up as their own GEMMs (no stacked projections),
+    "plainnorm" keeps the plain RMSNorms (no norm fused with its consumers' quantization)."""
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = Stack().to(torch.bfloat16)
@@ -118,7 +120,10 @@ def build_stack(variant, seed=0):
         backend, _, mode = backend.partition(":")
         modes = set(mode.split("+")) if mode else set()
         convert_to_fp8(model, dataclasses.replace(get_recipe(recipe_name), gemm_backend=backend), fuse_swiglu=False,
-                       fuse_projections="separate" not in modes)
+                       fuse_projections="separate" not in modes, fuse_rmsnorm=False)
+        # What convert_to_fp8 does for HF Llama/Qwen MLPs and norms (this file's classes join by name).
         if "unfused" not in modes:
-            fuse_swiglu(model, classes=[MLP])  # what convert_to_fp8 does for HF Llama/Qwen MLPs
+            fuse_swiglu(model, classes=[MLP])
+        if "plainnorm" not in modes:
+            fuse_rmsnorm(model, classes=[RMSNorm])
     return model

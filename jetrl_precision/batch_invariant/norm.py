@@ -7,11 +7,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..rmsnorm import RMSNORM_CLASSES
 from .common import require_triton
 
 __all__ = ["InvariantRMSNorm", "NORM_CLASSES"]
 
-NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # weight * x/rms, cast first
+# weight * x/rms, cast first; FusedRMSNorm (an FP8 model's norms) computes the same formula
+NORM_CLASSES = (*RMSNORM_CLASSES, "FusedRMSNorm")
 
 
 class _RMSNormFunction(torch.autograd.Function):

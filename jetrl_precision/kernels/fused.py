@@ -10,6 +10,12 @@
   from HF's by one bf16 ulp on a few elements; Q(y) is byte-exact with the reference quantizer of
   this kernel's own `y` (returned when `return_hp=True`).
 
+- `rmsnorm_backward(dy, x, weight, eps)`: (dx, dweight) of that RMSNorm in one pass over the rows (the rstd
+  recomputed from x, dweight's per-program partial sums added by torch), instead of the dozen elementwise and
+  reduction kernels autograd runs for transformers' formula. fp32 arithmetic with the forward's rounding points
+  (x / rms rounded to the input dtype before the weight, dy * weight rounded before the norm's backward), but not
+  autograd's bytes: its reduction orders differ.
+
 - `silu_mul_backward(dh, gate, up)`: the gradients of h = silu(gate) * up in one pass, in the order and at the
   rounding points of autograd's kernels for that expression (`silu_backward(dh * up, gate)` and
   `dh * silu(gate)`), instead of four elementwise kernels over the MLP-wide tensors.
@@ -34,7 +40,7 @@ try:  # Triton >= 3.2 spells the CUDA libdevice module like this
 except ImportError:  # pragma: no cover
     from triton.language.extra.cuda import libdevice as _libdevice
 
-__all__ = ["silu_mul_quantize", "silu_mul_backward", "rmsnorm_quantize", "KERNEL_DTYPES"]
+__all__ = ["silu_mul_quantize", "silu_mul_backward", "rmsnorm_quantize", "rmsnorm_backward", "KERNEL_DTYPES"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -205,3 +211,67 @@ def rmsnorm_quantize(
     )
     qt = QuantizedTensor(q, scale, (1, 128))
     return (qt, y) if return_hp else qt
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, R, C, eps, rows_per_prog,
+    sdyr, sxr, sdxr,
+    BLOCK_C: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cc = tl.arange(0, BLOCK_C)
+    cmask = cc < C
+    w = tl.load(w_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    start = pid * rows_per_prog
+    for i in range(0, rows_per_prog):
+        row = start + i
+        m = cmask & (row < R)
+        r64 = row.to(tl.int64)
+        x = tl.load(x_ptr + r64 * sxr + cc, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + r64 * sdyr + cc, mask=m, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / C + eps)
+        xh = x * rstd
+        dw += dy * xh.to(OUT_DTYPE).to(tl.float32)  # y = w * round(xh): dL/dw sums dy * round(xh)
+        g = (dy * w).to(OUT_DTYPE).to(tl.float32)  # dL/d round(xh), in the input dtype as the forward's product
+        dx = rstd * (g - xh * (tl.sum(g * xh, axis=0) / C))
+        tl.store(dx_ptr + r64 * sdxr + cc, dx.to(OUT_DTYPE), mask=m)
+    tl.store(dw_ptr + pid * C + cc, dw, mask=cmask)
+
+
+_kern_rmsnorm_bwd = TritonLauncher(_rmsnorm_bwd_kernel)
+
+
+def rmsnorm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, programs: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) of y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype) for x, dy [M, H] and weight [H].
+
+    `programs` (default: 4 per SM, at most M) each take a contiguous run of rows and keep their own fp32 partial
+    of dweight; the partials are summed in fp32 and rounded to the weight's dtype."""
+    if x.dim() != 2 or dy.shape != x.shape or weight.shape != (x.shape[1],):
+        raise ValueError(f"rmsnorm_backward needs dy and x [M, H] and weight [H], got {tuple(dy.shape)}, "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    dy = dy if dy.stride(1) == 1 else dy.contiguous()
+    weight = weight.contiguous()
+    rows, cols = x.shape
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if rows == 0:
+        return dx, torch.zeros_like(weight)
+    if programs is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        programs = 4 * sms
+    programs = max(1, min(programs, rows))
+    per = _cdiv(rows, programs)
+    programs = _cdiv(rows, per)
+    partial = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
+    block_c = max(128, triton.next_power_of_2(cols))
+    _kern_rmsnorm_bwd((programs,),
+        dy, x, weight, dx, partial, rows, cols, float(eps), per,
+        dy.stride(0), x.stride(0), dx.stride(0),
+        BLOCK_C=block_c, OUT_DTYPE=_TL_DTYPE[x.dtype],
+        num_warps=8 if block_c >= 4096 else 4,
+    )
+    return dx, partial.sum(0).to(weight.dtype)

@@ -186,6 +186,27 @@ class TritonQuantizeImpl:
         self._last_q.put(h, (block, pow2_scale), qt)
         return h
 
+    def rmsnorm_quantized(self, x: torch.Tensor, weight: torch.Tensor, eps: float, block: Block,
+                          pow2_scale: bool) -> torch.Tensor | None:
+        """transformers' Llama RMSNorm of x [M, H] from the fused kernel, its Q(y) put in the share cache for the
+        consumers; None if unfit (the caller runs the formula). Only with the share cache on."""
+        if not self.share_results or block != (1, 128) or x.dim() != 2 or x.numel() == 0:
+            return None
+        if x.dtype not in fused.KERNEL_DTYPES or weight.dtype != x.dtype or weight.shape != (x.shape[1],):
+            return None
+        qt, y = fused.rmsnorm_quantize(x, weight, eps, pow2_scale, return_hp=True)
+        self._last_q.put(y, (block, pow2_scale), qt)
+        return y
+
+    def rmsnorm_backward(self, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(dx, dweight) of that RMSNorm from one kernel; None for operands it does not take."""
+        if x.dim() != 2 or x.numel() == 0 or x.dtype not in fused.KERNEL_DTYPES:
+            return None
+        if dy.shape != x.shape or dy.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (x.shape[1],):
+            return None
+        return fused.rmsnorm_backward(dy, x, weight, eps)
+
     def silu_mul_backward(self, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(dgate, dup) of silu(gate) * up from one fused kernel, where the device probe found its bytes equal to
         autograd's kernels (`swiglu_probe`); None otherwise, or for operands it does not take."""

@@ -155,10 +155,12 @@ def test_timing_records_carry_the_command_and_date():
 
 def test_benchmark_stack_model_converts_and_fuses_like_hf_llama():
     """The stack the `stack`/`decode` sections time, built small on CPU: jet_fp8 converts its projections,
-    the fused SwiGLU MLP gives the unfused model's values bit for bit, and FP8 stays close to fp32."""
-    from gpu_sections.llama_stack import MLP, Stack
+    the fused SwiGLU MLP and norms give the unfused model's values bit for bit (on CPU the norms are the formula),
+    and FP8 stays close to fp32."""
+    from gpu_sections.llama_stack import MLP, RMSNorm, Stack
 
     from jetrl_precision import convert_to_fp8, fp8_linears, get_recipe
+    from jetrl_precision.rmsnorm import FusedRMSNorm, fuse_rmsnorm
     from jetrl_precision.swiglu import SwiGLUMLP, fuse_swiglu
 
     def build():
@@ -173,8 +175,10 @@ def test_benchmark_stack_model_converts_and_fuses_like_hf_llama():
     ref = build()(x)
     unfused = convert_to_fp8(build(), get_recipe("jet_fp8"), fuse_swiglu=False)
     fused = convert_to_fp8(build(), get_recipe("jet_fp8"), fuse_swiglu=False)
-    fuse_swiglu(fused, classes=[MLP])  # what build_stack does, as convert_to_fp8 does for HF Llama MLPs
+    fuse_swiglu(fused, classes=[MLP])  # what build_stack does, as convert_to_fp8 does for HF Llama MLPs and norms
+    assert fuse_rmsnorm(fused, classes=[RMSNorm]) == 2 * 2
     assert len(fp8_linears(unfused)) == 2 * 7 and sum(isinstance(m, SwiGLUMLP) for m in fused.modules()) == 2
+    assert sum(isinstance(m, FusedRMSNorm) for m in fused.modules()) == 4
     y_unfused, y_fused = unfused(x), fused(x)
     assert torch.equal(y_fused, y_unfused)
     assert 0 < float((y_unfused - ref).detach().norm() / ref.detach().norm()) < 0.1

@@ -142,3 +142,48 @@ def test_swiglu_backward_writes_stacked_halves_for_a_stacked_gate_up():
     args = seen[0]
     assert args[3] is dg and args[4] is du and args[13:17] == (2 * cols, 1, 2 * cols, 1)  # the strides it writes with
     assert apart[0].untyped_storage().data_ptr() != apart[1].untyped_storage().data_ptr() and apart[0].is_contiguous()
+
+
+_RMSNORM_BWD_SCRIPT = r"""
+import json, torch
+from jetrl_precision.kernels import fused
+
+g = torch.Generator().manual_seed(3)
+out = []
+for rows, cols, programs in ((37, 256, 5), (16, 200, None), (3, 128, 8), (9, 384, 1)):
+    x = (torch.randn(rows, cols, generator=g) * torch.exp(torch.randn(rows, 1, generator=g))).to(torch.bfloat16)
+    x[:, 5] *= 40.0  # an outlier column: it dominates its rows' rms
+    w = (1 + 0.3 * torch.randn(cols, generator=g)).to(torch.bfloat16)
+    dy = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+    dx, dw = fused.rmsnorm_backward(dy, x, w, 1e-5, programs=programs)
+    dx1, dw1 = fused.rmsnorm_backward(dy, x, w, 1e-5, programs=1)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    (wd * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5))).backward(dy.double())
+    # What autograd through transformers' bf16 formula gets, for scale.
+    xh, wh = x.clone().requires_grad_(), w.clone().requires_grad_()
+    xf = xh.float()
+    (wh * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)).backward(dy)
+    rel = lambda a, ref: float((a.double() - ref).abs().max() / ref.abs().max())
+    out.append({"shape": [rows, cols], "dtypes": [str(dx.dtype), str(dw.dtype)], "dx": rel(dx, xd.grad), "dw": rel(dw, wd.grad),
+                "dx_hf": rel(xh.grad, xd.grad), "dw_hf": rel(wh.grad, wd.grad),
+                "dx_same_any_programs": bool(torch.equal(dx, dx1)), "dw_programs": rel(dw1, dw.double())})
+empty = fused.rmsnorm_backward(torch.empty(0, 256).bfloat16(), torch.empty(0, 256).bfloat16(), torch.ones(256).bfloat16())
+out.append({"empty": [list(empty[0].shape), float(empty[1].abs().sum())]})
+print(json.dumps(out))
+"""
+
+
+def test_rmsnorm_backward_kernel_against_float64():
+    """The fused RMSNorm backward (kernels.fused.rmsnorm_backward) within bf16's rounding of the float64 gradients
+    (as close as autograd through transformers' bf16 formula gets, within a factor of 3), dx the same bits however
+    the rows are split among programs, dweight's partial sums agreeing to fp32 rounding."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    r = subprocess.run([sys.executable, "-c", _RMSNORM_BWD_SCRIPT], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    *rows, empty = json.loads(r.stdout.strip().splitlines()[-1])
+    assert empty["empty"] == [[0, 256], 0.0]
+    for row in rows:
+        assert row["dtypes"] == ["torch.bfloat16", "torch.bfloat16"], row
+        assert row["dx"] <= 2 ** -6 and row["dw"] <= 2 ** -6, row  # a couple of bf16 ulps of the largest entry
+        assert row["dx"] <= 3 * row["dx_hf"] + 2 ** -9 and row["dw"] <= 3 * row["dw_hf"] + 2 ** -9, row
+        assert row["dx_same_any_programs"] and row["dw_programs"] <= 2 ** -7, row
