@@ -52,10 +52,11 @@ RECIPES = ("bf16", "jet_fp8", "fp8_rollout")  # what a plain run compares
 # `--recipes ... jet_fp8+bitwise` adds jet_fp8 with --precision.bitwise: the step whose proof holds skips the
 # old-logprob recompute (vLLM's bitwise mode on a GPU, the transformers engine on CPU).
 # `jet_fp8+separate` runs jet_fp8 with --precision.separate_projections: q/k/v and gate/up as their own GEMMs,
-# the A/B of the stacked projections jet_fp8 runs by default.
+# the A/B of the stacked projections jet_fp8 runs by default; `jet_fp8+plainnorm` with --precision.plain_norms, the A/B
+# of the norms fused with their FP8 quantization.
 # `<recipe>+no_aot` runs the recipe with VLLM_USE_AOT_COMPILE=0: the engine never loads torch's AOT artifact (another
 # vLLM cache key, so it compiles again, with Inductor's cache as it finds it); a warm start's A/B (docs/vllm.md).
-ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise", "jet_fp8+separate", "bf16+no_aot", "jet_fp8+no_aot")
+ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise", "jet_fp8+separate", "jet_fp8+plainnorm", "bf16+no_aot", "jet_fp8+no_aot")
 NO_AOT = "+no_aot"
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -190,6 +191,8 @@ def recipe_argv(recipe: str) -> list[str]:
         return ["--fp8_unified", "--precision.bitwise", "--precision.gemm_backend", "emulated", "--rollout.engine", "hf"]
     if recipe == "jet_fp8+separate":
         return ["--fp8_unified", "--precision.separate_projections"]
+    if recipe == "jet_fp8+plainnorm":
+        return ["--fp8_unified", "--precision.plain_norms"]
     argv = ["--precision.recipe", recipe]
     if recipe == "fp8_rollout":  # the off-policy baseline needs its importance-sampling correction
         argv += ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tis"]
@@ -518,6 +521,12 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
                 update_gain=round(sp["actor update"] / pp["actor update"], 4),
                 old_logprob_gain=round(sp["old logprobs"] / pp["old logprobs"], 4),
                 separate_step_s=round(sp["step"], 3), stacked_step_s=round(pp["step"], 3))
+        if recipe == "jet_fp8+plainnorm" and plain:
+            np_, pp = ph, phase_means(plain)
+            rec("fused_norm_e2e_gain", r["shape"], "jet_fp8", round(np_["step"] / pp["step"], 4), "x", None,
+                update_gain=round(np_["actor update"] / pp["actor update"], 4),
+                old_logprob_gain=round(np_["old logprobs"] / pp["old logprobs"], 4),
+                plain_norm_step_s=round(np_["step"], 3), fused_norm_step_s=round(pp["step"], 3))
         if recipe == "jet_fp8+bitwise" and plain:
             used = [s.get("bitwise/engine_logprobs_used") for s in steps]
             rec("bitwise_e2e_step_ratio", r["shape"], recipe, round(phase_means(plain)["step"] / ph["step"], 4), "x jet_fp8",

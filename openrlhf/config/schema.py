@@ -514,6 +514,13 @@ class PrecisionConfig:
         "default stacks them, forward and backward: fewer kernel launches and less host work per block, the same FP8 "
         "weight bytes; docs/precision.md, Stacked projections). Bitwise mode always runs them separately",
     )
+    plain_norms: bool = opt(
+        False,
+        "keep the model's own RMSNorms before FP8 projections instead of fusing each with its consumers' FP8 "
+        "quantization (the default fuses them on CUDA: one kernel forward, one backward; the norm's output may differ "
+        "from transformers' eager formula by an ulp on a few elements, the same in every forward; docs/precision.md, "
+        "Fused norms). Bitwise mode always runs its own invariant norm",
+    )
     max_mismatch: float = opt(
         0.0,
         "stop before training on a rollout whose mean |logp(engine) - logp(trainer)| per token exceeds this (0: never). "

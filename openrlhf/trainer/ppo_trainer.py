@@ -207,11 +207,13 @@ class PPOTrainer:
         self.strategy = strategy
         self.recipe: PrecisionRecipe = cfg.precision.load_recipe()
         cache, stack = not cfg.precision.requantize_weights, not cfg.precision.separate_projections
-        self.converter = Fp8Converter(self.recipe, side="train", cache_weights=cache, fuse_projections=stack)  # the policy
+        norms = not cfg.precision.plain_norms
+        self.converter = Fp8Converter(self.recipe, side="train", cache_weights=cache, fuse_projections=stack,
+                                      fuse_rmsnorm=norms)  # the policy
         # the reference and the critic: the same recipe; in the bitwise mode on the fastest GEMM (never compared
         # with the engine's bits)
         self.aux_converter = Fp8Converter(cfg.precision.load_recipe(policy=False), side="train", cache_weights=cache,
-                                          fuse_projections=stack)
+                                          fuse_projections=stack, fuse_rmsnorm=norms)
         self.engine_factory = engine_factory
         self._remote_ref, self._remote_critic, self._remote_reward_fn = ref, critic, reward_fn
         self.weights_verified = False  # the last sync's digest check passed (part of --precision.bitwise's proof)

@@ -155,9 +155,12 @@ def test_the_profiled_step_is_not_timed():
     assert [s["step"] for s in g.timed_steps({"steps": steps[:2], "plan": {"profile_step": 2}})] == [2]
 
 
-def test_the_separate_projections_ab_reaches_the_trainer_and_its_record(tmp_path):
-    """RECIPES="jet_fp8 jet_fp8+separate": the A/B run gets --precision.separate_projections, and the report records
-    the stacked projections' end-to-end gain (separate step time over the default's)."""
+@pytest.mark.parametrize("variant, flag, record", [("jet_fp8+separate", "separate_projections", "stacked_projection_e2e_gain"),
+                                                   ("jet_fp8+plainnorm", "plain_norms", "fused_norm_e2e_gain")])
+def test_a_fusion_ab_reaches_the_trainer_and_its_record(tmp_path, variant, flag, record):
+    """RECIPES="jet_fp8 jet_fp8+separate" (or +plainnorm): the A/B run gets --precision.separate_projections (or
+    --precision.plain_norms), and the report records the fusion's end-to-end gain (the A/B's step time over the
+    default's)."""
     import grpo_vllm_gpu as g
 
     from openrlhf.config import parse_config
@@ -166,8 +169,8 @@ def test_the_separate_projections_ab_reaches_the_trainer_and_its_record(tmp_path
     reward.write_text("def reward_func(queries, prompts, labels):\n    return [0.0] * len(queries)\n")
     data.write_text('{"input": "1+1", "label": "2"}\n')
     argv = g.SpeedPlan().argv(tmp_path, data, reward)
-    assert parse_config([*argv, *g.recipe_argv("jet_fp8+separate")]).precision.separate_projections
-    assert not parse_config([*argv, *g.recipe_argv("jet_fp8")]).precision.separate_projections
+    assert getattr(parse_config([*argv, *g.recipe_argv(variant)]).precision, flag)
+    assert not getattr(parse_config([*argv, *g.recipe_argv("jet_fp8")]).precision, flag)
 
     def run(recipe, step_s, update_s):
         steps = [{"step": i, "perf/step_s": step_s, "perf/train_s": update_s, "perf/old_logprob_s": 1.0, "perf/rollout_tokens_per_s": 1e3,
@@ -175,8 +178,8 @@ def test_the_separate_projections_ab_reaches_the_trainer_and_its_record(tmp_path
         return {"part": "speed", "recipe": recipe, "rc": 0, "timed_out": False, "steps": steps, "shape": "s",
                 "params": 1, "wall_s": 1.0, "plan": {"layers": 2, "gemm_backend": "torch", "profile_step": 0}}
 
-    recs = g.records_from([run("jet_fp8", 10.0, 4.0), run("jet_fp8+separate", 11.0, 5.0)], {"device": "d", "date": "2026-12-04"}, "c")
-    (gain,) = [r for r in recs if r["name"] == "stacked_projection_e2e_gain"]
+    recs = g.records_from([run("jet_fp8", 10.0, 4.0), run(variant, 11.0, 5.0)], {"device": "d", "date": "2026-12-04"}, "c")
+    (gain,) = [r for r in recs if r["name"] == record]
     assert gain["value"] == pytest.approx(1.1) and gain["update_gain"] == pytest.approx(1.25) and gain["backend"] == "jet_fp8"
 
 

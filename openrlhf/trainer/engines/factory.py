@@ -73,5 +73,5 @@ def build_engine(
 
     return HFEngine(
         cfg.actor.model_name_or_path, recipe, dtype=dtype, device=device, attn_implementation=cfg.policy_attn_implementation,
-        batch_invariant=cfg.precision.bitwise,
+        batch_invariant=cfg.precision.bitwise, fuse_rmsnorm=not cfg.precision.plain_norms,
     )

@@ -46,11 +46,13 @@ class HFEngine(RolloutEngine):
         generate_batch_size: int = 64,
         batch_invariant: bool = False,
         invariant_kernels: str | None = None,
+        fuse_rmsnorm: bool = True,
     ) -> None:
         """`batch_invariant`: run the batch-invariant numerics (`jetrl_precision.batch_invariant`); needs
         `attn_implementation="jetrl_invariant"`, and raises BitwiseUnavailable where the kernels are missing.
         `invariant_kernels`: `make_batch_invariant`'s `kernels` (None: the device's; "triton" on CPU runs the CUDA
-        path's kernels in Triton's interpreter, for tests and benchmarks/bitwise_probe_gpu.py)."""
+        path's kernels in Triton's interpreter, for tests and benchmarks/bitwise_probe_gpu.py). `fuse_rmsnorm`:
+        `convert_to_fp8`'s, as the trainer's (--precision.plain_norms), so both run the same norms."""
         from openrlhf.models.actor import load_causal_lm
 
         self.recipe = recipe
@@ -58,7 +60,7 @@ class HFEngine(RolloutEngine):
         self.generate_batch_size = generate_batch_size
         self.model = load_causal_lm(model_path, dtype, attn_implementation).to(self.device).eval()
         self.model.requires_grad_(False)
-        convert_to_fp8(self.model, recipe, side="rollout")
+        convert_to_fp8(self.model, recipe, side="rollout", fuse_rmsnorm=fuse_rmsnorm)
         if batch_invariant:
             make_batch_invariant(self.model, kernels=invariant_kernels)
         self._invariant_log_probs = uses_triton_kernels(self.model)  # then score on the device, as the trainer

@@ -46,7 +46,8 @@ class RefActor:
         self.actor_id = actor_id
         model = load_causal_lm(cfg.ref_model_path, _dtype(cfg), cfg.ds.attn_implementation)
         convert_to_fp8(model, cfg.precision.load_recipe(policy=False), side="train",
-                       cache_weights=not cfg.precision.requantize_weights, fuse_projections=not cfg.precision.separate_projections)
+                       cache_weights=not cfg.precision.requantize_weights, fuse_projections=not cfg.precision.separate_projections,
+                       fuse_rmsnorm=not cfg.precision.plain_norms)
         if cfg.ds.use_liger_kernel:
             from openrlhf.models.liger import apply_liger_kernels
 
@@ -137,7 +138,8 @@ class CriticActor:
         self.strategy.setup_distributed()
         self.converter = Fp8Converter(cfg.precision.load_recipe(policy=False), side="train",
                                       cache_weights=not cfg.precision.requantize_weights,
-                                      fuse_projections=not cfg.precision.separate_projections)
+                                      fuse_projections=not cfg.precision.separate_projections,
+                                      fuse_rmsnorm=not cfg.precision.plain_norms)
         # The SPMD trainer's critic (optimizer, schedule, clipping norm), for the same number of updates.
         self.critic_engine = prepare_critic(cfg, self.strategy, self.converter, total_updates)
         self.value_loss = ValueLoss(cfg.critic.value_clip)
