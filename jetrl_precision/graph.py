@@ -441,6 +441,7 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
     if impls:
         g.meta["norm_impl"] = ",".join(impls)
     _mark_fused_swiglu(g, model)
+    _mark_fused_norms(g, model)
     _mark_fused_projections(g, model)
     if phase == "train_bwd":
         _mark_wgrad_requantizer(g, model)
@@ -493,6 +494,28 @@ def _mark_fused_swiglu(g: PrecisionGraph, model: nn.Module) -> None:
             continue  # the fused kernel runs only where the Triton implementation does
         g.nodes[down].attrs["input_producer"] = "silu_mul_quantize"
         _set_edge_kernel(g, down, "input", "triton:silu_mul_quantize")
+
+
+def _mark_fused_norms(g: PrecisionGraph, model: nn.Module) -> None:
+    """Record which projections get their FP8 input from the RMSNorm kernel that feeds them (`rmsnorm`: the norm's
+    output within an ulp of the eager formula, quantized by the reference rules), and mark that norm."""
+    from .ops import kernel_name
+    from .rmsnorm import NORM_CONSUMERS, FusedRMSNorm
+
+    for fqn, m in model.named_modules():
+        for norm_attr, block_attr, projections in NORM_CONSUMERS:
+            norm = m._modules.get(norm_attr)
+            if not isinstance(norm, FusedRMSNorm) or kernel_name(norm.weight.device) != "triton":
+                continue  # the fused kernel runs only where the Triton implementation does
+            prefix = f"{fqn}." if fqn else ""
+            norm_name = canonical_name(prefix + norm_attr)
+            if norm_name in g.nodes:
+                g.nodes[norm_name].attrs["fused_quantization"] = "rmsnorm_quantize"
+            for proj in projections:
+                name = canonical_name(f"{prefix}{block_attr}.{proj}")
+                if name in g.nodes:
+                    g.nodes[name].attrs["input_producer"] = "rmsnorm_quantize"
+                    _set_edge_kernel(g, name, "input", "triton:rmsnorm_quantize")
 
 
 def _mark_fused_projections(g: PrecisionGraph, model: nn.Module) -> None:

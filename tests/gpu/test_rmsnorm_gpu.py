@@ -146,3 +146,19 @@ def test_backward_kernel_against_float64(shape):
 
     assert rel(dx, xd.grad) <= 2 ** -6 and rel(dx, xd.grad) <= 3 * rel(xh.grad, xd.grad) + 2 ** -9
     assert rel(dw, wd.grad) <= 2 ** -6 and rel(dw, wd.grad) <= 3 * rel(wh.grad, wd.grad) + 2 ** -9
+
+
+def test_precision_graph_names_the_norm_kernel_as_the_projections_input_producer():
+    from jetrl_precision import build_precision_graph
+    from jetrl_precision.graph import canonical_name
+
+    plain, fused_model = _pair()
+    g = build_precision_graph(fused_model, "jet_fp8", "train_fwd")
+    for proj in ("0.self_attn.q_proj", "0.self_attn.v_proj", "1.mlp.gate_proj", "1.mlp.up_proj"):
+        node = g.nodes[canonical_name(proj)]
+        assert node.attrs["input_producer"] == "rmsnorm_quantize", proj
+        assert g.edges_into(node.name)["input"].attrs.kernel == "triton:rmsnorm_quantize"
+    assert g.nodes[canonical_name("1.post_attention_layernorm")].attrs["fused_quantization"] == "rmsnorm_quantize"
+    assert "input_producer" not in g.nodes[canonical_name("0.mlp.down_proj")].attrs  # fed by SiLU*up, not by a norm
+    gp = build_precision_graph(plain, "jet_fp8", "train_fwd")
+    assert "input_producer" not in gp.nodes[canonical_name("0.self_attn.q_proj")].attrs

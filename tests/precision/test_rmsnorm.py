@@ -106,3 +106,13 @@ def test_autograd_function_without_a_kernel_gives_the_formula_and_its_gradients(
     yb.backward(dy)
     assert ya.shape == x.shape and torch.equal(ya, yb)
     assert torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad)
+
+
+def test_cpu_precision_graph_names_no_fused_norm():
+    # The fused kernel runs only where the Triton implementation does; on CPU the graph must not claim it.
+    from jetrl_precision import build_precision_graph
+
+    g = build_precision_graph(convert_to_fp8(tiny_causal_lm("llama", layers=1), "jet_fp8"), "jet_fp8", "train_fwd")
+    q, norm = g.nodes["model.layers.0.self_attn.q_proj"], g.nodes["model.layers.0.input_layernorm"]
+    assert "input_producer" not in q.attrs and "fused_quantization" not in norm.attrs
+    assert g.edges_into(q.name)["input"].attrs.kernel == "reference"
