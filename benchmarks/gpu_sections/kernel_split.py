@@ -14,9 +14,9 @@ __all__ = ["GEMM_FP8", "GEMM_BF16", "QUANTIZE", "FP8_PEAK_GAIN", "kernel_split",
 GEMM_FP8, GEMM_BF16, QUANTIZE = "gemm fp8", "gemm bf16", "quantize"
 
 
-def kernel_split(fn, calls: int = 2) -> dict[str, float]:
-    """ms per call of `fn` on the GPU by kernel group (update_profile.KERNEL_GROUPS), from torch.profiler over
-    `calls` calls after one unprofiled call."""
+def kernel_split(fn, calls: int = 2, top: int = 12) -> tuple[dict[str, float], list[tuple[str, float, str]]]:
+    """(ms per call of `fn` on the GPU by kernel group (update_profile.KERNEL_GROUPS), the `top` kernels outside
+    the GEMMs as (name, ms per call, group)), from torch.profiler over `calls` calls after one unprofiled call."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -30,10 +30,14 @@ def kernel_split(fn, calls: int = 2) -> dict[str, float]:
             fn()
         torch.cuda.synchronize()
     groups: dict[str, float] = {}
+    rest = []
     for name, us in kernel_times(prof, True).items():
         g = kernel_group(name)
         groups[g] = groups.get(g, 0.0) + us / 1e3 / calls
-    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+        if g not in (GEMM_FP8, GEMM_BF16):
+            rest.append((name, us / 1e3 / calls, g))
+    rest.sort(key=lambda k: -k[1])
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1])), rest[:top]
 
 
 # Hopper's dense FP8 tensor-core peak over its BF16 peak (H100 SXM and H200: 1,979 against 989 TFLOP/s).

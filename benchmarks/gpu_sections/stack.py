@@ -50,6 +50,8 @@ def _report_split(splits, shape, goal, what):
     ceiling against BF16 (kernel_split.ceiling)."""
     if "bf16" not in splits:
         return
+    tops = {name: top for name, (_, top) in splits.items()}
+    splits = {name: split for name, (split, _) in splits.items()}
     bf = splits["bf16"]
     groups = sorted({g for s in splits.values() for g in s}, key=lambda g: -max(s.get(g, 0.0) for s in splits.values()))
     print(f"\n{what}, GPU kernel time by group (ms per call), {shape}")
@@ -65,7 +67,12 @@ def _report_split(splits, shape, goal, what):
         c = ceiling(bf, split, goal)
         print(ceiling_line(_variant_label(name), c))
         rec("fp8_ceiling", f"{shape}, {what}", _variant_label(name), round(c["ceiling"], 3), "x", None,
-            **{k: round(v, 3) for k, v in c.items() if k != "ceiling"})
+            **{k: round(v, 3) for k, v in c.items() if k != "ceiling"},
+            top_rest_kernels=[[k[:120], round(ms, 3), g] for k, ms, g in tops[name]])
+    for name in ("bf16", next((n for n in splits if n != "bf16" and not _is_ab(n)), None)):
+        if name:
+            print(f"  {_variant_label(name)}: the largest kernels outside the GEMMs (ms per call)")
+            print("\n".join(f"    {ms:8.2f}  {g:12s} {k[:110]}" for k, ms, g in tops[name][:8]))
 
 
 def section_stack(args):

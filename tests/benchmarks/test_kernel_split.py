@@ -42,3 +42,23 @@ def test_a_goal_the_rest_alone_exceeds_is_unreachable():
     c = ceiling(BF16, FP8, goal=3.0)  # 33.3 ms allowed, the rest takes 37
     assert math.isinf(c["gemm_gain_needed"])
     assert "unreachable" in ceiling_line("jet_fp8 torch", c)
+
+
+def test_a_sections_report_prints_and_records_each_variant(capsys):
+    """stack/reference's report of `--kernel-split` (gpu_sections/stack.py), from made-up splits: one record per
+    variant and group, one ceiling per FP8 variant with its largest kernels outside the GEMMs."""
+    from gpu_sections import stack, timing
+
+    top = [("_rmsnorm_quant_kernel", 1.5, "quantize"), ("elementwise_kernel<add>", 1.0, "elementwise")]
+    splits = {"bf16": (BF16, top), "jet_fp8/auto": (FP8, top), "jet_fp8/auto:plainnorm": (FP8, top)}
+    before = len(timing.RECORDS)
+    stack._report_split(splits, "4 layers", 1.8, "no-grad forward")
+    recs = timing.RECORDS[before:]
+    del timing.RECORDS[before:]
+    groups = [r for r in recs if r["name"] == "kernel_group_ms"]
+    ceilings = [r for r in recs if r["name"] == "fp8_ceiling"]
+    assert len(groups) == len(BF16) + 2 * len(FP8) and len(ceilings) == 2
+    assert ceilings[0]["top_rest_kernels"][0] == ["_rmsnorm_quant_kernel", 1.5, "quantize"]
+    assert ceilings[0]["value"] == pytest.approx(100.0 / 37.0, abs=1e-3)
+    out = capsys.readouterr().out
+    assert "the largest kernels outside the GEMMs" in out and "caps the call at" in out
