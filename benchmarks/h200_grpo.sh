@@ -29,7 +29,8 @@
 #                                      PROFILE_TIMEOUT 150 s per job, DeepGEMM compiling its kernels cold needs more;
 #                                      PROFILE_VLLM restore|no-restore: vLLM imported first, as a colocated engine is;
 #                                      PROFILE_REQUANT=1: --precision.requantize_weights; PROFILE_PROMPT: prompt
-#                                      tokens, 256; PROFILE_STEPS: timed micro-steps, 6)
+#                                      tokens, 256; PROFILE_STEPS: timed micro-steps, 6; PROFILE_RECIPES: "bf16 jet_fp8",
+#                                      jet_fp8+plainnorm for the A/B of the fused norms)
 #   any call after 2                   bash benchmarks/h200_grpo.sh gpucheck   the GPU tests of the changed training paths
 #                                      (GPU_TESTS), then gpu_bench.py --sections env,layers (STACK_BACKENDS auto,torch;
 #                                      GPUCHECK_LAYERS=0 skips it)
@@ -164,7 +165,7 @@ stage_speed() {
 
 stage_update_profile() {  # the actor update's micro-step alone, kernel by kernel (benchmarks/update_profile.py)
   enough 90 update_profile || return 1
-  timeout "$(left)" python3 benchmarks/update_profile.py --out "$RES/update_profile" --layers "${LAYERS:-8}" \
+  timeout "$(left)" python3 benchmarks/update_profile.py --out "$RES/update_profile" --layers "${LAYERS:-8}" ${PROFILE_RECIPES:+--recipes $PROFILE_RECIPES} \
     --micro ${PROFILE_MICRO:-4} --variants ${PROFILE_VARIANTS:-plain deepspeed deepspeed-nosync} ${GRAD_CKPT:+--grad-ckpt} \
     ${PROFILE_VLLM:+--import-vllm "$PROFILE_VLLM"} ${PROFILE_REQUANT:+--requantize-weights} ${LIGER:+--liger} \
     ${PROFILE_PROMPT:+--prompt-len "$PROFILE_PROMPT"} ${PROFILE_STEPS:+--steps "$PROFILE_STEPS"} \

@@ -114,10 +114,11 @@ def job(a: argparse.Namespace) -> dict:
     cfg = LlamaConfig(num_hidden_layers=a.layers, attn_implementation="sdpa", **shape)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype)
-    if a.recipe != "bf16":
-        recipe = get_recipe(a.recipe)
+    base, _, mod = a.recipe.partition("+")
+    if base != "bf16":
+        recipe = get_recipe(base)
         Fp8Converter(recipe if a.gemm_backend == "auto" else recipe.replace(gemm_backend=a.gemm_backend), side="train",
-                     cache_weights=not a.requantize_weights).convert(model)
+                     cache_weights=not a.requantize_weights, fuse_rmsnorm=mod != "plainnorm").convert(model)
     if a.liger:  # the trainer's --ds.use_liger_kernel: after the conversion, as there
         from openrlhf.models.liger import apply_liger_kernels
 
@@ -295,7 +296,8 @@ def record(results: list[dict], device: str | None, command: str, runs_dir: Path
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8"])
+    ap.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8"],
+                    help="recipes to profile; <recipe>+plainnorm keeps the model's RMSNorms (--precision.plain_norms)")
     ap.add_argument("--variants", nargs="+", default=["plain", "deepspeed"], choices=["plain", "deepspeed", "deepspeed-nosync", "deepspeed-zero1", "deepspeed-calling-thread"])
     ap.add_argument("--micro", nargs="+", type=int, default=[4], help="sequences per training micro-batch")
     ap.add_argument("--layers", type=int, default=8)
@@ -328,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    from jetrl_precision import RECIPE_NAMES
+
+    for r in a.recipes:
+        base, plus, mod = r.partition("+")
+        if base not in RECIPE_NAMES or (plus and (mod != "plainnorm" or base == "bf16")):
+            ap.error(f"--recipes {r}: a recipe ({', '.join(RECIPE_NAMES)}), or an FP8 one with +plainnorm")
     if a.record and not a.from_dir:
         ap.error("--record files profiles already made: pass --from DIR (the folder a profile run wrote)")
     if a.liger and not a.from_dir:
