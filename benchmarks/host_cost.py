@@ -300,6 +300,28 @@ def _emulate_triton(name: str, grid, args, meta) -> None:
         ref = quantize_fp8(hp, (1, 128), pow2_scale=meta["POW2"], nonfinite="propagate")
         _strided(q, (r, c), (sqr, sqc)).copy_(ref.data)
         _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
+    elif name == "_rmsnorm_quant_kernel":
+        x, w, y, q, s, r, c, eps, sxr, syr, sqr, ssr, ssg = args
+        from jetrl_precision.rmsnorm import _formula
+
+        hp = _formula(_strided(x, (r, c), (sxr, 1)), w, eps)  # the eager formula: the reference path's bytes
+        if meta["WRITE_Y"]:
+            _strided(y, (r, c), (syr, 1)).copy_(hp)
+        ref = quantize_fp8(hp, (1, 128), pow2_scale=meta["POW2"], nonfinite="propagate")
+        _strided(q, (r, c), (sqr, 1)).copy_(ref.data)
+        _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
+    elif name == "_rmsnorm_bwd_kernel":
+        dy, x, w, dx, dw, r, c, eps, _, sdyr, sxr, sdxr = args
+        from jetrl_precision.rmsnorm import _formula
+
+        # autograd's gradients of the formula (the reference path's bytes; the kernel's own differ in rounding):
+        # dx, and dweight as the first program's partial sum, the others' zero.
+        with torch.enable_grad():
+            xg, wg = _strided(x, (r, c), (sxr, 1)).detach().requires_grad_(), w.detach().requires_grad_()
+            gx, gw = torch.autograd.grad(_formula(xg, wg, eps), (xg, wg), _strided(dy, (r, c), (sdyr, 1)))
+        _strided(dx, (r, c), (sdxr, 1)).copy_(gx)
+        dw.zero_()
+        dw[0].copy_(gw.float())
     elif name == "quant_1x128_rows":  # kernels.quant_cuda
         x, q, s, m, k, ldx, ldq_words, lds = args
         ref = quantize_fp8(_strided(x, (m, k), (ldx, 1)), (1, 128), pow2_scale=meta.get("POW2", False), nonfinite="propagate")
@@ -602,13 +624,15 @@ def check_bytes(m: int, k: int, n: int) -> list[str]:
     return problems
 
 
-def _decoder_layer(fp8_backend: str | None, stacked: bool = True):
+def _decoder_layer(fp8_backend: str | None, stacked: bool = True, fused_norms: bool = True):
     """One small Llama decoder layer (head dim 128), bf16; jet_fp8 with the fused SwiGLU MLP when a backend is given,
-    q/k/v and gate/up as stacked GEMMs unless `stacked` is False."""
+    q/k/v and gate/up as stacked GEMMs unless `stacked` is False, the norms fused with their consumers' quantization
+    unless `fused_norms` is False."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_sections.llama_stack import MLP, Stack
+    from gpu_sections.llama_stack import MLP, RMSNorm, Stack
 
     from jetrl_precision import convert_to_fp8, get_recipe
+    from jetrl_precision.rmsnorm import fuse_rmsnorm
     from jetrl_precision.swiglu import fuse_swiglu
 
     torch.manual_seed(0)
@@ -618,16 +642,19 @@ def _decoder_layer(fp8_backend: str | None, stacked: bool = True):
             nn.init.normal_(p, std=0.02)
     if fp8_backend is not None:
         convert_to_fp8(model, dataclasses.replace(get_recipe("jet_fp8"), gemm_backend=fp8_backend), fuse_swiglu=False,
-                       fuse_projections=stacked)
-        fuse_swiglu(model, classes=[MLP])  # what convert_to_fp8 does for HF Llama MLPs
+                       fuse_projections=stacked, fuse_rmsnorm=False)
+        fuse_swiglu(model, classes=[MLP])  # what convert_to_fp8 does for HF Llama MLPs and norms
+        if fused_norms:
+            fuse_rmsnorm(model, classes=[RMSNorm])
     return model
 
 
 def layer_steps(tokens: int = 256) -> dict[str, Callable]:
     """{label: step} for one Llama decoder layer (benchmarks/gpu_sections/llama_stack.py, head dim 128, small widths):
     fwd+bwd and the no-grad forward in bf16, in jet_fp8 as convert_to_fp8 installs it (fused SwiGLU MLP, stacked
-    q/k/v and gate/up GEMMs) and in jet_fp8 with each projection on its own GEMM. The layer's bf16 ops (attention,
-    norms, RoPE) run for real on CPU; the counts include their host work too."""
+    q/k/v and gate/up GEMMs, norms fused with their consumers' quantization), in jet_fp8 with each projection on its
+    own GEMM and in jet_fp8 with the plain norms. The layer's bf16 ops (attention, norms, RoPE) run for real on CPU;
+    the counts include their host work too."""
     xs = [_data((tokens, 512), 6 + i).view(1, tokens, 512).requires_grad_(True) for i in range(2)]
     i = [0]
 
@@ -647,10 +674,11 @@ def layer_steps(tokens: int = 256) -> dict[str, Callable]:
     from jetrl_precision.grouped import projection_groups
 
     models = {"bf16": _decoder_layer(None), "jet_fp8": _decoder_layer("torch"),
-              "jet_fp8 separate": _decoder_layer("torch", stacked=False)}
+              "jet_fp8 separate": _decoder_layer("torch", stacked=False),
+              "jet_fp8 plain norms": _decoder_layer("torch", fused_norms=False)}
     # A group compares its first stacked GEMM with its members' own once (grouped.Fp8LinearGroup._check); the no-op
     # stubs compute nothing to compare, and the counts are of the steady state. check_layer_bytes runs that check.
-    for group in projection_groups(models["jet_fp8"]):
+    for group in (g for name in ("jet_fp8", "jet_fp8 plain norms") for g in projection_groups(models[name])):
         group._checked = True
     steps = {}
     for name, model in models.items():

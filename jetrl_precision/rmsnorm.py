@@ -83,9 +83,16 @@ class _FusedRMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: TensorSpec | None = None) -> torch.Tensor:
-    """transformers' Llama RMSNorm of x; with `spec` (the consumers' 1x128 FP8 input spec) on CUDA, one kernel that
-    also quantizes y for the consumers, and one kernel for the backward."""
-    if spec is None or not x.is_cuda or x.numel() == 0:
+    """transformers' Llama RMSNorm of x; with `spec` (the consumers' 1x128 FP8 input spec), where the quantize
+    implementation has the kernels (CUDA), one kernel that also quantizes y for the consumers, and one kernel for the
+    backward; elsewhere the formula and autograd's gradients of it."""
+    if spec is None or x.numel() == 0:
+        return _formula(x, weight, eps)
+    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        # Nothing to differentiate (the reference and old-logprob passes): the kernel without an autograd node.
+        y = ops.rmsnorm_quantized(x.reshape(-1, x.shape[-1]), weight, eps, spec)
+        return _formula(x, weight, eps) if y is None else y.view(x.shape[:-1] + y.shape[-1:])
+    if ops.kernel_name(x.device) == "reference":
         return _formula(x, weight, eps)
     return _FusedRMSNormFunction.apply(x, weight, eps, spec)
 

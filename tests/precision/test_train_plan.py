@@ -355,12 +355,19 @@ def test_host_cost_proxy_checks_bytes_and_holds_the_budget(tmp_path):
     # The ragged shape (M % 128 != 0) takes the padding paths; same launches, bytes checked above.
     assert rows[("M=200 K=384 N=640", "Fp8Linear fwd+bwd")]["launches"] == 7
     # A decoder layer: q/k/v and gate/up run as stacked GEMMs (grouped.py), SwiGLU's product is quantized in its own
-    # kernel: 3 + 4 activation quantizers, 4 dY^T, 4 requantizers, 1 SwiGLU, 12 GEMMs (43 launches, 46 allocations
-    # and 582 Python calls with every projection on its own GEMM).
+    # kernel, each norm quantizes for its projections: 2 norms + 1 + 4 activation quantizers, 2 norm backwards, 4 dY^T,
+    # 4 requantizers, 1 SwiGLU, 12 GEMMs. With the plain norms, 2 activation quantizers instead of the norms' 4
+    # launches (28), and the norms' ~40 aten ops more; with every projection on its own GEMM, 45 launches.
     shape = "256 tokens, hidden 512, MLP 1024"
     layer = rows[(shape, "decoder layer fwd+bwd jet_fp8")]
-    assert layer["launches"] == 28 and layer["allocations"] <= 36 and layer["python_calls"] <= 470, layer
-    assert rows[(shape, "decoder layer fwd+bwd jet_fp8 separate")]["launches"] == 43
-    # The no-grad forward (reference / old-logprob passes): 3 input quantizers, 1 SwiGLU, 4 GEMMs (7 GEMMs separate).
+    plain = rows[(shape, "decoder layer fwd+bwd jet_fp8 plain norms")]
+    assert layer["launch_names"]["_rmsnorm_quant_kernel"] == 2 and layer["launch_names"]["_rmsnorm_bwd_kernel"] == 2, layer
+    assert layer["launches"] == 30 and layer["allocations"] <= 42 and layer["python_calls"] <= 570, layer
+    assert plain["launches"] == 28 and plain["allocations"] <= 36 and plain["python_calls"] <= 470, plain
+    assert layer["aten_ops"] <= plain["aten_ops"] - 30, (layer["aten_ops"], plain["aten_ops"])
+    assert rows[(shape, "decoder layer fwd+bwd jet_fp8 separate")]["launches"] == 45
+    # The no-grad forward (reference / old-logprob passes): 2 norms + 1 input quantizer, 1 SwiGLU, 4 GEMMs (7 GEMMs
+    # separate); the plain norms' forward: 3 input quantizers instead of the 2 norms.
     assert rows[(shape, "decoder layer fwd no_grad jet_fp8")]["launches"] == 8
+    assert rows[(shape, "decoder layer fwd no_grad jet_fp8 plain norms")]["launches"] == 8
     assert rows[(shape, "decoder layer fwd no_grad jet_fp8 separate")]["launches"] == 11
