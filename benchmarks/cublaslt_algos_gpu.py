@@ -141,7 +141,7 @@ def table(results: list[dict]) -> str:
 def records(results: list[dict], device: str, date: str, command: str) -> list[dict]:
     """One run record per GEMM: the fastest offered algorithm's speed-up over the heuristic's first."""
     return [{"name": "cublaslt_fastest_offered_algo_speedup", "shape": f"M={r['m']} N={r['n']} K={r['k']} {r['projection']} {r['kind']}",
-             "backend": "torch", "value": r["speedup"], "unit": "x heuristic's first", "command": command, "date": date,
+             "backend": "torch", "value": r["speedup"], "unit": "x heuristic's first", "ratio_vs_bf16": None, "command": command, "date": date,
              "device": device, "first_ms": r["first_ms"], "best_ms": r["best_ms"], "best_index": r["best_index"],
              "best_bits_equal_first": r["best_bits_equal_first"], "offered": r["offered"]}
             for r in results if r["speedup"] is not None]

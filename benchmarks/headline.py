@@ -61,8 +61,31 @@ def route_suffix(verdicts: dict[str, bool] | None) -> str:
     return f"+cublaslt_route({routed}/{len(verdicts)} shapes)" if routed else ""
 
 
+# What every run record carries (docs: ../shared/DESIGN.md §6), besides a numeric `value` and a `ratio_vs_bf16`
+# that is a number or None.
+RECORD_FIELDS = {"name": str, "shape": str, "backend": str, "unit": str, "command": str, "date": str, "device": str}
+
+
+def record_problems(r: dict) -> list[str]:
+    """What a run record lacks or gets wrong (empty when it is complete and typed)."""
+    out = [f"{key} missing or not a non-empty {typ.__name__}" for key, typ in RECORD_FIELDS.items()
+           if not (isinstance(r.get(key), typ) and r[key])]
+    if not isinstance(r.get("value"), (int, float)) or isinstance(r.get("value"), bool):
+        out.append("value missing or not a number")
+    if "ratio_vs_bf16" not in r or not (r["ratio_vs_bf16"] is None or isinstance(r["ratio_vs_bf16"], (int, float))):
+        out.append("ratio_vs_bf16 missing or neither a number nor None")
+    if isinstance(r.get("date"), str) and not re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]):
+        out.append(f"date {r['date']!r} is not YYYY-MM-DD")
+    return out
+
+
 def write_run(records: list[dict], label: str, date: str, runs_dir: Path = RUNS) -> Path:
-    """Write one run's records as `<date>_<NN>_<label>.json`, NN the next run number of that date."""
+    """Write one run's records as `<date>_<NN>_<label>.json`, NN the next run number of that date. An incomplete
+    record (`record_problems`) is refused, before anything is written."""
+    bad = [(i, p) for i, r in enumerate(records) for p in record_problems(r)]
+    if not records or bad:
+        raise ValueError(f"write_run({label!r}): " + ("no records" if not records else
+                         f"record {bad[0][0]} ({records[bad[0][0]].get('name')!r}): {bad[0][1]} ({len(bad)} problem(s) in all)"))
     runs_dir = Path(runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     n = 1 + max((int(p.name.split("_")[1]) for p in runs_dir.glob(f"{date}_*.json")), default=0)

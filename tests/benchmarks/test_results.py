@@ -20,9 +20,6 @@ sys.path.insert(0, str(BENCH))  # the benchmark scripts import each other as top
 import headline  # noqa: E402
 from precision_testutil import outlier_data  # noqa: E402
 
-REQUIRED = {"name": str, "shape": str, "backend": str, "unit": str, "command": str, "date": str, "device": str}
-
-
 def test_every_record_is_complete_and_typed():
     runs = headline.load_runs()
     assert runs
@@ -31,12 +28,18 @@ def test_every_record_is_complete_and_typed():
         assert isinstance(records, list) and records, file
         for i, r in enumerate(records):
             where = f"{file} record {i} ({r.get('name')!r})"
-            for key, typ in REQUIRED.items():
-                assert isinstance(r.get(key), typ) and r[key], f"{where}: {key} missing or not a {typ.__name__}"
-            assert isinstance(r.get("value"), (int, float)) and not isinstance(r["value"], bool), f"{where}: value"
-            assert "ratio_vs_bf16" in r and (r["ratio_vs_bf16"] is None or isinstance(r["ratio_vs_bf16"], (int, float))), where
-            assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]), f"{where}: date {r['date']!r}"
+            assert not headline.record_problems(r), f"{where}: {headline.record_problems(r)}"
             assert r["date"] <= file[:10], f"{where}: dated after its run file"
+
+
+def test_an_incomplete_record_is_refused_before_anything_is_written(tmp_path):
+    good = {"name": "x", "shape": "s", "backend": "b", "value": 1.0, "unit": "x", "ratio_vs_bf16": None, "command": "c",
+            "date": "2026-12-06", "device": "d"}
+    assert headline.write_run([good], "ok", "2026-12-06", tmp_path).exists()
+    for bad in ({k: v for k, v in good.items() if k != "ratio_vs_bf16"}, {**good, "value": "1"}, {**good, "date": "6.12.2026"}):
+        with pytest.raises(ValueError, match=r"write_run\('bad'\): record 1"):
+            headline.write_run([good, bad], "bad", "2026-12-06", tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1
 
 
 def _gpu_report():
@@ -132,8 +135,10 @@ def test_headline_is_what_the_records_say_and_the_readme_quotes_it():
 
 
 def test_write_run_numbers_runs_per_date(tmp_path):
-    first = headline.write_run([{"name": "a"}], "gpu_bench quant", "2030-01-02", tmp_path)
-    second = headline.write_run([{"name": "b"}], "gpu_bench quant", "2030-01-02", tmp_path)
+    rec = {"shape": "s", "backend": "b", "value": 1.0, "unit": "x", "ratio_vs_bf16": None, "command": "c", "date": "2030-01-02",
+           "device": "d"}
+    first = headline.write_run([{"name": "a", **rec}], "gpu_bench quant", "2030-01-02", tmp_path)
+    second = headline.write_run([{"name": "b", **rec}], "gpu_bench quant", "2030-01-02", tmp_path)
     assert (first.name, second.name) == ("2030-01-02_01_gpu-bench-quant.json", "2030-01-02_02_gpu-bench-quant.json")
     assert [r["name"] for r in headline.load_records(tmp_path)] == ["a", "b"]
 
