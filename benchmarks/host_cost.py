@@ -417,7 +417,7 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
     install_triton_stand_in()
     from jetrl_precision import ops
     from jetrl_precision.gemm import dispatch, torch_backend
-    from jetrl_precision.kernels import cast_transpose, launch, padding_probe
+    from jetrl_precision.kernels import cast_transpose, launch, padding_probe, rmsnorm_probe
     from jetrl_precision.kernels.impl import TritonQuantizeImpl
 
     ops._load_optional()
@@ -442,6 +442,9 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
     # and --check compares the padded path's bytes): the path the layers take then.
     saved_pad = dict(padding_probe._verdicts)
     padding_probe._verdicts["cpu"] = True
+    # The fused norms' device probe passed (its checks read the kernels' results, which only --check computes).
+    saved_norm = dict(rmsnorm_probe._verdicts)
+    rmsnorm_probe._verdicts.update({("cpu", dt): True for dt in (torch.bfloat16, torch.float16, torch.float32)})
     # The engine's CUDA 1x128 activation quantizer (kernels.quant_cuda), its launch going to the override like the
     # others; the engine's per-process choice of quantizer is made afresh inside the block and forgotten after it.
     from jetrl_precision.integrations import engine_linear
@@ -482,6 +485,8 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
         cast_transpose._usable.update(saved_ct[2])
         padding_probe._verdicts.clear()
         padding_probe._verdicts.update(saved_pad)
+        rmsnorm_probe._verdicts.clear()
+        rmsnorm_probe._verdicts.update(saved_norm)
         quant_cuda.quantizer_1x128 = saved_qc
         engine_linear._ACT_QUANTIZERS.clear()
         engine_linear._ACT_QUANTIZERS.update(saved_act)

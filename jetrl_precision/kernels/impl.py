@@ -10,7 +10,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
-from . import cast_transpose, fused, padding_probe, quant, quant_cuda, swiglu_probe
+from . import cast_transpose, fused, padding_probe, quant, quant_cuda, rmsnorm_probe, swiglu_probe
 from ._probe import device_key, verdict_once
 from .layout import pad_columns
 
@@ -121,6 +121,7 @@ class TritonQuantizeImpl:
 
     def __init__(self, share_results: bool = True) -> None:
         self._ok: dict[str, bool] = {}
+        self._norm_verdicts: dict[tuple[torch.device, torch.dtype], bool] = {}
         self.share_results = share_results
         self.release_shared()
 
@@ -194,6 +195,8 @@ class TritonQuantizeImpl:
             return None
         if x.dtype not in fused.KERNEL_DTYPES or weight.dtype != x.dtype or weight.shape != (x.shape[1],):
             return None
+        if not self._norm_ok(x):
+            return None
         qt, y = fused.rmsnorm_quantize(x, weight, eps, pow2_scale, return_hp=True)
         self._last_q.put(y, (block, pow2_scale), qt)
         return y
@@ -205,7 +208,20 @@ class TritonQuantizeImpl:
             return None
         if dy.shape != x.shape or dy.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (x.shape[1],):
             return None
+        if not self._norm_ok(x):
+            return None
         return fused.rmsnorm_backward(dy, x, weight, eps)
+
+    def _norm_ok(self, x: torch.Tensor) -> bool:
+        """The fused norm kernels' device probe (`rmsnorm_probe`), its verdict kept per (device, dtype); never run
+        inside a graph capture (it reads results back), where an unprobed device takes the formula."""
+        key = (x.device, x.dtype)
+        ok = self._norm_verdicts.get(key)
+        if ok is None:
+            if _capturing():
+                return False
+            ok = self._norm_verdicts[key] = rmsnorm_probe.fused_norm_ok(x.device, x.dtype)
+        return ok
 
     def silu_mul_backward(self, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(dgate, dup) of silu(gate) * up from one fused kernel, where the device probe found its bytes equal to

@@ -120,3 +120,51 @@ def test_cpu_precision_graph_names_no_fused_norm():
     q, norm = g.nodes["model.layers.0.self_attn.q_proj"], g.nodes["model.layers.0.input_layernorm"]
     assert "input_producer" not in q.attrs and "fused_quantization" not in norm.attrs
     assert g.edges_into(q.name)["input"].attrs.kernel == "reference"
+
+
+class _FakeKernels:
+    """kernels.fused's two norm kernels done in torch (the formula, the reference quantizer, autograd's gradients),
+    with one flaw switched on at a time: what the device probe must catch."""
+
+    def __init__(self, flaw: str = ""):
+        self.flaw = flaw
+
+    def rmsnorm_quantize(self, x, w, eps, pow2=False, return_hp=False):
+        from jetrl_precision.quantize import quantize_fp8
+
+        y = _formula(x, w, eps)
+        if self.flaw == "output":
+            y = y * 1.01
+        qt = quantize_fp8(y, (1, 128), pow2_scale=pow2, nonfinite="propagate")
+        if self.flaw == "bytes":
+            qt.data.view(torch.uint8)[3, 5] ^= 1
+        return qt, y
+
+    def rmsnorm_backward(self, dy, x, w, eps):
+        if self.flaw == "raises":
+            raise RuntimeError("PTX compile failed\nmore lines")
+        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+        gx, gw = torch.autograd.grad(_formula(xg, wg, eps), (xg, wg), dy)
+        return (gx * 1.1 if self.flaw == "backward" else gx), gw
+
+
+@pytest.mark.parametrize("flaw, why", [("", ""), ("output", "from transformers' formula"),
+                                       ("bytes", "not the reference quantizer's"), ("backward", "backward's dx")])
+def test_the_device_probe_catches_each_broken_contract(flaw, why):
+    from jetrl_precision.kernels import rmsnorm_probe
+
+    got = rmsnorm_probe.problems(_FakeKernels(flaw), *rmsnorm_probe.probe_values("cpu", torch.bfloat16))
+    assert (got == "") if not flaw else (why in got), got
+
+
+def test_a_failing_probe_turns_the_kernels_off_with_one_warning(monkeypatch, caplog):
+    from jetrl_precision.kernels import rmsnorm_probe
+
+    monkeypatch.setattr(rmsnorm_probe, "_verdicts", {})
+    monkeypatch.setattr(rmsnorm_probe, "_reasons", {})
+    with caplog.at_level("WARNING"):
+        assert not rmsnorm_probe.fused_norm_ok(torch.device("cpu"), torch.bfloat16, _FakeKernels("raises"))
+        assert not rmsnorm_probe.fused_norm_ok(torch.device("cpu"), torch.bfloat16, _FakeKernels("raises"))
+        assert rmsnorm_probe.fused_norm_ok(torch.device("cpu"), torch.float32, _FakeKernels())
+    warned = [r.getMessage() for r in caplog.records if "fused RMSNorm kernel" in r.getMessage()]
+    assert len(warned) == 1 and "failed to run (RuntimeError: PTX compile failed)" in warned[0], warned
