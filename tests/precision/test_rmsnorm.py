@@ -168,3 +168,15 @@ def test_a_failing_probe_turns_the_kernels_off_with_one_warning(monkeypatch, cap
         assert rmsnorm_probe.fused_norm_ok(torch.device("cpu"), torch.float32, _FakeKernels())
     warned = [r.getMessage() for r in caplog.records if "fused RMSNorm kernel" in r.getMessage()]
     assert len(warned) == 1 and "failed to run (RuntimeError: PTX compile failed)" in warned[0], warned
+
+
+def test_bitwise_mode_takes_the_fused_norms_for_its_invariant_ones():
+    """make_batch_invariant (kernels="triton") replaces every norm class in NORM_CLASSES by InvariantRMSNorm: the fused
+    norms are among them, and the replacement adopts their weight and epsilon."""
+    from jetrl_precision.batch_invariant.norm import NORM_CLASSES, InvariantRMSNorm
+
+    model = convert_to_fp8(tiny_causal_lm("llama", layers=1), "jet_fp8")
+    norm = model.model.layers[0].input_layernorm
+    assert isinstance(norm, FusedRMSNorm) and type(norm).__name__ in NORM_CLASSES
+    inv = InvariantRMSNorm.from_norm(norm)
+    assert inv.weight is norm.weight and inv.variance_epsilon == norm.variance_epsilon
