@@ -515,18 +515,15 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
         rec("e2e_grpo_mismatch_abs_logp_mean", r["shape"], recipe, _mean([s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps]),
             "mean |dlogp|", kl_k3=_mean([s.get("rollout_train_mismatch/kl_k3") for s in steps]))
         plain = speed.get("jet_fp8")
-        if recipe == "jet_fp8+separate" and plain:
-            sp, pp = ph, phase_means(plain)
-            rec("stacked_projection_e2e_gain", r["shape"], "jet_fp8", round(sp["step"] / pp["step"], 4), "x", None,
-                update_gain=round(sp["actor update"] / pp["actor update"], 4),
-                old_logprob_gain=round(sp["old logprobs"] / pp["old logprobs"], 4),
-                separate_step_s=round(sp["step"], 3), stacked_step_s=round(pp["step"], 3))
-        if recipe == "jet_fp8+plainnorm" and plain:
-            np_, pp = ph, phase_means(plain)
-            rec("fused_norm_e2e_gain", r["shape"], "jet_fp8", round(np_["step"] / pp["step"], 4), "x", None,
-                update_gain=round(np_["actor update"] / pp["actor update"], 4),
-                old_logprob_gain=round(np_["old logprobs"] / pp["old logprobs"], 4),
-                plain_norm_step_s=round(np_["step"], 3), fused_norm_step_s=round(pp["step"], 3))
+        # A/Bs of a fusion jet_fp8 runs by default: the variant's step (and phases) over jet_fp8's.
+        ab = {"jet_fp8+separate": ("stacked_projection_e2e_gain", "separate_step_s", "stacked_step_s"),
+              "jet_fp8+plainnorm": ("fused_norm_e2e_gain", "plain_norm_step_s", "fused_norm_step_s")}.get(recipe)
+        if ab and plain:
+            pp = phase_means(plain)
+            rec(ab[0], r["shape"], "jet_fp8", round(ph["step"] / pp["step"], 4), "x", None,
+                update_gain=round(ph["actor update"] / pp["actor update"], 4),
+                old_logprob_gain=round(ph["old logprobs"] / pp["old logprobs"], 4),
+                **{ab[1]: round(ph["step"], 3), ab[2]: round(pp["step"], 3)})
         if recipe == "jet_fp8+bitwise" and plain:
             used = [s.get("bitwise/engine_logprobs_used") for s in steps]
             rec("bitwise_e2e_step_ratio", r["shape"], recipe, round(phase_means(plain)["step"] / ph["step"], 4), "x jet_fp8",
