@@ -1,5 +1,6 @@
 """Section `quant`: every quantizer's bandwidth against the copy (Triton 1x128, 128x1 transposed, the CUDA
-requantizer, 128x128 and its transpose, the fused SwiGLU and RMSNorm quantizers), plus the plain-torch reference."""
+requantizer, 128x128 and its transpose, the fused SwiGLU and RMSNorm quantizers and the fused RMSNorm's backward, each
+beside what it replaces), plus the plain-torch reference."""
 
 from __future__ import annotations
 
@@ -103,7 +104,22 @@ def section_quant(args, copy_bw):
         w = torch.ones(h, device="cuda", dtype=torch.bfloat16)
         io = m * h * 2 + m * h + 4 * m * h // 128
         one("rmsnorm_1x128", f"{m}x{h}", lambda: fused.rmsnorm_quantize(x, w), io)
-        del x
+        # What a fused norm runs (y written too) against the plain norm then its projections' quantizer, and the
+        # backward kernel against autograd's through transformers' formula (its graph kept, so only the backward is
+        # timed); bytes: x (and dy) read, y (dx) written, plus Q(y).
+        from jetrl_precision.rmsnorm import _formula
+
+        io_y = io + m * h * 2
+        one("rmsnorm_1x128_with_y", f"{m}x{h}", lambda: fused.rmsnorm_quantize(x, w, return_hp=True), io_y)
+        one("torch_rmsnorm_then_1x128", f"{m}x{h}", lambda: quant.quantize_1x128(_formula(x, w, 1e-5)), io_y, backend="torch+triton")
+        dy = data(m, h, seed=5)
+        one("rmsnorm_backward", f"{m}x{h}", lambda: fused.rmsnorm_backward(dy, x, w), 6 * m * h)
+        xg, wg = x.detach().requires_grad_(), w.detach().clone().requires_grad_()
+        with torch.enable_grad():
+            y = _formula(xg, wg, 1e-5)
+        one("torch_rmsnorm_backward", f"{m}x{h}", lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True),
+            6 * m * h, backend="torch")
+        del x, dy, xg, y
     print(f"\n{'quantizer':34s} {'shape':>12s} {'us':>8s} {'TB/s':>6s} {'%copy':>6s}")
     for name, shp, us, bw, fr in rows:
         print(f"{name:34s} {shp:>12s} {us:8.1f} {bw:6.2f} {100 * fr:5.0f}%")
