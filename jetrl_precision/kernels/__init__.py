@@ -6,8 +6,9 @@ installs keep the reference quantizer.
 
 Submodules (import them only where Triton is installed):
     quant  - 1x128 / 128x128 (+ transpose) / 128x1 (+ transposed, + requantize from 1x128) quantizers
-    fused  - silu_mul_quantize, silu_mul_backward, rmsnorm_quantize
+    fused  - silu_mul_quantize, silu_mul_backward, rmsnorm_quantize, rmsnorm_backward
     swiglu_probe - whether silu_mul_backward gives autograd's bytes on a device (no Triton needed)
+    rmsnorm_probe - whether the fused RMSNorm kernels hold their contract on a device (no Triton needed)
     padding_probe - whether the quantizers write token-padded WGrad operands exactly on a device (no Triton needed)
     gemm   - fp8_gemm_nt, the Triton GEMM behind the `triton` backend
     impl   - TritonQuantizeImpl, the object registered with ops
