@@ -302,9 +302,9 @@ def _emulate_triton(name: str, grid, args, meta) -> None:
         _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
     elif name == "_rmsnorm_quant_kernel":
         x, w, y, q, s, r, c, eps, sxr, syr, sqr, ssr, ssg = args
-        from jetrl_precision.rmsnorm import _formula
+        from jetrl_precision.rmsnorm import rms_norm_formula
 
-        hp = _formula(_strided(x, (r, c), (sxr, 1)), w, eps)  # the eager formula: the reference path's bytes
+        hp = rms_norm_formula(_strided(x, (r, c), (sxr, 1)), w, eps)  # the eager formula: the reference path's bytes
         if meta["WRITE_Y"]:
             _strided(y, (r, c), (syr, 1)).copy_(hp)
         ref = quantize_fp8(hp, (1, 128), pow2_scale=meta["POW2"], nonfinite="propagate")
@@ -312,13 +312,13 @@ def _emulate_triton(name: str, grid, args, meta) -> None:
         _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
     elif name == "_rmsnorm_bwd_kernel":
         dy, x, w, dx, dw, r, c, eps, _, sdyr, sxr, sdxr = args
-        from jetrl_precision.rmsnorm import _formula
+        from jetrl_precision.rmsnorm import rms_norm_formula
 
         # autograd's gradients of the formula (the reference path's bytes; the kernel's own differ in rounding):
         # dx, and dweight as the first program's partial sum, the others' zero.
         with torch.enable_grad():
             xg, wg = _strided(x, (r, c), (sxr, 1)).detach().requires_grad_(), w.detach().requires_grad_()
-            gx, gw = torch.autograd.grad(_formula(xg, wg, eps), (xg, wg), _strided(dy, (r, c), (sdyr, 1)))
+            gx, gw = torch.autograd.grad(rms_norm_formula(xg, wg, eps), (xg, wg), _strided(dy, (r, c), (sdyr, 1)))
         _strided(dx, (r, c), (sdxr, 1)).copy_(gx)
         dw.zero_()
         dw[0].copy_(gw.float())

@@ -30,7 +30,7 @@ from .formats import Granularity
 from .linear import Fp8Linear
 from .recipe import TensorSpec
 
-__all__ = ["RMSNORM_CLASSES", "NORM_CONSUMERS", "FusedRMSNorm", "rms_norm", "fuse_rmsnorm"]
+__all__ = ["RMSNORM_CLASSES", "NORM_CONSUMERS", "FusedRMSNorm", "rms_norm", "rms_norm_formula", "formula_grads", "fuse_rmsnorm"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,24 @@ NORM_CONSUMERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
-def _formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm.forward."""
+def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward in torch ops: the definition every norm kernel of this package follows."""
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def formula_grads(x: torch.Tensor, weight: torch.Tensor, eps: float, dy: torch.Tensor,
+                  needs: tuple[bool, ...]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dweight) of `rms_norm_formula` at (x, weight) for `dy`, by autograd, each None where `needs` (an autograd
+    Function's `needs_input_grad`) says it is not wanted: the unfused module's gradients, for a norm kernel's
+    backward where it has none of its own."""
+    with torch.enable_grad():
+        xg = x.detach().requires_grad_(needs[0])
+        wg = weight.detach().requires_grad_(needs[1])
+        inputs = [t for t in (xg, wg) if t.requires_grad]
+        grads = iter(torch.autograd.grad(rms_norm_formula(xg, wg, eps), inputs, dy)) if inputs else iter(())
+    return (next(grads) if needs[0] else None), (next(grads) if needs[1] else None)
 
 
 class _FusedRMSNormFunction(torch.autograd.Function):
@@ -59,7 +72,7 @@ class _FusedRMSNormFunction(torch.autograd.Function):
         y = ops.rmsnorm_quantized(x2, weight, eps, spec)
         ctx.fused = y is not None
         if y is None:
-            y = _formula(x2, weight, eps)
+            y = rms_norm_formula(x2, weight, eps)
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
         return y.view(x.shape[:-1] + y.shape[-1:])
@@ -73,13 +86,7 @@ class _FusedRMSNormFunction(torch.autograd.Function):
             if grads is not None:
                 dx, dw = grads
                 return (dx.view(x.shape) if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None, None
-        # The formula differentiated by autograd: the unfused module's gradients.
-        with torch.enable_grad():
-            xg = x.detach().requires_grad_(ctx.needs_input_grad[0])
-            wg = weight.detach().requires_grad_(ctx.needs_input_grad[1])
-            inputs = [t for t in (xg, wg) if t.requires_grad]
-            grads = iter(torch.autograd.grad(_formula(xg, wg, ctx.eps), inputs, dy)) if inputs else iter(())
-        return (next(grads) if ctx.needs_input_grad[0] else None), (next(grads) if ctx.needs_input_grad[1] else None), None, None
+        return (*formula_grads(x, weight, ctx.eps, dy, ctx.needs_input_grad), None, None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: TensorSpec | None = None) -> torch.Tensor:
@@ -87,13 +94,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: TensorSpec
     implementation has the kernels (CUDA), one kernel that also quantizes y for the consumers, and one kernel for the
     backward; elsewhere the formula and autograd's gradients of it."""
     if spec is None or x.numel() == 0:
-        return _formula(x, weight, eps)
+        return rms_norm_formula(x, weight, eps)
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         # Nothing to differentiate (the reference and old-logprob passes): the kernel without an autograd node.
         y = ops.rmsnorm_quantized(x.reshape(-1, x.shape[-1]), weight, eps, spec)
-        return _formula(x, weight, eps) if y is None else y.view(x.shape[:-1] + y.shape[-1:])
-    if ops.kernel_name(x.device) == "reference":
-        return _formula(x, weight, eps)
+        return rms_norm_formula(x, weight, eps) if y is None else y.view(x.shape[:-1] + y.shape[-1:])
     return _FusedRMSNormFunction.apply(x, weight, eps, spec)
 
 

@@ -107,16 +107,16 @@ def section_quant(args, copy_bw):
         # What a fused norm runs (y written too) against the plain norm then its projections' quantizer, and the
         # backward kernel against autograd's through transformers' formula (its graph kept, so only the backward is
         # timed); bytes: x (and dy) read, y (dx) written, plus Q(y).
-        from jetrl_precision.rmsnorm import _formula
+        from jetrl_precision.rmsnorm import rms_norm_formula
 
         io_y = io + m * h * 2
         one("rmsnorm_1x128_with_y", f"{m}x{h}", lambda: fused.rmsnorm_quantize(x, w, return_hp=True), io_y)
-        one("torch_rmsnorm_then_1x128", f"{m}x{h}", lambda: quant.quantize_1x128(_formula(x, w, 1e-5)), io_y, backend="torch+triton")
+        one("torch_rmsnorm_then_1x128", f"{m}x{h}", lambda: quant.quantize_1x128(rms_norm_formula(x, w, 1e-5)), io_y, backend="torch+triton")
         dy = data(m, h, seed=5)
         one("rmsnorm_backward", f"{m}x{h}", lambda: fused.rmsnorm_backward(dy, x, w), 6 * m * h)
         xg, wg = x.detach().requires_grad_(), w.detach().clone().requires_grad_()
         with torch.enable_grad():
-            y = _formula(xg, wg, 1e-5)
+            y = rms_norm_formula(xg, wg, 1e-5)
         one("torch_rmsnorm_backward", f"{m}x{h}", lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True),
             6 * m * h, backend="torch")
         del x, dy, xg, y

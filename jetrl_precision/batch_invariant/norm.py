@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..rmsnorm import RMSNORM_CLASSES
+from ..rmsnorm import RMSNORM_CLASSES, formula_grads
 from .common import require_triton
 
 __all__ = ["InvariantRMSNorm", "NORM_CLASSES"]
@@ -28,16 +28,8 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         # Nothing samples from the backward: transformers' formula in torch ops, differentiated by autograd.
-        from ..kernels.invariant_norm import rms_norm_reference
-
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            xg = x.detach().requires_grad_(ctx.needs_input_grad[0])
-            wg = weight.detach().requires_grad_(ctx.needs_input_grad[1])
-            y = rms_norm_reference(xg, wg, ctx.eps)
-            inputs = [t for t in (xg, wg) if t.requires_grad]
-            grads = iter(torch.autograd.grad(y, inputs, grad_out)) if inputs else iter(())
-        return (next(grads) if ctx.needs_input_grad[0] else None), (next(grads) if ctx.needs_input_grad[1] else None), None
+        return (*formula_grads(x, weight, ctx.eps, grad_out, ctx.needs_input_grad), None)
 
 
 class InvariantRMSNorm(nn.Module):

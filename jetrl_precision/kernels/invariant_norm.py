@@ -29,7 +29,7 @@ import triton.language as tl
 from ._rounding import cast_rn
 from ._tree import pairwise_sum
 
-__all__ = ["HIDDEN_BLOCK", "NUM_WARPS", "rms_norm", "fused_add_rms_norm", "rms_norm_reference"]
+__all__ = ["HIDDEN_BLOCK", "NUM_WARPS", "rms_norm", "fused_add_rms_norm"]
 
 # Fixed for every launch: the reduction order is a function of these constants and the hidden size only.
 HIDDEN_BLOCK = 1024
@@ -122,11 +122,3 @@ def fused_add_rms_norm(
             f"{tuple(x.shape)} {x.dtype} on one device"
         )
     return _launch(x, residual, weight, eps)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm forward in torch ops (differentiable: the backward of the invariant norm)."""
-    h = x.to(torch.float32)
-    var = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(var + eps)
-    return weight * h.to(x.dtype)

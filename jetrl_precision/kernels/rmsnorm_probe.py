@@ -40,9 +40,9 @@ def probe_values(device: torch.device | str, dtype: torch.dtype, rows: int = 300
 def problems(fused, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> str:
     """Why the kernels of module `fused` (kernels.fused) break their contract on these operands, or ""."""
     from ..quantize import quantize_fp8
-    from ..rmsnorm import _formula  # here: jetrl_precision.rmsnorm imports the quantize implementations
+    from ..rmsnorm import rms_norm_formula  # here: jetrl_precision.rmsnorm imports the quantize implementations
 
-    ref = _formula(x, w, _EPS)
+    ref = rms_norm_formula(x, w, _EPS)
     for pow2 in (False, True):
         qt, y = fused.rmsnorm_quantize(x, w, _EPS, pow2, return_hp=True)
         rel = ((y.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-30)).max().item()

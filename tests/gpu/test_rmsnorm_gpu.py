@@ -13,7 +13,7 @@ from torch import nn
 
 from gpu_testutil import outlier_data, requires_cuda_reason
 from jetrl_precision import convert_to_fp8, get_recipe
-from jetrl_precision.rmsnorm import FusedRMSNorm, _formula
+from jetrl_precision.rmsnorm import FusedRMSNorm, rms_norm_formula
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_cuda_reason)
 
@@ -29,7 +29,7 @@ class LlamaRMSNorm(nn.Module):
         self.weight, self.variance_epsilon = nn.Parameter(torch.ones(h)), eps
 
     def forward(self, x):
-        return _formula(x, self.weight, self.variance_epsilon)
+        return rms_norm_formula(x, self.weight, self.variance_epsilon)
 
 
 class _Attn(nn.Module):
@@ -85,7 +85,7 @@ def test_fused_norm_is_the_formula_within_an_ulp_and_feeds_its_quantization(monk
     x = outlier_data(300, 512, seed=1).view(3, 100, 512)  # 300 tokens: a partial 128-row block
     norm = fused_model[0].input_layernorm
     y = norm(x)
-    y_ref = _formula(x, norm.weight, norm.variance_epsilon)
+    y_ref = rms_norm_formula(x, norm.weight, norm.variance_epsilon)
     assert _ulps(y, y_ref).max().item() <= 2 ** -6 * 1.01 and (y != y_ref).float().mean().item() < 0.02
     calls = []
     real = quant.quantize_1x128
@@ -140,7 +140,7 @@ def test_backward_kernel_against_float64(shape):
     xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     (wd * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5))).backward(dy.double())
     xh, wh = x.clone().requires_grad_(), w.clone().requires_grad_()
-    _formula(xh, wh, 1e-5).backward(dy)
+    rms_norm_formula(xh, wh, 1e-5).backward(dy)
 
     def rel(a, ref):
         return ((a.double() - ref).abs().max() / ref.abs().max()).item()

@@ -15,7 +15,7 @@ from precision_testutil import outlier_data, tiny_causal_lm
 from torch import nn
 
 from jetrl_precision import convert_to_fp8, default_module_filter, get_recipe
-from jetrl_precision.rmsnorm import FusedRMSNorm, _FusedRMSNormFunction, _formula, fuse_rmsnorm
+from jetrl_precision.rmsnorm import FusedRMSNorm, _FusedRMSNormFunction, rms_norm_formula, fuse_rmsnorm
 
 # Bit-for-bit comparisons of two models: one intra-op thread, since a loaded machine (CI's two pytest workers) can
 # change how many threads a CPU matmul splits its sums over, and with it the last bits (seen about once in four runs).
@@ -106,7 +106,7 @@ def test_autograd_function_without_a_kernel_gives_the_formula_and_its_gradients(
     ya = _FusedRMSNormFunction.apply(xa, wa, 1e-5, spec)
     ya.backward(dy)
     xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
-    yb = _formula(xb, wb, 1e-5)
+    yb = rms_norm_formula(xb, wb, 1e-5)
     yb.backward(dy)
     assert ya.shape == x.shape and torch.equal(ya, yb)
     assert torch.equal(xa.grad, xb.grad) and torch.equal(wa.grad, wb.grad)
@@ -132,7 +132,7 @@ class _FakeKernels:
     def rmsnorm_quantize(self, x, w, eps, pow2=False, return_hp=False):
         from jetrl_precision.quantize import quantize_fp8
 
-        y = _formula(x, w, eps)
+        y = rms_norm_formula(x, w, eps)
         if self.flaw == "output":
             y = y * 1.01
         qt = quantize_fp8(y, (1, 128), pow2_scale=pow2, nonfinite="propagate")
@@ -144,7 +144,7 @@ class _FakeKernels:
         if self.flaw == "raises":
             raise RuntimeError("PTX compile failed\nmore lines")
         xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
-        gx, gw = torch.autograd.grad(_formula(xg, wg, eps), (xg, wg), dy)
+        gx, gw = torch.autograd.grad(rms_norm_formula(xg, wg, eps), (xg, wg), dy)
         return (gx * 1.1 if self.flaw == "backward" else gx), gw
 
 
