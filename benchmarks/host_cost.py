@@ -312,13 +312,11 @@ def _emulate_triton(name: str, grid, args, meta) -> None:
         _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
     elif name == "_rmsnorm_bwd_kernel":
         dy, x, w, dx, dw, r, c, eps, _, sdyr, sxr, sdxr = args
-        from jetrl_precision.rmsnorm import rms_norm_formula
+        from jetrl_precision.rmsnorm import formula_grads
 
         # autograd's gradients of the formula (the reference path's bytes; the kernel's own differ in rounding):
         # dx, and dweight as the first program's partial sum, the others' zero.
-        with torch.enable_grad():
-            xg, wg = _strided(x, (r, c), (sxr, 1)).detach().requires_grad_(), w.detach().requires_grad_()
-            gx, gw = torch.autograd.grad(rms_norm_formula(xg, wg, eps), (xg, wg), _strided(dy, (r, c), (sdyr, 1)))
+        gx, gw = formula_grads(_strided(x, (r, c), (sxr, 1)), w, eps, _strided(dy, (r, c), (sdyr, 1)), (True, True))
         _strided(dx, (r, c), (sdxr, 1)).copy_(gx)
         dw.zero_()
         dw[0].copy_(gw.float())
