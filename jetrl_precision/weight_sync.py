@@ -7,9 +7,10 @@ norms, lm_head, biases) travels in its own dtype. `digest` (jetrl_precision.dige
 bytes for the post-sync check.
 
 Transport: colocated engines take the tensors in-process; a separate engine receives them
-over a torch.distributed group (`init_sync_group`: gloo on CPU, NCCL on GPU) that lives
-beside any default group (DeepSpeed's, vLLM's), packed into uint8 buckets with a JSON
-header (`broadcast_sync_tensors` / `receive_sync_tensors`).
+packed into uint8 buckets with JSON entries (`pack_sync_buckets` / `unpack_sync_bucket`), over a
+torch.distributed group (`init_sync_group`: gloo on CPU, NCCL on GPU) that lives beside any
+default group (DeepSpeed's, vLLM's) (`broadcast_sync_tensors` / `receive_sync_tensors`), or, from a
+GPU it shares, through CUDA IPC (`ipc_sync`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ __all__ = [
     "SyncStats",
     "SyncGroup",
     "init_sync_group",
+    "pack_sync_buckets",
+    "unpack_sync_bucket",
     "broadcast_sync_tensors",
     "receive_sync_tensors",
     "broadcast_json",
@@ -398,16 +401,66 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def _send_bucket(group: SyncGroup, src: int, entries: list[dict], chunks: list[torch.Tensor], payload_len: int) -> None:
+def pack_sync_buckets(
+    tensors: Iterable[SyncTensor],
+    device: torch.device | str,
+    bucket_bytes: int = 256 << 20,
+    stats: SyncStats | None = None,
+) -> Iterator[tuple[list[dict], torch.Tensor]]:
+    """Pack SyncTensors into uint8 payloads on `device`, each with its entries (names, offsets, dtypes, shapes: JSON);
+    a payload is yielded once it holds `bucket_bytes` or the tensors run out. Send or share each before asking for
+    the next: under ZeRO-3 the tensors are released as the iterator moves on. `stats` counts what was packed."""
+    entries: list[dict] = []
+    chunks: list[torch.Tensor] = []
+    size = 0
+
+    def put(raw: torch.Tensor, t: torch.Tensor) -> dict:
+        nonlocal size
+        meta = {"offset": size, "nbytes": raw.numel(), "dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
+        chunks.append(raw)
+        size += -(-raw.numel() // _ALIGN) * _ALIGN
+        return meta
+
+    def payload() -> torch.Tensor:
+        out = torch.zeros(size, dtype=torch.uint8, device=device)
+        off = 0
+        for c in chunks:
+            out[off : off + c.numel()].copy_(c)
+            off += -(-c.numel() // _ALIGN) * _ALIGN
+        if stats is not None:
+            stats.buckets += 1
+        return out
+
+    for t in tensors:
+        if stats is not None:
+            stats.add(t)
+        entry = {"name": t.name, "data": put(_raw(t.data), t.data)}
+        if t.scale is not None:
+            entry["scale"] = put(_raw(t.scale), t.scale)
+            entry["block"] = list(t.block) if t.block is not None else None
+        entries.append(entry)
+        if size >= bucket_bytes:
+            yield entries, payload()
+            entries, chunks, size = [], [], 0
+    if entries:
+        yield entries, payload()
+
+
+def unpack_sync_bucket(entries: Sequence[Mapping[str, Any]], payload: torch.Tensor) -> list[SyncTensor]:
+    """The SyncTensors of one packed bucket, as views into `payload`: install (copy) them before it is reused."""
+    out = []
+    for e in entries:
+        scale = _view(payload, e["scale"]) if "scale" in e else None
+        block = tuple(e["block"]) if e.get("block") else None
+        out.append(SyncTensor(e["name"], _view(payload, e["data"]), scale, block))
+    return out
+
+
+def _send_bucket(group: SyncGroup, src: int, entries: list[dict], payload: torch.Tensor) -> None:
     header = torch.frombuffer(bytearray(json.dumps(entries).encode()), dtype=torch.uint8)
-    sizes = torch.tensor([header.numel(), payload_len], dtype=torch.int64, device=group.device)
+    sizes = torch.tensor([header.numel(), payload.numel()], dtype=torch.int64, device=group.device)
     group.broadcast(sizes, src)
     group.broadcast(header.to(group.device), src)
-    payload = torch.zeros(payload_len, dtype=torch.uint8, device=group.device)
-    off = 0
-    for c in chunks:
-        payload[off : off + c.numel()].copy_(c)
-        off += -(-c.numel() // _ALIGN) * _ALIGN
     group.broadcast(payload, src)
 
 
@@ -423,31 +476,8 @@ def broadcast_sync_tensors(
     """
     stats = SyncStats()
     t0 = time.perf_counter()
-    entries: list[dict] = []
-    chunks: list[torch.Tensor] = []
-    size = 0
-
-    def put(raw: torch.Tensor, t: torch.Tensor) -> dict:
-        nonlocal size
-        meta = {"offset": size, "nbytes": raw.numel(), "dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
-        chunks.append(raw)
-        size += -(-raw.numel() // _ALIGN) * _ALIGN
-        return meta
-
-    for t in tensors:
-        stats.add(t)
-        entry = {"name": t.name, "data": put(_raw(t.data), t.data)}
-        if t.scale is not None:
-            entry["scale"] = put(_raw(t.scale), t.scale)
-            entry["block"] = list(t.block) if t.block is not None else None
-        entries.append(entry)
-        if size >= bucket_bytes:
-            _send_bucket(group, src, entries, chunks, size)
-            stats.buckets += 1
-            entries, chunks, size = [], [], 0
-    if entries:
-        _send_bucket(group, src, entries, chunks, size)
-        stats.buckets += 1
+    for entries, payload in pack_sync_buckets(tensors, group.device, bucket_bytes, stats):
+        _send_bucket(group, src, entries, payload)
     group.broadcast(torch.zeros(2, dtype=torch.int64, device=group.device), src)  # end of stream
     stats.seconds = time.perf_counter() - t0
     return stats
@@ -475,12 +505,7 @@ def receive_sync_tensors(group: SyncGroup, src: int = 0) -> Iterator[list[SyncTe
         entries = json.loads(bytes(header.cpu().numpy().tobytes()).decode())
         payload = torch.zeros(payload_len, dtype=torch.uint8, device=group.device)
         group.broadcast(payload, src)
-        out = []
-        for e in entries:
-            scale = _view(payload, e["scale"]) if "scale" in e else None
-            block = tuple(e["block"]) if e.get("block") else None
-            out.append(SyncTensor(e["name"], _view(payload, e["data"]), scale, block))
-        yield out
+        yield unpack_sync_bucket(entries, payload)
 
 
 def broadcast_json(group: SyncGroup, obj: Any, src: int) -> Any:

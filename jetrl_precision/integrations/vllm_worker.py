@@ -29,7 +29,15 @@ from ..formats import QuantizedTensor
 from ..graph import FUSED_PROJECTIONS, EdgeAttrs, PrecisionGraph, add_linear, canonical_name, first_unaligned_part
 from ..ops import kernel_name
 from ..recipe import FpropSpec
-from ..weight_sync import SyncTensor, WeightSyncError, broadcast_json, digest, init_sync_group, receive_sync_tensors
+from ..weight_sync import (
+    SyncTensor,
+    WeightSyncError,
+    broadcast_json,
+    digest,
+    init_sync_group,
+    receive_sync_tensors,
+    unpack_sync_bucket,
+)
 from .vllm_plugin import jetrl_method_of
 
 __all__ = [
@@ -534,6 +542,17 @@ def receive_weights(worker: Any, src: int = 0) -> dict[str, int]:
     return total
 
 
+def receive_weights_ipc(worker: Any, entries: Sequence[Mapping[str, Any]], buckets: Mapping[str, Any]) -> dict[str, int]:
+    """Install one bucket that the policy rank on this worker's GPU exported through CUDA IPC (`ipc_sync`)."""
+    from ..ipc_sync import mapped_bucket
+
+    device = getattr(worker, "device", None)
+    if device is None or torch.device(device).type != "cuda":
+        raise WeightSyncError(f"CUDA IPC weight sync needs a GPU worker, this one is on {device}")
+    with mapped_bucket(buckets, device, f"engine worker {getattr(worker, 'rank', 0)}") as payload:
+        return install_sync_tensors(worker, unpack_sync_bucket(entries, payload))
+
+
 def broadcast_digests(worker: Any, digests: Mapping[str, str | None]) -> dict[str, str | None]:
     """Send an engine's digests (merged over its tensor-parallel workers by the caller) from its first worker to
     every member of the sync group; the trainer receives them with `weight_sync.broadcast_json(group, None,
@@ -568,6 +587,9 @@ class JetRLWorkerExtension:
 
     def jetrl_receive_weights(self, src: int = 0) -> dict[str, int]:
         return receive_weights(self, src)
+
+    def jetrl_receive_weights_ipc(self, entries: Sequence[Mapping[str, Any]], buckets: Mapping[str, Any]) -> dict[str, int]:
+        return receive_weights_ipc(self, entries, buckets)
 
     def jetrl_broadcast_digests(self, digests: Mapping[str, str | None]) -> dict[str, str | None]:
         return broadcast_digests(self, digests)

@@ -417,8 +417,9 @@ class VLLMConfig:
         False, "put engines to sleep during training (needs --train.colocate_all)", aliases=["--vllm_enable_sleep"]
     )
     enforce_eager: bool = opt(False, "disable CUDA graphs", aliases=["--enforce_eager"])
-    sync_backend: Literal["auto", "nccl", "gloo"] = opt(
-        "auto", "weight-sync backend (auto: nccl on GPU, gloo on CPU)", aliases=["--vllm_sync_backend"]
+    sync_backend: Literal["auto", "nccl", "gloo", "ipc"] = opt(
+        "auto", "weight-sync backend (auto: nccl on GPU, gloo on CPU and with --train.colocate_all; ipc: CUDA IPC "
+        "from the policy rank on each engine GPU, with --train.colocate_all)", aliases=["--vllm_sync_backend"]
     )
     dtype: str = opt("auto", "vLLM model dtype")
     enable_prefix_caching: bool = opt(

@@ -6,9 +6,9 @@
   against the trainer's own model, the digest check after every sync, and the precision check
   answered from inside the remote engine;
 - colocated: `--train.colocate_all --vllm.enable_sleep`, 2 policy ranks and 2 engines sharing the
-  2 GPUs, the engines asleep while training runs, weights over gloo;
+  2 GPUs, the engines asleep while training runs, weights over gloo or through CUDA IPC (`--vllm.sync_backend ipc`);
 - a tensor-parallel engine over both GPUs (colocated with 2 policy ranks): each worker installs its slice of
-  the FP8 bytes, the digest check combines the slices;
+  the FP8 bytes (gloo or CUDA IPC), the digest check combines the slices;
 - a layout that needs 3 GPUs is refused at once, naming the reference group;
 - an engine actor killed mid-rollout: `EngineDiedError` naming it, and `--ckpt.load_enable`
   continues from the last checkpoint.
@@ -116,13 +116,15 @@ def test_separate_engine_on_its_own_gpu_gets_fp8_bytes_over_nccl(task, tmp_path)
     assert all(0 <= m < 0.5 for m in mism), mism
 
 
-def test_colocated_engines_sleep_while_training_and_sync_over_gloo(task, tmp_path):
-    out = tmp_path / "colo"
+@pytest.mark.parametrize("backend", ["auto", "ipc"])
+def test_colocated_engines_sleep_while_training_and_sync_over_gloo_or_cuda_ipc(task, tmp_path, backend):
+    out = tmp_path / f"colo_{backend}"
     p = _cli(_argv(task, out, ["--vllm.num_engines", "2", "--actor.num_gpus_per_node", "2", "--train.colocate_all",
-                               "--vllm.enable_sleep", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2"]))
+                               "--vllm.enable_sleep", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2",
+                               "--vllm.sync_backend", backend]))
     assert p.returncode == 0, p.stderr[-4000:]
     layout = json.loads((out / "ray_layout.json").read_text())
-    assert layout["sync_backend"] == "gloo" and layout["groups"] == {"policy": 2}
+    assert layout["sync_backend"] == {"auto": "gloo", "ipc": "ipc"}[backend] and layout["groups"] == {"policy": 2}
     policy = [tuple(x["gpu_ids"]) for x in layout["placement"]["policy"]]
     engines = [tuple(x["gpu_ids"]) for x in layout["placement"]["engines"]]
     assert len(set(policy)) == 2 and sorted(engines) == sorted(policy), (policy, engines)  # engine i shares rank i's GPU
@@ -134,15 +136,18 @@ def test_colocated_engines_sleep_while_training_and_sync_over_gloo(task, tmp_pat
             assert s["memory/train_engine_asleep_device_used_gib"] < s["memory/rollout_engine_awake_device_used_gib"] + 1.0, s
 
 
-def test_tensor_parallel_engine_over_both_gpus_beside_two_policy_ranks(task, tmp_path):
+@pytest.mark.parametrize("backend", ["auto", "ipc"])
+def test_tensor_parallel_engine_over_both_gpus_beside_two_policy_ranks(task, tmp_path, backend):
     """OpenRLHF's scripts' layout (--vllm.tensor_parallel_size 2 --train.colocate_all): one engine whose two workers
-    (vLLM's Ray executor, in the engine's bundles) share the policy ranks' GPUs. Every worker receives each sync and
-    installs its slice of the FP8 bytes; the digest check after every step combines the slices' sums."""
+    (vLLM's Ray executor, in the engine's bundles) share the policy ranks' GPUs. Every worker receives each sync (over
+    gloo, or through CUDA IPC from the policy rank on its GPU) and installs its slice of the FP8 bytes; the digest
+    check after every step combines the slices' sums."""
     # head_dim 128 and 2 KV heads: each worker's k/v slice is one 128-row FP8 block (the task's tiny model has 64)
     model = g.build_random_llama(tmp_path / "tp_model", {**g.TINY, "hidden_size": 512, "intermediate_size": 1024}, 2)
-    out = tmp_path / "tp"
+    out = tmp_path / f"tp_{backend}"
     p = _cli(_argv(task, out, ["--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "2", "--actor.num_gpus_per_node", "2",
-                               "--train.colocate_all", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2"],
+                               "--train.colocate_all", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2",
+                               "--vllm.sync_backend", backend],
                    model=model))
     assert p.returncode == 0, p.stderr[-4000:]
     layout = json.loads((out / "ray_layout.json").read_text())

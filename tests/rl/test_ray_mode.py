@@ -135,6 +135,25 @@ def test_gpu_placement_rules_hold_without_a_gpu():
         check_gpu_fit(with_ref, 2.0)
 
 
+def test_sync_backend_choice_and_refusals():
+    from openrlhf.trainer.ray.launcher import choose_sync_backend
+
+    def cfg(*flags):
+        return parse_config(["--actor.model_name_or_path", "m", "--data.prompt_dataset", "d", "--vllm.num_engines", "2",
+                             "--actor.num_gpus_per_node", "2", *flags])
+
+    assert choose_sync_backend(cfg(), on_gpu=False) == "gloo"
+    assert choose_sync_backend(cfg(), on_gpu=True) == "nccl"
+    assert choose_sync_backend(cfg("--train.colocate_all"), on_gpu=True) == "gloo"  # engine 0 shares rank 0's GPU
+    assert choose_sync_backend(cfg("--train.colocate_all", "--vllm.sync_backend", "ipc"), on_gpu=True) == "ipc"
+    with pytest.raises(ConfigError, match=r"nccl with --train.colocate_all.*use --vllm.sync_backend ipc or gloo"):
+        choose_sync_backend(cfg("--train.colocate_all", "--vllm.sync_backend", "nccl"), on_gpu=True)
+    with pytest.raises(ConfigError, match=r"ipc maps the trainer's GPU memory.*this run: GPUs, --train.colocate_all off"):
+        choose_sync_backend(cfg("--vllm.sync_backend", "ipc"), on_gpu=True)
+    with pytest.raises(ConfigError, match=r"this run: no GPUs, --train.colocate_all on"):
+        choose_sync_backend(cfg("--train.colocate_all", "--vllm.sync_backend", "ipc"), on_gpu=False)
+
+
 def test_free_port_skips_ports_already_handed_to_another_group(monkeypatch):
     """Rendezvous ports are picked before any group binds its own: a later pick excludes the earlier ones, skips
     ports something listens on, stays out of the OS's ephemeral range (where outgoing connections could take the

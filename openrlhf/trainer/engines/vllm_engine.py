@@ -403,6 +403,15 @@ class VLLMEngine(RolloutEngine):
         self._synced = True
         return counts
 
+    def receive_weights_ipc(self, entries: Sequence[dict], buckets: dict) -> dict[str, int]:
+        """Install one bucket exported through CUDA IPC by the policy ranks that share this engine's GPUs
+        (`jetrl_precision.ipc_sync`; each worker maps the one from its own GPU)."""
+        self._weights_on_device()
+        counts = self.llm.collective_rpc("jetrl_receive_weights_ipc", args=(list(entries), dict(buckets)))[0]
+        self._reset_prefix_cache()
+        self._synced = True
+        return counts
+
     def broadcast_weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
         """Send digests of `names` over the sync group to the trainer (`weight_sync.broadcast_json(group, None, src)`)."""
         digests = self.weight_digests(names)

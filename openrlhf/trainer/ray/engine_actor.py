@@ -134,6 +134,18 @@ class EngineActor:
                     counts["fp8" if t.scale is not None else "hp"] += 1
             return counts
 
+    def receive_weights_ipc(self, entries: Sequence[dict], buckets: dict) -> dict[str, int]:
+        with self._using("receive_weights"):
+            if hasattr(self.engine, "receive_weights_ipc"):  # vLLM: each worker maps its own GPU's bucket
+                return self.engine.receive_weights_ipc(entries, buckets)
+            from jetrl_precision.ipc_sync import mapped_bucket
+            from jetrl_precision.weight_sync import unpack_sync_bucket
+
+            with mapped_bucket(buckets, "cuda", self.engine_id) as payload:
+                bucket = unpack_sync_bucket(entries, payload)
+                self.engine.update_weights(bucket)
+                return {"fp8": sum(t.scale is not None for t in bucket), "hp": sum(t.scale is None for t in bucket)}
+
     def weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
         with self._using("weight_digests"):
             return self.engine.weight_digests(list(names))
@@ -187,7 +199,7 @@ class RemoteEngine(RolloutEngine):
         n = len(handles.actors)
         self.mine = list(range(self.rank, n, self.world_size)) if n >= self.world_size else [self.rank % n]
         self._group = None
-        if self.rank == 0:
+        if self.rank == 0 and handles.sync_backend != "ipc":  # CUDA IPC needs no group: buckets go by handle
             self._init_sync_group()
 
     # ---- helpers ----------------------------------------------------------------------------------
@@ -263,6 +275,9 @@ class RemoteEngine(RolloutEngine):
         return [group for part in self._get(refs, idx, "generate (rollout)") for group in part]
 
     def update_weights(self, tensors: Iterable[Any]) -> None:
+        if self.h.sync_backend == "ipc":
+            self._update_weights_ipc(tensors)
+            return
         if self.rank != 0:
             for _ in tensors:  # the ZeRO-3 gather is collective: consume in step with rank 0
                 pass
@@ -276,6 +291,33 @@ class RemoteEngine(RolloutEngine):
             self._raise_dead_engine(refs, "weight sync", e)
             raise
         self._get(refs, list(range(len(refs))), "weight sync")
+        self.last_sync_stats = stats
+
+    def _update_weights_ipc(self, tensors: Iterable[Any]) -> None:
+        """Every rank packs each bucket on its own GPU and exports it (`ipc_sync.share_bucket`); rank 0 hands every
+        engine the buckets by GPU and waits for their installs; no rank reuses a bucket's memory before that."""
+        import torch.distributed as dist
+
+        from jetrl_precision.ipc_sync import share_bucket
+        from jetrl_precision.weight_sync import SyncStats, pack_sync_buckets
+
+        stats = SyncStats()
+        t0 = time.perf_counter()
+        device = torch.device("cuda", torch.cuda.current_device())
+        for entries, payload in pack_sync_buckets(tensors, device, stats=stats):
+            mine = share_bucket(payload)
+            shared = [mine]
+            if dist.is_initialized() and self.world_size > 1:
+                shared = [None] * self.world_size
+                dist.all_gather_object(shared, mine)
+            if self.rank == 0:
+                buckets = {}
+                for b in shared:
+                    buckets.setdefault(b.device_uuid, b)
+                self._all("receive_weights_ipc", entries, buckets, during="weight sync")
+            self._barrier()
+            del payload, mine, shared
+        stats.seconds = time.perf_counter() - t0
         self.last_sync_stats = stats
 
     def weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:

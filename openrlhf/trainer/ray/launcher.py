@@ -35,7 +35,7 @@ from .model_actors import CriticActor, RefActor, RewardActor
 from .policy_actor import PolicyActor, RoleHandles
 from .utils import actor_env, call, init_ray, on_gpu_cluster
 
-__all__ = ["run_ray", "RayLayout", "RayActorGroup", "plan_layout", "check_gpu_fit"]
+__all__ = ["run_ray", "RayLayout", "RayActorGroup", "plan_layout", "check_gpu_fit", "choose_sync_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +173,33 @@ class RayActorGroup:
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         err = EngineDiedError if self.role == "engines" else RayActorDiedError
         return call(refs, self.ids, during, err, timeout)
+
+
+def choose_sync_backend(cfg, on_gpu: bool) -> str:
+    """--vllm.sync_backend resolved for this cluster. gloo on CPU; NCCL on GPU unless engines share policy rank 0's GPU
+    (--train.colocate_all): NCCL refuses two ranks of one communicator on the same device, so those sync over gloo,
+    or, asked for, CUDA IPC (`ipc`: each engine worker maps the bucket its GPU's policy rank packed; no host copy)."""
+    chosen = cfg.vllm.sync_backend
+    shared = on_gpu and cfg.train.colocate_all
+    if chosen == "auto":
+        chosen = "gloo" if (shared or not on_gpu) else "nccl"
+        if shared:
+            logger.info("weight sync over gloo: with --train.colocate_all engine 0 shares policy rank 0's GPU "
+                        "(--vllm.sync_backend ipc keeps the bytes on the GPUs)")
+    elif chosen == "nccl" and shared:
+        raise ConfigError(
+            "--vllm.sync_backend nccl with --train.colocate_all: engine 0 shares policy rank 0's GPU and NCCL "
+            "refuses two ranks on one device; use --vllm.sync_backend ipc or gloo (or auto)"
+        )
+    elif chosen == "nccl" and not on_gpu:
+        raise ConfigError("--vllm.sync_backend nccl needs GPUs; this Ray cluster has none (use gloo or auto)")
+    elif chosen == "ipc" and not shared:
+        raise ConfigError(
+            "--vllm.sync_backend ipc maps the trainer's GPU memory in the engines, so it needs GPUs and "
+            f"--train.colocate_all (this run: {'GPUs' if on_gpu else 'no GPUs'}, --train.colocate_all "
+            f"{'on' if cfg.train.colocate_all else 'off'}); use auto"
+        )
+    return chosen
 
 
 class _Launcher:
@@ -316,22 +343,7 @@ class _Launcher:
                 pass
 
     def sync_backend(self) -> str:
-        """gloo on CPU; NCCL on GPU unless engines share GPUs with policy rank 0 (--train.colocate_all):
-        NCCL refuses two ranks of one communicator on the same device, so those sync over gloo."""
-        chosen = self.cfg.vllm.sync_backend
-        shared = self.on_gpu and self.cfg.train.colocate_all
-        if chosen == "auto":
-            chosen = "gloo" if (shared or not self.on_gpu) else "nccl"
-            if shared:
-                logger.info("weight sync over gloo: with --train.colocate_all engine 0 shares policy rank 0's GPU")
-        elif chosen == "nccl" and shared:
-            raise ConfigError(
-                "--vllm.sync_backend nccl with --train.colocate_all: engine 0 shares policy rank 0's GPU and NCCL "
-                "refuses two ranks on one device; use --vllm.sync_backend gloo (or auto)"
-            )
-        elif chosen == "nccl" and not self.on_gpu:
-            raise ConfigError("--vllm.sync_backend nccl needs GPUs; this Ray cluster has none (use gloo or auto)")
-        return chosen
+        return choose_sync_backend(self.cfg, self.on_gpu)
 
     # -- the run
     def run(self, evaluate: bool) -> dict:
