@@ -31,8 +31,10 @@
 # A call on a fresh machine (the previous one was given back) starts again from 1.
 # Stages:
 #   install  unpack vLLM, Ray, DeepSpeed into $STAGE_TMP/site; print versions and the GPUs torch sees
-#   gputest  tests/gpu/test_ray_2gpu.py (separate engine over NCCL, colocated sleep/wake, killed engine + resume, a
-#            3-GPU layout refused); GPUTEST_K selects tests (pytest -k) for a call that continues a cut-short one
+#   gputest  tests/gpu/test_ray_1gpu.py (the hybrid engine on one GPU, gloo and CUDA IPC sync) and test_ray_2gpu.py
+#            (separate engine over NCCL, colocated sleep/wake, killed engine + resume, a 3-GPU layout refused; it skips
+#            on one GPU, so `unpack install gputest` on a lent single GPU runs the hybrid engine alone); GPUTEST_K
+#            selects tests (pytest -k) for a call that continues a cut-short one
 #   sync     NCCL weight sync between the GPUs, 32-layer Llama-3.1-8B shape, bf16 and jet_fp8 (ray_nccl_sync_seconds_8b)
 #   ray2     GRPO, Ray: policy (+ reference) on GPU 0, the vLLM engine on GPU 1, bf16 and jet_fp8 (ray_2gpu_step_ratio)
 #   colo2    GRPO, Ray: --train.colocate_all --vllm.enable_sleep, 2 policy ranks + 2 engines on the 2 GPUs (COLO2_RECIPES,
@@ -203,7 +205,8 @@ stage_gputest() {
   enough 240 gputest || return 1
   mkdir -p "$RES/gputest"
   # shellcheck disable=SC2086
-  timeout "$(($(left) - 10))" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_ray_2gpu.py ${GPUTEST_K:+-k "$GPUTEST_K"} \
+  timeout "$(($(left) - 10))" python3 -m pytest -q -p no:cacheprovider -rs tests/gpu/test_ray_1gpu.py tests/gpu/test_ray_2gpu.py \
+    ${GPUTEST_K:+-k "$GPUTEST_K"} \
     --junitxml "$RES/gputest/junit.xml" 2>&1 | tee "$RES/gputest/pytest.txt" | tail -40
 }
 

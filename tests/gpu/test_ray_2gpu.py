@@ -20,11 +20,8 @@ built in the test. Engines run eager (no compile: the test measures nothing).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -39,47 +36,22 @@ if not torch.cuda.is_available():
 if torch.cuda.device_count() < 2:
     pytest.skip(f"needs 2 GPUs (the policy on one, the vLLM engine on the other); this machine has {torch.cuda.device_count()}",
                 allow_module_level=True)
-_missing = [m for m in ("ray", "vllm", "deepspeed") if importlib.util.find_spec(m) is None]
+from ray_jobs import missing_modules  # noqa: E402
+
+_missing = missing_modules()
 if _missing:
     pytest.skip(f"needs {', '.join(_missing)} (benchmarks/h200x2_ray.sh install carries them)", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import grpo_vllm_gpu as g  # noqa: E402
+import ray_jobs as rj  # noqa: E402
 from _rl_helpers import kill_engine_mid_rollout  # noqa: E402
-from train_runs import run_env  # noqa: E402
+from ray_jobs import ENV  # noqa: E402
 
-ENV = {**run_env(), "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-for _k in ("WORLD_SIZE", "LOCAL_RANK", "RANK", "RAY_ADDRESS"):
-    ENV.pop(_k, None)
+g = rj.g
 
 
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ray2gpu")
-    plan = g.SpeedPlan(layers=2, prompts=8, n=4, new_tokens=32, steps=2, rollout_micro=8, train_micro=8, gpu_mem=0.25,
-                       gemm_backend="torch", tiny=True)
-    model, data, reward = g.speed_inputs(d, plan)
-    return plan, model, data, reward
-
-
-def _argv(task, out: Path, extra: list[str], steps: int = 2, new_tokens: int | None = None, model: Path | None = None) -> list[str]:
-    plan, task_model, data, reward = task
-    model = model or task_model
-    plan = dataclasses.replace(plan, steps=steps, new_tokens=new_tokens or plan.new_tokens)
-    argv = [a for a in plan.argv(model, data, reward) if a != "--vllm.enable_sleep"]
-    return [*argv, "--algo.advantage.estimator", "group_norm", "--rollout.engine", "vllm", "--vllm.enforce_eager",
-            "--train.eval_prompts", "0", "--fp8_unified", "--ckpt.output_dir", str(out), *extra]
-
-
-def _cli(argv: list[str], timeout: float = 480) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "openrlhf.cli.train_ppo_ray", *argv], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return rj.make_task(tmp_path_factory.mktemp("ray2gpu"))
 
 
 def _expected_sync_bytes(model: Path) -> int:
@@ -95,14 +67,14 @@ def _expected_sync_bytes(model: Path) -> int:
 
 def test_separate_engine_on_its_own_gpu_gets_fp8_bytes_over_nccl(task, tmp_path):
     out = tmp_path / "sep"
-    p = _cli(_argv(task, out, ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0"]))
+    p = rj.cli(rj.argv(task, out, ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0"]))
     assert p.returncode == 0, p.stderr[-4000:]
     layout = json.loads((out / "ray_layout.json").read_text())
     assert layout["on_gpu"] and layout["sync_backend"] == "nccl" and layout["roles"] == {"policy": 1, "engines": 1}
     (pol,), (eng,) = layout["placement"]["policy"], layout["placement"]["engines"]
     assert pol["gpu_ids"] != eng["gpu_ids"] and pol["cuda_uuid"] != eng["cuda_uuid"], (pol, eng)
     assert pol["cuda_visible_devices"] == ",".join(pol["gpu_ids"]) and pol["cuda_device"] == 0  # cuda:0 is Ray's GPU for it
-    steps = _metrics(out)
+    steps = rj.metrics(out)
     assert [s["step"] for s in steps] == [1, 2]
     sent = _expected_sync_bytes(task[1])
     for s in steps:
@@ -119,7 +91,7 @@ def test_separate_engine_on_its_own_gpu_gets_fp8_bytes_over_nccl(task, tmp_path)
 @pytest.mark.parametrize("backend", ["auto", "ipc"])
 def test_colocated_engines_sleep_while_training_and_sync_over_gloo_or_cuda_ipc(task, tmp_path, backend):
     out = tmp_path / f"colo_{backend}"
-    p = _cli(_argv(task, out, ["--vllm.num_engines", "2", "--actor.num_gpus_per_node", "2", "--train.colocate_all",
+    p = rj.cli(rj.argv(task, out, ["--vllm.num_engines", "2", "--actor.num_gpus_per_node", "2", "--train.colocate_all",
                                "--vllm.enable_sleep", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2",
                                "--vllm.sync_backend", backend]))
     assert p.returncode == 0, p.stderr[-4000:]
@@ -128,7 +100,7 @@ def test_colocated_engines_sleep_while_training_and_sync_over_gloo_or_cuda_ipc(t
     policy = [tuple(x["gpu_ids"]) for x in layout["placement"]["policy"]]
     engines = [tuple(x["gpu_ids"]) for x in layout["placement"]["engines"]]
     assert len(set(policy)) == 2 and sorted(engines) == sorted(policy), (policy, engines)  # engine i shares rank i's GPU
-    steps = _metrics(out)
+    steps = rj.metrics(out)
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         assert s["sync/checked_tensors"] >= 1 and s["perf/engine_wake_s"] > 0 and s["perf/engine_sleep_s"] > 0, s
@@ -145,7 +117,7 @@ def test_tensor_parallel_engine_over_both_gpus_beside_two_policy_ranks(task, tmp
     # head_dim 128 and 2 KV heads: each worker's k/v slice is one 128-row FP8 block (the task's tiny model has 64)
     model = g.build_random_llama(tmp_path / "tp_model", {**g.TINY, "hidden_size": 512, "intermediate_size": 1024}, 2)
     out = tmp_path / f"tp_{backend}"
-    p = _cli(_argv(task, out, ["--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "2", "--actor.num_gpus_per_node", "2",
+    p = rj.cli(rj.argv(task, out, ["--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "2", "--actor.num_gpus_per_node", "2",
                                "--train.colocate_all", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2",
                                "--vllm.sync_backend", backend],
                    model=model))
@@ -154,7 +126,7 @@ def test_tensor_parallel_engine_over_both_gpus_beside_two_policy_ranks(task, tmp
     assert layout["groups"] == {"policy": 2} and layout["roles"]["engines"] == 1
     summary = json.loads((out / "summary.json").read_text())
     assert "tensor_parallel_workers: 2" in summary["precision_report"] and "precision check: OK" in summary["precision_report"]
-    steps = _metrics(out)
+    steps = rj.metrics(out)
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["sync/checked_tensors"] >= 1 for s in steps)  # a digest mismatch stops the run
     assert max(s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps) < 0.5  # random weights, bf16: loose
@@ -162,7 +134,7 @@ def test_tensor_parallel_engine_over_both_gpus_beside_two_policy_ranks(task, tmp
 
 def test_layout_needing_more_gpus_than_the_machine_has_is_refused_at_once(task, tmp_path):
     t0 = time.time()
-    p = _cli(_argv(task, tmp_path / "ref", ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01"]),
+    p = rj.cli(rj.argv(task, tmp_path / "ref", ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0.01"]),
              timeout=180)
     assert p.returncode == 1 and "needs 3 GPUs and the cluster has 2" in p.stderr and "colocate_actor_ref" in p.stderr, p.stderr[-2000:]
     assert time.time() - t0 < 120  # not the placement group's 600 s wait
@@ -185,7 +157,7 @@ def test_killed_engine_is_named_and_the_run_resumes_from_its_checkpoint(task, tm
 
     out = tmp_path / "kill"
     os.environ.update({k: v for k, v in ENV.items() if k.startswith(("VLLM_", "NCCL_", "TORCH_", "NVSHMEM_"))})
-    cfg = parse_config(_argv(task, out, ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0",
+    cfg = parse_config(rj.argv(task, out, ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--algo.kl.init_coef", "0",
                                          "--ckpt.save_steps", "1"], steps=4, new_tokens=128))  # a rollout long enough to catch
     killed: dict = {}
     killer = threading.Thread(target=kill_engine_mid_rollout, args=(ray_local, "-vllm-engine-0", 3, killed, 400.0),
@@ -202,5 +174,5 @@ def test_killed_engine_is_named_and_the_run_resumes_from_its_checkpoint(task, tm
     assert (ckpt / "latest").read_text().strip() == f"global_step{at - 1}"
     resumed = run_ray(dataclasses.replace(cfg, ckpt=dataclasses.replace(cfg.ckpt, load_enable=True)), evaluate=False)
     assert resumed["steps"] == 4 and resumed["sync_backend"] == "nccl"
-    assert [s["step"] for s in _metrics(out)] == list(range(at, 5))
+    assert [s["step"] for s in rj.metrics(out)] == list(range(at, 5))
     assert (ckpt / "latest").read_text().strip() == "global_step4"
