@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import grpo_vllm_gpu as g  # noqa: E402
 from train_runs import run_env  # noqa: E402
 
-__all__ = ["ROOT", "ENV", "missing_modules", "make_task", "argv", "cli", "metrics"]
+__all__ = ["ROOT", "ENV", "missing_modules", "make_task", "argv", "cli", "metrics", "hybrid_run"]
 
 ENV = {**run_env(), "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 for _k in ("WORLD_SIZE", "LOCAL_RANK", "RANK", "RAY_ADDRESS"):
@@ -53,3 +53,15 @@ def cli(args: list[str], timeout: float = 480) -> subprocess.CompletedProcess:
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def hybrid_run(task, out: Path, gpus: int, backend: str) -> tuple[dict, list[dict]]:
+    """Ray's hybrid engine on `gpus` GPUs (as many policy ranks and engines, `--train.colocate_all
+    --vllm.enable_sleep`, weight sync over `backend`): the run's layout and per-step metrics, once it exited 0."""
+    p = cli(argv(task, out, ["--vllm.num_engines", str(gpus), "--actor.num_gpus_per_node", str(gpus), "--train.colocate_all",
+                             "--vllm.enable_sleep", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2",
+                             "--vllm.sync_backend", backend]))
+    assert p.returncode == 0, p.stderr[-4000:]
+    layout = json.loads((out / "ray_layout.json").read_text())
+    assert layout["on_gpu"] and layout["sync_backend"] == {"auto": "gloo"}.get(backend, backend), layout
+    return layout, metrics(out)

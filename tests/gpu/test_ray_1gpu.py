@@ -32,20 +32,13 @@ def task(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["auto", "ipc"])
 def test_hybrid_engine_on_one_gpu_sleeps_while_training_and_syncs_over_gloo_or_cuda_ipc(task, tmp_path, backend):
-    out = tmp_path / f"hybrid_{backend}"
-    p = rj.cli(rj.argv(task, out, ["--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1", "--train.colocate_all",
-                                   "--vllm.enable_sleep", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2",
-                                   "--vllm.sync_backend", backend]))
-    assert p.returncode == 0, p.stderr[-4000:]
-    layout = json.loads((out / "ray_layout.json").read_text())
-    assert layout["on_gpu"] and layout["sync_backend"] == {"auto": "gloo", "ipc": "ipc"}[backend]
+    layout, steps = rj.hybrid_run(task, tmp_path / f"hybrid_{backend}", 1, backend)
     (pol,), (eng,) = layout["placement"]["policy"], layout["placement"]["engines"]
     assert pol["cuda_uuid"] == eng["cuda_uuid"], (pol, eng)  # one GPU, two processes
-    steps = rj.metrics(out)
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         assert s["sync/checked_tensors"] >= 1 and s["sync/bytes"] > 0, s  # a digest mismatch stops the run
         assert s["perf/engine_wake_s"] > 0 and s["perf/engine_sleep_s"] > 0, s
-    report = json.loads((out / "summary.json").read_text())["precision_report"]
+    report = json.loads((tmp_path / f"hybrid_{backend}" / "summary.json").read_text())["precision_report"]
     assert "[vllm-engine-0]" in report and "precision check: OK" in report, report[:2000]
     assert max(s["rollout_train_mismatch/abs_logp_diff_mean"] for s in steps) < 0.5  # random weights: loose

@@ -90,17 +90,11 @@ def test_separate_engine_on_its_own_gpu_gets_fp8_bytes_over_nccl(task, tmp_path)
 
 @pytest.mark.parametrize("backend", ["auto", "ipc"])
 def test_colocated_engines_sleep_while_training_and_sync_over_gloo_or_cuda_ipc(task, tmp_path, backend):
-    out = tmp_path / f"colo_{backend}"
-    p = rj.cli(rj.argv(task, out, ["--vllm.num_engines", "2", "--actor.num_gpus_per_node", "2", "--train.colocate_all",
-                               "--vllm.enable_sleep", "--algo.kl.init_coef", "0", "--vllm.gpu_memory_utilization", "0.2",
-                               "--vllm.sync_backend", backend]))
-    assert p.returncode == 0, p.stderr[-4000:]
-    layout = json.loads((out / "ray_layout.json").read_text())
-    assert layout["sync_backend"] == {"auto": "gloo", "ipc": "ipc"}[backend] and layout["groups"] == {"policy": 2}
+    layout, steps = rj.hybrid_run(task, tmp_path / f"colo_{backend}", 2, backend)
+    assert layout["groups"] == {"policy": 2}
     policy = [tuple(x["gpu_ids"]) for x in layout["placement"]["policy"]]
     engines = [tuple(x["gpu_ids"]) for x in layout["placement"]["engines"]]
     assert len(set(policy)) == 2 and sorted(engines) == sorted(policy), (policy, engines)  # engine i shares rank i's GPU
-    steps = rj.metrics(out)
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         assert s["sync/checked_tensors"] >= 1 and s["perf/engine_wake_s"] > 0 and s["perf/engine_sleep_s"] > 0, s
