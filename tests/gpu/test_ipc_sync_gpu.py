@@ -36,6 +36,7 @@ READER = textwrap.dedent("""
     for entries, bucket in pickle.load(open(sys.argv[1], "rb")):
         with mapped_bucket({"GPU-another": bucket, bucket.device_uuid: bucket}, device, "reader") as payload:
             digests.update({t.name: sync_tensor_digest(t) for t in unpack_sync_bucket(entries, payload)})
+        del payload  # lets the trainer's process reuse the memory (an engine's install returns, which does the same)
     try:
         bucket_for({"GPU-not-this-one": bucket}, device, "reader")
     except WeightSyncError as e:
