@@ -316,7 +316,7 @@ class RemoteEngine(RolloutEngine):
                     buckets.setdefault(b.device_uuid, b)
                 self._all("receive_weights_ipc", entries, buckets, during="weight sync")
             self._barrier()
-            del payload, mine, shared
+            del payload  # every engine has let go: free it before the next bucket is packed
         stats.seconds = time.perf_counter() - t0
         self.last_sync_stats = stats
 
