@@ -263,6 +263,8 @@ METRICS += (
            "the same stack's no-grad forward (reference / old-logprob pass) over BF16, 16,384 tokens per call, weights "
            "cached, torch backend",
            _field("reference_forward_ratio", backend="torch", where=lambda r: r.get("tokens") == 16384)),
+    Metric("reference_forward_ratio_deep_gemm", "x bf16", "the same with the deep_gemm backend (DeepGEMM built from source)",
+           _field("reference_forward_ratio", backend="deep_gemm", where=lambda r: r.get("tokens") == 16384)),
 )
 
 VLLM_8B = "Llama-3.1-8B shape, {} layers, {} prompts x 256 + 1024 new tokens, {}"

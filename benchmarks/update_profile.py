@@ -233,17 +233,17 @@ def summarize(results: list[dict]) -> str:
     for key in sorted({_key(r) for r in results}):
         rows = [r for r in results if _key(r) == key]
         bf = next((r for r in rows if r["recipe"] == "bf16"), None)
+        # one ratio column per FP8 recipe: an A/B such as jet_fp8 against jet_fp8+plainnorm reads side by side
+        fp8 = [r for r in rows if r is not bf] if bf is not None else []
         lines += [f"{key[1]}, micro-batch {key[2]} sequences{', activation checkpointing' if key[3] else ''}, FP8 GEMMs {key[0]}"
                   f"{_settings_note(rows[0])}", "",
-                  "| ms | " + " | ".join(r["recipe"] for r in rows) + (" | bf16 / jet_fp8 |" if bf and len(rows) > 1 else " |"),
-                  "|---" * (len(rows) + 1 + (bf is not None and len(rows) > 1)) + "|"]
+                  "| ms | " + " | ".join(r["recipe"] for r in rows) + "".join(f" | bf16 / {r['recipe']}" for r in fp8) + " |",
+                  "|---" * (len(rows) + 1 + len(fp8)) + "|"]
 
         def row(label, get):
             vals = [get(r) for r in rows]
-            ratio = ""
-            if bf is not None and len(rows) > 1 and vals[-1]:
-                ratio = f" | {get(bf) / vals[-1]:.3f}"
-            return f"| {label} | " + " | ".join(f"{v:.1f}" for v in vals) + ratio + " |"
+            ratios = "".join(f" | {get(bf) / get(r):.3f}" if get(r) else " | -" for r in fp8)
+            return f"| {label} | " + " | ".join(f"{v:.1f}" for v in vals) + ratios + " |"
 
         lines.append(row("micro-step wall", lambda r: r["micro_step_wall_ms"]))
         lines.append(row("GPU kernels", lambda r: r["micro_step_kernel_ms"]))
