@@ -242,7 +242,7 @@ def summarize(results: list[dict]) -> str:
 
         def row(label, get):
             vals = [get(r) for r in rows]
-            ratios = "".join(f" | {get(bf) / get(r):.3f}" if get(r) else " | -" for r in fp8)
+            ratios = "".join(f" | {get(bf) / get(r):.3f}" if get(r) and get(bf) else " | -" for r in fp8)
             return f"| {label} | " + " | ".join(f"{v:.1f}" for v in vals) + ratios + " |"
 
         lines.append(row("micro-step wall", lambda r: r["micro_step_wall_ms"]))

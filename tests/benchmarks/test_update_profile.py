@@ -39,6 +39,21 @@ def test_kernel_groups_name_the_h200_kernels(name, group):
     assert update_profile.kernel_group(name) == group
 
 
+def test_table_has_a_ratio_column_per_fp8_recipe():
+    """An A/B (jet_fp8 against jet_fp8+plainnorm) reads each FP8 recipe against bf16, not the last one against bf16."""
+    def job(recipe, wall, quant):
+        return {"recipe": recipe, "layers": 8, "prompt_len": 256, "new_tokens": 1024, "gemm_backend": "torch",
+                "variant": "deepspeed", "micro": 4, "grad_ckpt": False, "micro_step_wall_ms": wall,
+                "micro_step_kernel_ms": wall - 5, "groups_ms": {"quantize": quant, "elementwise": wall - 5 - quant},
+                "fwd_micro": 8, "fwd_nograd_ms": wall / 2, "peak_allocated_gib": 30.0, "kernels_captured": 10,
+                "top_kernels_us": []}
+
+    table = update_profile.summarize([job("bf16", 180.0, 0.0), job("jet_fp8", 144.0, 7.0), job("jet_fp8+plainnorm", 160.0, 6.5)])
+    assert "| ms | bf16 | jet_fp8 | jet_fp8+plainnorm | bf16 / jet_fp8 | bf16 / jet_fp8+plainnorm |" in table
+    assert "| micro-step wall | 180.0 | 144.0 | 160.0 | 1.250 | 1.125 |" in table
+    assert "|   quantize | 0.0 | 7.0 | 6.5 | - | - |" in table  # nothing to compare where bf16 has none
+
+
 @pytest.mark.slow
 @pytest.mark.integration
 def test_tiny_profiles_run_and_file_a_record(tmp_path):
