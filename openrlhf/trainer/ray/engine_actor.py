@@ -129,9 +129,7 @@ class EngineActor:
 
             counts = {"fp8": 0, "hp": 0}
             for bucket in receive_sync_tensors(self._group, src):
-                self.engine.update_weights(bucket)
-                for t in bucket:
-                    counts["fp8" if t.scale is not None else "hp"] += 1
+                self._install(bucket, counts)
             return counts
 
     def receive_weights_ipc(self, entries: Sequence[dict], buckets: dict) -> dict[str, int]:
@@ -142,9 +140,14 @@ class EngineActor:
             from jetrl_precision.weight_sync import unpack_sync_bucket
 
             with mapped_bucket(buckets, "cuda", self.engine_id) as payload:
-                bucket = unpack_sync_bucket(entries, payload)
-                self.engine.update_weights(bucket)
-                return {"fp8": sum(t.scale is not None for t in bucket), "hp": sum(t.scale is None for t in bucket)}
+                return self._install(unpack_sync_bucket(entries, payload), {"fp8": 0, "hp": 0})
+
+    def _install(self, bucket: Sequence[Any], counts: dict[str, int]) -> dict[str, int]:
+        """One received bucket into the (non-vLLM) engine, counted as FP8 tensors and high-precision ones."""
+        self.engine.update_weights(bucket)
+        for t in bucket:
+            counts["fp8" if t.scale is not None else "hp"] += 1
+        return counts
 
     def weight_digests(self, names: Sequence[str]) -> dict[str, str | None]:
         with self._using("weight_digests"):
