@@ -494,6 +494,10 @@ def _mark_fused_swiglu(g: PrecisionGraph, model: nn.Module) -> None:
             continue  # the fused kernel runs only where the Triton implementation does
         g.nodes[down].attrs["input_producer"] = "silu_mul_quantize"
         _set_edge_kernel(g, down, "input", "triton:silu_mul_quantize")
+        if m.fused_dy_quantization:  # the stacked gate/up GEMM's DGrad reads Q(dY) from the SwiGLU backward
+            for proj in ("gate_proj", "up_proj"):
+                _set_edge_kernel(g, canonical_name(f"{fqn}.{proj}" if fqn else proj), "dgrad.grad_output",
+                                 "triton:silu_mul_backward_quantize")
 
 
 def _mark_fused_norms(g: PrecisionGraph, model: nn.Module) -> None:

@@ -151,6 +151,17 @@ def silu_mul_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
     return None if fn is None else fn(dh, gate, up)
 
 
+def silu_mul_backward_quantized(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                                spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(dgate, dup) as `silu_mul_backward` gives them, for gate and up the halves of one stacked gate/up GEMM output,
+    with quantize(dY, spec) of the stacked dY = [dgate, dup] computed in the same kernel and kept for that GEMM's
+    DGrad. None when no implementation can (the caller runs `silu_mul_backward`)."""
+    fn = getattr(_impl_for(gate.device), "silu_mul_backward_quantized", None)
+    if fn is None or not spec.is_fp8:
+        return None
+    return fn(dh, gate, up, spec.granularity.block((gate.shape[0], 2 * gate.shape[1])), spec.pow2_scale)
+
+
 def rmsnorm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float, spec: TensorSpec) -> torch.Tensor | None:
     """transformers' Llama-family RMSNorm of a 2-D x, with quantize(y, spec) computed in the same kernel and kept
     for the consumers' next `quantize(y, spec)` call. None when no implementation can (the caller computes y).
@@ -259,5 +270,5 @@ def _padded(fn: Callable[..., QuantizedTensor], pad_to: int) -> Callable[..., Qu
 
 
 __all__ += ["quantize_transposed", "requantize_transposed", "quantize_dual", "silu_mul_quantized", "silu_mul_backward",
-            "rmsnorm_quantized", "rmsnorm_backward", "release_shared_results",
+            "silu_mul_backward_quantized", "rmsnorm_quantized", "rmsnorm_backward", "release_shared_results",
             "quantizer", "dual_quantizer", "transposed_quantizer", "transposed_requantizer"]

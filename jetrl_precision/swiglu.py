@@ -12,6 +12,11 @@ one kernel (`kernels.fused.silu_mul_backward`) where a probe on the device found
 (`kernels.swiglu_probe`), else those ops themselves. On a device without the kernels the forward is the plain
 expression; only the saved-tensor saving remains.
 
+Where gate and up run as one stacked GEMM (`grouped.py`), their gradients are that GEMM's dY, [M, 2I], which its
+DGrad quantizes 1x128. The backward kernel then also writes Q(dY) (`kernels.fused.silu_mul_backward_quantize`,
+the reference quantizer's bytes of the same dY) and hands it over through the share cache, so dY, the block's
+widest gradient, is read once less.
+
     fuse_swiglu(model)            # after convert_to_fp8 (which calls it unless fuse_swiglu=False)
 """
 
@@ -49,8 +54,10 @@ SWIGLU_MLP_CLASSES: tuple[str, ...] = (
 
 class _SiluMulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec | None) -> torch.Tensor:
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec | None,
+                dy_spec: TensorSpec | None) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
+        ctx.dy_spec = dy_spec
         if spec is not None:
             h = ops.silu_mul_quantized(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1]), spec)
             if h is not None:
@@ -62,22 +69,30 @@ class _SiluMulFunction(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
             width = gate.shape[-1]
-            grads = ops.silu_mul_backward(dh.reshape(-1, width), gate.reshape(-1, width), up.reshape(-1, width))
+            args = (dh.reshape(-1, width), gate.reshape(-1, width), up.reshape(-1, width))
+            grads = None
+            if ctx.dy_spec is not None:  # also quantizes the stacked dY for the gate/up GEMM's DGrad
+                grads = ops.silu_mul_backward_quantized(*args, ctx.dy_spec)
+            if grads is None:
+                grads = ops.silu_mul_backward(*args)
             if grads is not None:  # one kernel, autograd's bytes (checked per device)
-                return grads[0].view(gate.shape), grads[1].view(up.shape), None
+                return grads[0].view(gate.shape), grads[1].view(up.shape), None, None
         # The ops autograd records for F.silu(gate) * up, in its order: mul's backward, then silu's.
         dgate = torch.ops.aten.silu_backward(dh * up, gate) if ctx.needs_input_grad[0] else None
         dup = dh * F.silu(gate) if ctx.needs_input_grad[1] else None
-        return dgate, dup, None
+        return dgate, dup, None, None
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec | None = None) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, spec: TensorSpec | None = None,
+             dy_spec: TensorSpec | None = None) -> torch.Tensor:
     """silu(gate) * up, saving only gate and up for backward; with `spec` (the consumer's 1x128 FP8 input spec)
-    a fast implementation also quantizes the product in the same kernel and keeps Q(h) for the consumer."""
+    a fast implementation also quantizes the product in the same kernel and keeps Q(h) for the consumer. With
+    `dy_spec` (the DGrad dY spec of the stacked gate/up GEMM that produced gate and up), the backward likewise
+    quantizes [dgate, dup] for that GEMM's DGrad in its own kernel."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_mul needs gate and up of one shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
                          f"and {tuple(up.shape)} {up.dtype}")
-    return _SiluMulFunction.apply(gate, up, spec)
+    return _SiluMulFunction.apply(gate, up, spec, dy_spec)
 
 
 def _is_silu(act: Any) -> bool:
@@ -92,31 +107,52 @@ def _consumer_spec(down_proj: nn.Module) -> TensorSpec | None:
     return None
 
 
+def _stacked_dy_spec(gate_proj: nn.Module, up_proj: nn.Module) -> TensorSpec | None:
+    """The DGrad dY spec of gate/up when they run as one stacked GEMM (`grouped.py`) whose DGrad takes 1x128 e4m3,
+    else None. Whether a given call did run stacked is known from its outputs' layout, checked in the backward."""
+    group = getattr(gate_proj, "_group", None)
+    if not isinstance(gate_proj, Fp8Linear) or group is None or group.off is not None:
+        return None
+    if tuple(group.members) != (gate_proj, up_proj) or gate_proj.backward_spec is None:
+        return None
+    spec = gate_proj.backward_spec.dgrad_grad_output
+    return spec if spec.is_fp8 and spec.granularity == Granularity.BLOCK_1x128 else None
+
+
 class SwiGLUMLP(nn.Module):
     """`down_proj(silu(gate_proj(x)) * up_proj(x))` with the product fused and quantized for down_proj.
 
     It adopts the original MLP's submodules, so parameter names, the state dict and ZeRO partitioning are
-    unchanged; `source_class` records what it replaced.
+    unchanged; `source_class` records what it replaced. `quantize_dy` (default True): where gate and up run as one
+    stacked GEMM, the backward kernel also writes that GEMM's 1x128 FP8 dY (same bytes as its own quantizer).
     """
 
-    def __init__(self, mlp: nn.Module) -> None:
+    def __init__(self, mlp: nn.Module, quantize_dy: bool = True) -> None:
         super().__init__()
         self.gate_proj = mlp.gate_proj
         self.up_proj = mlp.up_proj
         self.down_proj = mlp.down_proj
         self.act_fn = mlp.act_fn if isinstance(mlp.act_fn, nn.Module) else nn.SiLU()
         self.source_class = type(mlp).__name__
+        self.quantize_dy = quantize_dy
 
     @property
     def fused_quantization(self) -> bool:
         """True when the product's 1x128 quantization is produced by the SwiGLU kernel (on a capable device)."""
         return _consumer_spec(self.down_proj) is not None
 
+    @property
+    def fused_dy_quantization(self) -> bool:
+        """True when the backward kernel also quantizes the stacked gate/up GEMM's dY (on a capable device)."""
+        return self.quantize_dy and _stacked_dy_spec(self.gate_proj, self.up_proj) is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), _consumer_spec(self.down_proj)))
+        dy_spec = _stacked_dy_spec(self.gate_proj, self.up_proj) if self.quantize_dy else None
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), _consumer_spec(self.down_proj), dy_spec))
 
     def extra_repr(self) -> str:
-        return f"source={self.source_class}, fused_quantization={self.fused_quantization}"
+        return (f"source={self.source_class}, fused_quantization={self.fused_quantization}, "
+                f"fused_dy_quantization={self.fused_dy_quantization}")
 
 
 def fuse_swiglu(model: nn.Module, classes: Iterable[type | str] = ()) -> int:

@@ -19,6 +19,8 @@
 - `silu_mul_backward(dh, gate, up)`: the gradients of h = silu(gate) * up in one pass, in the order and at the
   rounding points of autograd's kernels for that expression (`silu_backward(dh * up, gate)` and
   `dh * silu(gate)`), instead of four elementwise kernels over the MLP-wide tensors.
+- `silu_mul_backward_quantize(dh, gate, up)`: the same gradients as the halves of a stacked gate/up GEMM's dY, and
+  Q(dY, 1x128) for that GEMM's DGrad in the same pass (one read of dY fewer).
 
 The quantizing kernels do not write the high-precision result unless asked: the GEMM only needs the FP8 bytes.
 """
@@ -40,7 +42,7 @@ try:  # Triton >= 3.2 spells the CUDA libdevice module like this
 except ImportError:  # pragma: no cover
     from triton.language.extra.cuda import libdevice as _libdevice
 
-__all__ = ["silu_mul_quantize", "silu_mul_backward", "rmsnorm_quantize", "rmsnorm_backward", "KERNEL_DTYPES"]
+__all__ = ["silu_mul_quantize", "silu_mul_backward", "silu_mul_backward_quantize", "rmsnorm_quantize", "rmsnorm_backward", "KERNEL_DTYPES"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -105,6 +107,20 @@ def silu_mul_quantize(
 
 
 @triton.jit
+def _silu_mul_grads(dh, g, u, OUT_DTYPE: tl.constexpr):
+    """(dgate, dup) in OUT_DTYPE from fp32 dh, gate, up: aten's silu_backward(dh * up, gate) and dh * silu(gate)."""
+    e = _libdevice.exp(-g)
+    # dgate: aten's silu_backward(dh * up, gate), its product rounded first; 1 + x * (1 - s) is one fma in torch's build.
+    t = (dh * u).to(OUT_DTYPE).to(tl.float32)
+    sig = tl.math.div_rn(1.0, 1.0 + e)
+    dg = (t * sig) * tl.math.fma(g, 1.0 - sig, 1.0)
+    # dup: dh * silu(gate), silu rounded to the input dtype first as F.silu returns it.
+    silu = tl.math.div_rn(g, 1.0 + e).to(OUT_DTYPE).to(tl.float32)
+    du = dh * silu
+    return dg.to(OUT_DTYPE), du.to(OUT_DTYPE)
+
+
+@triton.jit
 def _silu_mul_bwd_kernel(
     dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, R, C,
     sdr, sdc, sgr, sgc, sur, suc, sdgr, sdgc, sdur, sduc,
@@ -117,16 +133,9 @@ def _silu_mul_bwd_kernel(
     dh = tl.load(dh_ptr + r64 * sdr + cc[None, :] * sdc, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + r64 * sgr + cc[None, :] * sgc, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r64 * sur + cc[None, :] * suc, mask=mask, other=0.0).to(tl.float32)
-    e = _libdevice.exp(-g)
-    # dgate: aten's silu_backward(dh * up, gate), its product rounded first; 1 + x * (1 - s) is one fma in torch's build.
-    t = (dh * u).to(OUT_DTYPE).to(tl.float32)
-    sig = tl.math.div_rn(1.0, 1.0 + e)
-    dg = (t * sig) * tl.math.fma(g, 1.0 - sig, 1.0)
-    # dup: dh * silu(gate), silu rounded to the input dtype first as F.silu returns it.
-    silu = tl.math.div_rn(g, 1.0 + e).to(OUT_DTYPE).to(tl.float32)
-    du = dh * silu
-    tl.store(dg_ptr + r64 * sdgr + cc[None, :] * sdgc, dg.to(OUT_DTYPE), mask=mask)
-    tl.store(du_ptr + r64 * sdur + cc[None, :] * sduc, du.to(OUT_DTYPE), mask=mask)
+    dg, du = _silu_mul_grads(dh, g, u, OUT_DTYPE)
+    tl.store(dg_ptr + r64 * sdgr + cc[None, :] * sdgc, dg, mask=mask)
+    tl.store(du_ptr + r64 * sdur + cc[None, :] * sduc, du, mask=mask)
 
 
 _kern_silu_mul_bwd = TritonLauncher(_silu_mul_bwd_kernel)
@@ -158,6 +167,73 @@ def silu_mul_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
     )
     return dgate, dup
 
+
+
+@triton.jit
+def _quantize_group_store(v, mask, rr, R, q_ptr, r64, sq, cols, s_ptr, ssr, ssg, g_col, POW2: tl.constexpr):
+    """Q(v, 1x128) of one [BLOCK_R, 128] tile of the high-precision values v, stored at columns `cols` of q and
+    scale column `g_col`."""
+    v32 = tl.where(mask, v.to(tl.float32), 0.0)
+    scale = group_scale(abs_max(v32, 1), POW2)
+    tl.store(q_ptr + r64 * sq + cols, quantize_values(v32, scale[:, None], POW2), mask=mask)
+    tl.store(s_ptr + rr * ssr + g_col * ssg, scale, mask=rr < R)
+
+
+@triton.jit
+def _silu_mul_bwd_quant_kernel(
+    dh_ptr, g_ptr, u_ptr, d_ptr, q_ptr, s_ptr, R, C,
+    sdr, sgr, sur, sd, sq, ssr, ssg,
+    BLOCK_R: tl.constexpr, POW2: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):
+    # One program: BLOCK_R rows of one 128-column group of gate and the same group of up. d(gate) lands in columns
+    # [0, C) of the stacked dY, d(up) in [C, 2C); C is a multiple of 128, so no 1x128 group straddles the two.
+    rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g_idx = tl.program_id(1)
+    cc = g_idx * 128 + tl.arange(0, 128)
+    mask = (rr[:, None] < R) & (cc[None, :] < C)
+    r64 = rr[:, None].to(tl.int64)
+    dh = tl.load(dh_ptr + r64 * sdr + cc[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + r64 * sgr + cc[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r64 * sur + cc[None, :], mask=mask, other=0.0).to(tl.float32)
+    dg, du = _silu_mul_grads(dh, g, u, OUT_DTYPE)
+    tl.store(d_ptr + r64 * sd + cc[None, :], dg, mask=mask)
+    tl.store(d_ptr + r64 * sd + (C + cc[None, :]), du, mask=mask)
+    _quantize_group_store(dg, mask, rr, R, q_ptr, r64, sq, cc[None, :], s_ptr, ssr, ssg, g_idx, POW2)
+    _quantize_group_store(du, mask, rr, R, q_ptr, r64, sq, C + cc[None, :], s_ptr, ssr, ssg, C // 128 + g_idx, POW2)
+
+
+_kern_silu_mul_bwd_quant = TritonLauncher(_silu_mul_bwd_quant_kernel)
+
+
+def silu_mul_backward_quantize(
+    dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, pow2_scale: bool = False
+) -> tuple[torch.Tensor, QuantizedTensor]:
+    """(dY, Q(dY, 1x128)) for dY = [d(gate), d(up)], the [M, 2I] gradient of a stacked gate/up GEMM's output.
+
+    dY's bytes are `silu_mul_backward`'s (one device function computes both); Q(dY) is the reference quantizer's
+    of those bytes, written in the same pass, so the GEMM's DGrad does not read dY again to quantize it. Needs I a
+    multiple of 128 and row-contiguous operands (views with a row stride, such as the halves of gate_up, are fine).
+    """
+    if not (dh.shape == gate.shape == up.shape) or gate.dim() != 2:
+        raise ValueError(f"silu_mul_backward_quantize needs three 2-D tensors of one shape, got {tuple(dh.shape)}, "
+                         f"{tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dtype not in _TL_DTYPE or not (dh.dtype == up.dtype == gate.dtype):
+        raise TypeError(f"silu_mul_backward_quantize supports bf16/fp16/fp32 inputs of one dtype, got {dh.dtype}, "
+                        f"{gate.dtype}, {up.dtype}")
+    rows, cols = gate.shape
+    if cols % 128 or any(t.stride(1) != 1 for t in (dh, gate, up)):
+        raise ValueError(f"silu_mul_backward_quantize needs a width that is a multiple of 128 and row-contiguous "
+                         f"operands, got {cols} columns and strides {dh.stride()}, {gate.stride()}, {up.stride()}")
+    d = torch.empty((rows, 2 * cols), dtype=gate.dtype, device=gate.device)
+    q = torch.empty((rows, 2 * cols), dtype=FP8_DTYPE, device=gate.device)
+    scale = empty_scale_1x128(rows, 2 * cols, gate.device)
+    br = 16 if rows <= 2048 else 32
+    _kern_silu_mul_bwd_quant((_cdiv(rows, br), cols // 128),
+        dh, gate, up, d, q, scale, rows, cols,
+        dh.stride(0), gate.stride(0), up.stride(0), d.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+        BLOCK_R=br, POW2=pow2_scale, OUT_DTYPE=_TL_DTYPE[gate.dtype], num_warps=4,
+    )
+    return d, QuantizedTensor.trusted(q, scale, (1, 128))
 
 @triton.jit
 def _rmsnorm_quant_kernel(

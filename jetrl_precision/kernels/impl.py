@@ -12,7 +12,7 @@ from ..formats import Block, QuantizedTensor
 from ..quantize import quantize_fp8, requantize_fp8
 from . import cast_transpose, fused, padding_probe, quant, quant_cuda, rmsnorm_probe, swiglu_probe
 from ._probe import device_key, verdict_once
-from .layout import pad_columns
+from .layout import column_blocks_of_one, pad_columns
 
 __all__ = ["TritonQuantizeImpl"]
 
@@ -32,6 +32,12 @@ def _capturing() -> bool:
 
 
 _HAS_CUDA = torch.cuda.is_available()
+
+
+def _stacked_swiglu_grads(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantizing SwiGLU backward's (dgate, dup), for its device probe (`swiglu_probe`)."""
+    d = fused.silu_mul_backward_quantize(dh, gate, up)[0]
+    return d[:, : gate.shape[1]], d[:, gate.shape[1]:]
 
 
 _dual_verdicts: dict[tuple, bool] = {}
@@ -98,6 +104,14 @@ class _LastResult:
         else:
             st = x.untyped_storage()
             self.key, self.ref, self.value = self._key(x, st, extra), StorageWeakRef(st), value
+        return value
+
+    def take(self, x: torch.Tensor, extra: tuple) -> QuantizedTensor | None:
+        """`get`, then forget the kept result: for a tensor read by one consumer (a stacked GEMM's dY), whose FP8
+        bytes should not outlive that read."""
+        value = self.get(x, extra)
+        if value is not None:
+            self.key = self.ref = self.value = None
         return value
 
     def lookup(self, x: torch.Tensor, extra: tuple, make, arg) -> QuantizedTensor:
@@ -234,6 +248,27 @@ class TritonQuantizeImpl:
             return None
         return fused.silu_mul_backward(dh, gate, up)
 
+    def silu_mul_backward_quantized(self, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, block: Block,
+                                    pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(dgate, dup) as the halves of the stacked gate/up GEMM's dY, from the fused kernel that also writes
+        Q(dY, 1x128); that is kept in the share cache for the GEMM's DGrad (`bind_quantize_dual` takes it). None
+        unless gate and up are the halves of one stacked output (only then is dY read as one tensor), or for operands
+        the kernel does not take, or where the SwiGLU probe failed. Only with the share cache on."""
+        if not self.share_results or block != (1, 128) or gate.dim() != 2 or gate.numel() == 0:
+            return None
+        if gate.dtype not in fused.KERNEL_DTYPES or not (dh.dtype == up.dtype == gate.dtype):
+            return None
+        if not (dh.shape == gate.shape == up.shape) or gate.shape[1] % 128 or dh.stride(1) != 1:
+            return None
+        if not column_blocks_of_one([gate, up]):
+            return None
+        if not swiglu_probe.fused_backward_ok(_stacked_swiglu_grads, gate.device, gate.dtype, "quantizing"):
+            return None
+        d, qt = fused.silu_mul_backward_quantize(dh, gate, up, pow2_scale)
+        self._last_q.put(d, (block, pow2_scale), qt)
+        cols = gate.shape[1]
+        return d[:, :cols], d[:, cols:]
+
     # ---- bound entry points: resolved once per (block, scale rule, device) by a layer's step plan --------------
     # Each returns a function of the 2-D floating input only (no per-call dispatch on block, dtype or device) that
     # gives the bytes of the matching method above; the caller guarantees a 2-D input with at least one element.
@@ -282,12 +317,18 @@ class TritonQuantizeImpl:
         each reducing a 128x128 tile both ways)."""
         if block == (1, 128) and t_block == (128, 1):
             kpad = self._kernel_pad(device, pad_to)
+            extra = (block, pow2_scale)
             if os.environ.get("JETRL_DUAL_QUANT_FUSED") == "1" and _one_read_dual_ok(device, pow2_scale, t_pow2_scale, kpad):
-                def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                def both(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
                     return quant.quantize_dual_1x128_128x1_t(x, pow2_scale, t_pow2_scale, pad_to=kpad)
             else:
-                def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                def both(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
                     return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pad_to=kpad)
+
+            def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                # A dY whose 1x128 bytes its producer already wrote (the fused SwiGLU backward) needs only 128x1^T.
+                q = self._last_q.take(x, extra) if self.share_results else None
+                return both(x) if q is None else (q, quant.quantize_128x1_t(x, t_pow2_scale, pad_to=kpad))
 
             if kpad == pad_to:
                 return dual

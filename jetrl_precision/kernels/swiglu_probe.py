@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 Backward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-_verdicts: dict[tuple[str, torch.dtype], bool] = {}
-_reasons: dict[tuple[str, torch.dtype], str] = {}
+_verdicts: dict[tuple[str, torch.dtype, str], bool] = {}
+_reasons: dict[tuple[str, torch.dtype, str], str] = {}
 
 
 def probe_values(device: torch.device | str, dtype: torch.dtype, rows: int = 256, cols: int = 1024):
@@ -50,8 +50,10 @@ def mismatch(fn: Backward, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tenso
     return int((dgate.view(bits) != ref_dgate.view(bits)).sum() + (dup.view(bits) != ref_dup.view(bits)).sum())
 
 
-def fused_backward_ok(fn: Backward, device: torch.device, dtype: torch.dtype) -> bool:
-    """The probe's verdict for `fn` on (device, dtype), computed on first use; a mismatch is logged once."""
+def fused_backward_ok(fn: Backward, device: torch.device, dtype: torch.dtype, kernel: str = "plain") -> bool:
+    """The probe's verdict for `fn` (one of the fused backward kernels, named by `kernel`: "plain", or "quantizing"
+    for the one that also quantizes the stacked dY) on (device, dtype), computed on first use; a mismatch is logged
+    once."""
 
     def check() -> str:
         bad = mismatch(fn, *probe_values(device, dtype))
@@ -59,8 +61,9 @@ def fused_backward_ok(fn: Backward, device: torch.device, dtype: torch.dtype) ->
 
     def warn(why: str) -> None:
         logger.warning(
-            "jetrl_precision: the fused SwiGLU backward %s on %s (%s); SwiGLU MLPs run autograd's four elementwise "
-            "kernels there instead (same result, more memory traffic)", why, device, dtype,
+            "jetrl_precision: the fused SwiGLU backward (%s kernel) %s on %s (%s); SwiGLU MLPs run %s there instead "
+            "(same result, more memory traffic)", kernel, why, device, dtype,
+            "autograd's four elementwise kernels" if kernel == "plain" else "the plain fused kernel and a separate quantizer",
         )
 
-    return verdict_once(_verdicts, _reasons, (device_key(device), dtype), check, warn)
+    return verdict_once(_verdicts, _reasons, (device_key(device), dtype, kernel), check, warn)

@@ -50,11 +50,14 @@ def test_fused_mlp_is_bitwise_the_unfused_one(backend, monkeypatch):
     x = outlier_data(300, 512, seed=1).view(3, 100, 512)  # 300 tokens: a partial 128-row block
     dy = outlier_data(300, 512, seed=2).view(3, 100, 512)
     y0, dx0, g0 = fwd_bwd(plain, x, dy)
-    # On the H200 the fused backward's bytes are autograd's (the probe passes), so the MLP takes it.
+    # On the H200 the fused backward's bytes are autograd's (the probe passes), so the MLP takes it: the kernel that
+    # also quantizes dY, since gate and up run as one stacked GEMM.
     assert swiglu_probe.fused_backward_ok(fused.silu_mul_backward, torch.device("cuda"), torch.bfloat16)
+    assert fused_model[0].fused_dy_quantization
     calls = []
-    real = fused.silu_mul_backward
-    monkeypatch.setattr(fused, "silu_mul_backward", lambda *a: calls.append(a[1].shape) or real(*a))
+    real = fused.silu_mul_backward_quantize
+    fwd_bwd(fused_model, x, dy)  # the first backward runs the kernel's device probe too
+    monkeypatch.setattr(fused, "silu_mul_backward_quantize", lambda *a: calls.append(a[1].shape) or real(*a))
     y1, dx1, g1 = fwd_bwd(fused_model, x, dy)
     assert calls == [(300, 1408)]  # the fused backward ran (the device probe passed), on every token at once
     assert torch.equal(y0, y1)
@@ -138,3 +141,55 @@ def test_fused_backward_is_autograds_bytes(dtype, halves):
     diff_g = (dgate.view(bits) != ref_dgate.view(bits)).sum().item()
     diff_u = (dup.view(bits) != ref_dup.view(bits)).sum().item()
     assert (diff_g, diff_u) == (0, 0), f"{diff_g} dgate and {diff_u} dup elements differ from autograd's kernels"
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantizing_backward_writes_the_reference_quantizers_bytes_of_its_dy(pow2):
+    """silu_mul_backward_quantize: dY = [dgate, dup] byte-equal to silu_mul_backward's halves, and Q(dY, 1x128) the
+    reference quantizer's bytes of that dY (data and scales), with outliers and a partial last row block."""
+    from jetrl_precision.quantize import quantize_fp8
+
+    m, i = 1000, 1408
+    gu = outlier_data(m, 2 * i, dtype=torch.float32, seed=7).bfloat16()
+    gu[:, :8] = torch.tensor([30.0, -30.0, 88.0, -88.0, 1e-3, -1e-3, 0.5, -0.5], device="cuda").bfloat16()
+    gate, up = gu.chunk(2, dim=-1)
+    dh = outlier_data(m, i, seed=8)
+    d, qt = fused.silu_mul_backward_quantize(dh, gate, up, pow2)
+    dgate, dup = fused.silu_mul_backward(dh, gate, up)
+    assert torch.equal(d.view(torch.int16), torch.cat([dgate, dup], 1).view(torch.int16))
+    ref = quantize_fp8(d, (1, 128), pow2_scale=pow2)
+    assert torch.equal(qt.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(qt.scale, ref.scale)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fused.silu_mul_backward_quantize(dh[:, :100], gate[:, :100], up[:, :100])
+
+
+def test_stacked_gate_up_dgrad_takes_the_backwards_quantization(monkeypatch):
+    """With gate/up as one stacked GEMM, its DGrad's 1x128 dY comes from the SwiGLU backward: one 1x128 quantizer
+    call fewer per backward than with `quantize_dy` off, and the same gradients byte for byte."""
+    _, on = _pair("auto")
+    off = copy.deepcopy(on)
+    off[0].quantize_dy = False
+    assert on[0].fused_dy_quantization and not off[0].fused_dy_quantization
+    g = build_precision_graph(on, "jet_fp8", "train_bwd")
+    assert g.edges_into("0.gate_proj")["dgrad.grad_output"].attrs.kernel == "triton:silu_mul_backward_quantize"
+    x, dy = outlier_data(384, 512, seed=9), outlier_data(384, 512, seed=10)
+    for model in (on, off):  # first calls: the stacked GEMM's one-time check and the kernels' probes
+        fwd_bwd(model, x, dy)
+    counts = []
+    real = quant.quantize_1x128
+
+    def counting(*a, **k):
+        counts[-1] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(quant, "quantize_1x128", counting)
+    results = []
+    for model in (on, off):
+        counts.append(0)
+        results.append(fwd_bwd(model, x, dy))
+    assert counts[1] - counts[0] == 1, counts
+    (y0, dx0, g0), (y1, dx1, g1) = results
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), f"gradient of {name} differs"

@@ -138,3 +138,23 @@ def test_cpu_precision_graph_names_no_fused_producer():
     node = g.nodes["model.layers.0.mlp.down_proj"]
     assert "input_producer" not in node.attrs
     assert g.edges_into(node.name)["input"].attrs.kernel == "reference"
+
+
+def test_dy_quantization_is_claimed_only_for_a_stacked_fp8_gate_up():
+    # The backward writes the stacked gate/up GEMM's FP8 dY only where that GEMM exists and quantizes dY 1x128; on
+    # CPU the kernel does not run, so the graph keeps the reference quantizer on that edge.
+    model = convert_to_fp8(tiny_causal_lm("llama", layers=1), "jet_fp8")
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, SwiGLUMLP) and mlp.fused_dy_quantization
+    assert "fused_dy_quantization=True" in repr(mlp)
+    g = build_precision_graph(model, "jet_fp8", "train_bwd")
+    assert g.edges_into("model.layers.0.mlp.gate_proj")["dgrad.grad_output"].attrs.kernel == "reference"
+    mlp.quantize_dy = False
+    assert not mlp.fused_dy_quantization
+    mlp.quantize_dy = True
+    mlp.gate_proj._group.dissolve("test")
+    assert not mlp.fused_dy_quantization
+    separate = convert_to_fp8(tiny_causal_lm("llama", layers=1), "jet_fp8", fuse_projections=False)
+    assert not separate.model.layers[0].mlp.fused_dy_quantization
+    rollout = convert_to_fp8(tiny_causal_lm("llama", layers=1), "fp8_rollout")
+    assert not any(getattr(m, "fused_dy_quantization", False) for m in rollout.modules())
