@@ -12,7 +12,7 @@ from torch import nn
 
 from jetrl_precision import convert_to_fp8, get_recipe
 from jetrl_precision.rmsnorm import fuse_rmsnorm
-from jetrl_precision.swiglu import fuse_swiglu
+from jetrl_precision.swiglu import SwiGLUMLP, fuse_swiglu
 
 __all__ = ["RMSNorm", "Attn", "MLP", "Block", "Stack", "build_stack"]
 
@@ -108,7 +108,8 @@ class Stack(nn.Module):
 def build_stack(variant, seed=0):
     """variant: "bf16" or "jet_fp8/<gemm backend>", optionally with ":" and "+"-joined modes: "unfused" keeps the
     plain MLP (no fused SwiGLU), "separate" runs q/k/v and gate/up as their own GEMMs (no stacked projections),
-    "plainnorm" keeps the plain RMSNorms (no norm fused with its consumers' quantization)."""
+    "plainnorm" keeps the plain RMSNorms (no norm fused with its consumers' quantization), "plaindy" leaves the
+    stacked gate/up GEMM's dY to its own quantizer (the SwiGLU backward does not write Q(dY))."""
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = Stack().to(torch.bfloat16)
@@ -124,6 +125,9 @@ def build_stack(variant, seed=0):
         # What convert_to_fp8 does for HF Llama/Qwen MLPs and norms (this file's classes join by name).
         if "unfused" not in modes:
             fuse_swiglu(model, classes=[MLP])
+            for m in model.modules():
+                if isinstance(m, SwiGLUMLP):
+                    m.quantize_dy = "plaindy" not in modes
         if "plainnorm" not in modes:
             fuse_rmsnorm(model, classes=[RMSNorm])
     return model

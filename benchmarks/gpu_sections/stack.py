@@ -23,11 +23,11 @@ def _variant_label(variant):
     return f"jet_fp8 {resolve_backend(backend, 'cuda')}" + (f" {mode}" if mode else "")
 
 
-def _stack_variants(args, unfused=False, separate=False, plainnorm=False):
+def _stack_variants(args, unfused=False, separate=False, plainnorm=False, plaindy=False):
     """bf16 plus one jet_fp8 variant per distinct resolved backend (auto,torch is one variant without DeepGEMM);
     with `unfused`, the first backend once more without the fused SwiGLU MLP, with `separate` once more with
-    q/k/v and gate/up as their own GEMMs, and with `plainnorm` once more with the plain RMSNorms (the A/Bs of
-    those fusions)."""
+    q/k/v and gate/up as their own GEMMs, with `plainnorm` once more with the plain RMSNorms, and with `plaindy`
+    once more with gate/up's dY quantized by its own kernel, not the SwiGLU backward (the A/Bs of those fusions)."""
     out, seen = ["bf16"], set()
     for b in args.stack_backends.split(","):
         resolved = resolve_backend(b, "cuda")
@@ -35,7 +35,8 @@ def _stack_variants(args, unfused=False, separate=False, plainnorm=False):
             seen.add(resolved)
             out.append(f"jet_fp8/{b}")
     if len(out) > 1:
-        extra = [out[1] + ":" + mode for mode, on in (("unfused", unfused), ("separate", separate), ("plainnorm", plainnorm)) if on]
+        extra = [out[1] + ":" + mode for mode, on in (("unfused", unfused), ("separate", separate), ("plainnorm", plainnorm),
+                                                      ("plaindy", plaindy)) if on]
         out[2:2] = extra
     return out
 
@@ -81,7 +82,7 @@ def section_stack(args):
     splits = {}
     for batch in (args.stack_batch, args.stack_batch // 2, args.stack_batch // 4):
         try:
-            for name in _stack_variants(args, unfused=True, separate=True, plainnorm=True):
+            for name in _stack_variants(args, unfused=True, separate=True, plainnorm=True, plaindy=True):
                 torch.cuda.empty_cache()
                 model = build_stack(name)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
@@ -132,7 +133,8 @@ def section_stack(args):
         rec("stack_train_tokens_per_s", shape, label, round(tok, 0), "tokens/s", round(tok / bf[1], 3),
             ms_per_step=round(ms, 2), peak_mem_gib=round(peak, 2), gemm_backend=gb,
             fused_swiglu=name != "bf16" and "unfused" not in name, stacked_projections=name != "bf16" and "separate" not in name,
-            fused_norms=name != "bf16" and "plainnorm" not in name)
+            fused_norms=name != "bf16" and "plainnorm" not in name,
+            fused_dy_quant=name != "bf16" and not any(m in name for m in ("plaindy", "unfused", "separate")))
         if name != "bf16" and not _is_ab(name):
             # The issue's acceptance figures per GEMM backend: tokens/s over BF16's, and peak memory over BF16's.
             rec("stack_train_step_ratio", shape, gb, round(tok / bf[1], 3), "x", round(tok / bf[1], 3),
