@@ -1,6 +1,7 @@
 """The WGrad padding of the Triton quantizer kernels and the one-read dual quantizer against the two kernels it
-replaces (with its first-use check), run in Triton's CPU interpreter (`TRITON_INTERPRET=1`), and the output layout the fused SwiGLU backward
-picks for a stacked gate/up GEMM (its launch intercepted).
+replaces (with its first-use check), run in Triton's CPU interpreter (`TRITON_INTERPRET=1`), the dual quantizer taking
+a 1x128 result its producer kept, and the output layout the fused SwiGLU backward picks for a stacked gate/up GEMM
+(its launch intercepted).
 
 The interpreter's FP8 arithmetic is not the GPU's (its bytes differ from the reference quantizer's in places), so
 this does not replace the byte-exact GPU tests (tests/gpu/test_wgrad_padding_gpu.py). It checks what the padding
@@ -143,6 +144,33 @@ def test_swiglu_backward_writes_stacked_halves_for_a_stacked_gate_up():
     assert args[3] is dg and args[4] is du and args[13:17] == (2 * cols, 1, 2 * cols, 1)  # the strides it writes with
     assert apart[0].untyped_storage().data_ptr() != apart[1].untyped_storage().data_ptr() and apart[0].is_contiguous()
 
+
+_TAKE_SCRIPT = r"""
+import json, torch
+from jetrl_precision.kernels import impl, quant
+
+x = (torch.randn(200, 256, generator=torch.Generator().manual_seed(4)) * 3).to(torch.bfloat16)
+t = impl.TritonQuantizeImpl()
+dual = t.bind_quantize_dual((1, 128), False, (128, 1), False, torch.device("cpu"))
+mine = quant.quantize_1x128(x)                 # what a producer (the SwiGLU backward) kept for x
+t._last_q.put(x, ((1, 128), False), mine)
+q1, qt1 = dual(x)
+q2, qt2 = dual(x)                               # taken: the kept result is not kept past its one consumer
+same = lambda a, b: bool(torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale))
+print(json.dumps({"took": q1 is mine, "second_fresh": q2 is not mine and same(q2, mine), "t_same": same(qt1, qt2),
+                  "t_ref": same(qt1, quant.quantize_128x1_t(x)), "emptied": t._last_q.value is None,
+                  "other_tensor": dual(x.clone())[0] is not mine}))
+"""
+
+
+def test_dual_quantizer_takes_a_kept_1x128_result_once():
+    """The backward's dual quantizer takes a 1x128 result its producer kept for that very dY (the fused SwiGLU
+    backward's), computes only the 128x1^T layout, and forgets the kept result (dY has one consumer)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    r = subprocess.run([sys.executable, "-c", _TAKE_SCRIPT], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {
+        "took": True, "second_fresh": True, "t_same": True, "t_ref": True, "emptied": True, "other_tensor": True}
 
 _RMSNORM_BWD_SCRIPT = r"""
 import json, torch
