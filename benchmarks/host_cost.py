@@ -300,6 +300,20 @@ def _emulate_triton(name: str, grid, args, meta) -> None:
         ref = quantize_fp8(hp, (1, 128), pow2_scale=meta["POW2"], nonfinite="propagate")
         _strided(q, (r, c), (sqr, sqc)).copy_(ref.data)
         _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
+    elif name == "_silu_mul_bwd_kernel":  # autograd's bytes for silu(gate) * up, as the device probe requires
+        dh, g, u, dg, du, r, c, sdr, sdc, sgr, sgc, sur, suc, sdgr, sdgc, sdur, sduc = args
+        dhv, gv, uv = _strided(dh, (r, c), (sdr, sdc)), _strided(g, (r, c), (sgr, sgc)), _strided(u, (r, c), (sur, suc))
+        _strided(dg, (r, c), (sdgr, sdgc)).copy_(torch.ops.aten.silu_backward(dhv * uv, gv))
+        _strided(du, (r, c), (sdur, sduc)).copy_(dhv * F.silu(gv))
+    elif name == "_silu_mul_bwd_quant_kernel":
+        dh, g, u, d, q, s, r, c, sdr, sgr, sur, sd, sq, ssr, ssg = args
+        dhv, gv, uv = _strided(dh, (r, c), (sdr, 1)), _strided(g, (r, c), (sgr, 1)), _strided(u, (r, c), (sur, 1))
+        dv = _strided(d, (r, 2 * c), (sd, 1))
+        dv[:, :c].copy_(torch.ops.aten.silu_backward(dhv * uv, gv))
+        dv[:, c:].copy_(dhv * F.silu(gv))
+        ref = quantize_fp8(dv, (1, 128), pow2_scale=meta["POW2"], nonfinite="propagate")
+        _strided(q, (r, 2 * c), (sq, 1)).copy_(ref.data)
+        _strided(s, (r, 2 * c // 128), (ssr, ssg)).copy_(ref.scale)
     elif name == "_rmsnorm_quant_kernel":
         x, w, y, q, s, r, c, eps, sxr, syr, sqr, ssr, ssg = args
         from jetrl_precision.rmsnorm import rms_norm_formula
@@ -415,7 +429,7 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
     install_triton_stand_in()
     from jetrl_precision import ops
     from jetrl_precision.gemm import dispatch, torch_backend
-    from jetrl_precision.kernels import cast_transpose, launch, padding_probe, rmsnorm_probe
+    from jetrl_precision.kernels import cast_transpose, launch, padding_probe, rmsnorm_probe, swiglu_probe
     from jetrl_precision.kernels.impl import TritonQuantizeImpl
 
     ops._load_optional()
@@ -443,6 +457,10 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
     # The fused norms' device probe passed (its checks read the kernels' results, which only --check computes).
     saved_norm = dict(rmsnorm_probe._verdicts)
     rmsnorm_probe._verdicts.update({("cpu", dt): True for dt in (torch.bfloat16, torch.float16, torch.float32)})
+    # Likewise the fused SwiGLU backward's (both kernels: its emulation below gives autograd's bytes).
+    saved_swiglu = dict(swiglu_probe._verdicts)
+    swiglu_probe._verdicts.update({("cpu", dt, k): True for dt in (torch.bfloat16, torch.float16, torch.float32)
+                                   for k in ("plain", "quantizing")})
     # The engine's CUDA 1x128 activation quantizer (kernels.quant_cuda), its launch going to the override like the
     # others; the engine's per-process choice of quantizer is made afresh inside the block and forgotten after it.
     from jetrl_precision.integrations import engine_linear
@@ -485,6 +503,8 @@ def simulated_cuda(check: bool = False) -> Iterator[None]:
         padding_probe._verdicts.update(saved_pad)
         rmsnorm_probe._verdicts.clear()
         rmsnorm_probe._verdicts.update(saved_norm)
+        swiglu_probe._verdicts.clear()
+        swiglu_probe._verdicts.update(saved_swiglu)
         quant_cuda.quantizer_1x128 = saved_qc
         engine_linear._ACT_QUANTIZERS.clear()
         engine_linear._ACT_QUANTIZERS.update(saved_act)

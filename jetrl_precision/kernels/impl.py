@@ -136,6 +136,7 @@ class TritonQuantizeImpl:
     def __init__(self, share_results: bool = True) -> None:
         self._ok: dict[str, bool] = {}
         self._norm_verdicts: dict[tuple[torch.device, torch.dtype], bool] = {}
+        self._swiglu_dy_verdicts: dict[tuple[torch.device, torch.dtype], bool] = {}
         self.share_results = share_results
         self.release_shared()
 
@@ -143,6 +144,9 @@ class TritonQuantizeImpl:
         """Drop the kept quantizations (they hold their FP8 bytes alive after their source is gone)."""
         self._last_q = _LastResult()
         self._last_rq_t = _LastResult()
+        # A stacked GEMM's 1x128 dY that its producer wrote (the fused SwiGLU backward), for that GEMM's DGrad only;
+        # its own slot, so the dY quantizers check it with one attribute read while it is empty.
+        self._kept_dy = _LastResult()
 
     def supports(self, device: torch.device) -> bool:
         key = str(device)
@@ -251,7 +255,7 @@ class TritonQuantizeImpl:
     def silu_mul_backward_quantized(self, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, block: Block,
                                     pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(dgate, dup) as the halves of the stacked gate/up GEMM's dY, from the fused kernel that also writes
-        Q(dY, 1x128); that is kept in the share cache for the GEMM's DGrad (`bind_quantize_dual` takes it). None
+        Q(dY, 1x128); that is kept for the GEMM's DGrad, whose dY quantizer takes it (`bind_quantize_dual`). None
         unless gate and up are the halves of one stacked output (only then is dY read as one tensor), or for operands
         the kernel does not take, or where the SwiGLU probe failed. Only with the share cache on."""
         if not self.share_results or block != (1, 128) or gate.dim() != 2 or gate.numel() == 0:
@@ -260,12 +264,17 @@ class TritonQuantizeImpl:
             return None
         if not (dh.shape == gate.shape == up.shape) or gate.shape[1] % 128 or dh.stride(1) != 1:
             return None
-        if not column_blocks_of_one([gate, up]):
-            return None
-        if not swiglu_probe.fused_backward_ok(_stacked_swiglu_grads, gate.device, gate.dtype, "quantizing"):
+        key = (gate.device, gate.dtype)
+        ok = self._swiglu_dy_verdicts.get(key)
+        if ok is None:
+            if _capturing():  # the probe reads results back: never inside a graph capture
+                return None
+            ok = self._swiglu_dy_verdicts[key] = swiglu_probe.fused_backward_ok(
+                _stacked_swiglu_grads, gate.device, gate.dtype, "quantizing")
+        if not ok or not column_blocks_of_one([gate, up]):
             return None
         d, qt = fused.silu_mul_backward_quantize(dh, gate, up, pow2_scale)
-        self._last_q.put(d, (block, pow2_scale), qt)
+        self._kept_dy.put(d, (block, pow2_scale), qt)
         cols = gate.shape[1]
         return d[:, :cols], d[:, cols:]
 
@@ -282,6 +291,10 @@ class TritonQuantizeImpl:
             def quantize_shared(x: torch.Tensor) -> QuantizedTensor:
                 if not x.is_floating_point():
                     return quantize_fp8(x, block, pow2_scale=pow2_scale, nonfinite="propagate")
+                if self._kept_dy.key is not None:  # a DGrad-only backward of the stacked gate/up GEMM
+                    kept = self._kept_dy.take(x, extra)
+                    if kept is not None:
+                        return kept
                 return self._last_q.lookup(x, extra, make, x) if self.share_results else make(x)
 
             return quantize_shared
@@ -318,17 +331,18 @@ class TritonQuantizeImpl:
         if block == (1, 128) and t_block == (128, 1):
             kpad = self._kernel_pad(device, pad_to)
             extra = (block, pow2_scale)
+            # A dY whose 1x128 bytes its producer already wrote (the fused SwiGLU backward, `_kept_dy`) needs only
+            # the 128x1^T layout; the empty slot costs one attribute read.
             if os.environ.get("JETRL_DUAL_QUANT_FUSED") == "1" and _one_read_dual_ok(device, pow2_scale, t_pow2_scale, kpad):
-                def both(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                    if self._kept_dy.key is not None and (q := self._kept_dy.take(x, extra)) is not None:
+                        return q, quant.quantize_128x1_t(x, t_pow2_scale, pad_to=kpad)
                     return quant.quantize_dual_1x128_128x1_t(x, pow2_scale, t_pow2_scale, pad_to=kpad)
             else:
-                def both(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
+                    if self._kept_dy.key is not None and (q := self._kept_dy.take(x, extra)) is not None:
+                        return q, quant.quantize_128x1_t(x, t_pow2_scale, pad_to=kpad)
                     return quant.quantize_1x128(x, pow2_scale), quant.quantize_128x1_t(x, t_pow2_scale, pad_to=kpad)
-
-            def dual(x: torch.Tensor) -> tuple[QuantizedTensor, QuantizedTensor]:
-                # A dY whose 1x128 bytes its producer already wrote (the fused SwiGLU backward) needs only 128x1^T.
-                q = self._last_q.take(x, extra) if self.share_results else None
-                return both(x) if q is None else (q, quant.quantize_128x1_t(x, t_pow2_scale, pad_to=kpad))
 
             if kpad == pad_to:
                 return dual

@@ -153,12 +153,12 @@ x = (torch.randn(200, 256, generator=torch.Generator().manual_seed(4)) * 3).to(t
 t = impl.TritonQuantizeImpl()
 dual = t.bind_quantize_dual((1, 128), False, (128, 1), False, torch.device("cpu"))
 mine = quant.quantize_1x128(x)                 # what a producer (the SwiGLU backward) kept for x
-t._last_q.put(x, ((1, 128), False), mine)
+t._kept_dy.put(x, ((1, 128), False), mine)
 q1, qt1 = dual(x)
 q2, qt2 = dual(x)                               # taken: the kept result is not kept past its one consumer
 same = lambda a, b: bool(torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale))
 print(json.dumps({"took": q1 is mine, "second_fresh": q2 is not mine and same(q2, mine), "t_same": same(qt1, qt2),
-                  "t_ref": same(qt1, quant.quantize_128x1_t(x)), "emptied": t._last_q.value is None,
+                  "t_ref": same(qt1, quant.quantize_128x1_t(x)), "emptied": t._kept_dy.value is None,
                   "other_tensor": dual(x.clone())[0] is not mine}))
 """
 
