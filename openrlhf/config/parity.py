@@ -63,7 +63,7 @@ OPENRLHF_V0_11: dict[str, Parity] = {
         "projection), with --precision.bitwise, for checkpoints that store projections fused (Phi-3), for mixture-of-experts "
         "models, and in SPMD mode on GPUs (use Ray mode, --vllm.num_engines)"
     ),
-    "--vllm.sync_backend": _differs("default auto: gloo on CPU and when engines share policy rank 0's GPU, else NCCL (v0.11: nccl); ipc: CUDA IPC for --train.colocate_all"),
+    "--vllm.sync_backend": _differs("default auto: gloo on CPU, CUDA IPC when engines share the policy ranks' GPUs (--train.colocate_all), else NCCL (v0.11: nccl)"),
     "--vllm.sync_with_ray": _differs(
         "weights always sync over a torch.distributed group (gloo/NCCL), not ray.util.collective: same bytes; "
         "the flag is accepted with a warning and changes nothing"

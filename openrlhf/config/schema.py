@@ -418,8 +418,8 @@ class VLLMConfig:
     )
     enforce_eager: bool = opt(False, "disable CUDA graphs", aliases=["--enforce_eager"])
     sync_backend: Literal["auto", "nccl", "gloo", "ipc"] = opt(
-        "auto", "weight-sync backend (auto: nccl on GPU, gloo on CPU and with --train.colocate_all; ipc: CUDA IPC "
-        "from the policy rank on each engine GPU, with --train.colocate_all)", aliases=["--vllm_sync_backend"]
+        "auto", "weight-sync backend (auto: nccl on GPU, ipc with --train.colocate_all on GPU, gloo on CPU; ipc: CUDA "
+        "IPC from the policy rank on each engine GPU, only with --train.colocate_all)", aliases=["--vllm_sync_backend"]
     )
     dtype: str = opt("auto", "vLLM model dtype")
     enable_prefix_caching: bool = opt(

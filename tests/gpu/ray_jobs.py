@@ -63,5 +63,5 @@ def hybrid_run(task, out: Path, gpus: int, backend: str) -> tuple[dict, list[dic
                              "--vllm.sync_backend", backend]))
     assert p.returncode == 0, p.stderr[-4000:]
     layout = json.loads((out / "ray_layout.json").read_text())
-    assert layout["on_gpu"] and layout["sync_backend"] == {"auto": "gloo"}.get(backend, backend), layout
+    assert layout["on_gpu"] and layout["sync_backend"] == {"auto": "ipc"}.get(backend, backend), layout
     return layout, metrics(out)

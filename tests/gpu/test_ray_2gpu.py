@@ -6,7 +6,7 @@
   against the trainer's own model, the digest check after every sync, and the precision check
   answered from inside the remote engine;
 - colocated: `--train.colocate_all --vllm.enable_sleep`, 2 policy ranks and 2 engines sharing the
-  2 GPUs, the engines asleep while training runs, weights over gloo or through CUDA IPC (`--vllm.sync_backend ipc`);
+  2 GPUs, the engines asleep while training runs, weights over gloo or through CUDA IPC (`auto` picks it for --train.colocate_all);
 - a tensor-parallel engine over both GPUs (colocated with 2 policy ranks): each worker installs its slice of
   the FP8 bytes (gloo or CUDA IPC), the digest check combines the slices;
 - a layout that needs 3 GPUs is refused at once, naming the reference group;
@@ -88,7 +88,7 @@ def test_separate_engine_on_its_own_gpu_gets_fp8_bytes_over_nccl(task, tmp_path)
     assert all(0 <= m < 0.5 for m in mism), mism
 
 
-@pytest.mark.parametrize("backend", ["auto", "ipc"])
+@pytest.mark.parametrize("backend", ["gloo", "auto"])
 def test_colocated_engines_sleep_while_training_and_sync_over_gloo_or_cuda_ipc(task, tmp_path, backend):
     layout, steps = rj.hybrid_run(task, tmp_path / f"colo_{backend}", 2, backend)
     assert layout["groups"] == {"policy": 2}
@@ -102,7 +102,7 @@ def test_colocated_engines_sleep_while_training_and_sync_over_gloo_or_cuda_ipc(t
             assert s["memory/train_engine_asleep_device_used_gib"] < s["memory/rollout_engine_awake_device_used_gib"] + 1.0, s
 
 
-@pytest.mark.parametrize("backend", ["auto", "ipc"])
+@pytest.mark.parametrize("backend", ["gloo", "auto"])
 def test_tensor_parallel_engine_over_both_gpus_beside_two_policy_ranks(task, tmp_path, backend):
     """OpenRLHF's scripts' layout (--vllm.tensor_parallel_size 2 --train.colocate_all): one engine whose two workers
     (vLLM's Ray executor, in the engine's bundles) share the policy ranks' GPUs. Every worker receives each sync (over

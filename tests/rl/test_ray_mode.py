@@ -144,8 +144,9 @@ def test_sync_backend_choice_and_refusals():
 
     assert choose_sync_backend(cfg(), on_gpu=False) == "gloo"
     assert choose_sync_backend(cfg(), on_gpu=True) == "nccl"
-    assert choose_sync_backend(cfg("--train.colocate_all"), on_gpu=True) == "gloo"  # engine 0 shares rank 0's GPU
-    assert choose_sync_backend(cfg("--train.colocate_all", "--vllm.sync_backend", "ipc"), on_gpu=True) == "ipc"
+    assert choose_sync_backend(cfg("--train.colocate_all"), on_gpu=True) == "ipc"  # each engine shares a rank's GPU
+    assert choose_sync_backend(cfg("--train.colocate_all"), on_gpu=False) == "gloo"
+    assert choose_sync_backend(cfg("--train.colocate_all", "--vllm.sync_backend", "gloo"), on_gpu=True) == "gloo"
     with pytest.raises(ConfigError, match=r"nccl with --train.colocate_all.*use --vllm.sync_backend ipc or gloo"):
         choose_sync_backend(cfg("--train.colocate_all", "--vllm.sync_backend", "nccl"), on_gpu=True)
     with pytest.raises(ConfigError, match=r"ipc maps the trainer's GPU memory.*this run: GPUs, --train.colocate_all off"):

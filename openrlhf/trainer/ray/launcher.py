@@ -176,16 +176,17 @@ class RayActorGroup:
 
 
 def choose_sync_backend(cfg, on_gpu: bool) -> str:
-    """--vllm.sync_backend resolved for this cluster. gloo on CPU; NCCL on GPU unless engines share policy rank 0's GPU
-    (--train.colocate_all): NCCL refuses two ranks of one communicator on the same device, so those sync over gloo,
-    or, asked for, CUDA IPC (`ipc`: each engine worker maps the bucket its GPU's policy rank packed; no host copy)."""
+    """--vllm.sync_backend resolved for this cluster. gloo on CPU; NCCL on GPU unless the engines share the policy ranks'
+    GPUs (--train.colocate_all): NCCL refuses two ranks of one communicator on the same device, so those sync over
+    CUDA IPC (`ipc`: each engine worker maps the bucket its GPU's policy rank packed; no host copy), or, asked for,
+    gloo (every byte through host memory)."""
     chosen = cfg.vllm.sync_backend
     shared = on_gpu and cfg.train.colocate_all
     if chosen == "auto":
-        chosen = "gloo" if (shared or not on_gpu) else "nccl"
+        chosen = "ipc" if shared else "nccl" if on_gpu else "gloo"
         if shared:
-            logger.info("weight sync over gloo: with --train.colocate_all engine 0 shares policy rank 0's GPU "
-                        "(--vllm.sync_backend ipc keeps the bytes on the GPUs)")
+            logger.info("weight sync over CUDA IPC: with --train.colocate_all every engine shares a policy rank's GPU "
+                        "(--vllm.sync_backend gloo sends the bytes through host memory instead)")
     elif chosen == "nccl" and shared:
         raise ConfigError(
             "--vllm.sync_backend nccl with --train.colocate_all: engine 0 shares policy rank 0's GPU and NCCL "
