@@ -2,8 +2,8 @@
 --actor.num_gpus_per_node 1 --train.colocate_all --vllm.enable_sleep`, the policy rank and the vLLM engine actor sharing
 the GPU, the engine asleep while training runs. Weights sync over gloo (`--vllm.sync_backend gloo`) or through CUDA
 IPC (`auto` picks it for --train.colocate_all on GPUs), with the digest check after every sync and the precision
-check answered from inside the
-engine. It needs one GPU (a lent single H200 or H100) and Ray, vLLM and DeepSpeed (`benchmarks/h200x2_ray.sh install`).
+check answered from inside the engine. It needs one GPU (a lent single H200 or H100) and Ray, vLLM and DeepSpeed
+(`benchmarks/h200x2_ray.sh install`).
 """
 
 from __future__ import annotations
