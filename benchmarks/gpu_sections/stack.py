@@ -4,6 +4,8 @@ position each, eager and under a CUDA graph)."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from jetrl_precision import mark_weights_updated
@@ -21,6 +23,14 @@ def _variant_label(variant):
         return variant
     backend, _, mode = variant.split("/")[1].partition(":")
     return f"jet_fp8 {resolve_backend(backend, 'cuda')}" + (f" {mode}" if mode else "")
+
+
+def _free_previous() -> None:
+    """Release the previous variant's model before the next is built and measured: a converted model's stacked
+    projections and their layers refer to each other (grouped.py), so `del` alone leaves its GPU tensors to the
+    cyclic garbage collector, and a later variant's peak-memory figure would count them."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _stack_variants(args, unfused=False, separate=False, plainnorm=False, plaindy=False):
@@ -83,7 +93,7 @@ def section_stack(args):
     for batch in (args.stack_batch, args.stack_batch // 2, args.stack_batch // 4):
         try:
             for name in _stack_variants(args, unfused=True, separate=True, plainnorm=True, plaindy=True):
-                torch.cuda.empty_cache()
+                _free_previous()
                 model = build_stack(name)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
                 x = data(batch * seq, 4096, seed=14).view(batch, seq, 4096)
@@ -116,7 +126,7 @@ def section_stack(args):
                 if getattr(args, "kernel_split", False):
                     splits[name] = kernel_split(step)
                 del model, opt, x
-                torch.cuda.empty_cache()
+                _free_previous()
             break
         except torch.cuda.OutOfMemoryError:
             print(f"stack: batch {batch} ran out of memory; halving")
@@ -175,7 +185,7 @@ def section_reference(args):
         shape = f"4 layers, batch {batch} x seq {seq}, no grad"
         res, splits = {}, {}
         for name in _stack_variants(args, separate=True, plainnorm=True):
-            torch.cuda.empty_cache()
+            _free_previous()
             model = build_stack(name).eval()
             x = data(tokens, 4096, seed=21).view(batch, seq, 4096)
             with torch.no_grad():
