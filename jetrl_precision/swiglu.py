@@ -14,8 +14,8 @@ expression; only the saved-tensor saving remains.
 
 Where gate and up run as one stacked GEMM (`grouped.py`), their gradients are that GEMM's dY, [M, 2I], which its
 DGrad quantizes 1x128. The backward kernel then also writes Q(dY) (`kernels.fused.silu_mul_backward_quantize`,
-the reference quantizer's bytes of the same dY) and hands it over through the share cache, so dY, the block's
-widest gradient, is read once less.
+the reference quantizer's bytes of the same dY), which the GEMM's dY quantizer takes instead of reading dY again:
+dY is the block's widest gradient. The price is memory: Q(dY) is allocated while the backward's inputs are alive.
 
     fuse_swiglu(model)            # after convert_to_fp8 (which calls it unless fuse_swiglu=False)
 """
@@ -124,7 +124,8 @@ class SwiGLUMLP(nn.Module):
 
     It adopts the original MLP's submodules, so parameter names, the state dict and ZeRO partitioning are
     unchanged; `source_class` records what it replaced. `quantize_dy` (default True): where gate and up run as one
-    stacked GEMM, the backward kernel also writes that GEMM's 1x128 FP8 dY (same bytes as its own quantizer).
+    stacked GEMM, the backward kernel also writes that GEMM's 1x128 FP8 dY (same bytes as its own quantizer; one
+    Q(dY) more of memory at the MLP backward's peak, False gives it back).
     """
 
     def __init__(self, mlp: nn.Module, quantize_dy: bool = True) -> None:

@@ -42,7 +42,8 @@ try:  # Triton >= 3.2 spells the CUDA libdevice module like this
 except ImportError:  # pragma: no cover
     from triton.language.extra.cuda import libdevice as _libdevice
 
-__all__ = ["silu_mul_quantize", "silu_mul_backward", "silu_mul_backward_quantize", "rmsnorm_quantize", "rmsnorm_backward", "KERNEL_DTYPES"]
+__all__ = ["silu_mul_quantize", "silu_mul_backward", "silu_mul_backward_quantize", "rmsnorm_quantize", "rmsnorm_backward",
+           "KERNEL_DTYPES"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -168,7 +169,6 @@ def silu_mul_backward(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) ->
     return dgate, dup
 
 
-
 @triton.jit
 def _quantize_group_store(v, mask, rr, R, q_ptr, r64, sq, cols, s_ptr, ssr, ssg, g_col, POW2: tl.constexpr):
     """Q(v, 1x128) of one [BLOCK_R, 128] tile of the high-precision values v, stored at columns `cols` of q and
@@ -234,6 +234,7 @@ def silu_mul_backward_quantize(
         BLOCK_R=br, POW2=pow2_scale, OUT_DTYPE=_TL_DTYPE[gate.dtype], num_warps=4,
     )
     return d, QuantizedTensor.trusted(q, scale, (1, 128))
+
 
 @triton.jit
 def _rmsnorm_quant_kernel(

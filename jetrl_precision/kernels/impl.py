@@ -262,7 +262,9 @@ class TritonQuantizeImpl:
             return None
         if gate.dtype not in fused.KERNEL_DTYPES or not (dh.dtype == up.dtype == gate.dtype):
             return None
-        if not (dh.shape == gate.shape == up.shape) or gate.shape[1] % 128 or dh.stride(1) != 1:
+        if not (dh.shape == gate.shape == up.shape) or gate.shape[1] % 128:
+            return None
+        if dh.stride(1) != 1 or gate.stride(1) != 1 or up.stride(1) != 1:
             return None
         key = (gate.device, gate.dtype)
         ok = self._swiglu_dy_verdicts.get(key)
