@@ -119,6 +119,12 @@ def job(a: argparse.Namespace) -> dict:
         recipe = get_recipe(base)
         Fp8Converter(recipe if a.gemm_backend == "auto" else recipe.replace(gemm_backend=a.gemm_backend), side="train",
                      cache_weights=not a.requantize_weights, fuse_rmsnorm=mod != "plainnorm").convert(model)
+        if mod == "plaindy":  # gate/up's dY quantized by the GEMM's own quantizer, after the SwiGLU backward
+            from jetrl_precision.swiglu import SwiGLUMLP
+
+            for m in model.modules():
+                if isinstance(m, SwiGLUMLP):
+                    m.quantize_dy = False
     if a.liger:  # the trainer's --ds.use_liger_kernel: after the conversion, as there
         from openrlhf.models.liger import apply_liger_kernels
 
@@ -297,7 +303,8 @@ def record(results: list[dict], device: str | None, command: str, runs_dir: Path
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8"],
-                    help="recipes to profile; <recipe>+plainnorm keeps the model's RMSNorms (--precision.plain_norms)")
+                    help="recipes to profile; <recipe>+plainnorm keeps the model's RMSNorms (--precision.plain_norms), "
+                         "<recipe>+plaindy leaves gate/up's FP8 dY to the GEMM's own quantizer (SwiGLUMLP.quantize_dy)")
     ap.add_argument("--variants", nargs="+", default=["plain", "deepspeed"], choices=["plain", "deepspeed", "deepspeed-nosync", "deepspeed-zero1", "deepspeed-calling-thread"])
     ap.add_argument("--micro", nargs="+", type=int, default=[4], help="sequences per training micro-batch")
     ap.add_argument("--layers", type=int, default=8)
@@ -334,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for r in a.recipes:
         base, plus, mod = r.partition("+")
-        if base not in RECIPE_NAMES or (plus and (mod != "plainnorm" or base == "bf16")):
-            ap.error(f"--recipes {r}: a recipe ({', '.join(RECIPE_NAMES)}), or an FP8 one with +plainnorm")
+        if base not in RECIPE_NAMES or (plus and (mod not in ("plainnorm", "plaindy") or base == "bf16")):
+            ap.error(f"--recipes {r}: a recipe ({', '.join(RECIPE_NAMES)}), or an FP8 one with +plainnorm or +plaindy")
     if a.record and not a.from_dir:
         ap.error("--record files profiles already made: pass --from DIR (the folder a profile run wrote)")
     if a.liger and not a.from_dir:

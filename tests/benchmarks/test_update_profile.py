@@ -84,7 +84,8 @@ def test_tiny_profiles_run_and_file_a_record(tmp_path):
     # The plain variant, with --requantize-weights: a job of its own, named and recorded as such.
     proc = subprocess.run(
         [sys.executable, "benchmarks/update_profile.py", "--tiny", "--layers", "1", "--prompt-len", "16", "--new-tokens", "32",
-         "--update-seqs", "16", "--micro", "4", "--variants", "plain", "--recipes", "jet_fp8", "jet_fp8+plainnorm", "--requantize-weights", "--warmup",
+         "--update-seqs", "16", "--micro", "4", "--variants", "plain", "--recipes", "jet_fp8", "jet_fp8+plainnorm",
+         "jet_fp8+plaindy", "--requantize-weights", "--warmup",
          "1", "--steps", "1", "--profile-steps", "1", "--fwd-micro", "4", "--out", str(out)],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
     )
@@ -93,6 +94,8 @@ def test_tiny_profiles_run_and_file_a_record(tmp_path):
     assert requant["requantize_weights"] is True and "FP8 weights re-quantized every call" in proc.stdout
     plainnorm = json.loads((out / "profile_plain_m4_auto_requant_jet_fp8+plainnorm.json").read_text())
     assert plainnorm["recipe"] == "jet_fp8+plainnorm" and plainnorm["micro_step_wall_ms"] > 0
+    plaindy = json.loads((out / "profile_plain_m4_auto_requant_jet_fp8+plaindy.json").read_text())
+    assert plaindy["recipe"] == "jet_fp8+plaindy" and plaindy["micro_step_wall_ms"] > 0
 
     # ZeRO-1 (gradients accumulated in place, no ZeRO-2 bucket copies per micro-step) and the backward on the calling
     # thread: variants of their own.
@@ -128,5 +131,5 @@ def test_liger_without_a_gpu_is_refused_in_one_line():
 def test_an_unknown_recipe_variant_is_refused_in_one_line():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "update_profile.py"), "--tiny", "--recipes", "jet_fp8+foo"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--recipes jet_fp8+foo: a recipe (bf16, fp8_rollout, jet_fp8), or an FP8 one with +plainnorm" \
+    assert proc.returncode == 2 and "--recipes jet_fp8+foo: a recipe (bf16, fp8_rollout, jet_fp8), or an FP8 one with +plainnorm or +plaindy" \
         in proc.stderr.strip().splitlines()[-1]
