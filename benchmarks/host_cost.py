@@ -256,6 +256,11 @@ def _strided(t: torch.Tensor, shape, strides) -> torch.Tensor:
     return torch.as_strided(t, tuple(shape), tuple(strides), t.storage_offset())
 
 
+def _swiglu_grads(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What autograd computes for silu(gate) * up: the bytes both fused SwiGLU backward kernels must give."""
+    return torch.ops.aten.silu_backward(dh * up, gate), dh * F.silu(gate)
+
+
 def _emulate_triton(name: str, grid, args, meta) -> None:
     """What each Triton kernel of jetrl_precision.kernels writes, from the reference quantizer (exact bytes)."""
     from jetrl_precision.formats import QuantizedTensor
@@ -302,15 +307,15 @@ def _emulate_triton(name: str, grid, args, meta) -> None:
         _strided(s, (r, cdiv(c, 128)), (ssr, ssg)).copy_(ref.scale)
     elif name == "_silu_mul_bwd_kernel":  # autograd's bytes for silu(gate) * up, as the device probe requires
         dh, g, u, dg, du, r, c, sdr, sdc, sgr, sgc, sur, suc, sdgr, sdgc, sdur, sduc = args
-        dhv, gv, uv = _strided(dh, (r, c), (sdr, sdc)), _strided(g, (r, c), (sgr, sgc)), _strided(u, (r, c), (sur, suc))
-        _strided(dg, (r, c), (sdgr, sdgc)).copy_(torch.ops.aten.silu_backward(dhv * uv, gv))
-        _strided(du, (r, c), (sdur, sduc)).copy_(dhv * F.silu(gv))
+        gd, gu = _swiglu_grads(_strided(dh, (r, c), (sdr, sdc)), _strided(g, (r, c), (sgr, sgc)), _strided(u, (r, c), (sur, suc)))
+        _strided(dg, (r, c), (sdgr, sdgc)).copy_(gd)
+        _strided(du, (r, c), (sdur, sduc)).copy_(gu)
     elif name == "_silu_mul_bwd_quant_kernel":
         dh, g, u, d, q, s, r, c, sdr, sgr, sur, sd, sq, ssr, ssg = args
-        dhv, gv, uv = _strided(dh, (r, c), (sdr, 1)), _strided(g, (r, c), (sgr, 1)), _strided(u, (r, c), (sur, 1))
+        gd, gu = _swiglu_grads(_strided(dh, (r, c), (sdr, 1)), _strided(g, (r, c), (sgr, 1)), _strided(u, (r, c), (sur, 1)))
         dv = _strided(d, (r, 2 * c), (sd, 1))
-        dv[:, :c].copy_(torch.ops.aten.silu_backward(dhv * uv, gv))
-        dv[:, c:].copy_(dhv * F.silu(gv))
+        dv[:, :c].copy_(gd)
+        dv[:, c:].copy_(gu)
         ref = quantize_fp8(dv, (1, 128), pow2_scale=meta["POW2"], nonfinite="propagate")
         _strided(q, (r, 2 * c), (sq, 1)).copy_(ref.data)
         _strided(s, (r, 2 * c // 128), (ssr, ssg)).copy_(ref.scale)

@@ -120,11 +120,9 @@ def job(a: argparse.Namespace) -> dict:
         Fp8Converter(recipe if a.gemm_backend == "auto" else recipe.replace(gemm_backend=a.gemm_backend), side="train",
                      cache_weights=not a.requantize_weights, fuse_rmsnorm=mod != "plainnorm").convert(model)
         if mod == "plaindy":  # gate/up's dY quantized by the GEMM's own quantizer, after the SwiGLU backward
-            from jetrl_precision.swiglu import SwiGLUMLP
+            from jetrl_precision.swiglu import set_dy_quantization
 
-            for m in model.modules():
-                if isinstance(m, SwiGLUMLP):
-                    m.quantize_dy = False
+            set_dy_quantization(model, False)
     if a.liger:  # the trainer's --ds.use_liger_kernel: after the conversion, as there
         from openrlhf.models.liger import apply_liger_kernels
 
@@ -304,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8"],
                     help="recipes to profile; <recipe>+plainnorm keeps the model's RMSNorms (--precision.plain_norms), "
-                         "<recipe>+plaindy leaves gate/up's FP8 dY to the GEMM's own quantizer (SwiGLUMLP.quantize_dy)")
+                         "<recipe>+plaindy leaves gate/up's FP8 dY to the GEMM's own quantizer (swiglu.set_dy_quantization)")
     ap.add_argument("--variants", nargs="+", default=["plain", "deepspeed"], choices=["plain", "deepspeed", "deepspeed-nosync", "deepspeed-zero1", "deepspeed-calling-thread"])
     ap.add_argument("--micro", nargs="+", type=int, default=[4], help="sequences per training micro-batch")
     ap.add_argument("--layers", type=int, default=8)

@@ -34,7 +34,7 @@ from .formats import Granularity
 from .linear import Fp8Linear
 from .recipe import TensorSpec
 
-__all__ = ["SWIGLU_MLP_CLASSES", "SwiGLUMLP", "silu_mul", "fuse_swiglu"]
+__all__ = ["SWIGLU_MLP_CLASSES", "SwiGLUMLP", "silu_mul", "fuse_swiglu", "set_dy_quantization"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,3 +182,13 @@ def fuse_swiglu(model: nn.Module, classes: Iterable[type | str] = ()) -> int:
     if replaced:
         logger.info("fuse_swiglu: %d SwiGLU MLPs fused (silu*up and its FP8 quantization in one kernel on CUDA)", replaced)
     return replaced
+
+
+def set_dy_quantization(model: nn.Module, enabled: bool) -> int:
+    """Turn the SwiGLU backward's quantization of gate/up's dY on or off in every `SwiGLUMLP` of `model` (off: the
+    stacked GEMM's own quantizer reads dY again, and one Q(dY) less is alive at the MLP backward's peak); returns
+    how many MLPs were set. The bytes are the same either way."""
+    mlps = [m for m in model.modules() if isinstance(m, SwiGLUMLP)]
+    for m in mlps:
+        m.quantize_dy = enabled
+    return len(mlps)

@@ -12,7 +12,7 @@ from torch import nn
 
 from jetrl_precision import convert_to_fp8, get_recipe
 from jetrl_precision.rmsnorm import fuse_rmsnorm
-from jetrl_precision.swiglu import SwiGLUMLP, fuse_swiglu
+from jetrl_precision.swiglu import fuse_swiglu, set_dy_quantization
 
 __all__ = ["RMSNorm", "Attn", "MLP", "Block", "Stack", "build_stack"]
 
@@ -125,9 +125,7 @@ def build_stack(variant, seed=0):
         # What convert_to_fp8 does for HF Llama/Qwen MLPs and norms (this file's classes join by name).
         if "unfused" not in modes:
             fuse_swiglu(model, classes=[MLP])
-            for m in model.modules():
-                if isinstance(m, SwiGLUMLP):
-                    m.quantize_dy = "plaindy" not in modes
+            set_dy_quantization(model, "plaindy" not in modes)
         if "plainnorm" not in modes:
             fuse_rmsnorm(model, classes=[RMSNorm])
     return model

@@ -40,6 +40,10 @@ def _stacked_swiglu_grads(dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     return d[:, : gate.shape[1]], d[:, gate.shape[1]:]
 
 
+def _stacked_swiglu_probe(device: torch.device, dtype: torch.dtype) -> bool:
+    return swiglu_probe.fused_backward_ok(_stacked_swiglu_grads, device, dtype, "quantizing")
+
+
 _dual_verdicts: dict[tuple, bool] = {}
 _dual_reasons: dict[tuple, str] = {}
 
@@ -213,7 +217,7 @@ class TritonQuantizeImpl:
             return None
         if x.dtype not in fused.KERNEL_DTYPES or weight.dtype != x.dtype or weight.shape != (x.shape[1],):
             return None
-        if not self._norm_ok(x):
+        if not self._verdict(self._norm_verdicts, x, rmsnorm_probe.fused_norm_ok):
             return None
         qt, y = fused.rmsnorm_quantize(x, weight, eps, pow2_scale, return_hp=True)
         self._last_q.put(y, (block, pow2_scale), qt)
@@ -226,19 +230,21 @@ class TritonQuantizeImpl:
             return None
         if dy.shape != x.shape or dy.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (x.shape[1],):
             return None
-        if not self._norm_ok(x):
+        if not self._verdict(self._norm_verdicts, x, rmsnorm_probe.fused_norm_ok):
             return None
         return fused.rmsnorm_backward(dy, x, weight, eps)
 
-    def _norm_ok(self, x: torch.Tensor) -> bool:
-        """The fused norm kernels' device probe (`rmsnorm_probe`), its verdict kept per (device, dtype); never run
-        inside a graph capture (it reads results back), where an unprobed device takes the formula."""
+    @staticmethod
+    def _verdict(table: dict, x: torch.Tensor, probe) -> bool:
+        """A device probe's verdict for x's (device, dtype), kept in `table` (one dict lookup per call after the
+        first); `probe(device, dtype)` reads results back, so it never runs inside a graph capture, where an
+        unprobed device takes the unfused path."""
         key = (x.device, x.dtype)
-        ok = self._norm_verdicts.get(key)
+        ok = table.get(key)
         if ok is None:
             if _capturing():
                 return False
-            ok = self._norm_verdicts[key] = rmsnorm_probe.fused_norm_ok(x.device, x.dtype)
+            ok = table[key] = probe(x.device, x.dtype)
         return ok
 
     def silu_mul_backward(self, dh: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -266,14 +272,9 @@ class TritonQuantizeImpl:
             return None
         if dh.stride(1) != 1 or gate.stride(1) != 1 or up.stride(1) != 1:
             return None
-        key = (gate.device, gate.dtype)
-        ok = self._swiglu_dy_verdicts.get(key)
-        if ok is None:
-            if _capturing():  # the probe reads results back: never inside a graph capture
-                return None
-            ok = self._swiglu_dy_verdicts[key] = swiglu_probe.fused_backward_ok(
-                _stacked_swiglu_grads, gate.device, gate.dtype, "quantizing")
-        if not ok or not column_blocks_of_one([gate, up]):
+        if not self._verdict(self._swiglu_dy_verdicts, gate, _stacked_swiglu_probe):
+            return None
+        if not column_blocks_of_one([gate, up]):
             return None
         d, qt = fused.silu_mul_backward_quantize(dh, gate, up, pow2_scale)
         self._kept_dy.put(d, (block, pow2_scale), qt)

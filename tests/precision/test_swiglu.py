@@ -16,7 +16,7 @@ from precision_testutil import outlier_data, tiny_causal_lm
 from torch import nn
 
 from jetrl_precision import build_precision_graph, convert_to_fp8
-from jetrl_precision.swiglu import SwiGLUMLP, fuse_swiglu, silu_mul
+from jetrl_precision.swiglu import SwiGLUMLP, fuse_swiglu, set_dy_quantization, silu_mul
 
 # Bit-for-bit comparisons of two models: one intra-op thread, since a loaded machine (CI's two pytest workers) can
 # change how many threads a CPU matmul splits its sums over, and with it the last bits (seen about once in four runs).
@@ -152,6 +152,8 @@ def test_dy_quantization_is_claimed_only_for_a_stacked_fp8_gate_up():
     mlp.quantize_dy = False
     assert not mlp.fused_dy_quantization
     mlp.quantize_dy = True
+    assert set_dy_quantization(model, False) == 1 and not mlp.fused_dy_quantization  # the one-call form
+    assert set_dy_quantization(model, True) == 1 and mlp.fused_dy_quantization
     mlp.gate_proj._group.dissolve("test")
     assert not mlp.fused_dy_quantization
     separate = convert_to_fp8(tiny_causal_lm("llama", layers=1), "jet_fp8", fuse_projections=False)
