@@ -52,12 +52,14 @@ from .linear import (
     dgrad_operands,
 )
 
-__all__ = ["PROJECTION_GROUPS", "Fp8LinearGroup", "fuse_projections", "unfuse_projections", "projection_groups"]
+__all__ = ["PROJECTION_GROUPS", "Fp8LinearGroup", "adopt_projection_groups", "fuse_projections", "unfuse_projections",
+           "projection_groups"]
 
 logger = logging.getLogger(__name__)
 
 # Child names of one parent module that read one input in the transformers models (attention, SwiGLU MLP).
 PROJECTION_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_OWNED = "_fp8_linear_groups"  # the attribute of the members' parent that holds its groups
 _ROWS = 128  # the weight's block rows: members before the last must end on a block boundary
 _MAX_MISSES = 2  # stashes left unread in a row before a group concludes its members read different inputs
 # The first stacked GEMM of each group is checked against its members' own GEMMs on this many rows. Only the GEMM's
@@ -147,9 +149,12 @@ class _Fp8GroupFunction(torch.autograd.Function):
 
 class Fp8LinearGroup:
     """Sibling `Fp8Linear` layers whose GEMMs run as one (see the module docstring). Not a module: it owns no
-    parameters; each member points to it (`Fp8Linear._group`) and the members keep their names and weights."""
+    parameters; each member points to it (`Fp8Linear._group`) and the members keep their names and weights.
 
-    def __init__(self, members: Sequence[Fp8Linear], names: Sequence[str], fqn: str = "") -> None:
+    `owner` (the members' parent module) keeps the group alive; the members refer to it weakly, so a deleted model
+    is freed at once, GPU memory included, instead of waiting for Python's cycle collector."""
+
+    def __init__(self, members: Sequence[Fp8Linear], names: Sequence[str], owner: nn.Module, fqn: str = "") -> None:
         self.members = tuple(members)
         self.label = "+".join(names)
         self.fqn = fqn
@@ -160,9 +165,16 @@ class Fp8LinearGroup:
         self._checked = False  # its first stacked GEMM was compared with the members' own (once: it syncs the host)
         self._tries = 0
         self.release()
-        for m in self.members:
-            m._group, m._group_skipped = self, None
+        self.dissolved = False
+        owned = [g for g in owner.__dict__.get(_OWNED, ()) if not g.dissolved]  # groups undone earlier go
+        owner.__dict__[_OWNED] = [*owned, self]
+        self._attach()
         _groups.add(self)
+
+    def _attach(self) -> None:
+        ref = weakref.ref(self)
+        for m in self.members:
+            m._group_ref, m._group_skipped = ref, None
 
     def release(self) -> None:
         """Drop the stacked FP8 weights and any kept columns (the weights changed, or the group is undone)."""
@@ -176,8 +188,9 @@ class Fp8LinearGroup:
     def dissolve(self, why: str | None = None) -> None:
         """Return the members to their own GEMMs for good (`why`: recorded on them, for the precision graph)."""
         self.release()
+        self.dissolved = True
         for m in self.members:
-            m._group, m._group_skipped = None, why
+            m._group_ref, m._group_skipped = None, why
 
     def __getstate__(self) -> dict:  # pickling / deepcopy: no stash (weak references) and no derived FP8 weights
         state = dict(self.__dict__)
@@ -186,6 +199,8 @@ class Fp8LinearGroup:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        if not self.__dict__.setdefault("dissolved", False):
+            self._attach()  # the copies of its members: their weak references are not copied
         _groups.add(self)
 
     # ---- the forward seam ----------------------------------------------------------------------------------
@@ -380,7 +395,7 @@ def fuse_projections(model: nn.Module, groups: Iterable[Sequence[str]] = PROJECT
                 first, count = skipped.get(label + why, (f"{fqn}: {why}", 0))
                 skipped[label + why] = (first, count + 1)
                 continue
-            Fp8LinearGroup(members, names, fqn)
+            Fp8LinearGroup(members, names, parent, fqn)
             formed[label] = formed.get(label, 0) + 1
     if formed:
         logger.info("fuse_projections: %s run as one FP8 GEMM each",
@@ -396,6 +411,14 @@ def unfuse_projections(model: nn.Module) -> int:
     for group in groups:
         group.dissolve()
     return len(groups)
+
+
+def adopt_projection_groups(old: nn.Module, new: nn.Module) -> None:
+    """Hand the groups `old` holds to `new`, a module that takes over old's children (a parent replaced by module
+    surgery); without it the groups go with `old` and their members run separately from then on."""
+    groups = old.__dict__.pop(_OWNED, None)
+    if groups:
+        new.__dict__[_OWNED] = [*new.__dict__.get(_OWNED, ()), *groups]
 
 
 def projection_groups(model: nn.Module) -> list[Fp8LinearGroup]:

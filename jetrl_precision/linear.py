@@ -18,6 +18,8 @@ Sibling layers that read one input (q/k/v, gate/up) can run as one stacked GEMM:
 from __future__ import annotations
 
 import itertools
+import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -31,6 +33,9 @@ from .kernels import transpose_quantized
 from .recipe import BackwardSpec, FpropSpec
 
 __all__ = ["Fp8Linear", "mark_weights_updated"]
+
+logger = logging.getLogger(__name__)
+_lost_group_logged: list[str] = []  # the first layer that found its group gone (the warning is logged once)
 
 # Bumped by `mark_weights_updated`: writers that bypass torch's version counter (DeepSpeed
 # copies optimizer results in through `.data`) must call it after each optimizer step.
@@ -250,8 +255,9 @@ class Fp8Linear(nn.Linear):
         self._installed: tuple[QuantizedTensor, dict] | None = None
         self._frozen_block: tuple[int, int] | None = None  # set by `freeze`: Q(W) lives in buffers, W is gone
         # Set by `grouped.fuse_projections`: the sibling group this layer's GEMM runs in (q/k/v, gate/up), and why a
-        # group it would belong to could not be fused.
-        self._group: Any = None
+        # group it would belong to could not be fused. Weak: the group holds its members and the members' parent
+        # holds the group, so no reference cycle keeps a deleted model's GPU memory until the garbage collector runs.
+        self._group_ref: weakref.ref | None = None
         self._group_skipped: str | None = None
 
     @classmethod
@@ -442,6 +448,37 @@ class Fp8Linear(nn.Linear):
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     @property
+    def _group(self) -> Any:
+        """The `grouped.Fp8LinearGroup` this layer's GEMM runs in, or None."""
+        ref = self._group_ref
+        group = None if ref is None else ref()
+        if group is None and ref is not None:
+            self._group_lost()
+        return group
+
+    def _group_lost(self) -> None:
+        # Module surgery replaced the parent that held this layer's group: run alone (same forward bytes), loudly.
+        why = "its stacked-GEMM group went with the parent module that held it; call fuse_projections(model) again"
+        self._group_ref, self._group_skipped = None, why
+        if not _lost_group_logged:
+            _lost_group_logged.append(self.fqn)
+            logger.warning("%s: %s (logged once; the precision graph records it per layer)", self.fqn or "Fp8Linear", why)
+
+    def __getstate__(self) -> dict:
+        # Pickling / deepcopy keep the weights and settings, not what is derived from them: the step plans (bound
+        # to this layer and its device; rebuilt at the next forward) and the cached FP8 weights. A weak reference
+        # neither pickles nor deep-copies into the copy's group: the group's own __setstate__ points its (copied)
+        # members back at it, and a layer copied without its group runs on its own.
+        state = dict(super().__getstate__())
+        state.update(_plans={}, _wq_cache=None, _wq_t_cache=None, _group_ref=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.__dict__.pop("_group", None)  # pickled before the reference was weak: the group re-points it
+        self.__dict__.setdefault("_group_ref", None)
+
+    @property
     def weight_device(self) -> torch.device:
         """The device the layer's weight (or, frozen, its FP8 weight) is on."""
         return self._buffers["weight_fp8"].device if self.frozen else self.weight.device
@@ -454,10 +491,15 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"{self.fqn or 'Fp8Linear'}: input last dim {x.shape[-1]} != in_features {self.in_features}")
         if x.numel() == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        if self._group is not None:
-            y = self._group.output_for(self, x)
-            if y is not None:  # this layer's columns of the stacked GEMM its group ran for x
-                return y
+        ref = self._group_ref
+        if ref is not None:
+            group = ref()
+            if group is None:
+                self._group_lost()
+            else:
+                y = group.output_for(self, x)
+                if y is not None:  # this layer's columns of the stacked GEMM its group ran for x
+                    return y
         plan = self._plan(x.device)
         weight, bias = self.weight, self.bias
         if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):

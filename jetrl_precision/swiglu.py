@@ -31,6 +31,7 @@ from torch import nn
 
 from . import ops
 from .formats import Granularity
+from .grouped import adopt_projection_groups
 from .linear import Fp8Linear
 from .recipe import TensorSpec
 
@@ -136,6 +137,7 @@ class SwiGLUMLP(nn.Module):
         self.act_fn = mlp.act_fn if isinstance(mlp.act_fn, nn.Module) else nn.SiLU()
         self.source_class = type(mlp).__name__
         self.quantize_dy = quantize_dy
+        adopt_projection_groups(mlp, self)  # gate/up's stacked GEMM, if fuse_projections ran first
 
     @property
     def fused_quantization(self) -> bool:

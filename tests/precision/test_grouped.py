@@ -19,7 +19,10 @@ benchmarks/stacked_projections_gpu.py.
 from __future__ import annotations
 
 import copy
+import gc
+import io
 import logging
+import weakref
 
 import pytest
 import torch
@@ -208,15 +211,77 @@ def test_weights_follow_the_optimizer_step():
     assert stacked.q_proj._group._wq_cache is not None
 
 
-def test_deepcopy_keeps_the_groups_apart():
+def _pickled(module: nn.Module) -> nn.Module:
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_copies_and_pickles_keep_the_groups_apart():
     stacked, _ = _pair()
     _run(stacked, _x())
-    for clone in (copy.deepcopy(stacked),):
+    for clone in (copy.deepcopy(stacked), _pickled(stacked)):
         g = clone.q_proj._group
         assert isinstance(g, Fp8LinearGroup) and g is not stacked.q_proj._group
         assert g.members == (clone.q_proj, clone.k_proj, clone.v_proj) and g._wq_cache is None
         for a, b in zip(clone(_x()), stacked(_x())):
             assert torch.equal(_bits(a), _bits(b))
+    # A member copied without its parent has no group to run in: it computes its own output, the same bits.
+    lone = copy.deepcopy(stacked.k_proj)
+    assert lone._group is None and stacked.k_proj._group is not None
+    assert torch.equal(_bits(lone(_x())), _bits(stacked(_x())[1]))
+    # An undone group stays undone in its copies.
+    unfuse_projections(stacked)
+    assert all(m._group is None for m in (copy.deepcopy(stacked).q_proj, _pickled(stacked).v_proj))
+
+
+def test_a_deleted_model_is_freed_without_the_cycle_collector_and_a_whole_model_pickles():
+    # Members point at their group weakly (the parent holds it), so the group adds no reference cycle: a converted
+    # model's memory returns at `del`, as a plain transformers model's does, not at the next gc.collect().
+    lm = tiny_causal_lm(dtype=torch.bfloat16)
+    convert_to_fp8(lm, JET)
+    assert len(projection_groups(lm)) == 4
+    ids = torch.randint(0, 512, (2, 24))
+    lm(ids).logits.float().pow(2).mean().backward()
+    with torch.no_grad():  # the whole converted model pickles (its step plans and FP8 caches are left behind)
+        assert torch.equal(_pickled(lm)(ids).logits, lm(ids).logits)
+    weight = weakref.ref(lm.model.layers[0].self_attn.q_proj.weight)
+    gc.disable()
+    try:
+        del lm
+        assert weight() is None
+    finally:
+        gc.enable()
+
+
+def test_a_new_parent_adopts_the_groups_or_their_loss_is_named(caplog):
+    import jetrl_precision.linear as linear_mod
+    from jetrl_precision.swiglu import fuse_swiglu
+
+    # fuse_swiglu after convert_to_fp8 (as its docstring allows): the SwiGLU module adopts gate/up's group.
+    lm = tiny_causal_lm(dtype=torch.bfloat16)
+    convert_to_fp8(lm, JET, fuse_swiglu=False)
+    assert fuse_swiglu(lm) == 2
+    gc.collect()
+    assert len(projection_groups(lm)) == 4 and all(layer.mlp.fused_dy_quantization for layer in lm.model.layers)
+    assert lm.model.layers[0].mlp.gate_proj._group.members == (lm.model.layers[0].mlp.gate_proj, lm.model.layers[0].mlp.up_proj)
+    # Surgery that moves the children to a parent of its own: the group goes with the old parent, the members run
+    # alone (the forward's bytes are the separate layers'), and the first to notice says so, once.
+    stacked, separate = _pair()
+    moved = _Attn()
+    moved.q_proj, moved.k_proj, moved.v_proj = stacked.q_proj, stacked.k_proj, stacked.v_proj
+    del stacked
+    linear_mod._lost_group_logged.clear()
+    x = _x()
+    with caplog.at_level(logging.WARNING, logger="jetrl_precision.linear"):
+        for _ in range(2):
+            for a, b in zip(moved(x), separate(x)):
+                assert torch.equal(_bits(a), _bits(b))
+    lost = [r for r in caplog.records if "fuse_projections(model) again" in r.getMessage()]
+    assert len(lost) == 1 and not projection_groups(moved)
+    assert "fuse_projections" in build_precision_graph(moved, JET, "train_fwd").nodes["v_proj"].attrs["fused_gemm_off"]
+    assert fuse_projections(moved) == 1 and moved.q_proj._group is not None
 
 
 # ---- when siblings may share the GEMM --------------------------------------------------------------------------
