@@ -11,6 +11,7 @@ tests/precision/test_grouped.py; speed is gpu_bench.py's `layers` section.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 
@@ -117,6 +118,25 @@ def test_members_hold_their_own_bytes_in_one_buffer(backend):
             want = quantize_fp8(m.weight.detach(), (128, 128))
             assert wq.data.untyped_storage().data_ptr() == buf
             assert torch.equal(wq.data.view(torch.uint8), want.data.view(torch.uint8)) and torch.equal(wq.scale, want.scale)
+
+
+def test_a_deleted_model_returns_its_cuda_memory_at_once():
+    # The parent holds each group and the members point at theirs weakly: no reference cycle, so `del` frees the
+    # weights, their gradients and the stacked FP8 weights without waiting for Python's cycle collector.
+    stacked, separate = _pair("torch")
+    del separate
+    out = fwd_bwd(stacked, outlier_data(512, 1024, seed=1).view(2, 256, 1024), outlier_data(512, 1024, seed=2).view(2, 256, 1024))
+    del out
+    held = sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in stacked.parameters())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    gc.disable()
+    try:
+        del stacked
+        freed = before - torch.cuda.memory_allocated()
+    finally:
+        gc.enable()
+    assert freed >= held, (freed, held)
 
 
 def test_record_results():
