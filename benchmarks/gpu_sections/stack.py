@@ -26,9 +26,9 @@ def _variant_label(variant):
 
 
 def _free_previous() -> None:
-    """Release the previous variant's model before the next is built and measured: a converted model's stacked
-    projections and their layers refer to each other (grouped.py), so `del` alone leaves its GPU tensors to the
-    cyclic garbage collector, and a later variant's peak-memory figure would count them."""
+    """Release the previous variant's model before the next is built and measured, so no tensor of it counts in a
+    later variant's peak memory. `del` frees a converted model at once (no reference cycle); the collection covers
+    anything cyclic a variant's step leaves behind, which would otherwise wait for Python's collector."""
     gc.collect()
     torch.cuda.empty_cache()
 
