@@ -38,6 +38,9 @@
 #   decode32 the engine's auto (DeepGEMM for decode batches, M <= 512, cuBLASLt above) against cuBLASLt at every M
 #            (jet_fp8@torch), 32 layers, two timed passes at 256 and 64 prompts (~6 min with DeepGEMM's cold compile;
 #            needs only `install`). Here: `python benchmarks/vllm_gpu.py record --from <res>/decode32`
+#   eager32_alone  the same at 256 prompts on an 80 GB H100: each engine alone in its own process, in EAGER32_ROUNDS
+#            rounds (~2.5 min a round after a ~1.5 min model build; needs only `install`). Here: `python
+#            benchmarks/vllm_gpu.py record --from <res>/eager32_alone_r<N>`
 #   eager32  bf16 and jet_fp8 (the engine's auto: cuBLASLt at every size when eager) at 32 layers in eager mode, two
 #            timed passes at 256 and 64 prompts (~5 min; needs only `install`). Here:
 #            `python benchmarks/vllm_gpu.py record --from <res>/eager32`
@@ -200,6 +203,24 @@ stage_eager32() {
   python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes eager --recipes bf16 jet_fp8 \
     --repeats "${REPEATS32:-2}" --kv-gib "${KV32:-42}" ${PROMPTS32:+--prompts $PROMPTS32} --out /tmp/res/eager32 --timeout "${EAGER32_S:-540}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
   grep -h "median of\|engine up" /tmp/res/eager32/*.log
+}
+
+# eager32 on an 80 GB card: two 32-layer engines with 42 GiB of KV cache each (256 sequences of 1280 tokens, no
+# preemption) do not fit side by side, so each engine runs alone in its own process, one after the other, for
+# EAGER32_ROUNDS rounds (2; the second round runs jet_fp8 first, so a host that drifts weighs on both alike); one
+# folder per round. Here: `python benchmarks/vllm_gpu.py record --from <res>/eager32_alone_r<N>` for each round.
+stage_eager32_alone() {
+  local r recipe order
+  for r in $(seq 1 "${EAGER32_ROUNDS:-2}"); do
+    order="bf16 jet_fp8"
+    [ $((r % 2)) = 0 ] && order="jet_fp8 bf16"
+    for recipe in $order; do
+      python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes eager --recipes "$recipe" --repeats "${REPEATS32:-1}" \
+        --kv-gib "${KV32:-42}" --prompts "${PROMPTS32:-256}" --model /tmp/llama8b_l32 --out /tmp/res/eager32_alone_r"$r" \
+        --timeout "${EAGER32_S:-240}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -3
+    done
+    grep -h "median of\|engine up" /tmp/res/eager32_alone_r"$r"/*.log
+  done
 }
 
 stage_kernels() {

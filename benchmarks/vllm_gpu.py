@@ -503,13 +503,14 @@ def run_throughput(a: argparse.Namespace, out: Path) -> list[dict]:
             "--new-tokens", str(a.new_tokens), "--prompts", *map(str, a.prompts), "--repeats", str(a.repeats), "--gpu-mem", str(a.gpu_mem),
             "--kv-gib", str(a.kv_gib), "--sync-dir", str(sync_dir), "--parties", str(len(combos)), "--party", str(i)])
     _wait(procs, a.timeout)
-    return [_with_compile_state(p) for r, m in combos if (p := out / f"throughput_{r}_{m}.json").exists()]
+    return [_with_compile_state(p, len(combos)) for r, m in combos if (p := out / f"throughput_{r}_{m}.json").exists()]
 
 
-def _with_compile_state(out_json: Path) -> dict:
+def _with_compile_state(out_json: Path, engines: int | None = None) -> dict:
     """The job's result with how its engine got its compiled model (`engine_compile`, from the job's log, and
-    whether VLLM_USE_AOT_COMPILE=0 was set), so a warm start's figures are never filed as a cold one's; written back
-    into the result file."""
+    whether VLLM_USE_AOT_COMPILE=0 was set), so a warm start's figures are never filed as a cold one's, and how many
+    engines were alive beside it (`engines_together`: 1 when recipes ran one call each, one after the other);
+    written back into the result file."""
     from train_runs import engine_compile  # benchmarks/train_runs.py
 
     res = json.loads(out_json.read_text())
@@ -518,6 +519,8 @@ def _with_compile_state(out_json: Path) -> dict:
     res["vllm_use_aot_compile"] = os.environ.get("VLLM_USE_AOT_COMPILE", "")  # the jobs inherit this process's environment
     # the engine's A/B switches (jetrl_precision: the CUDA activation quantizer, the eager CUTLASS decode GEMM)
     res["engine_switches"] = {k: os.environ[k] for k in ENGINE_SWITCHES if k in os.environ}
+    if engines is not None:
+        res["engines_together"] = engines
     out_json.write_text(json.dumps(res, indent=1))
     return res
 
@@ -556,7 +559,9 @@ def summarize(results: list[dict]) -> str:
         for rb, rf in zip(base["runs"], fp8["runs"]):
             lines.append(f"throughput {mode:7s} {rb['prompts']:4d} prompts: bf16 {rb['tokens_per_s']:9.0f}  jet_fp8 {rf['tokens_per_s']:9.0f} tok/s"
                          f"  ratio {rf['tokens_per_s'] / rb['tokens_per_s']:.3f}")
-        lines.append(f"start {mode:7s} (cold, {len(tp)} engines starting together): bf16 {base['start_seconds']} s, jet_fp8 {fp8['start_seconds']} s")
+        together = base.get("engines_together", len(tp))
+        starts = "each engine alone" if together == 1 else f"{together} engines starting together"
+        lines.append(f"start {mode:7s} (cold, {starts}): bf16 {base['start_seconds']} s, jet_fp8 {fp8['start_seconds']} s")
         for bw in sorted(r for r, m in tp if m == mode and r.startswith("jet_fp8") and r != "jet_fp8"):  # +bitwise, @backend
             for rb, rf, rx in zip(base["runs"], fp8["runs"], tp[(bw, mode)]["runs"]):
                 lines.append(f"throughput {mode:7s} {rb['prompts']:4d} prompts: {bw} {rx['tokens_per_s']:9.0f} tok/s  "
@@ -626,7 +631,10 @@ def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
             ratio = run["tokens_per_s"] / base["runs"][i]["tokens_per_s"] if base and recipe != "bf16" else None
             shape = SHAPE_8B.format(layers=j["layers"], prompts=run["prompts"], new=run["output_tokens"] // run["prompts"], mode=mode)
             shape += _compile_note(j)  # a warm start's rate is its own figure, never a cold one's
-            rec("vllm_rollout_tokens_per_s", shape, backend, run["tokens_per_s"], "tok/s", ratio, date=j.get("date"))
+            # engines that ran alone, one after the other (an 80 GB card at 32 layers and 256 prompts), say so beside
+            # the figure; the shape stays the figure's, so it files under the same headline row
+            alone = {"engines": "each alone in its own process, one after the other"} if j.get("engines_together") == 1 else {}
+            rec("vllm_rollout_tokens_per_s", shape, backend, run["tokens_per_s"], "tok/s", ratio, date=j.get("date"), **alone)
             plain = tp.get((recipe.partition("+")[0], mode))
             if recipe.endswith("+bitwise") and plain and i < len(plain["runs"]):
                 rec("bitwise_rollout_cost_ratio", shape, recipe + route, round(run["tokens_per_s"] / plain["runs"][i]["tokens_per_s"], 4),
@@ -636,7 +644,9 @@ def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
                 rec("vllm_decode_gemm_gain", shape, backend, round(run["tokens_per_s"] / pinned["runs"][i]["tokens_per_s"], 4),
                     f"x {recipe}@torch", ratio, date=j.get("date"))
         cache = j["engine_compile"] if j.get("engine_compile") in WARM_STARTS else "cold cache"
-        rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, {mode}, {cache}{_aot_note(j)}, {len(tp)} engines starting together",
+        together = j.get("engines_together", len(tp))
+        starts = "starting alone" if together == 1 else f"{together} engines starting together"
+        rec("vllm_first_start_seconds", f"Llama-3.1-8B shape, {j['layers']} layers, {mode}, {cache}{_aot_note(j)}, {starts}",
             backend, j["start_seconds"], "s", date=j.get("date"))
     for j in jobs:
         if j.get("job") == "throughput" and j.get("start_only"):  # `warm`: a restart after an earlier start compiled

@@ -304,6 +304,35 @@ def test_vllm_bitwise_throughput_rows_become_the_cost_ratio(tmp_path):
     assert "jet_fp8@triton" in text and "x bf16 1.050" in text
 
 
+def test_engines_run_alone_say_so_and_file_under_the_same_headline_row(tmp_path):
+    """32 layers at 256 prompts on an 80 GB card: each engine runs alone (h200_vllm.sh eager32_alone). The rate files
+    under the headline's shape, with how it was run beside it; the start time does not claim company it had."""
+    import vllm_gpu
+
+    def job(recipe, tps, together):
+        return {"job": "throughput", "start_only": False, "recipe": recipe, "mode": "eager", "layers": 32, "start_seconds": 28.0,
+                "gemm_backends": [] if recipe == "bf16" else ["torch"], "quant_kernels": [], "date": "2026-12-07",
+                "engines_together": together,
+                "runs": [{"prompts": 256, "output_tokens": 256 * 1024, "seconds": 1.0, "tokens_per_s": tps, "mean_sampled_logprob": -11.0}]}
+
+    for together in (1, 2):
+        d = tmp_path / str(together)
+        d.mkdir()
+        for recipe, tps in (("bf16", 8000.0), ("jet_fp8", 8400.0)):
+            (d / f"throughput_{recipe}_eager.json").write_text(json.dumps(job(recipe, tps, together)))
+        recs = vllm_gpu.records_from(d, "NVIDIA H100 80GB HBM3", "cmd")
+        rates = [r for r in recs if r["name"] == "vllm_rollout_tokens_per_s"]
+        assert {r["shape"] for r in rates} == {"Llama-3.1-8B shape, 32 layers, 256 prompts x 256 + 1024 new tokens, eager"}
+        assert {r.get("engines") for r in rates} == ({"each alone in its own process, one after the other"} if together == 1 else {None})
+        starts = {r["shape"] for r in recs if r["name"] == "vllm_first_start_seconds"}
+        assert starts == {f"Llama-3.1-8B shape, 32 layers, eager, cold cache, {'starting alone' if together == 1 else '2 engines starting together'}"}
+        value, _ = next(m for m in headline.METRICS if m.key == "vllm_rollout_tokens_per_s_ratio_eager").pick(
+            [dict(r, _run_file="x") for r in recs])
+        assert value == pytest.approx(1.05)
+        text = vllm_gpu.summarize([job(r, t, together) for r, t in (("bf16", 8000.0), ("jet_fp8", 8400.0))])
+        assert ("each engine alone" in text) == (together == 1)
+
+
 def test_decode_gemm_runs_are_labelled_and_give_the_gain_over_cublaslt(tmp_path):
     """decode32's A/B (the engine's auto against jet_fp8@torch) becomes vllm_decode_gemm_gain; the rollout headline
     reads the engine's auto whichever decode GEMM it ran, and never a pinned recipe."""

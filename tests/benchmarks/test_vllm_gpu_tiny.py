@@ -80,6 +80,8 @@ def test_engines_that_cannot_all_be_alive_on_the_card_are_refused_in_one_line():
     shape, h100, h200 = vllm_gpu.LLAMA_8B, 79.2, 139.8
     vllm_gpu.check_engines_fit(shape, 32, ["bf16", "jet_fp8"], 42, h200)
     vllm_gpu.check_engines_fit(shape, 16, ["bf16", "jet_fp8"], 21, h100)
+    for recipe in ("bf16", "jet_fp8"):  # one at a time, they do (h200_vllm.sh eager32_alone)
+        vllm_gpu.check_engines_fit(shape, 32, [recipe], 42, h100)
     for layers, recipes, card in ((32, ["bf16", "jet_fp8"], h100), (32, ["bf16", "jet_fp8", "jet_fp8+bitwise"], h200)):
         with pytest.raises(SystemExit) as e:
             vllm_gpu.check_engines_fit(shape, layers, recipes, 42, card)
