@@ -608,9 +608,50 @@ def _compile_note(job: dict) -> str:
     return (f", {job['engine_compile']}" if job.get("engine_compile") in WARM_STARTS else "") + _aot_note(job)
 
 
-def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
-    """Run records from a results folder of this script's jobs and of tests/gpu/test_vllm_gpu.py. `device`: None takes
-    the one the jobs recorded (`headline.recorded_device`)."""
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Throughput jobs of several rounds (one folder each: engines run alone, one after the other, eager32_alone) as
+    one job per recipe and mode whose passes are every round's: rates and prefills pooled, the median reported as a
+    run with that many repeats reports it. The first round's start time stands (the later rounds start warm on the
+    host's page cache); the other jobs pass through."""
+    merged: dict[tuple, dict] = {}
+    rest: list[dict] = []
+    for jobs in rounds:
+        for j in jobs:
+            if not (isinstance(j, dict) and j.get("job") == "throughput" and not j.get("start_only")):
+                rest.append(j)
+                continue
+            key = (j["recipe"], j["mode"])
+            runs = [{"tokens_per_s_each": [r["tokens_per_s"]], "prefill_seconds_each": [r.get("prefill_seconds", 0.0)], **r}
+                    for r in j["runs"]]  # a pass per run where a job kept no per-pass lists
+            if key not in merged:
+                merged[key] = {**j, "runs": runs, "rounds": 1}
+                continue
+            m = merged[key]
+            m["rounds"] += 1
+            by_prompts = {r["prompts"]: r for r in m["runs"]}
+            for r in runs:
+                have = by_prompts.get(r["prompts"])
+                if have is None or have["output_tokens"] != r["output_tokens"]:
+                    raise SystemExit(f"record: round of {key[0]} ({key[1]}) with {r['prompts']} prompts does not match the first "
+                                     "round's (other prompt counts or token counts); pass the rounds of one stage")
+                for k in ("tokens_per_s_each", "prefill_seconds_each", "telemetry_each", "pass_started_each"):
+                    have[k] = have.get(k, []) + r.get(k, [])
+    for m in merged.values():
+        for r in m["runs"]:
+            rate = statistics.median(r["tokens_per_s_each"])
+            r.update(tokens_per_s=round(rate, 1), seconds=round(r["output_tokens"] / rate, 3),
+                     prefill_seconds=round(statistics.median(r["prefill_seconds_each"]), 3))
+    return list(merged.values()) + rest
+
+
+def _jobs(folder: Path) -> list[dict]:
+    return [json.loads(f.read_text()) for f in sorted(folder.rglob("*.json")) if f.name != "vllm_gpu.json"]
+
+
+def records_from(folder: Path | list[Path], device: str | None, command: str) -> list[dict]:
+    """Run records from a results folder of this script's jobs and of tests/gpu/test_vllm_gpu.py, or from the
+    folders of several rounds of one stage (`merge_rounds`). `device`: None takes the one the jobs recorded
+    (`headline.recorded_device`)."""
     from headline import recorded_device, route_suffix  # benchmarks/headline.py
 
     recs: list[dict] = []
@@ -619,7 +660,8 @@ def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
         recs.append({"name": name, "shape": shape, "backend": backend, "value": value, "unit": unit, "ratio_vs_bf16": ratio,
                      "command": command, "date": extra.pop("date", time.strftime("%Y-%m-%d")), "device": device, **extra})
 
-    jobs = [json.loads(f.read_text()) for f in sorted(folder.rglob("*.json")) if f.name != "vllm_gpu.json"]
+    folders = folder if isinstance(folder, list) else [folder]
+    jobs = merge_rounds([_jobs(f) for f in folders]) if len(folders) > 1 else _jobs(folders[0])
     device = recorded_device([j for j in jobs if isinstance(j, dict) and "recipe" in j], device, "vllm_gpu")
     tp = {(j["recipe"], j["mode"]): j for j in jobs if j.get("job") == "throughput" and not j.get("start_only")}
     for (recipe, mode), j in sorted(tp.items()):
@@ -634,6 +676,8 @@ def records_from(folder: Path, device: str | None, command: str) -> list[dict]:
             # engines that ran alone, one after the other (an 80 GB card at 32 layers and 256 prompts), say so beside
             # the figure; the shape stays the figure's, so it files under the same headline row
             alone = {"engines": "each alone in its own process, one after the other"} if j.get("engines_together") == 1 else {}
+            if j.get("rounds"):  # merged rounds: the median of this many passes, each pass's rate beside it
+                alone.update(rounds=j["rounds"], tokens_per_s_each=run["tokens_per_s_each"])
             rec("vllm_rollout_tokens_per_s", shape, backend, run["tokens_per_s"], "tok/s", ratio, date=j.get("date"), **alone)
             plain = tp.get((recipe.partition("+")[0], mode))
             if recipe.endswith("+bitwise") and plain and i < len(plain["runs"]):
@@ -700,7 +744,9 @@ def main() -> None:
     ap.add_argument("--start-only", action="store_true")
     ap.add_argument("--timeout", type=float, default=540.0)
     ap.add_argument("--gemm-backend", default=None, help="override the recipe's GEMM backend (auto, torch, deep_gemm, triton)")
-    ap.add_argument("--from", dest="from_dir", default=None, help="record: the results folder to turn into run records")
+    ap.add_argument("--from", dest="from_dir", nargs="+", default=None,
+                    help="record: the results folder to turn into run records, or the folders of several rounds of one "
+                         "stage (eager32_alone's), whose passes are pooled")
     ap.add_argument("--label", default="vllm-gpu", help="record: the run file's label")
     ap.add_argument("--device-name", default=None, help="record: the device, for results that do not name it")
     ap.add_argument("--command", default="bash benchmarks/h200_vllm.sh install bench8b smollm2 sync", help="record: how they were made")
@@ -722,7 +768,7 @@ def main() -> None:
     if a.what == "record":
         from headline import write_run  # benchmarks/headline.py
 
-        recs = records_from(Path(a.from_dir), a.device_name, a.command)
+        recs = records_from([Path(f) for f in a.from_dir], a.device_name, a.command)
         dates = sorted({r["date"] for r in recs})
         print(f"wrote {len(recs)} records to {write_run(recs, a.label, dates[-1] if dates else time.strftime('%Y-%m-%d'))}")
         return

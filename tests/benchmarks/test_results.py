@@ -331,6 +331,25 @@ def test_engines_run_alone_say_so_and_file_under_the_same_headline_row(tmp_path)
         assert value == pytest.approx(1.05)
         text = vllm_gpu.summarize([job(r, t, together) for r, t in (("bf16", 8000.0), ("jet_fp8", 8400.0))])
         assert ("each engine alone" in text) == (together == 1)
+    # Rounds (one folder each) pool their passes: the median of each recipe's, the ratio of the medians
+    rounds = []
+    for i, (b, f) in enumerate(((10969.2, 10474.6), (9907.0, 10020.1), (10267.3, 10964.0))):
+        d = tmp_path / f"r{i}"
+        d.mkdir()
+        for recipe, tps in (("bf16", b), ("jet_fp8", f)):
+            (d / f"throughput_{recipe}_eager.json").write_text(json.dumps({**job(recipe, tps, 1), "start_seconds": 50.0 - i}))
+        rounds.append(d)
+    recs = vllm_gpu.records_from(rounds, "NVIDIA H100 80GB HBM3", "cmd")
+    (fp8,) = [r for r in recs if r["name"] == "vllm_rollout_tokens_per_s" and r["backend"] != "bf16"]
+    assert fp8["value"] == 10474.6 and fp8["ratio_vs_bf16"] == pytest.approx(10474.6 / 10267.3)
+    assert fp8["rounds"] == 3 and fp8["tokens_per_s_each"] == [10474.6, 10020.1, 10964.0]
+    assert {r["value"] for r in recs if r["name"] == "vllm_first_start_seconds"} == {50.0}  # the first round's (cold) start
+    assert len(recs) == 4
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "throughput_bf16_eager.json").write_text(json.dumps({**job("bf16", 1.0, 1), "runs": [{**job("bf16", 1.0, 1)["runs"][0], "prompts": 64}]}))
+    with pytest.raises(SystemExit, match="does not match the first round"):
+        vllm_gpu.records_from([rounds[0], bad], "NVIDIA H100 80GB HBM3", "cmd")
 
 
 def test_decode_gemm_runs_are_labelled_and_give_the_gain_over_cublaslt(tmp_path):
