@@ -40,7 +40,7 @@
 #            needs only `install`). Here: `python benchmarks/vllm_gpu.py record --from <res>/decode32`
 #   eager32_alone  the same at 256 prompts on an 80 GB H100: each engine alone in its own process, in EAGER32_ROUNDS
 #            rounds (~2.5 min a round after a ~1.5 min model build; needs only `install`). Here: `python
-#            benchmarks/vllm_gpu.py record --from <res>/eager32_alone_r<N>`
+#            benchmarks/vllm_gpu.py record --from <res>/eager32_alone_r1 <res>/eager32_alone_r2 ...` (passes pooled)
 #   eager32  bf16 and jet_fp8 (the engine's auto: cuBLASLt at every size when eager) at 32 layers in eager mode, two
 #            timed passes at 256 and 64 prompts (~5 min; needs only `install`). Here:
 #            `python benchmarks/vllm_gpu.py record --from <res>/eager32`
@@ -208,7 +208,8 @@ stage_eager32() {
 # eager32 on an 80 GB card: two 32-layer engines with 42 GiB of KV cache each (256 sequences of 1280 tokens, no
 # preemption) do not fit side by side, so each engine runs alone in its own process, one after the other, for
 # EAGER32_ROUNDS rounds (2; the second round runs jet_fp8 first, so a host that drifts weighs on both alike); one
-# folder per round. Here: `python benchmarks/vllm_gpu.py record --from <res>/eager32_alone_r<N>` for each round.
+# folder per round. Here: `python benchmarks/vllm_gpu.py record --from <res>/eager32_alone_r*`, which pools the rounds'
+# passes (the median of each recipe's).
 stage_eager32_alone() {
   local r recipe order
   for r in $(seq 1 "${EAGER32_ROUNDS:-2}"); do

@@ -675,10 +675,10 @@ def records_from(folder: Path | list[Path], device: str | None, command: str) ->
             shape += _compile_note(j)  # a warm start's rate is its own figure, never a cold one's
             # engines that ran alone, one after the other (an 80 GB card at 32 layers and 256 prompts), say so beside
             # the figure; the shape stays the figure's, so it files under the same headline row
-            alone = {"engines": "each alone in its own process, one after the other"} if j.get("engines_together") == 1 else {}
+            how = {"engines": "each alone in its own process, one after the other"} if j.get("engines_together") == 1 else {}
             if j.get("rounds"):  # merged rounds: the median of this many passes, each pass's rate beside it
-                alone.update(rounds=j["rounds"], tokens_per_s_each=run["tokens_per_s_each"])
-            rec("vllm_rollout_tokens_per_s", shape, backend, run["tokens_per_s"], "tok/s", ratio, date=j.get("date"), **alone)
+                how.update(rounds=j["rounds"], tokens_per_s_each=run["tokens_per_s_each"])
+            rec("vllm_rollout_tokens_per_s", shape, backend, run["tokens_per_s"], "tok/s", ratio, date=j.get("date"), **how)
             plain = tp.get((recipe.partition("+")[0], mode))
             if recipe.endswith("+bitwise") and plain and i < len(plain["runs"]):
                 rec("bitwise_rollout_cost_ratio", shape, recipe + route, round(run["tokens_per_s"] / plain["runs"][i]["tokens_per_s"], 4),
