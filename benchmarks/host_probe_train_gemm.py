@@ -1,0 +1,94 @@
+"""Host time of one FP8 GEMM call at training sizes, by route, against BF16's mm.
+
+    python benchmarks/host_probe_train_gemm.py [--m 64,4352,8192] [--samples 15]
+
+An `Fp8Linear` training step calls three blockwise GEMMs (fprop, DGrad, WGrad) through `torch._scaled_mm`, which
+builds cuBLASLt's descriptors and asks its heuristic on every call. At decode size (M = 64) that call costs what a
+cached plan's call costs (`host_probe_engine.py`); whether the heuristic's price grows with the problem, as the
+training step's profiles suggest (about 70 us per call at M = 8192 against 27 at M = 64), decides whether a native
+training GEMM with a plan per shape would pay. Per M, N = K = 4096, each route's calls queued behind a spin kernel
+(host time only), the routes taking turns sample by sample:
+
+  bf16 mm                        torch.mm of BF16 operands (what nn.Linear's three GEMMs cost)
+  torch._scaled_mm fprop         1x128 activation x 128x128 weight, as the torch backend calls it
+  gemm_nt torch fprop / wgrad    the torch backend's call (layouts, then torch._scaled_mm); WGrad is 1x128 x 1x128,
+                                 both operands grouped along the tokens
+  cuBLASLt plan fprop            gemm.cublaslt's plan (descriptors and algorithm made once, ctypes per call)
+  cublasLtMatmul alone fprop     the library call with everything made once and the output preallocated
+
+Each line prints min / median us per call. No vLLM needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from host_probe_engine import paired_us  # noqa: E402
+
+from jetrl_precision import quantize_fp8  # noqa: E402
+from jetrl_precision.gemm import cublaslt, gemm_nt  # noqa: E402
+from jetrl_precision.kernels import quant  # noqa: E402
+from jetrl_precision.kernels.layout import mn_major, row_major_padded_t  # noqa: E402
+
+
+def routes(m: int, n: int = 4096, k: int = 4096) -> dict:
+    """{name: zero-argument call} for one M: the operands made once, in the layouts the torch backend passes."""
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    xq, wq = quant.quantize_1x128(x, False), quantize_fp8(w, (128, 128))
+    wt, sb = wq.data.t(), row_major_padded_t(wq.scale)
+    sa = mn_major(xq.scale)
+    # WGrad-shaped: both operands grouped along M (the tokens), K-major as the backward's quantizers write them
+    dy_t = quant.quantize_128x1_t(torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16))
+    x_t = quant.quantize_128x1_t(x)
+    out = {
+        "bf16 mm": lambda: torch.mm(x, w.t()),
+        "torch._scaled_mm fprop": lambda: torch._scaled_mm(xq.data, wt, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+        "gemm_nt torch fprop": lambda: gemm_nt(xq, wq, torch.bfloat16, "torch"),
+        "gemm_nt torch wgrad": lambda: gemm_nt(dy_t, x_t, torch.bfloat16, "torch"),
+    }
+    try:
+        lt = cublaslt.LtBlockwiseGemm(torch.device("cuda"), "1x128", "128x128")
+    except RuntimeError as e:
+        print(f"  cuBLASLt plan: unavailable ({e})")
+        return out
+    ref = out["torch._scaled_mm fprop"]()
+    got = lt(xq.data, wt, sa, sb, torch.bfloat16)
+    print(f"  M={m}: cuBLASLt plan fprop equals torch._scaled_mm bit for bit: {torch.equal(got, ref)}")
+    out["cuBLASLt plan fprop"] = lambda: lt(xq.data, wt, sa, sb, torch.bfloat16)
+    plan = lt._plans[(m, n, k, torch.bfloat16)]
+    y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    ptrs = (wt.data_ptr(), xq.data.data_ptr(), y.data_ptr())
+    stream = torch.cuda.current_stream().cuda_stream
+    ws = lt._ws_ptrs.get(stream) or lt._workspace(stream)
+    la, lb, lc, ld = plan.layouts
+    raw = lt.lib.cublasLtMatmul
+    out["cublasLtMatmul alone fprop"] = lambda: raw(lt.handle, plan.desc, lt._alpha_addr, ptrs[0], la, ptrs[1], lb,
+                                                    lt._beta_addr, ptrs[2], lc, ptrs[2], ld, plan.algo, ws, lt.ws_bytes, stream)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", default="64,4352,8192", help="token counts, comma-separated")
+    ap.add_argument("--samples", type=int, default=15)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("host_probe_train_gemm: needs a CUDA device")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host us per call, min / median over {a.samples} samples")
+    for m in (int(v) for v in a.m.split(",") if v):
+        pieces = routes(m)
+        for name, (lo, med) in paired_us(pieces, samples=a.samples, reps=20).items():
+            print(f"[host us min/median] M={m} {name} {lo} / {med}")
+
+
+if __name__ == "__main__":
+    main()
