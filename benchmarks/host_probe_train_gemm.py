@@ -15,6 +15,8 @@ training GEMM with a plan per shape would pay. Per M, N = K = 4096, each route's
                                  both operands grouped along the tokens
   cuBLASLt plan fprop            gemm.cublaslt's plan (descriptors and algorithm made once, ctypes per call)
   cublasLtMatmul alone fprop     the library call with everything made once and the output preallocated
+  native fprop / wgrad           the C++ extension's call with its plan per shape (`gemm.cublaslt_native`, what
+                                 JETRL_NATIVE_GEMM=1 gives the torch backend), checked against torch's bits first
 
 Each line prints min / median us per call. No vLLM needed.
 """
@@ -22,6 +24,7 @@ Each line prints min / median us per call. No vLLM needed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -33,9 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_probe_engine import paired_us  # noqa: E402
 
 from jetrl_precision import quantize_fp8  # noqa: E402
-from jetrl_precision.gemm import cublaslt, gemm_nt  # noqa: E402
+from jetrl_precision.gemm import cublaslt, cublaslt_native, gemm_nt  # noqa: E402
 from jetrl_precision.kernels import quant  # noqa: E402
 from jetrl_precision.kernels.layout import mn_major, row_major_padded_t  # noqa: E402
+
+
+def _refused(*args):
+    raise RuntimeError("the native GEMM handed back an input it takes")
 
 
 def routes(m: int, n: int = 4096, k: int = 4096) -> dict:
@@ -55,6 +62,16 @@ def routes(m: int, n: int = 4096, k: int = 4096) -> dict:
         "gemm_nt torch fprop": lambda: gemm_nt(xq, wq, torch.bfloat16, "torch"),
         "gemm_nt torch wgrad": lambda: gemm_nt(dy_t, x_t, torch.bfloat16, "torch"),
     }
+    native = {b: cublaslt_native.blockwise_gemm("cuda", "1x128", b, _refused) for b in ("128x128", "1x128")}
+    if None in native.values():
+        print(f"  native GEMM: unavailable ({cublaslt_native._reasons})")
+    else:
+        out["native fprop"] = lambda: native["128x128"](xq.data, wt, sa, sb, torch.bfloat16)
+        if m % 128 == 0:  # WGrad's K is the token count: the torch backend pads it to 128 before this call
+            dy_d, x_d, dy_s, x_s = dy_t.data, x_t.data.t(), mn_major(dy_t.scale), mn_major(x_t.scale)
+            same = torch.equal(native["1x128"](dy_d, x_d, dy_s, x_s, torch.bfloat16), gemm_nt(dy_t, x_t, torch.bfloat16, "torch"))
+            print(f"  M={m}: native wgrad equals the torch backend's bit for bit: {same}")
+            out["native wgrad"] = lambda: native["1x128"](dy_d, x_d, dy_s, x_s, torch.bfloat16)
     try:
         lt = cublaslt.LtBlockwiseGemm(torch.device("cuda"), "1x128", "128x128")
     except RuntimeError as e:
@@ -83,6 +100,7 @@ def main() -> None:
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_probe_train_gemm: needs a CUDA device")
+    os.environ[cublaslt_native.ENV_SWITCH] = "1"  # the native route is probed whatever the caller's environment says
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host us per call, min / median over {a.samples} samples")
     for m in (int(v) for v in a.m.split(",") if v):
         pieces = routes(m)

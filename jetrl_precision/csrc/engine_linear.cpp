@@ -8,6 +8,9 @@
 // heuristic on every call) where F.linear costs ~21 us. Here the call is one pybind hop, one cuLaunchKernel,
 // two descriptor attributes, one cublasLtMatmul and one output allocation.
 //
+// The same runtime serves the training step's three blockwise GEMMs (`Runtime::gemm`, opt-in from
+// `gemm/cublaslt_native.py`): torch._scaled_mm's call with its plan made once per shape instead of on every call.
+//
 // Built by torch.utils.cpp_extension as a CPU extension: libcuda and the libcublasLt torch loaded are opened at
 // run time (dlopen), so building needs no CUDA toolkit. Python (`integrations/engine_native.py`) checks the
 // result against the Python path bit for bit at first use and keeps that path where anything differs.
@@ -54,6 +57,7 @@ constexpr int kPrefMaxWorkspace = 1;
 constexpr int kStatusExecutionFailed = 13;
 constexpr int kHeuristicBytes = 96;  // cublasLtMatmulHeuristicResult_t; its first 64 bytes are the algorithm
 constexpr int64_t kMaxRows = 512;    // decode-sized batches only: the workspace is kMaxRows x K
+constexpr size_t kMaxPlans = 16384;  // training shapes (one per token count); past it, new shapes run torch's call
 
 template <typename F>
 F sym(void* lib, const char* name, const std::string& path) {
@@ -136,7 +140,7 @@ class Runtime {
     }
     check(rc, "cuLaunchKernel of the 1x128 quantizer");
 
-    Plan& plan = plan_for(mp, n, k, out_type, w_scale_t.data_ptr(), s);
+    Plan& plan = plan_for(mp, n, k, out_type, kBlk128x128, w_scale_t.data_ptr(), s);
     at::Tensor y = at::empty({mp, n}, x.options());
     void* yp = y.data_ptr();
     void* lt_ws = ws.lt.data_ptr();
@@ -160,6 +164,61 @@ class Runtime {
     return mp == m ? y : y.narrow(0, 0, m);
   }
 
+  // out [M, N] = a [M, K] @ b_t [K, N] for e4m3 `a` (contiguous, 1x128 scales `sa`, MN-major) and `b_t` (the
+  // transpose of a contiguous e4m3 [N, K]) with scales `sb` in the layout torch's scaled_mm takes for `mode_b`
+  // (kBlk128x128: `row_major_padded_t`; kVec128: MN-major): the call torch._scaled_mm makes, its plan made once per
+  // shape. An undefined tensor (None in Python) where the caller should run torch's call instead: a capturing
+  // stream, another layout or device, M not a multiple of 4 or K of 128 (torch's path pads them), the plan table full.
+  at::Tensor gemm(const at::Tensor& a, const at::Tensor& b_t, const at::Tensor& sa, const at::Tensor& sb, int64_t mode_b,
+                  int64_t out_type, int64_t stream_handle) {
+    if (a.dim() != 2 || b_t.dim() != 2 || !a.is_cuda() || a.get_device() != device_ || !b_t.is_cuda() ||
+        b_t.get_device() != device_ || a.scalar_type() != at::kFloat8_e4m3fn || b_t.scalar_type() != at::kFloat8_e4m3fn)
+      return {};
+    const int64_t m = a.size(0), k = a.size(1), n = b_t.size(1);
+    if (m == 0 || m % 4 != 0 || k % 128 != 0 || b_t.size(0) != k || !a.is_contiguous() || b_t.stride(0) != 1 || b_t.stride(1) != k ||
+        (mode_b != kBlk128x128 && mode_b != kVec128))
+      return {};
+    at::ScalarType out_dtype;
+    if (out_type == kR16BF) {
+      out_dtype = at::kBFloat16;
+    } else if (out_type == kR32F) {
+      out_dtype = at::kFloat;
+    } else {
+      return {};
+    }
+    void* stream = reinterpret_cast<void*>(stream_handle);
+    int capture = 0;
+    if (is_capturing_(stream, &capture) != 0 || capture != 0) return {};
+    Plan* plan = find_plan(m, n, k, static_cast<int>(out_type), static_cast<int>(mode_b));
+    if (plan == nullptr) {
+      if (plan_count() >= static_cast<int64_t>(kMaxPlans)) return {};
+      plan = &plan_for(m, n, k, static_cast<int>(out_type), static_cast<int>(mode_b), sb.data_ptr(), sa.data_ptr());
+    }
+    at::Tensor y = at::empty({m, n}, a.options().dtype(out_dtype));
+    void* yp = y.data_ptr();
+    void* lt_ws = lt_workspace(stream_handle);
+    int rc = 0;
+    {
+      std::lock_guard<std::mutex> lock(plan->mu);
+      // cuBLAS's A is b (its scales sb), its B is a (scales sa): torch's column-major reading of a @ b_t
+      const void* pa = sb.data_ptr();
+      const void* pb = sa.data_ptr();
+      desc_set_(plan->desc, kAScalePtr, &pa, sizeof(pa));
+      desc_set_(plan->desc, kBScalePtr, &pb, sizeof(pb));
+      auto multiply = [&] {
+        return matmul_(handle_, plan->desc, &one_, b_t.data_ptr(), plan->layouts[0], a.data_ptr(), plan->layouts[1],
+                       &zero_, yp, plan->layouts[2], yp, plan->layouts[3], plan->result, lt_ws, ws_bytes_, stream);
+      };
+      rc = multiply();
+      if (rc == kStatusExecutionFailed) {  // cuBLASLt's answer to a thread with no current context
+        make_current();
+        rc = multiply();
+      }
+    }
+    check(rc, "cublasLtMatmul");
+    return y;
+  }
+
   int64_t plan_count() {
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int64_t>(plans_.size());
@@ -178,6 +237,23 @@ class Runtime {
     check(set_current_(ctx), "cuCtxSetCurrent");
   }
 
+  Plan* find_plan(int64_t m, int64_t n, int64_t k, int out_type, int mode_a) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = plans_.find(std::make_tuple(m, n, k, out_type, mode_a));
+    return it == plans_.end() ? nullptr : it->second.get();
+  }
+
+  // cuBLASLt's scratch for `gemm`, one per stream as torch keeps one per (handle, stream)
+  void* lt_workspace(int64_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = lt_workspaces_.find(stream);
+    if (it == lt_workspaces_.end()) {
+      auto opts = at::TensorOptions().device(at::kCUDA, device_).dtype(at::kByte);
+      it = lt_workspaces_.emplace(stream, at::empty({static_cast<int64_t>(std::max<size_t>(ws_bytes_, 256))}, opts)).first;
+    }
+    return it->second.data_ptr();
+  }
+
   Workspace& workspace(int64_t stream, int64_t k) {
     std::lock_guard<std::mutex> lock(mu_);
     auto key = std::make_pair(stream, k);
@@ -191,8 +267,9 @@ class Runtime {
   }
 
   // Made as torch's scaled_gemm makes them, from the first call's scale pointers (later calls set their own).
-  Plan& plan_for(int64_t m, int64_t n, int64_t k, int out_type, const void* scale_a, const void* scale_b) {
-    const auto key = std::make_tuple(m, n, k, out_type);
+  // mode_a is cuBLAS's A's scale mode (the weight-side operand: 128x128 blocks, or 1x128 for WGrad); B is 1x128.
+  Plan& plan_for(int64_t m, int64_t n, int64_t k, int out_type, int mode_a, const void* scale_a, const void* scale_b) {
+    const auto key = std::make_tuple(m, n, k, out_type, mode_a);
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = plans_.find(key);
@@ -200,12 +277,13 @@ class Runtime {
     }
     auto plan = std::make_unique<Plan>();
     check(desc_create_(&plan->desc, kCompute32F, kR32F), "cublasLtMatmulDescCreate");
-    const int32_t trans_a = kOpT, trans_b = kOpN, mode_a = kBlk128x128, mode_b = kVec128;
+    const int32_t trans_a = kOpT, trans_b = kOpN, mode_b = kVec128;
     const int8_t fast = 0;
     check(desc_set_(plan->desc, kTransA, &trans_a, sizeof(trans_a)), "TRANSA");
     check(desc_set_(plan->desc, kTransB, &trans_b, sizeof(trans_b)), "TRANSB");
     check(desc_set_(plan->desc, kFastAccum, &fast, sizeof(fast)), "FAST_ACCUM");
-    check(desc_set_(plan->desc, kAScaleMode, &mode_a, sizeof(mode_a)), "A_SCALE_MODE");
+    const int32_t mode_a32 = mode_a;
+    check(desc_set_(plan->desc, kAScaleMode, &mode_a32, sizeof(mode_a32)), "A_SCALE_MODE");
     check(desc_set_(plan->desc, kBScaleMode, &mode_b, sizeof(mode_b)), "B_SCALE_MODE");
     check(desc_set_(plan->desc, kAScalePtr, &scale_a, sizeof(scale_a)), "A_SCALE_POINTER");
     check(desc_set_(plan->desc, kBScalePtr, &scale_b, sizeof(scale_b)), "B_SCALE_POINTER");
@@ -227,7 +305,8 @@ class Runtime {
     check(rc, "cublasLtMatmulAlgoGetHeuristic");
     if (found < 1)
       throw std::runtime_error("jetrl_precision native linear: cuBLASLt has no algorithm for M=" + std::to_string(m) +
-                               " N=" + std::to_string(n) + " K=" + std::to_string(k));
+                               " N=" + std::to_string(n) + " K=" + std::to_string(k) + " scale mode " +
+                               std::to_string(mode_a));
     std::lock_guard<std::mutex> lock(mu_);
     return *plans_.emplace(key, std::move(plan)).first->second;
   }
@@ -251,8 +330,10 @@ class Runtime {
   ltMatmul_t matmul_;
   std::mutex mu_;
   std::map<std::pair<int64_t, int64_t>, Workspace> workspaces_;
-  // bounded by construction: M is padded to a multiple of 4 up to kMaxRows, so at most 128 plans per (N, K)
-  std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::unique_ptr<Plan>> plans_;
+  // the engine's M is padded to a multiple of 4 up to kMaxRows (at most 128 plans per N, K); training GEMMs add
+  // one per micro-batch token count, which `gemm` bounds (kMaxPlans)
+  std::map<std::tuple<int64_t, int64_t, int64_t, int, int>, std::unique_ptr<Plan>> plans_;
+  std::map<int64_t, at::Tensor> lt_workspaces_;  // stream -> cuBLASLt scratch of `gemm`
 };
 
 // One layer: its weight operands (views of the engine's parameters, so in-place weight installs show) and the
@@ -286,7 +367,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Runtime, std::shared_ptr<Runtime>>(m, "Runtime")
       .def(py::init<const std::string&, int64_t, int64_t>(), py::arg("cublaslt_path"), py::arg("device_index"),
            py::arg("lt_workspace_bytes"))
-      .def_property_readonly("plan_count", &Runtime::plan_count);
+      .def_property_readonly("plan_count", &Runtime::plan_count)
+      // the training step's GEMMs (fprop, DGrad, WGrad) with a plan per shape; the GIL released as around `Linear`
+      .def("gemm", &Runtime::gemm, py::arg("a"), py::arg("b_t"), py::arg("scale_a"), py::arg("scale_b"), py::arg("mode_b"),
+           py::arg("out_type"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
   py::class_<Linear>(m, "Linear")
       .def(py::init<std::shared_ptr<Runtime>, at::Tensor, at::Tensor, int64_t>(), py::arg("runtime"),
            py::arg("weight"), py::arg("weight_scale_t"), py::arg("quant_fn"))

@@ -411,16 +411,29 @@ def _asked() -> bool:
 
 def call_status(device: torch.device | str) -> str:
     """What the torch backend's prepared GEMMs call on `device`, for precision graphs and logs: 'torch.scaled_mm'
-    (the default), 'cublaslt_plan' (asked for and checked), or 'torch.scaled_mm (why the plans asked for are not
-    used)'. Same bits either way."""
-    if not _asked():
-        return "torch.scaled_mm"
+    (the default), 'native_plan' (the C++ extension's, JETRL_NATIVE_GEMM=1, asked for and checked), 'cublaslt_plan'
+    (asked for and checked), or 'torch.scaled_mm (why the plans asked for are not used)'. Same bits either way."""
+    from . import cublaslt_native
+
     device = torch.device(device)
+    native_why = None
+    if cublaslt_native._asked():
+        used = [cublaslt_native.blockwise_gemm(device, "1x128", b, _unused) is not None for b in ("128x128", "1x128")]
+        if all(used):
+            return "native_plan"
+        native_why = [cublaslt_native._reasons.get((device_key(device), "1x128", b)) or cublaslt_native.unavailable_reason(device)
+                      for b, u in zip(("128x128", "1x128"), used) if not u]
+    if not _asked():
+        return "torch.scaled_mm" if native_why is None else f"torch.scaled_mm ({'; '.join(sorted({w for w in native_why if w}))})"
     used = [blockwise_gemm(device, "1x128", b) is not None for b in ("128x128", "1x128")]
     if all(used):
         return "cublaslt_plan"
     why = [_reasons.get((device_key(device), "1x128", b)) or unavailable_reason(device) for b, u in zip(("128x128", "1x128"), used) if not u]
-    return f"torch.scaled_mm ({'; '.join(sorted({w for w in why if w}))})"
+    return f"torch.scaled_mm ({'; '.join(sorted({w for w in why + (native_why or []) if w}))})"
+
+
+def _unused(*args):  # call_status asks only whether the native GEMM is there, it never calls it
+    raise AssertionError("not called")
 
 
 # (M, N, K): decode-sized and prefill-sized M, K long enough for split-K algorithms, N and K not powers of two

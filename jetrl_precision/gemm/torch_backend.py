@@ -11,7 +11,8 @@ torch builds without `F.scaled_mm` use the legacy `torch._scaled_mm`, which infe
 the scale shapes. The prepared calls (a layer's step plan, the inference engine) take the entry point with
 the least host time whose bits equal F.scaled_mm's on the device: the legacy call for 1x128.128x128, else
 `torch._scaled_mm_v2` with the arguments F.scaled_mm builds (without the wrapper's per-call list building); with
-JETRL_CUBLASLT_PLAN=1, a cuBLASLt plan per shape first (`cublaslt`; opt-in: no host time saved, measured).
+JETRL_NATIVE_GEMM=1 the C++ extension's call with a plan per shape first (`cublaslt_native`; opt-in until measured),
+with JETRL_CUBLASLT_PLAN=1 a cuBLASLt plan from Python (`cublaslt`; opt-in: no host time saved at decode size).
 K or N that are not multiples of 128 are zero-padded (logged once).
 """
 
@@ -22,7 +23,7 @@ import torch
 from ..formats import QuantizedTensor
 from ..kernels._probe import device_key
 from ..kernels.layout import mn_major, pad_operands, row_major_padded_t
-from . import cublaslt
+from . import cublaslt, cublaslt_native
 from .dispatch import GemmBackend, PreparedGemm, register_backend
 
 __all__ = ["torch_gemm_nt", "scaling_types", "prepared_scaled_mm", "TorchPreparedGemm"]
@@ -86,14 +87,16 @@ def prepared_scaled_mm(device: torch.device | str):
     with scale_a MN-major (M a multiple of 4) and scale_b from `row_major_padded_t`. Of the entry points whose bits
     equal F.scaled_mm's on the device, the one with the least host time: the legacy `torch._scaled_mm`, else
     `torch._scaled_mm_v2` called with the arguments F.scaled_mm builds (its Python wrapper costs several
-    microseconds per call), else F.scaled_mm; a cuBLASLt plan per shape before them where JETRL_CUBLASLT_PLAN=1
-    (`cublaslt.blockwise_gemm`)."""
+    microseconds per call), else F.scaled_mm; before them, where asked for and checked, the C++ extension's call
+    with a plan per shape (JETRL_NATIVE_GEMM=1, `cublaslt_native`) or a cuBLASLt plan from Python
+    (JETRL_CUBLASLT_PLAN=1, `cublaslt.blockwise_gemm`)."""
     reason = unavailable_reason(torch.device(device))
     if reason is not None:
         raise RuntimeError(f"the torch GEMM backend cannot run on {device}: {reason}")
-    lt = cublaslt.blockwise_gemm(device, "1x128", "128x128")
-    if lt is not None:
-        return lt
+    return _planned(device, "128x128", _torch_call_block(device))
+
+
+def _torch_call_block(device: torch.device | str):
     types = scaling_types()
     if types is None or _legacy_same.get(device_key(device), False):
 
@@ -111,28 +114,34 @@ def prepared_scaled_mm(device: torch.device | str):
     return blockwise
 
 
+def _planned(device: torch.device | str, block_b: str, call):
+    """`call` (torch's entry point for 1x128 x `block_b`), or the plan-per-shape GEMM asked for in its place."""
+    native = cublaslt_native.blockwise_gemm(device, "1x128", block_b, call)
+    if native is not None:
+        return native
+    lt = cublaslt.blockwise_gemm(device, "1x128", block_b)
+    return lt if lt is not None else call
+
+
 def prepared_scaled_mm_1x128(device: torch.device | str):
     """The scaled_mm call `torch_gemm_nt` makes for 1x128 x 1x128 (WGrad) on `device`: fn(a, b_t, sa, sb, out_dtype),
     both scales MN-major. Where the probe found it bitwise equal, `torch._scaled_mm_v2` called with the arguments
-    `F.scaled_mm` builds (the same op, without the wrapper's per-call list building), else F.scaled_mm; a cuBLASLt
-    plan per shape before them where JETRL_CUBLASLT_PLAN=1 and its first-use check passed."""
+    `F.scaled_mm` builds (the same op, without the wrapper's per-call list building), else F.scaled_mm; the
+    plan-per-shape GEMMs before them as for `prepared_scaled_mm`."""
     reason = unavailable_reason(torch.device(device))
     if reason is not None:
         raise RuntimeError(f"the torch GEMM backend cannot run on {device}: {reason}")
     types = scaling_types()
     if types is None:
         raise RuntimeError(f"torch {torch.__version__} has no F.scaled_mm: 1x128 x 1x128 needs it")
-    lt = cublaslt.blockwise_gemm(device, "1x128", "1x128")
-    if lt is not None:
-        return lt
     one = types[0]
     if _v2_same.get(device_key(device), False):
-        return _v2_call(one, one)
+        return _planned(device, "1x128", _v2_call(one, one))
 
     def wrapped(a, b_t, sa, sb, out_dtype):
         return torch.nn.functional.scaled_mm(a, b_t, sa, one, sb, one, output_dtype=out_dtype)
 
-    return wrapped
+    return _planned(device, "1x128", wrapped)
 
 
 def _v2_call(recipe_a, recipe_b):

@@ -7,9 +7,8 @@ every call). The extension does the same two launches from C++, with cuBLASLt's 
 kernel (`kernels.quant_cuda`'s NVRTC function, passed in), the same descriptors, layouts and heuristic inputs as
 torch's, so the same bits, which `native_linear` checks against the Python path at first use on each device.
 
-The extension is built by `torch.utils.cpp_extension` (a C++ compiler and ninja; no CUDA toolkit: libcuda and the
-libcublasLt torch loaded are opened at run time) into torch's extension cache, once per source and torch version
-(~30 s). Where it cannot build or its bits differ, `native_linear` returns None after one warning naming why, and
+The extension is built at first use (`native_ext`: a C++ compiler and ninja, no CUDA toolkit; ~30 s once per source
+and torch version). Where it cannot build or its bits differ, `native_linear` returns None after one warning naming why, and
 the engine keeps the Python path (same bytes, more host time). `JETRL_NATIVE_LINEAR=0` turns it off (A/B runs).
 
 Only batches of up to 512 rows (decode-sized) outside CUDA-graph capture take it; the rest run the Python path.
@@ -17,12 +16,8 @@ Only batches of up to 512 rows (decode-sized) outside CUDA-graph capture take it
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import os
-import time
-from pathlib import Path
 
 import torch
 
@@ -34,31 +29,17 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "JETRL_NATIVE_LINEAR"
 NATIVE_MAX_M = 512  # csrc/engine_linear.cpp's kMaxRows: the activation workspace is 512 x K per stream
-_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "engine_linear.cpp"
 
 
 def _asked() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip() != "0"
 
 
-@functools.cache
 def _module():
-    """The built extension, or why it is not available (a string)."""
-    try:
-        from torch.utils import cpp_extension
-    except ImportError as e:  # pragma: no cover - torch always has it
-        return f"torch.utils.cpp_extension is unavailable ({e})"
-    src = _SOURCE.read_bytes()
-    name = "jetrl_engine_linear_" + hashlib.sha256(src + torch.__version__.encode()).hexdigest()[:12]
-    t0 = time.perf_counter()
-    logger.info("jetrl_precision: loading the native FP8 engine linear %s (built once per source and torch version, ~30 s)", name)
-    try:
-        mod = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=["-O2"], verbose=False)
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: the Python path runs instead
-        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        return f"the extension did not build ({type(e).__name__}: {lines[-1] if lines else ''})"
-    logger.info("jetrl_precision: native FP8 engine linear ready in %.1f s", time.perf_counter() - t0)
-    return mod
+    """The built extension (`native_ext`), or why it is not available (a string)."""
+    from ..native_ext import extension
+
+    return extension()
 
 
 _runtimes: dict[str, object] = {}
