@@ -31,7 +31,8 @@
 #                                      PROFILE_REQUANT=1: --precision.requantize_weights; PROFILE_PROMPT: prompt
 #                                      tokens, 256; PROFILE_STEPS: timed micro-steps, 6; PROFILE_RECIPES: "bf16 jet_fp8",
 #                                      jet_fp8+plainnorm for the A/B of the fused norms,
-#                                      jet_fp8+plaindy for that of gate/up's dY quantized by the SwiGLU backward)
+#                                      jet_fp8+plaindy for that of gate/up's dY quantized by the SwiGLU backward,
+#                                      jet_fp8+nativegemm for the native training GEMM, JETRL_NATIVE_GEMM=1)
 #   any call after 2                   bash benchmarks/h200_grpo.sh gpucheck   the GPU tests of the changed training paths
 #                                      (GPU_TESTS), then gpu_bench.py --sections env,layers (STACK_BACKENDS auto,torch;
 #                                      GPUCHECK_LAYERS=0 skips it)

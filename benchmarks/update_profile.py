@@ -115,6 +115,11 @@ def job(a: argparse.Namespace) -> dict:
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype)
     base, _, mod = a.recipe.partition("+")
+    if mod == "nativegemm":  # the torch backend's GEMM calls from the C++ extension (gemm.cublaslt_native)
+        from jetrl_precision.gemm import cublaslt, cublaslt_native
+
+        os.environ[cublaslt_native.ENV_SWITCH] = "1"
+        print("gemm call:", cublaslt.call_status(device), flush=True)
     if base != "bf16":
         recipe = get_recipe(base)
         Fp8Converter(recipe if a.gemm_backend == "auto" else recipe.replace(gemm_backend=a.gemm_backend), side="train",
@@ -302,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=["bf16", "jet_fp8"],
                     help="recipes to profile; <recipe>+plainnorm keeps the model's RMSNorms (--precision.plain_norms), "
-                         "<recipe>+plaindy leaves gate/up's FP8 dY to the GEMM's own quantizer (swiglu.set_dy_quantization)")
+                         "<recipe>+plaindy leaves gate/up's FP8 dY to the GEMM's own quantizer (swiglu.set_dy_quantization), "
+                         "<recipe>+nativegemm runs the torch backend's GEMM calls from the C++ extension (JETRL_NATIVE_GEMM=1)")
     ap.add_argument("--variants", nargs="+", default=["plain", "deepspeed"], choices=["plain", "deepspeed", "deepspeed-nosync", "deepspeed-zero1", "deepspeed-calling-thread"])
     ap.add_argument("--micro", nargs="+", type=int, default=[4], help="sequences per training micro-batch")
     ap.add_argument("--layers", type=int, default=8)
@@ -339,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for r in a.recipes:
         base, plus, mod = r.partition("+")
-        if base not in RECIPE_NAMES or (plus and (mod not in ("plainnorm", "plaindy") or base == "bf16")):
-            ap.error(f"--recipes {r}: a recipe ({', '.join(RECIPE_NAMES)}), or an FP8 one with +plainnorm or +plaindy")
+        if base not in RECIPE_NAMES or (plus and (mod not in ("plainnorm", "plaindy", "nativegemm") or base == "bf16")):
+            ap.error(f"--recipes {r}: a recipe ({', '.join(RECIPE_NAMES)}), or an FP8 one with +plainnorm, +plaindy or +nativegemm")
     if a.record and not a.from_dir:
         ap.error("--record files profiles already made: pass --from DIR (the folder a profile run wrote)")
     if a.liger and not a.from_dir:

@@ -131,5 +131,5 @@ def test_liger_without_a_gpu_is_refused_in_one_line():
 def test_an_unknown_recipe_variant_is_refused_in_one_line():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "update_profile.py"), "--tiny", "--recipes", "jet_fp8+foo"],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--recipes jet_fp8+foo: a recipe (bf16, fp8_rollout, jet_fp8), or an FP8 one with +plainnorm or +plaindy" \
+    assert proc.returncode == 2 and "--recipes jet_fp8+foo: a recipe (bf16, fp8_rollout, jet_fp8), or an FP8 one with +plainnorm, +plaindy or +nativegemm" \
         in proc.stderr.strip().splitlines()[-1]
