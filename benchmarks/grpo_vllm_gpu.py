@@ -54,9 +54,12 @@ RECIPES = ("bf16", "jet_fp8", "fp8_rollout")  # what a plain run compares
 # `jet_fp8+separate` runs jet_fp8 with --precision.separate_projections: q/k/v and gate/up as their own GEMMs,
 # the A/B of the stacked projections jet_fp8 runs by default; `jet_fp8+plainnorm` with --precision.plain_norms, the A/B
 # of the norms fused with their FP8 quantization.
+# `jet_fp8+nativegemm` runs jet_fp8 with JETRL_NATIVE_GEMM=1: the torch backend's training GEMM calls from the C++
+# extension with a cuBLASLt plan per shape (gemm.cublaslt_native), the A/B of its host saving.
 # `<recipe>+no_aot` runs the recipe with VLLM_USE_AOT_COMPILE=0: the engine never loads torch's AOT artifact (another
 # vLLM cache key, so it compiles again, with Inductor's cache as it finds it); a warm start's A/B (docs/vllm.md).
-ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise", "jet_fp8+separate", "jet_fp8+plainnorm", "bf16+no_aot", "jet_fp8+no_aot")
+ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise", "jet_fp8+separate", "jet_fp8+plainnorm", "jet_fp8+nativegemm", "bf16+no_aot",
+               "jet_fp8+no_aot")
 NO_AOT = "+no_aot"
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -193,6 +196,8 @@ def recipe_argv(recipe: str) -> list[str]:
         return ["--fp8_unified", "--precision.separate_projections"]
     if recipe == "jet_fp8+plainnorm":
         return ["--fp8_unified", "--precision.plain_norms"]
+    if recipe == "jet_fp8+nativegemm":  # the trainer's environment differs (recipe_env)
+        return ["--fp8_unified"]
     argv = ["--precision.recipe", recipe]
     if recipe == "fp8_rollout":  # the off-policy baseline needs its importance-sampling correction
         argv += ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tis"]
@@ -200,6 +205,8 @@ def recipe_argv(recipe: str) -> list[str]:
 
 
 def recipe_env(recipe: str) -> dict[str, str]:
+    if recipe == "jet_fp8+nativegemm":
+        return {"JETRL_NATIVE_GEMM": "1"}
     return {"VLLM_USE_AOT_COMPILE": "0"} if recipe.endswith(NO_AOT) else {}
 
 
@@ -524,6 +531,12 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
                 update_gain=round(ph["actor update"] / pp["actor update"], 4),
                 old_logprob_gain=round(ph["old logprobs"] / pp["old logprobs"], 4),
                 **{ab[1]: round(ph["step"], 3), ab[2]: round(pp["step"], 3)})
+        if recipe == "jet_fp8+nativegemm" and plain:  # what the native GEMM gains: jet_fp8's step over the variant's
+            pp = phase_means(plain)
+            rec("native_gemm_e2e_gain", r["shape"], recipe, round(pp["step"] / ph["step"], 4), "x", None,
+                update_gain=round(pp["actor update"] / ph["actor update"], 4),
+                old_logprob_gain=round(pp["old logprobs"] / ph["old logprobs"], 4),
+                native_step_s=round(ph["step"], 3), torch_call_step_s=round(pp["step"], 3))
         if recipe == "jet_fp8+bitwise" and plain:
             used = [s.get("bitwise/engine_logprobs_used") for s in steps]
             rec("bitwise_e2e_step_ratio", r["shape"], recipe, round(phase_means(plain)["step"] / ph["step"], 4), "x jet_fp8",

@@ -364,3 +364,23 @@ def test_repeat_ratios_pair_the_same_round():
     assert [(b["repeat"], x["repeat"]) for b, x in g.repeat_pairs(bf16, fp8)] == [(1, 1), (3, 3)]
     same_round = [_speed_result("bf16", [90.0, 36.0]), _speed_result("bf16", [90.0, 38.0])]  # --pool: all round 1
     assert len(g.repeat_pairs(same_round, fp8[:2])) == 2 and g.repeat_pairs(same_round, fp8) == []
+
+
+def test_the_native_gemm_variant_changes_only_the_trainers_environment_and_files_its_gain():
+    """RECIPES="jet_fp8 jet_fp8+nativegemm": jet_fp8's options with JETRL_NATIVE_GEMM=1 in the run's environment, and
+    the report files what the native GEMM gains (jet_fp8's step and update over the variant's)."""
+    import grpo_vllm_gpu as g
+
+    assert g.recipe_argv("jet_fp8+nativegemm") == g.recipe_argv("jet_fp8")
+    assert g.recipe_env("jet_fp8+nativegemm") == {"JETRL_NATIVE_GEMM": "1"} and g.recipe_env("jet_fp8") == {}
+
+    def run(recipe, step_s, update_s):
+        steps = [{"step": i, "perf/step_s": step_s, "perf/train_s": update_s, "perf/old_logprob_s": 1.0, "perf/rollout_tokens_per_s": 1e3,
+                  "rollout_train_mismatch/abs_logp_diff_mean": 0.1} for i in (1, 2, 3)]
+        return {"part": "speed", "recipe": recipe, "rc": 0, "timed_out": False, "steps": steps, "shape": "s",
+                "params": 1, "wall_s": 1.0, "plan": {"layers": 2, "gemm_backend": "torch", "profile_step": 0}}
+
+    recs = g.records_from([run("jet_fp8", 11.0, 5.0), run("jet_fp8+nativegemm", 10.0, 4.0)], {"device": "d", "date": "2026-12-07"}, "c")
+    (gain,) = [r for r in recs if r["name"] == "native_gemm_e2e_gain"]
+    assert gain["value"] == pytest.approx(1.1) and gain["update_gain"] == pytest.approx(1.25)
+    assert gain["backend"] == "jet_fp8+nativegemm" and gain["native_step_s"] == 10.0 and gain["torch_call_step_s"] == 11.0
