@@ -46,3 +46,45 @@ def fwd_bwd(model: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor):
     y = model(x)
     y.backward(dy)
     return y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
+
+
+# -- blockwise scaled_mm (the torch backend's GEMMs and the plans that stand in for its calls) --------------------
+def require_blockwise_scaled_mm() -> None:
+    """Skip the calling test where torch's blockwise scaled_mm cannot run (sm90 only)."""
+    from jetrl_precision.gemm import torch_backend
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("blockwise scaled_mm is sm90-only here")
+    why = torch_backend.unavailable_reason(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(why)
+
+
+def blockwise_operands(m: int, n: int, k: int, block_b: str, seed: int) -> tuple:
+    """(a, b_t, sa, sb) as the torch backend passes them: `a` 1x128 with outlier rows and columns, `b` 128x128 or
+    1x128 (`block_b`), their scales in the layouts scaled_mm reads."""
+    from jetrl_precision.kernels.layout import mn_major, row_major_padded_t
+    from jetrl_precision.quantize import quantize_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g) * torch.exp(2 * torch.randn(m, 1, device="cuda", generator=g))
+    x[:, ::97] *= 300.0  # outlier columns
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
+    aq = quantize_fp8(x, (1, 128))
+    wq = quantize_fp8(w, (128, 128) if block_b == "128x128" else (1, 128))
+    sb = row_major_padded_t(wq.scale) if block_b == "128x128" else mn_major(wq.scale)
+    return aq.data, wq.data.t(), mn_major(aq.scale), sb
+
+
+def f_scaled_mm(block_b: str):
+    """fn(a, b_t, sa, sb, out_dtype): F.scaled_mm for 1x128 x `block_b`, the reference every plan must equal."""
+    from jetrl_precision.gemm import torch_backend
+
+    one, block = torch_backend.scaling_types()
+    rec_b = block if block_b == "128x128" else one
+    return lambda a, b_t, sa, sb, od: torch.nn.functional.scaled_mm(a, b_t, sa, one, sb, rec_b, output_dtype=od)
+
+
+def assert_same_as_scaled_mm(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    bad = int((got != ref).sum())
+    assert got.dtype == ref.dtype and got.shape == ref.shape and bad == 0, f"{what}: {bad} of {ref.numel()} outputs differ from F.scaled_mm"

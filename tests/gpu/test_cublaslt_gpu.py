@@ -14,14 +14,19 @@ import threading
 import pytest
 import torch
 
-from gpu_testutil import requires_cuda_reason
+from gpu_testutil import (
+    assert_same_as_scaled_mm,
+    blockwise_operands,
+    f_scaled_mm,
+    require_blockwise_scaled_mm,
+    requires_cuda_reason,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason=requires_cuda_reason)
 
 if torch.cuda.is_available():
     from jetrl_precision.gemm import cublaslt, torch_backend
-    from jetrl_precision.kernels.layout import mn_major, row_major_padded_t
-    from jetrl_precision.quantize import quantize_fp8
+
 
 @pytest.fixture(autouse=True)
 def _asked(monkeypatch):
@@ -36,67 +41,38 @@ SHAPES = [  # (M, N, K)
 WGRAD_SHAPES = [(4096, 4096, 8192), (1024, 4096, 2048), (4096, 14336, 1024), (576, 1536, 512)]  # (N, K, tokens)
 
 
-def _sm90():
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("blockwise scaled_mm is sm90-only here")
-    if torch_backend.unavailable_reason(torch.device("cuda")) is not None:
-        pytest.skip(torch_backend.unavailable_reason(torch.device("cuda")))
-
-
-def _operands(m, n, k, block_b, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, k, device="cuda", generator=g) * torch.exp(2 * torch.randn(m, 1, device="cuda", generator=g))
-    x[:, ::97] *= 300.0
-    w = torch.randn(n, k, device="cuda", generator=g) * 0.05
-    aq = quantize_fp8(x, (1, 128))
-    wq = quantize_fp8(w, (128, 128) if block_b == "128x128" else (1, 128))
-    sb = row_major_padded_t(wq.scale) if block_b == "128x128" else mn_major(wq.scale)
-    return aq.data, wq.data.t(), mn_major(aq.scale), sb
-
-
-def _reference(block_b):
-    one, block = torch_backend.scaling_types()
-    rec_b = block if block_b == "128x128" else one
-    return lambda a, b_t, sa, sb, od: torch.nn.functional.scaled_mm(a, b_t, sa, one, sb, rec_b, output_dtype=od)
-
-
 def _gemm(block_b):
     gemm = cublaslt.blockwise_gemm("cuda", "1x128", block_b)
     assert gemm is not None, f"the plans must pass their first-use check here: {cublaslt._reasons}"
     return gemm
 
 
-def _assert_same(got, ref, what):
-    bad = int((got != ref).sum())
-    assert got.dtype == ref.dtype and got.shape == ref.shape and bad == 0, f"{what}: {bad} of {ref.numel()} outputs differ from F.scaled_mm"
-
-
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_forward_and_dgrad_shapes_equal_f_scaled_mm(out_dtype):
-    _sm90()
-    gemm, ref = _gemm("128x128"), _reference("128x128")
+    require_blockwise_scaled_mm()
+    gemm, ref = _gemm("128x128"), f_scaled_mm("128x128")
     for i, (m, n, k) in enumerate(SHAPES):
-        args = _operands(m, n, k, "128x128", i)
-        _assert_same(gemm(*args, out_dtype), ref(*args, out_dtype), f"M={m} N={n} K={k}")
-        _assert_same(gemm(*args, out_dtype), ref(*args, out_dtype), f"M={m} N={n} K={k}, planned")
+        args = blockwise_operands(m, n, k, "128x128", i)
+        assert_same_as_scaled_mm(gemm(*args, out_dtype), ref(*args, out_dtype), f"M={m} N={n} K={k}")
+        assert_same_as_scaled_mm(gemm(*args, out_dtype), ref(*args, out_dtype), f"M={m} N={n} K={k}, planned")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_wgrad_shapes_equal_f_scaled_mm(out_dtype):
-    _sm90()
-    gemm, ref = _gemm("1x128"), _reference("1x128")
+    require_blockwise_scaled_mm()
+    gemm, ref = _gemm("1x128"), f_scaled_mm("1x128")
     for i, (n, k, tokens) in enumerate(WGRAD_SHAPES):
-        args = _operands(n, k, tokens, "1x128", 100 + i)
-        _assert_same(gemm(*args, out_dtype), ref(*args, out_dtype), f"WGrad N={n} K={k} tokens={tokens}")
+        args = blockwise_operands(n, k, tokens, "1x128", 100 + i)
+        assert_same_as_scaled_mm(gemm(*args, out_dtype), ref(*args, out_dtype), f"WGrad N={n} K={k} tokens={tokens}")
 
 
 @pytest.mark.parametrize("block_b,mnk", [("1x128", (4096, 4096, 8192)), ("128x128", (8192, 4096, 4096))], ids=["wgrad", "fprop"])
 def test_every_offered_algorithm_computes_the_product_and_the_first_is_torchs(block_b, mnk):
     # benchmarks/cublaslt_algos_gpu.py times them: each must be the GEMM (against a float64 product of the dequantized
     # operands), and the heuristic's first, asked for among many, must still be the one torch runs
-    _sm90()
+    require_blockwise_scaled_mm()
     m, n, k = mnk
-    args = _operands(m, n, k, block_b, 7)
+    args = blockwise_operands(m, n, k, block_b, 7)
     a, b_t, sa, sb = args
     gemm = cublaslt.LtBlockwiseGemm(torch.device("cuda"), "1x128", block_b)
     offered = gemm.offer_algorithms(*args, torch.bfloat16, count=8)
@@ -114,20 +90,20 @@ def test_every_offered_algorithm_computes_the_product_and_the_first_is_torchs(bl
         rel = float((got.double() - want).norm() / want.norm())
         assert rel < 1e-2, f"algorithm {o['index']}: relative error {rel:.2e} against the float64 product"
         if o["index"] == 0:
-            _assert_same(got, _reference(block_b)(*args, torch.bfloat16), "the heuristic's first of many")
+            assert_same_as_scaled_mm(got, f_scaled_mm(block_b)(*args, torch.bfloat16), "the heuristic's first of many")
 
 
 def test_prepared_entry_points_are_the_plans():
-    _sm90()
+    require_blockwise_scaled_mm()
     assert torch_backend.prepared_scaled_mm("cuda") is _gemm("128x128")
     assert torch_backend.prepared_scaled_mm_1x128("cuda") is _gemm("1x128")
     assert cublaslt.call_status("cuda") == "cublaslt_plan"
 
 
 def test_captured_graph_replays_the_same_bits():
-    _sm90()
-    gemm, ref = _gemm("128x128"), _reference("128x128")
-    static = [t.clone() for t in _operands(64, 4096, 4096, "128x128", 7)]
+    require_blockwise_scaled_mm()
+    gemm, ref = _gemm("128x128"), f_scaled_mm("128x128")
+    static = [t.clone() for t in blockwise_operands(64, 4096, 4096, "128x128", 7)]
     gemm(*static, torch.bfloat16)  # plan made outside the capture, as a warm-up does
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -135,29 +111,29 @@ def test_captured_graph_replays_the_same_bits():
     with torch.cuda.graph(graph, stream=stream):
         out = gemm(*static, torch.bfloat16)
     for seed in (8, 9):
-        fresh = _operands(64, 4096, 4096, "128x128", seed)
+        fresh = blockwise_operands(64, 4096, 4096, "128x128", seed)
         for dst, src in zip(static, fresh):
             dst.copy_(src)
         graph.replay()
         torch.cuda.synchronize()
-        _assert_same(out, ref(*fresh, torch.bfloat16), f"graph replay {seed}")
+        assert_same_as_scaled_mm(out, ref(*fresh, torch.bfloat16), f"graph replay {seed}")
 
 
 def test_side_stream_and_worker_thread():
-    _sm90()
-    gemm, ref = _gemm("128x128"), _reference("128x128")
-    args = _operands(256, 4096, 4096, "128x128", 11)
+    require_blockwise_scaled_mm()
+    gemm, ref = _gemm("128x128"), f_scaled_mm("128x128")
+    args = blockwise_operands(256, 4096, 4096, "128x128", 11)
     want = ref(*args, torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         got = gemm(*args, torch.bfloat16)
     torch.cuda.current_stream().wait_stream(side)
-    _assert_same(got, want, "side stream")
+    assert_same_as_scaled_mm(got, want, "side stream")
     assert len(gemm._workspaces) >= 2  # one workspace per stream
     results = []
     t = threading.Thread(target=lambda: results.append(gemm(*args, torch.bfloat16)))
     t.start()
     t.join()
     torch.cuda.synchronize()
-    _assert_same(results[0], want, "worker thread")
+    assert_same_as_scaled_mm(results[0], want, "worker thread")
