@@ -116,8 +116,7 @@ class Runtime {
         reinterpret_cast<uintptr_t>(x.data_ptr()) % 8 != 0)
       return {};
     void* stream = reinterpret_cast<void*>(stream_handle);
-    int capture = 0;
-    if (is_capturing_(stream, &capture) != 0 || capture != 0) return {};
+    if (capturing(stream)) return {};
 
     const int64_t mp = (m + 3) / 4 * 4;  // cuBLASLt refuses an MN-major scale_a whose M is not a multiple of 4
     const int64_t groups = (k + 127) / 128;
@@ -187,8 +186,7 @@ class Runtime {
       return {};
     }
     void* stream = reinterpret_cast<void*>(stream_handle);
-    int capture = 0;
-    if (is_capturing_(stream, &capture) != 0 || capture != 0) return {};
+    if (capturing(stream)) return {};
     Plan* plan = find_plan(m, n, k, static_cast<int>(out_type), static_cast<int>(mode_b));
     if (plan == nullptr) {
       if (plan_count() >= static_cast<int64_t>(kMaxPlans)) return {};
@@ -235,6 +233,18 @@ class Runtime {
     check(device_get_(&dev, device_), "cuDeviceGet");
     check(retain_(&ctx, dev), "cuDevicePrimaryCtxRetain");
     check(set_current_(ctx), "cuCtxSetCurrent");
+  }
+
+  // Whether `stream` is capturing a CUDA graph (or its state cannot be read): such calls go to torch's path. A
+  // thread with no current context yet (a plain Python thread) gets the primary one made current first.
+  bool capturing(void* stream) {
+    int capture = 0;
+    int rc = is_capturing_(stream, &capture);
+    if (rc == kCudaErrorInvalidContext) {
+      make_current();
+      rc = is_capturing_(stream, &capture);
+    }
+    return rc != 0 || capture != 0;
   }
 
   Plan* find_plan(int64_t m, int64_t n, int64_t k, int out_type, int mode_a) {
