@@ -3,11 +3,10 @@
     python benchmarks/host_probe_train_gemm.py [--m 64,4352,8192] [--samples 15]
 
 An `Fp8Linear` training step calls three blockwise GEMMs (fprop, DGrad, WGrad) through `torch._scaled_mm`, which
-builds cuBLASLt's descriptors and asks its heuristic on every call. At decode size (M = 64) that call costs what a
-cached plan's call costs (`host_probe_engine.py`); whether the heuristic's price grows with the problem, as the
-training step's profiles suggest (about 70 us per call at M = 8192 against 27 at M = 64), decides whether a native
-training GEMM with a plan per shape would pay. Per M, N = K = 4096, each route's calls queued behind a spin kernel
-(host time only), the routes taking turns sample by sample:
+builds cuBLASLt's descriptors and asks its heuristic on every call. This probe prices that call at training sizes
+against the routes that make the plan once (what `gemm.cublaslt_native`, JETRL_NATIVE_GEMM=1, saves per call). Per
+M, N = K = 4096, each route's calls queued behind a spin kernel (host time only), the routes taking turns sample by
+sample:
 
   bf16 mm                        torch.mm of BF16 operands (what nn.Linear's three GEMMs cost)
   torch._scaled_mm fprop         1x128 activation x 128x128 weight, as the torch backend calls it
