@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["extension"]
+__all__ = ["extension", "runtime"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,3 +41,25 @@ def extension():
         return f"the extension did not build ({type(e).__name__}: {lines[-1] if lines else ''})"
     logger.info("jetrl_precision: native cuBLASLt extension ready in %.1f s", time.perf_counter() - t0)
     return mod
+
+
+_runtimes: dict[str, object] = {}
+
+
+def runtime(device: torch.device):
+    """The device's extension runtime (one cuBLASLt handle, its plans and workspaces, for both users), or why there is
+    none (a string). Each user still checks the runtime's bits for its own calls before taking it."""
+    from .gemm import cublaslt
+    from .kernels._probe import device_key
+
+    key = device_key(device)
+    if key not in _runtimes:
+        mod = extension()
+        if isinstance(mod, str):
+            return mod
+        lib = cublaslt._library()
+        if isinstance(lib, str):
+            return lib
+        _runtimes[key] = mod.Runtime(cublaslt._loaded_path() or "libcublasLt.so.13", torch.device(key).index,
+                                     cublaslt.lt_workspace_bytes(device))
+    return _runtimes[key]

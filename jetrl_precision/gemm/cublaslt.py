@@ -416,20 +416,19 @@ def call_status(device: torch.device | str) -> str:
     from . import cublaslt_native
 
     device = torch.device(device)
-    native_why = None
-    if cublaslt_native._asked():
-        used = [cublaslt_native.blockwise_gemm(device, "1x128", b, _unused) is not None for b in ("128x128", "1x128")]
-        if all(used):
-            return "native_plan"
-        native_why = [cublaslt_native._reasons.get((device_key(device), "1x128", b)) or cublaslt_native.unavailable_reason(device)
-                      for b, u in zip(("128x128", "1x128"), used) if not u]
-    if not _asked():
-        return "torch.scaled_mm" if native_why is None else f"torch.scaled_mm ({'; '.join(sorted({w for w in native_why if w}))})"
-    used = [blockwise_gemm(device, "1x128", b) is not None for b in ("128x128", "1x128")]
-    if all(used):
-        return "cublaslt_plan"
-    why = [_reasons.get((device_key(device), "1x128", b)) or unavailable_reason(device) for b, u in zip(("128x128", "1x128"), used) if not u]
-    return f"torch.scaled_mm ({'; '.join(sorted({w for w in why + (native_why or []) if w}))})"
+    why: list[str | None] = []
+    for status, asked, gemm_for, reasons, unavailable in (
+        ("native_plan", cublaslt_native._asked(), lambda b: cublaslt_native.blockwise_gemm(device, "1x128", b, _unused),
+         cublaslt_native._reasons, cublaslt_native.unavailable_reason),
+        ("cublaslt_plan", _asked(), lambda b: blockwise_gemm(device, "1x128", b), _reasons, unavailable_reason),
+    ):
+        if not asked:
+            continue
+        missing = [b for b in ("128x128", "1x128") if gemm_for(b) is None]
+        if not missing:
+            return status
+        why += [reasons.get((device_key(device), "1x128", b)) or unavailable(device) for b in missing]
+    return f"torch.scaled_mm ({'; '.join(sorted({w for w in why if w}))})" if why else "torch.scaled_mm"
 
 
 def _unused(*args):  # call_status asks only whether the native GEMM is there, it never calls it

@@ -62,7 +62,6 @@ class NativeBlockwiseGemm:
         return self._fallback(a, b_t, sa, sb, out_dtype)
 
 
-_runtimes: dict[str, object] = {}
 _verdicts: dict[tuple, bool] = {}
 _reasons: dict[tuple, str] = {}
 
@@ -78,21 +77,12 @@ def unavailable_reason(device: torch.device | str) -> str | None:
 
 
 def _runtime(device: torch.device):
-    """The device's extension runtime (its own cuBLASLt handle and plans), made once."""
-    key = device_key(device)
-    rt = _runtimes.get(key)
-    if rt is None:
-        from ..native_ext import extension
-        from . import cublaslt
+    """The device's extension runtime (`native_ext.runtime`, shared with the eager engine's linear)."""
+    from ..native_ext import runtime
 
-        mod = extension()
-        if isinstance(mod, str):
-            raise RuntimeError(mod)
-        lib = cublaslt._library()
-        if isinstance(lib, str):
-            raise RuntimeError(lib)
-        rt = _runtimes[key] = mod.Runtime(cublaslt._loaded_path() or "libcublasLt.so.13", torch.device(key).index,
-                                          cublaslt.lt_workspace_bytes(device))
+    rt = runtime(device)
+    if isinstance(rt, str):
+        raise RuntimeError(rt)
     return rt
 
 

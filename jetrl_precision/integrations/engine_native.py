@@ -56,22 +56,18 @@ def _runtime(device: torch.device):
         return f"turned off ({ENV_SWITCH}=0)"
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"needs a CUDA device, got {device}"
-    from ..gemm import cublaslt
     from ..kernels import quant_cuda
 
     if quant_cuda.quantizer_1x128(device, False, torch.bfloat16) is None:
         return "the CUDA 1x128 quantizer is not available (" + quant_cuda.status(device)[1] + ")"
 
     def check() -> str:
-        mod = _module()
-        if isinstance(mod, str):
-            return mod
-        lib = cublaslt._library()
-        if isinstance(lib, str):
-            return lib
-        path = cublaslt._loaded_path() or "libcublasLt.so.13"
-        rt = mod.Runtime(path, torch.device(key).index, cublaslt.lt_workspace_bytes(device))
-        why = first_mismatch(mod, rt, torch.device(key))
+        from ..native_ext import runtime
+
+        rt = runtime(device)
+        if isinstance(rt, str):
+            return rt
+        why = first_mismatch(_module(), rt, torch.device(key))
         if not why:
             _runtimes[key] = rt
         return why
