@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Literal
 import torch
 from torch import nn
 
+from .kv_cache import mirror_kv_cache
 from .coverage import UNCOVERED_WARN_FRACTION, fp8_coverage
 from .linear import Fp8Linear, mark_weights_updated
 from .recipe import PrecisionRecipe, get_recipe
@@ -73,6 +74,9 @@ def convert_to_fp8(
     in one kernel on CUDA, the backward in one more. y may differ from transformers' eager formula by an ulp on a
     few elements (the kernel's summation order), the same in every forward; pass False to keep the model's norms.
 
+    A recipe with `kv_cache="e4m3"` also makes the model's attention read e4m3-rounded keys and values, as the
+    engine's FP8 KV cache holds them (`kv_cache.mirror_kv_cache`; the model must be a transformers model).
+
     `cache_weights` (the default) keeps each layer's quantized weight, and after a backward its transpose, until the
     weight changes: one byte per weight each, beside the BF16 weight. False quantizes them in every forward and
     backward instead (the same bytes): for runs whose memory is mostly weights (activation checkpointing).
@@ -87,6 +91,8 @@ def convert_to_fp8(
         raise ValueError(f"side must be 'train' or 'rollout', got {side!r}")
     fprop = recipe.train_fprop if side == "train" else recipe.rollout
     backward = recipe.train_backward if side == "train" else None
+    if recipe.kv_cache == "e4m3":
+        mirror_kv_cache(model)
     if not fprop.is_fp8:
         return model
     keep = module_filter or default_module_filter(recipe)

@@ -31,6 +31,7 @@ from torch import nn
 from .batch_invariant import InvariantLinear, numerics_of
 from .formats import Granularity
 from .linear import Fp8Linear
+from .kv_cache import KV_AUTO, kv_cache_label
 from .recipe import BackwardSpec, DType, FpropSpec, PrecisionRecipe, TensorSpec, get_recipe
 
 __all__ = [
@@ -148,7 +149,7 @@ class Violation:
     field: str
     expected: str
     found: str
-    kind: str = "mismatch"  # mismatch | missing_node | missing_edge | extra_edge | dangling_edge | empty_graph | shape | backend | numerics
+    kind: str = "mismatch"  # mismatch | missing_node | missing_edge | extra_edge | dangling_edge | empty_graph | shape | backend | numerics | kv_cache
     severity: str = "error"
 
     def __str__(self) -> str:
@@ -400,7 +401,7 @@ def build_precision_graph(model: nn.Module, recipe: PrecisionRecipe | str, phase
     numerics = numerics_of(model)
     g = PrecisionGraph(phase, recipe.name, meta={
         "recipe_unified": recipe.unified, "source": type(model).__name__,
-        "numerics": numerics.mode, "numerics_detail": numerics.detail(),
+        "numerics": numerics.mode, "numerics_detail": numerics.detail(), "kv_cache": kv_cache_label(model),
     })
     for fqn, m in model.named_modules():
         if isinstance(m, Fp8Linear):
@@ -618,6 +619,10 @@ def compare_graphs(sub: PrecisionGraph, sup: PrecisionGraph) -> list[Violation]:
             "<graph>", "", "numerics", f"{modes[1]} ({sup.meta.get('numerics_detail', '?')})",
             f"{modes[0]} ({sub.meta.get('numerics_detail', '?')})", "numerics",
         ))
+    # The keys and values attention reads (absent = as computed: graphs from before the KV cache had a format).
+    kv = sub.meta.get("kv_cache", KV_AUTO), sup.meta.get("kv_cache", KV_AUTO)
+    if kv[0] != kv[1]:
+        out.append(Violation("<graph>", "", "kv_cache", kv[1], kv[0], "kv_cache"))
     if not sub.nodes:
         out.append(Violation("<graph>", "", "nodes", f"the ops the {sub.phase} engine runs", "an empty graph", "empty_graph"))
     sup_edges: dict[tuple[str, str], Edge] = {(e.dst, e.role): e for e in sup.edges}

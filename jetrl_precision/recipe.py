@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .formats import Granularity
+from .kv_cache import KV_CACHE_FORMATS
 
 __all__ = [
     "RECIPE_FILE_SUFFIXES",
@@ -169,6 +170,9 @@ class PrecisionRecipe:
     keep_high_precision: tuple[str, ...] = DEFAULT_KEEP_HIGH_PRECISION
     gemm_backend: str = "auto"
     lm_head_dtype: DType = DType.BF16
+    # The KV cache, on both sides: "auto" (the activations' dtype) or "e4m3" (vLLM's FP8 cache, scale 1, mirrored by
+    # the trainer's attention: `kv_cache.mirror_kv_cache`).
+    kv_cache: str = "auto"
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -178,6 +182,8 @@ class PrecisionRecipe:
             raise RecipeError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {self.gemm_backend!r}")
         if self.lm_head_dtype == DType.E4M3:
             raise RecipeError("lm_head_dtype must be bf16 or fp32: logits in FP8 make logprobs unusable")
+        if self.kv_cache not in KV_CACHE_FORMATS:
+            raise RecipeError(f"kv_cache must be one of {KV_CACHE_FORMATS}, got {self.kv_cache!r}")
         for spec in (self.train_fprop, self.rollout):
             if spec.weight.is_fp8 and spec.weight.granularity not in (Granularity.BLOCK_128x128, Granularity.TENSOR, Granularity.ROW):
                 raise RecipeError(
@@ -292,6 +298,7 @@ class PrecisionRecipe:
             f"X={b.wgrad_input.short_str()}; saved X={b.saved_input.short_str()}; "
             f"rollout x={r.input.short_str()} W={r.weight.short_str()}; "
             f"{'unified' if self.unified else 'OFF-POLICY'}; backend={self.gemm_backend}"
+            + (f"; kv_cache={self.kv_cache}" if self.kv_cache != "auto" else "")
         )
 
 

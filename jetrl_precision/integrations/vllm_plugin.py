@@ -46,6 +46,9 @@ __all__ = [
     "QuantGroup",
     "plan_quant_groups",
     "engine_kwargs",
+    "kv_cache_engine_kwargs",
+    "check_kv_cache_engine_kwargs",
+    "KV_CACHE_ATTENTION_BACKEND",
     "register",
     "is_registered",
     "jetrl_method_of",
@@ -81,6 +84,11 @@ class JetFp8Settings:
             raise RecipeError(
                 f"jetrl_fp8: a bitwise engine runs the triton_invariant FP8 GEMM (fixed tiling whatever M), not the "
                 f"recipe's {self.recipe.gemm_backend}: drop --precision.gemm_backend or set it to triton_invariant"
+            )
+        if self.bitwise and self.recipe.kv_cache != "auto":
+            raise RecipeError(
+                "jetrl_fp8: a bitwise engine's attention reads its KV cache in the model's dtype; the recipe's "
+                f"kv_cache {self.recipe.kv_cache} has no batch-invariant kernel: drop --precision.bitwise or the FP8 KV cache"
             )
         if self.bitwise and self.weight_quant_scope != "per_part":
             raise RecipeError("jetrl_fp8: a bitwise engine quantizes fused projections per part, as the trainer does (weight_quant_scope='per_part')")
@@ -131,12 +139,15 @@ class JetFp8Settings:
 
 
 def engine_kwargs(
-    recipe: PrecisionRecipe, side: Side = "rollout", weight_quant_scope: Scope = "per_part", bitwise: bool = False
+    recipe: PrecisionRecipe, side: Side = "rollout", weight_quant_scope: Scope = "per_part", bitwise: bool = False,
+    on_gpu: bool = False,
 ) -> dict[str, Any]:
     """The `vllm.LLM(...)` keyword arguments that select `jetrl_fp8` with this recipe; `bitwise` adds the
-    batch-invariant attention backend's arguments (`vllm_bitwise_attention`)."""
+    batch-invariant attention backend's arguments (`vllm_bitwise_attention`), the recipe's e4m3 KV cache those of
+    vLLM's FP8 cache (`kv_cache_engine_kwargs`)."""
     settings = JetFp8Settings(recipe, side, weight_quant_scope, bitwise)
     kwargs: dict[str, Any] = {"quantization": QUANT_NAME, "hf_overrides": {"quantization_config": settings.to_dict()}}
+    kwargs.update(kv_cache_engine_kwargs(recipe, on_gpu))
     if bitwise:
         try:
             from .vllm_bitwise_attention import bitwise_attention_engine_kwargs  # imports vLLM: only for bitwise engines
@@ -155,6 +166,38 @@ def engine_kwargs(
             raise RecipeError(f"jetrl_fp8: the bitwise attention's engine arguments {clash} clash with the quantization's")
         kwargs.update(extra)
     return kwargs
+
+
+# On CUDA the attention backend that reads an FP8 cache as the trainer mirrors it: vLLM's Triton backend dequantizes
+# the keys and values to the query's dtype once `JetKVCacheMethod` has dropped its query quantizer (FlashAttention-3
+# has no such path: it multiplies in FP8). vLLM-CPU runs its own backend, which dequantizes.
+KV_CACHE_ATTENTION_BACKEND = "TRITON_ATTN"
+
+
+def kv_cache_engine_kwargs(recipe: PrecisionRecipe, on_gpu: bool) -> dict[str, Any]:
+    """The engine arguments of the recipe's KV cache: none for "auto"; vLLM's e4m3 cache at scale 1.0 (no
+    calibration) for "e4m3", on the attention backend that keeps the query in the model's dtype."""
+    if recipe.kv_cache == "auto":
+        return {}
+    kwargs: dict[str, Any] = {"kv_cache_dtype": "fp8_e4m3"}  # no calculate_kv_scales: JetKVCacheMethod refuses it
+    if on_gpu:
+        kwargs["attention_backend"] = KV_CACHE_ATTENTION_BACKEND
+    return kwargs
+
+
+def check_kv_cache_engine_kwargs(recipe: PrecisionRecipe, on_gpu: bool, kwargs: dict[str, Any]) -> None:
+    """Refuse engine arguments (the user's, merged last) that would run another KV cache than the trainer mirrors."""
+    for key, want in kv_cache_engine_kwargs(recipe, on_gpu).items():
+        if kwargs.get(key) != want:
+            raise RecipeError(
+                f"vLLM engine: the recipe's kv_cache {recipe.kv_cache} needs {key}={want!r} (what the trainer mirrors), "
+                f"got {kwargs.get(key)!r} from the engine arguments: drop the override"
+            )
+    if recipe.kv_cache == "auto" and str(kwargs.get("kv_cache_dtype", "auto")) != "auto":
+        raise RecipeError(
+            f"vLLM engine: kv_cache_dtype={kwargs['kv_cache_dtype']!r} makes the engine's attention read other keys "
+            "and values than the trainer's; set the recipe's kv_cache (--precision.kv_cache e4m3) instead"
+        )
 
 
 # ---- weight layout ---------------------------------------------------------------------------

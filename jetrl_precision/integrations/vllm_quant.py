@@ -20,17 +20,20 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
     UnquantizedLinearMethod,
 )
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 from .. import ops
 from ..formats import QuantizedTensor
+from ..recipe import RecipeError
 from ..gemm import resolve_backend, resolve_decode_backend
 from ..gemm.dispatch import ROLLOUT_DECODE_MAX_M
 from .engine_linear import FUSED_DECODE, FUSED_DECODE_MAX_M, EngineLinear
 from .vllm_plugin import QUANT_NAME, JetFp8Settings, Scope, plan_quant_groups
 
-__all__ = ["JetFp8Config", "JetFp8LinearMethod", "shard_window", "local_window", "check_aligned", "captured_batch_max"]
+__all__ = ["JetFp8Config", "JetFp8LinearMethod", "JetKVCacheMethod", "shard_window", "local_window", "check_aligned", "captured_batch_max"]
 
 logger = logging.getLogger(__name__)
 _logged: set = set()
@@ -79,6 +82,8 @@ class JetFp8Config(QuantizationConfig):
             from .vllm_bitwise import InvariantEmbeddingMethod
 
             return InvariantEmbeddingMethod()
+        if isinstance(layer, Attention) and self.settings.recipe.kv_cache == "e4m3":
+            return JetKVCacheMethod(self)
         if not isinstance(layer, LinearBase):
             return None  # embeddings, lm_head, attention: vLLM's unquantized defaults
         if not self.settings.fprop.weight.is_fp8 or self.keeps_high_precision(prefix):
@@ -88,6 +93,32 @@ class JetFp8Config(QuantizationConfig):
                 return InvariantLinearMethod()
             return UnquantizedLinearMethod()
         return JetFp8LinearMethod(self.settings, prefix)
+
+
+class JetKVCacheMethod(BaseKVCacheMethod):
+    """The recipe's e4m3 KV cache as the trainer mirrors it (`jetrl_precision.kv_cache`): scale 1.0, and attention
+    on the dequantized keys and values with the query kept in the model's dtype.
+
+    vLLM's FP8-cache attention on CUDA (its Triton backend, FlashAttention-3) would also round the query, and with it
+    the probabilities, to e4m3: a function the trainer's attention does not compute. Dropping the layer's query
+    quantizer after loading (before the forward is compiled) keeps both sides on one function."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        dtype = str(layer.kv_cache_dtype)
+        if dtype not in ("fp8", "fp8_e4m3"):
+            raise RecipeError(
+                f"jetrl_fp8: the recipe's kv_cache e4m3 needs the engine built with kv_cache_dtype='fp8_e4m3' "
+                f"(vllm_engine sets it), but {getattr(layer, 'layer_name', 'an attention layer')} has {dtype!r}"
+            )
+        scales = (float(layer._k_scale_float), float(layer._v_scale_float))
+        if scales != (1.0, 1.0) or getattr(layer, "calculate_kv_scales", False):
+            raise RecipeError(
+                f"jetrl_fp8: the trainer mirrors an e4m3 KV cache with scale 1.0; this engine's k/v scales are {scales} "
+                "(from the checkpoint, or calculate_kv_scales): use a checkpoint without kv scales and leave "
+                "calculate_kv_scales off"
+            )
+        layer.query_quant = None
 
 
 class JetFp8LinearMethod(LinearMethodBase):

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..digests import DigestPart, DigestPartsError, combine_digest_parts, digest_part, shape_2d
 from ..formats import QuantizedTensor
+from ..kv_cache import KV_AUTO, ROUNDING, e4m3_label
 from ..graph import FUSED_PROJECTIONS, EdgeAttrs, PrecisionGraph, add_linear, canonical_name, first_unaligned_part
 from ..ops import kernel_name
 from ..recipe import FpropSpec
@@ -440,6 +441,36 @@ def _add_foreign_linear(g: PrecisionGraph, m: nn.Module, name: str, in_features:
         g.edges[i] = type(e)(e.dst, e.role, EdgeAttrs(dtype=dt, quantizer_id=foreign))
 
 
+# Attention implementations that read an FP8 cache by dequantizing it to the query's dtype (the function the
+# trainer's KV mirror computes) once no query quantizer rounds the query (JetKVCacheMethod drops it), with how their
+# cache write rounds (vLLM 0.26's Triton store on CUDA; vLLM-CPU's write, measured by tests/rl/test_kv_cache.py).
+_DEQUANTIZING_ATTENTION = {"TritonAttentionImpl": ROUNDING["cuda"], "CPUAttentionBackendImpl": ROUNDING["cpu"]}
+
+
+def engine_kv_cache_label(model: torch.nn.Module) -> str:
+    """What this engine's attention layers read, in the precision graph's terms (`kv_cache.KV_AUTO` / `KV_E4M3`), or
+    what they do instead: the cache dtype, its scales, a quantized query, an attention kernel that multiplies in FP8."""
+    labels = set()
+    for m in model.modules():
+        if not (hasattr(m, "kv_cache_dtype") and hasattr(m, "impl")):
+            continue
+        dtype = str(m.kv_cache_dtype)
+        if dtype == "auto":
+            labels.add(KV_AUTO)
+            continue
+        scales = (float(getattr(m, "_k_scale_float", 1.0)), float(getattr(m, "_v_scale_float", 1.0)))
+        impl = type(m.impl).__name__
+        if dtype in ("fp8", "fp8_e4m3") and scales == (1.0, 1.0) and getattr(m, "query_quant", None) is None \
+                and impl in _DEQUANTIZING_ATTENTION:
+            labels.add(e4m3_label(_DEQUANTIZING_ATTENTION[impl]))
+        else:
+            query = "e4m3" if getattr(m, "query_quant", None) is not None else "model dtype"
+            labels.add(f"{dtype}/k_scale={scales[0]:g}/v_scale={scales[1]:g}/query {query}/{impl}")
+    if not labels:
+        return KV_AUTO
+    return labels.pop() if len(labels) == 1 else f"mixed ({'; '.join(sorted(labels))})"
+
+
 def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
     """The rollout PrecisionGraph of what this worker instantiated, as a dict (PrecisionGraph.to_dict()).
 
@@ -466,7 +497,7 @@ def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
         numerics, detail = engine_numerics(worker, model)
     g = PrecisionGraph("rollout", recipe or "none", meta={
         "source": f"vllm:{type(model).__name__}", "linear_methods": ",".join(methods),
-        "numerics": numerics, "numerics_detail": detail,
+        "numerics": numerics, "numerics_detail": detail, "kv_cache": engine_kv_cache_label(model),
     })
     for fqn, m in model.named_modules():
         name = canonical_name(fqn)
@@ -625,4 +656,4 @@ def training_param_names(worker: Any) -> list[str]:
     return names
 
 
-__all__ += ["corrupt_weight", "training_param_names", "broadcast_digests"]
+__all__ += ["corrupt_weight", "training_param_names", "broadcast_digests", "engine_kv_cache_label"]

@@ -522,6 +522,13 @@ class PrecisionConfig:
         "from transformers' eager formula by an ulp on a few elements, the same in every forward; docs/precision.md, "
         "Fused norms). Bitwise mode always runs its own invariant norm",
     )
+    kv_cache: Literal["auto", "e4m3"] | None = opt(
+        None,
+        "the KV cache's format on both sides (None: the recipe's, auto unless it says otherwise): e4m3 runs vLLM's FP8 "
+        "cache (scale 1.0, half the bytes attention reads per decode step) and rounds the trainer's keys and values "
+        "where its attention reads them, so rollout and training still compute one function (docs/precision.md, FP8 KV "
+        "cache). Needs the vLLM or transformers engine; not with --precision.bitwise",
+    )
     max_mismatch: float = opt(
         0.0,
         "stop before training on a rollout whose mean |logp(engine) - logp(trainer)| per token exceeds this (0: never). "
@@ -544,6 +551,8 @@ class PrecisionConfig:
         from jetrl_precision.recipe import get_recipe  # lazy: keeps `--help` free of torch
 
         recipe = get_recipe(self.recipe)
+        if self.kv_cache is not None and self.kv_cache != recipe.kv_cache:
+            recipe = recipe.replace(kv_cache=self.kv_cache)
         if self.bitwise and not policy:
             return recipe.replace(gemm_backend="auto")
         return recipe if self.gemm_backend == "auto" else recipe.replace(gemm_backend=self.gemm_backend)

@@ -193,6 +193,11 @@ def _bitwise_errors(cfg: PPOConfig) -> list[str]:
             f"--precision.bitwise: the {p.gemm_backend} FP8 GEMM is not batch-invariant (its tiling depends on the row "
             "count); only emulated (CPU) and triton_invariant (CUDA) are: drop --precision.gemm_backend"
         )
+    if recipe.kv_cache != "auto":
+        errors.append(
+            f"--precision.bitwise reads the KV cache in the model's dtype (its attention kernels are batch-invariant on "
+            f"bf16 keys and values); the recipe's kv_cache {recipe.kv_cache} has no such kernel: drop one of them"
+        )
     if cfg.ds.attn_implementation not in ("sdpa", "jetrl_invariant"):
         errors.append(
             f"--precision.bitwise runs the batch-invariant attention (jetrl_invariant), not "

@@ -332,6 +332,14 @@ def test_bitwise_keeps_the_invariant_gemm_for_the_policy_only():
     assert plain.precision.load_recipe(policy=False).gemm_backend == "emulated"  # outside it, one backend for all
 
 
+def test_kv_cache_flag_sets_the_recipes_and_is_refused_with_bitwise():
+    cfg = parse_config([*BASE, "--fp8_unified", "--precision.kv_cache", "e4m3"])
+    assert cfg.precision.load_recipe().kv_cache == "e4m3" and cfg.precision.load_recipe(policy=False).kv_cache == "e4m3"
+    assert parse_config([*BASE, "--fp8_unified"]).precision.load_recipe().kv_cache == "auto"
+    err = config_error([*BASE, "--fp8_unified", "--precision.bitwise", "--precision.kv_cache", "e4m3"])
+    assert err.startswith("--precision.bitwise reads the KV cache in the model's dtype") and "kv_cache e4m3" in err
+
+
 def test_recipe_files(tmp_path):
     from jetrl_precision import get_recipe
 

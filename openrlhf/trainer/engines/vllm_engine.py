@@ -29,7 +29,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from jetrl_precision.integrations.vllm_worker import assemble_held, merge_digest_answers
-from jetrl_precision.recipe import PrecisionRecipe, get_recipe
+from jetrl_precision.recipe import PrecisionRecipe, RecipeError, get_recipe
 from jetrl_precision.weight_sync import (
     SyncStats,
     SyncTensor,
@@ -162,7 +162,13 @@ class VLLMEngine(RolloutEngine):
                 raise BitwiseUnavailable(f"the bitwise vLLM engine is a jetrl_fp8 engine, not quantization={quantization!r}")
             quantization = vllm_plugin.QUANT_NAME
         if quantization == "auto":
-            quantization = vllm_plugin.QUANT_NAME if self.recipe.rollout.is_fp8 else None
+            fp8_kv = self.recipe.kv_cache != "auto"  # our method sets the cache's scales and attention (JetKVCacheMethod)
+            quantization = vllm_plugin.QUANT_NAME if self.recipe.rollout.is_fp8 or fp8_kv else None
+        if self.recipe.kv_cache != "auto" and quantization != vllm_plugin.QUANT_NAME:
+            raise RecipeError(
+                f"vLLM engine: the recipe's kv_cache {self.recipe.kv_cache} runs through the jetrl_fp8 method "
+                f"(scales and attention as the trainer mirrors them), not quantization={quantization!r}"
+            )
         self.quantization = quantization
         kwargs: dict[str, Any] = dict(
             model=str(model_path),
@@ -178,7 +184,8 @@ class VLLMEngine(RolloutEngine):
         if enable_prefix_caching is not None:
             kwargs["enable_prefix_caching"] = enable_prefix_caching
         if quantization == vllm_plugin.QUANT_NAME:
-            kwargs.update(vllm_plugin.engine_kwargs(self.recipe, "rollout", weight_quant_scope, bitwise=self.bitwise))
+            kwargs.update(vllm_plugin.engine_kwargs(self.recipe, "rollout", weight_quant_scope, bitwise=self.bitwise,
+                                                    on_gpu=self.on_gpu))
         elif quantization is not None:
             kwargs["quantization"] = quantization
         if self.on_gpu:
@@ -218,6 +225,7 @@ class VLLMEngine(RolloutEngine):
             kwargs["enable_chunked_prefill"] = False
             _quiet_chunked_prefill_warning()
         kwargs.update(engine_kwargs or {})
+        vllm_plugin.check_kv_cache_engine_kwargs(self.recipe, self.on_gpu, kwargs)
         self.in_process = kwargs.get("distributed_executor_backend") in ("uni", "external_launcher") or (
             os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         )
