@@ -6,7 +6,10 @@
 #   smollm2  SmolLM2-135M-Instruct from its GGUF (.smol parts, see below), then the vLLM GPU tests
 #   sync     benchmarks/vllm_gpu.py sync (32 layers) + warm start
 #   bench32  rollout throughput of bf16 and jet_fp8 at Llama-3.1-8B's full depth (32 layers), default mode, three
-#            timed passes each at 256 and 64 prompts (REPEATS32; ~6 min; needs only `install`)
+#            timed passes each at 256 and 64 prompts (REPEATS32; ~6 min; needs only `install`); RECIPES32="bf16 jet_fp8+kv8"
+#            measures the e4m3 KV cache (--precision.kv_cache e4m3) against bf16 instead
+#   kvcache  tests/gpu/test_kv_cache_gpu.py: vLLM's CUDA cache write against the trainer's rounding, and a jet_fp8+kv8
+#            engine's log-probs against the mirrored trainer (~3 min with a cold compile; needs only `install`)
 #   bitwise  --precision.bitwise on vLLM, Llama-3.1-8B shape (8 layers): tests/gpu/test_vllm_bitwise_gpu.py at
 #            16 prompts x 1024 tokens, throughput of jet_fp8+bitwise against jet_fp8 and bf16 (default mode), and a
 #            weight sync into the bitwise engine with its digest check (~8 min; needs only `install`, so it also
@@ -112,6 +115,10 @@ EOF
     tests/gpu/test_engine_linear_gpu.py tests/gpu/test_vllm_gpu.py 2>&1 | tail -30
 }
 
+stage_kvcache() {
+  JETRL_RESULTS_DIR=/tmp/res/kvcache timeout "${KVCACHE_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kv_cache_gpu.py 2>&1 | tail -12
+}
+
 stage_torch8b() {  # the same with the GEMM backend pinned to cuBLASLt (torch), engines in their own folder
   python3 benchmarks/vllm_gpu.py throughput --layers 8 --gemm-backend torch --out /tmp/res/vllm8b --timeout 330 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -12
   python3 benchmarks/vllm_gpu.py host --gemm-backend torch --out /tmp/res/vllm8b --timeout 60 2>&1 | tail -13
@@ -183,7 +190,8 @@ stage_bench32() {
   # GEMM saving; the full depth weighs the layers as a real 8B model does. 42 GiB of KV cache holds all 256
   # sequences at 1280 tokens, so neither engine preempts; two engines of 32 layers fit the H200 side by side.
   # Three timed passes each: bf16's 256-prompt passes have spread by 20% within one lease.
-  python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes bf16 jet_fp8 \
+  # RECIPES32="bf16 jet_fp8+kv8": the e4m3 KV cache against bf16 (two 32-layer engines is what the card holds).
+  python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes ${RECIPES32:-bf16 jet_fp8} \
     --repeats "${REPEATS32:-3}" --kv-gib "${KV32:-42}" ${PROMPTS32:+--prompts $PROMPTS32} --out /tmp/res/vllm32 --timeout "${BENCH32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
   grep -h "median of\|engine up" /tmp/res/vllm32/*.log
 }
