@@ -56,10 +56,12 @@ RECIPES = ("bf16", "jet_fp8", "fp8_rollout")  # what a plain run compares
 # of the norms fused with their FP8 quantization.
 # `jet_fp8+nativegemm` runs jet_fp8 with JETRL_NATIVE_GEMM=1: the torch backend's training GEMM calls from the C++
 # extension with a cuBLASLt plan per shape (gemm.cublaslt_native), the A/B of its host saving.
+# `jet_fp8+kv8` runs jet_fp8 with --precision.kv_cache e4m3: vLLM's FP8 KV cache, mirrored by the trainer's attention
+# (jetrl_precision.kv_cache); its step over jet_fp8's is `kv_cache_e4m3_e2e_gain`.
 # `<recipe>+no_aot` runs the recipe with VLLM_USE_AOT_COMPILE=0: the engine never loads torch's AOT artifact (another
 # vLLM cache key, so it compiles again, with Inductor's cache as it finds it); a warm start's A/B (docs/vllm.md).
-ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise", "jet_fp8+separate", "jet_fp8+plainnorm", "jet_fp8+nativegemm", "bf16+no_aot",
-               "jet_fp8+no_aot")
+ALL_RECIPES = (*RECIPES, "jet_fp8+bitwise", "jet_fp8+separate", "jet_fp8+plainnorm", "jet_fp8+nativegemm", "jet_fp8+kv8",
+               "bf16+no_aot", "jet_fp8+no_aot")
 NO_AOT = "+no_aot"
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -198,6 +200,8 @@ def recipe_argv(recipe: str) -> list[str]:
         return ["--fp8_unified", "--precision.plain_norms"]
     if recipe == "jet_fp8+nativegemm":  # the trainer's environment differs (recipe_env)
         return ["--fp8_unified"]
+    if recipe == "jet_fp8+kv8":
+        return ["--fp8_unified", "--precision.kv_cache", "e4m3"]
     argv = ["--precision.recipe", recipe]
     if recipe == "fp8_rollout":  # the off-policy baseline needs its importance-sampling correction
         argv += ["--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "tis"]
@@ -524,7 +528,9 @@ def records_from(results: list[dict], env: dict, command: str) -> list[dict]:
         plain = speed.get("jet_fp8")
         # A/Bs of a fusion jet_fp8 runs by default: the variant's step (and phases) over jet_fp8's.
         ab = {"jet_fp8+separate": ("stacked_projection_e2e_gain", "separate_step_s", "stacked_step_s"),
-              "jet_fp8+plainnorm": ("fused_norm_e2e_gain", "plain_norm_step_s", "fused_norm_step_s")}.get(recipe)
+              "jet_fp8+plainnorm": ("fused_norm_e2e_gain", "plain_norm_step_s", "fused_norm_step_s"),
+              # an opt-in gain rather than a default's cost: the variant's step over jet_fp8's, below 1.0 when it pays
+              "jet_fp8+kv8": ("kv_cache_e4m3_e2e_step_ratio", "kv8_step_s", "bf16_kv_step_s")}.get(recipe)
         if ab and plain:
             pp = phase_means(plain)
             rec(ab[0], r["shape"], "jet_fp8", round(ph["step"] / pp["step"], 4), "x", None,

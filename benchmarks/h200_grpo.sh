@@ -37,7 +37,7 @@
 #                                      (GPU_TESTS), then gpu_bench.py --sections env,layers (STACK_BACKENDS auto,torch;
 #                                      GPUCHECK_LAYERS=0 skips it)
 # A call on a fresh machine (the previous one was given back) starts again from 1.
-# Knobs: RECIPES (speed, default "bf16 jet_fp8"; jet_fp8+bitwise adds --precision.bitwise on vLLM, jet_fp8+separate --precision.separate_projections, jet_fp8+nativegemm JETRL_NATIVE_GEMM=1,
+# Knobs: RECIPES (speed, default "bf16 jet_fp8"; jet_fp8+bitwise adds --precision.bitwise on vLLM, jet_fp8+separate --precision.separate_projections, jet_fp8+nativegemm JETRL_NATIVE_GEMM=1, jet_fp8+kv8 --precision.kv_cache e4m3,
 # bf16+no_aot / jet_fp8+no_aot run the engine with VLLM_USE_AOT_COMPILE=0), LAYERS (8), STEPS (3: step 1 warms up), PROMPTS (64),
 # TRAIN_MICRO (4 sequences per training micro-batch), GRAD_CKPT (set: activation checkpointing, for LAYERS=16 and up),
 # GPU_MEM (speed: the colocated engine's --vllm.gpu_memory_utilization, 0.3 of the card; an 80 GB H100 has less to spare),

@@ -268,6 +268,26 @@ def test_vllm_bitwise_record_takes_the_worst_token_of_every_recipe_and_layout(tm
         vbr.records_from([], "NVIDIA H200", "cmd")
 
 
+def test_vllm_kv8_throughput_rows_become_the_gain_and_the_headline_ratio(tmp_path):
+    import vllm_gpu
+
+    def job(recipe, tps):
+        return {"job": "throughput", "start_only": False, "recipe": recipe, "mode": "default", "layers": 32, "start_seconds": 60.0,
+                "gemm_backends": ["torch"] if recipe != "bf16" else [], "quant_kernels": [], "date": "2026-12-07",
+                "runs": [{"prompts": p, "output_tokens": p * 1024, "seconds": 1.0, "tokens_per_s": t, "mean_sampled_logprob": -11.0}
+                         for p, t in zip((256, 64), tps)]}
+
+    for recipe, tps in (("bf16", (10000.0, 8000.0)), ("jet_fp8", (11000.0, 9600.0)), ("jet_fp8+kv8", (13200.0, 10400.0))):
+        (tmp_path / f"throughput_{recipe}_default.json").write_text(json.dumps(job(recipe, tps)))
+    recs = [dict(r, _run_file="x") for r in vllm_gpu.records_from(tmp_path, "NVIDIA H200", "cmd")]
+    gain = {r["shape"].split(", ")[2].split(" x ")[0]: r for r in recs if r["name"] == "kv_cache_e4m3_rollout_gain"}
+    assert gain["256 prompts"]["value"] == 1.2 and gain["64 prompts"]["value"] == pytest.approx(1.0833, abs=1e-4)
+    picks = {m.key: m.pick(recs)[0] for m in headline.METRICS if m.key.startswith("vllm_rollout_tokens_per_s_ratio")}
+    assert picks["vllm_rollout_tokens_per_s_ratio_kv8"] == pytest.approx(1.32)
+    assert picks["vllm_rollout_tokens_per_s_ratio_kv8_64"] == pytest.approx(1.3)
+    assert picks["vllm_rollout_tokens_per_s_ratio"] == pytest.approx(1.1)  # plain jet_fp8 keeps its own row
+
+
 def test_vllm_bitwise_throughput_rows_become_the_cost_ratio(tmp_path):
     import argparse
 
@@ -293,8 +313,10 @@ def test_vllm_bitwise_throughput_rows_become_the_cost_ratio(tmp_path):
     assert "jet_fp8+bitwise" in text and "x jet_fp8 0.900" in text
     recipe, bitwise = vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8+bitwise", gemm_backend="torch"))
     assert bitwise and recipe.name == "jet_fp8" and recipe.gemm_backend != "torch"
-    with pytest.raises(SystemExit, match="only suffix"):
+    with pytest.raises(SystemExit, match="the suffixes are"):
         vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8+fast", gemm_backend=None))
+    recipe, bitwise = vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8+kv8", gemm_backend="torch"))
+    assert not bitwise and recipe.kv_cache == "e4m3" and recipe.gemm_backend == "torch"
     recipe, bitwise = vllm_gpu._recipe(argparse.Namespace(recipe="jet_fp8@triton", gemm_backend="torch"))
     assert not bitwise and recipe.name == "jet_fp8" and recipe.gemm_backend == "triton"
     with pytest.raises(SystemExit, match="own GEMM"):
