@@ -13,8 +13,8 @@ from typing import Callable, Iterable, Literal
 import torch
 from torch import nn
 
-from .kv_cache import mirror_kv_cache
 from .coverage import UNCOVERED_WARN_FRACTION, fp8_coverage
+from .kv_cache import mirror_kv_cache
 from .linear import Fp8Linear, mark_weights_updated
 from .recipe import PrecisionRecipe, get_recipe
 from .grouped import fuse_projections as _fuse_projections

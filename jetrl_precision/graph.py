@@ -30,8 +30,8 @@ from torch import nn
 
 from .batch_invariant import InvariantLinear, numerics_of
 from .formats import Granularity
-from .linear import Fp8Linear
 from .kv_cache import KV_AUTO, kv_cache_label
+from .linear import Fp8Linear
 from .recipe import BackwardSpec, DType, FpropSpec, PrecisionRecipe, TensorSpec, get_recipe
 
 __all__ = [

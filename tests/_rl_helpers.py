@@ -189,6 +189,20 @@ class EnginePool:
         self.engine = self.key = None
 
 
+def max_logprob_gap(engine, trainer, new_tokens: int = 16, seed: int = 4) -> float:
+    """Largest |engine log-prob - trainer log-prob| over one sampled response to a fixed 4-token prompt."""
+    import torch
+
+    from openrlhf.trainer.engines.base import SamplingConfig
+
+    sample = engine.generate([[1, 30, 31, 32]], SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, seed=seed))[0][0]
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(trainer(input_ids=ids).logits[0].float(), -1)
+    ref = lp[3:-1].gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
+    return float((ref - torch.tensor(sample.logprobs)).abs().max())
+
+
 def assert_engine_holds_trainer_bytes(engine, trainer) -> int:
     """Every FP8 layer: e4m3 bytes and fp32 scales identical; every other tensor identical. Returns the count."""
     import torch

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.nn import Parameter
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -20,16 +21,15 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
     UnquantizedLinearMethod,
 )
-from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 from .. import ops
 from ..formats import QuantizedTensor
-from ..recipe import RecipeError
 from ..gemm import resolve_backend, resolve_decode_backend
 from ..gemm.dispatch import ROLLOUT_DECODE_MAX_M
+from ..recipe import RecipeError
 from .engine_linear import FUSED_DECODE, FUSED_DECODE_MAX_M, EngineLinear
 from .vllm_plugin import QUANT_NAME, JetFp8Settings, Scope, plan_quant_groups
 

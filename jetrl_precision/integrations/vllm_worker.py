@@ -26,8 +26,8 @@ from torch import nn
 
 from ..digests import DigestPart, DigestPartsError, combine_digest_parts, digest_part, shape_2d
 from ..formats import QuantizedTensor
-from ..kv_cache import KV_AUTO, ROUNDING, e4m3_label
 from ..graph import FUSED_PROJECTIONS, EdgeAttrs, PrecisionGraph, add_linear, canonical_name, first_unaligned_part
+from ..kv_cache import KV_AUTO, ROUNDING, e4m3_label
 from ..ops import kernel_name
 from ..recipe import FpropSpec
 from ..weight_sync import (

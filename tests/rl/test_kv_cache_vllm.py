@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _rl_helpers import VLLM_CPU_ENV, EnginePool, setdefault_env  # noqa: E402
+from _rl_helpers import VLLM_CPU_ENV, EnginePool, max_logprob_gap, setdefault_env  # noqa: E402
 
 setdefault_env(VLLM_CPU_ENV)
 
@@ -19,7 +19,6 @@ from jetrl_precision import PrecisionGraph, build_precision_graph, check_subgrap
 from jetrl_precision.kv_cache import KV_AUTO, e4m3_label, unmirror_kv_cache  # noqa: E402
 from jetrl_precision.recipe import RecipeError  # noqa: E402
 
-from openrlhf.trainer.engines.base import SamplingConfig  # noqa: E402
 from openrlhf.utils.tiny_model import build_tiny_model  # noqa: E402
 
 vllm = pytest.importorskip("vllm")
@@ -54,16 +53,6 @@ def _trainer(model_dir, recipe):
     return convert_to_fp8(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), recipe)
 
 
-def _max_logprob_gap(engine, trainer, seed: int = 4) -> float:
-    """Largest |engine log-prob - trainer log-prob| over a sampled response of 24 tokens."""
-    sample = engine.generate([[1, 30, 31, 32]], SamplingConfig(max_new_tokens=24, temperature=1.0, seed=seed))[0][0]
-    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-    with torch.no_grad():
-        lp = torch.log_softmax(trainer(input_ids=ids).logits[0].float(), -1)
-    ref = lp[3:-1].gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
-    return float((ref - torch.tensor(sample.logprobs)).abs().max())
-
-
 @pytest.mark.parametrize("recipe", [JET_KV, get_recipe("bf16").replace(kv_cache="e4m3")], ids=["jet_fp8", "bf16"])
 def test_engine_logprobs_are_the_mirrored_trainers(pool, model_dir, recipe):
     engine = pool.get(recipe.name, lambda: VLLMEngine(model_dir, recipe, max_model_len=256, seed=0))
@@ -72,9 +61,9 @@ def test_engine_logprobs_are_the_mirrored_trainers(pool, model_dir, recipe):
     assert rollout.meta["kv_cache"] == CPU_E4M3
     trainer = _trainer(model_dir, recipe)
     assert check_subgraph(rollout, build_precision_graph(trainer, recipe, "train_fwd")) == []
-    mirrored = _max_logprob_gap(engine, trainer)
+    mirrored = max_logprob_gap(engine, trainer, new_tokens=24)
     unmirror_kv_cache(trainer)
-    unmirrored = _max_logprob_gap(engine, trainer)
+    unmirrored = max_logprob_gap(engine, trainer, new_tokens=24)
     # fp32 on both sides: the same function up to summation order once the keys and values are rounded alike
     assert mirrored < 1e-4 and unmirrored > 100 * max(mirrored, 1e-5), (mirrored, unmirrored)
     found = check_subgraph(rollout, build_precision_graph(trainer, recipe, "train_fwd"))

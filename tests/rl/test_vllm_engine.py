@@ -20,7 +20,7 @@ import threading
 import pytest
 import torch
 
-from _rl_helpers import VLLM_CPU_ENV, EnginePool, assert_engine_holds_trainer_bytes, setdefault_env, train_step  # noqa: E402
+from _rl_helpers import VLLM_CPU_ENV, EnginePool, assert_engine_holds_trainer_bytes, max_logprob_gap, setdefault_env, train_step  # noqa: E402
 
 setdefault_env(VLLM_CPU_ENV)
 
@@ -285,17 +285,7 @@ def test_unquantized_engine_syncs_through_vllm_reload(pool, model_dir):
     train_step(trainer, seed=20, lr=2e-2)
     engine.update_weights(iter_sync_tensors(trainer, fp8=False))
     assert engine.verify_weights(trainer, k=21) == []
-    assert _max_logprob_gap(engine, trainer) < 1e-4
-
-
-def _max_logprob_gap(engine, trainer) -> float:
-    """Largest |engine log-prob - trainer log-prob| over a sampled response."""
-    sample = engine.generate([[1, 30, 31, 32]], SamplingConfig(max_new_tokens=16, temperature=1.0, seed=4))[0][0]
-    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-    with torch.no_grad():
-        lp = torch.log_softmax(trainer(input_ids=ids).logits[0].float(), -1)
-    ref = lp[3:-1].gather(-1, torch.tensor(sample.response_ids)[:, None])[:, 0]
-    return float((ref - torch.tensor(sample.logprobs)).abs().max())
+    assert max_logprob_gap(engine, trainer) < 1e-4
 
 
 def test_a_tied_lm_head_follows_the_sync_through_vllm_reload(pool, tmp_path):
@@ -309,7 +299,7 @@ def test_a_tied_lm_head_follows_the_sync_through_vllm_reload(pool, tmp_path):
     for step in range(2):
         train_step(trainer, seed=40 + step, lr=2e-2)
         engine.update_weights(iter_sync_tensors(trainer, fp8=False))
-        assert _max_logprob_gap(engine, trainer) < 1e-4, f"after sync {step}"
+        assert max_logprob_gap(engine, trainer) < 1e-4, f"after sync {step}"
 
 
 def test_prefix_caching_follows_the_flag_and_is_reset_by_every_sync(pool, model_dir, monkeypatch):
