@@ -115,7 +115,8 @@ EOF
     tests/gpu/test_engine_linear_gpu.py tests/gpu/test_vllm_gpu.py 2>&1 | tail -30
 }
 
-stage_kvcache() {
+stage_kvcache() {  # on SmolLM2 when the smollm2 stage has converted it, else on a random Llama
+  [ -d /tmp/smol_hf ] && export JETRL_SMOLLM2=/tmp/smol_hf
   JETRL_RESULTS_DIR=/tmp/res/kvcache timeout "${KVCACHE_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kv_cache_gpu.py 2>&1 | tail -12
 }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +67,7 @@ def main() -> None:
         "violations": violations, "tokens": len(mirrored),
         "mean_abs_dlogp_mirrored": sum(mirrored) / len(mirrored), "max_abs_dlogp_mirrored": max(mirrored),
         "mean_abs_dlogp_unmirrored": sum(unmirrored) / len(unmirrored), "max_abs_dlogp_unmirrored": max(unmirrored),
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
     }
     Path(a.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
