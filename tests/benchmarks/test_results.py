@@ -586,7 +586,8 @@ def test_the_rollout_headline_is_the_full_depth_model_and_the_8_layer_figure_has
                       "vllm_rollout_tokens_per_s_ratio_8layers_64": None, "vllm_rollout_tokens_per_s_ratio_8layers_eager": 1.07,
                       "vllm_rollout_tokens_per_s_ratio_16layers_eager": 0.93, "vllm_rollout_tokens_per_s_ratio_16layers_eager_64": 1.25,
                       "bitwise_rollout_tokens_per_s_ratio": 1.21, "bitwise_rollout_tokens_per_s_ratio_invariant_kernels": 0.94,
-                      "bitwise_rollout_tokens_per_s_ratio_64": None, "bitwise_rollout_tokens_per_s_ratio_64_invariant_kernels": None}
+                      "bitwise_rollout_tokens_per_s_ratio_64": None, "bitwise_rollout_tokens_per_s_ratio_64_invariant_kernels": None,
+                      "vllm_rollout_tokens_per_s_ratio_kv8": None, "vllm_rollout_tokens_per_s_ratio_kv8_64": None}
 
 
 def test_rows_labelled_deep_gemm_skip_runs_whose_auto_resolved_to_torch():
