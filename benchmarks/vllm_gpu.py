@@ -714,12 +714,14 @@ def records_from(folder: Path | list[Path], device: str | None, command: str) ->
             for row in j["rows"]:
                 rec("vllm_linear_host_us", f"{row['proj']} M={row['m']} eager", f"jet_fp8/{j['gemm_backend']}", row["fp8_host_us"], "us",
                     row["host_ratio"], bf16_host_us=row["bf16_host_us"], date=j.get("date"))
-        elif j.get("job") == "kv_cache":  # tests/gpu/kv_cache_job.py: the e4m3 cache against the (un)mirrored trainer
-            shape = f"{Path(j['model']).name}, {j['tokens']} sampled tokens, T=1, default mode, e4m3 KV cache"
-            rec("kv_cache_e4m3_logprob_mismatch", shape, j["recipe"], round(j["mean_abs_dlogp_mirrored"], 5), "mean |dlogp|",
-                date=j.get("date"), unmirrored=round(j["mean_abs_dlogp_unmirrored"], 5), kv_cache=j["kv_cache"],
-                violations=j["violations"], max_mirrored=round(j["max_abs_dlogp_mirrored"], 4),
-                max_unmirrored=round(j["max_abs_dlogp_unmirrored"], 4))
+        elif j.get("job") == "kv_cache" and j["recipe"].endswith("+kv8") and "mean_abs_dlogp" in j:
+            # tests/gpu/kv_cache_job.py: the e4m3 cache against the mirrored trainer, beside plain jet_fp8's
+            plain = next((k for k in jobs if k.get("job") == "kv_cache" and k["recipe"] == j["recipe"].removesuffix("+kv8")), None)
+            shape = f"{Path(j['model']).name}, {j['tokens']} sampled tokens, T=1, default mode"
+            base = plain and plain["mean_abs_dlogp"]
+            rec("kv_cache_e4m3_logprob_mismatch", shape, j["recipe"], round(j["mean_abs_dlogp"], 5), "mean |dlogp|",
+                date=j.get("date"), plain_jet_fp8=base and round(base, 5), x_plain=base and round(j["mean_abs_dlogp"] / base, 4),
+                unmirrored=round(j["mean_abs_dlogp_unmirrored"], 5), kv_cache=j["kv_cache"], violations=j["violations"])
         elif "mismatch" in j and "fixed_engine_logprobs" in j:  # tests/gpu/vllm_jobs.py
             m = j["mismatch"]
             shape = f"SmolLM2-135M-Instruct bf16, 16 chat prompts x <=1024 tokens, T=1, {j['mode']}"

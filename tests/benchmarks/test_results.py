@@ -288,6 +288,22 @@ def test_vllm_kv8_throughput_rows_become_the_gain_and_the_headline_ratio(tmp_pat
     assert picks["vllm_rollout_tokens_per_s_ratio"] == pytest.approx(1.1)  # plain jet_fp8 keeps its own row
 
 
+def test_kv_cache_jobs_become_the_mismatch_over_plain_jet_fp8(tmp_path):
+    import vllm_gpu
+
+    common = {"job": "kv_cache", "model": "/tmp/smol_hf", "violations": [], "tokens": 4000, "max_abs_dlogp": 0.5,
+              "device": "NVIDIA H200", "date": "2026-12-08"}
+    (tmp_path / "kv_cache_jet_fp8_kv8.json").write_text(json.dumps(dict(
+        common, recipe="jet_fp8+kv8", kv_cache="e4m3/scale=1/nearest-even", mean_abs_dlogp=0.126, mean_abs_dlogp_unmirrored=0.2)))
+    (tmp_path / "kv_cache_jet_fp8.json").write_text(json.dumps(dict(common, recipe="jet_fp8", kv_cache="auto", mean_abs_dlogp=0.12)))
+    recs = [dict(r, _run_file="x") for r in vllm_gpu.records_from(tmp_path, None, "cmd")]
+    (rec,) = [r for r in recs if r["name"] == "kv_cache_e4m3_logprob_mismatch"]
+    assert rec["value"] == 0.126 and rec["plain_jet_fp8"] == 0.12 and rec["x_plain"] == 1.05 and rec["unmirrored"] == 0.2
+    assert rec["device"] == "NVIDIA H200" and rec["shape"].startswith("smol_hf, 4000 sampled tokens")
+    value, _ = next(m for m in headline.METRICS if m.key == "kv_cache_e4m3_logprob_mismatch_x_plain").pick(recs)
+    assert value == 1.05
+
+
 def test_vllm_bitwise_throughput_rows_become_the_cost_ratio(tmp_path):
     import argparse
 
