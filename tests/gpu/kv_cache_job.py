@@ -62,11 +62,11 @@ def main() -> None:
             res += (ref - torch.tensor(s.logprobs)).abs().tolist()
         return res
 
-    mirrored = gaps()
+    dlogp = gaps()  # for kv8: against the mirrored trainer
     result = {
         "job": "kv_cache", "recipe": a.recipe, "model": a.model, "kv_cache": rollout.meta.get("kv_cache"),
-        "violations": violations, "tokens": len(mirrored),
-        "mean_abs_dlogp": sum(mirrored) / len(mirrored), "max_abs_dlogp": max(mirrored),
+        "violations": violations, "tokens": len(dlogp),
+        "mean_abs_dlogp": sum(dlogp) / len(dlogp), "max_abs_dlogp": max(dlogp),
         "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
     }
     if kv8:  # the same samples against the trainer without the mirror: what the mirror removes
