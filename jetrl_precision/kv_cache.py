@@ -40,6 +40,8 @@ __all__ = [
     "unmirror_kv_cache",
     "kv_cache_label",
     "kv_attention_name",
+    "kv_value_stats",
+    "E4M3_MIN_NORMAL",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,29 +100,36 @@ def kv_attention_name(base: str) -> str:
     The base's name stays in it, so transformers' checks by substring (flash attention's) still see it."""
     if base.endswith(_SUFFIX):
         return base
-    name = base + _SUFFIX
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    return _register(base + _SUFFIX, base, _rounding_attention(base))
 
-    if name not in AttentionInterface._global_mapping:
-        AttentionInterface.register(name, _rounding_attention(base))
-        mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(base)
-        if mask is not None:  # a base without a mask function builds its own layout (the invariant kernels)
-            AttentionMaskInterface.register(name, mask)
-    return name
+
+def _base_attention(base: str, module: nn.Module) -> Callable[..., Any]:
+    from transformers import AttentionInterface
+
+    fn = AttentionInterface._global_mapping.get(base)
+    # "eager" is no entry of the interface: each model file has its own function
+    return fn if fn is not None else sys.modules[type(module).__module__].eager_attention_forward
 
 
 def _rounding_attention(base: str) -> Callable[..., Any]:
-    from transformers import AttentionInterface
-
     def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
-        fn = AttentionInterface._global_mapping.get(base)
-        if fn is None:  # "eager": the model file's own function
-            fn = sys.modules[type(module).__module__].eager_attention_forward
+        fn = _base_attention(base, module)
         return fn(module, query, round_kv_e4m3(key), round_kv_e4m3(value), attention_mask, **kwargs)
 
     attention.__name__ = f"kv_e4m3_{base}"
     return attention
+
+
+def _register(name: str, base: str, fn: Callable[..., Any]) -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, fn)
+        mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(base)
+        if mask is not None:  # a base without a mask function builds its own layout (the invariant kernels)
+            AttentionMaskInterface.register(name, mask)
+    return name
 
 
 def _transformers_models(model: nn.Module) -> list[nn.Module]:
@@ -173,3 +182,44 @@ def kv_cache_label(model: nn.Module, device: torch.device | str | None = None) -
     if device is None:
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     return e4m3_label(cache_rounding(device))
+
+
+# e4m3's smallest normal: below it the step is fixed at 2^-9, so a value's relative error grows past 1/16.
+E4M3_MIN_NORMAL = 2.0**-6
+_stats: list[dict[str, int]] = []  # the collector `kv_value_stats` is filling (its wrapper counts into the last)
+
+
+def _counting_attention(base: str) -> Callable[..., Any]:
+    def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+        if _stats:
+            c = _stats[-1]
+            for t in (key, value):
+                a = t.detach().abs()
+                c["values"] += a.numel()
+                c["below_normal"] += int(((a > 0) & (a < E4M3_MIN_NORMAL)).sum())
+                c["saturated"] += int((a > E4M3_MAX).sum())
+        return _base_attention(base, module)(module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = f"kv_stats_{base}"
+    return attention
+
+
+def kv_value_stats(model: nn.Module, run: Callable[[], Any]) -> dict[str, float]:
+    """How well e4m3 at scale 1 holds the keys and values `model`'s attention reads during `run()` (no grad): the
+    share below e4m3's smallest normal (relative error above 1/16, up to all of it) and the share past 448
+    (saturated). The two numbers that say whether the FP8 KV cache suits a model; the model is left as it was."""
+    models = _transformers_models(model)
+    before = [m.config._attn_implementation or "eager" for m in models]
+    counts = {"values": 0, "below_normal": 0, "saturated": 0}
+    _stats.append(counts)
+    try:
+        for m, base in zip(models, before):
+            m.set_attn_implementation(_register(f"{base}+jetrl_kv_stats", base, _counting_attention(base)))
+        with torch.no_grad():
+            run()
+    finally:
+        _stats.pop()
+        for m, base in zip(models, before):
+            m.set_attn_implementation(base)
+    n = max(counts["values"], 1)
+    return {"values": counts["values"], "below_normal_frac": counts["below_normal"] / n, "saturated_frac": counts["saturated"] / n}

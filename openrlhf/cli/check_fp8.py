@@ -1,7 +1,7 @@
 """Check a model before an FP8 run: per-layer FP8 error and rollout-train mismatch per recipe.
 
     python -m openrlhf.cli.check_fp8 --model PATH [--prompt_data FILE --input_key prompt --apply_chat_template]
-                                     [--recipes bf16 jet_fp8 fp8_rollout] [--out DIR] [--strict]
+                                     [--recipes bf16 jet_fp8 fp8_rollout jet_fp8+kv8] [--out DIR] [--strict]
 
 Three questions, answered on the user's own model and prompts:
 1. Does any linear lose too much to FP8? For every layer the recipe converts, the SQNR of its
@@ -12,6 +12,9 @@ Three questions, answered on the user's own model and prompts:
    `rollout_train_mismatch/*` a run logs every step, before the run.
 3. How far does the recipe's training policy sit from the high-precision one? The trainer's
    logprobs under the recipe against the unconverted model's, on the same tokens.
+A recipe `NAME+kv8` runs NAME with the e4m3 KV cache (`--precision.kv_cache e4m3`); with one in --recipes the report
+also gives the share of the model's keys and values that e4m3 at scale 1 holds poorly (below its smallest normal, or
+saturated past 448), measured on the prompts.
 
 Prints a report, writes check_fp8.json and check_fp8.md to --out, exits 0. With --strict it exits 1
 when a layer is flagged (SQNR below --min_sqnr_db, or more than --max_subnormal_frac of its inputs
@@ -90,8 +93,9 @@ def _validate(a: argparse.Namespace) -> None:
     if not (Path(a.model) / "config.json").is_file():
         raise ValueError(f"--model {a.model}: no config.json there (expected a Hugging Face model folder)")
     for r in [*a.recipes, a.diagnose_recipe]:
-        if r not in RECIPE_NAMES:
-            raise ValueError(f"unknown recipe {r!r}; choose from {', '.join(RECIPE_NAMES)}")
+        name, _, suffix = r.partition("+")
+        if name not in RECIPE_NAMES or suffix not in ("", "kv8") or (suffix and r == a.diagnose_recipe):
+            raise ValueError(f"unknown recipe {r!r}; choose from {', '.join(RECIPE_NAMES)}, each with +kv8 for the e4m3 KV cache")
     for name in ("n_prompts", "n_samples", "max_new_tokens", "max_tokens"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(a, name)}")
@@ -152,7 +156,10 @@ def _recipe_mismatch(a, recipe_name: str, dtype, device, prompts, hp_model, engi
     from openrlhf.trainer.engines.base import SamplingConfig
     from openrlhf.trainer.ppo_utils.experience_maker import sample_after_sync
 
-    recipe = get_recipe(recipe_name)
+    name, _, suffix = recipe_name.partition("+")
+    recipe = get_recipe(name)
+    if suffix == "kv8":
+        recipe = recipe.replace(kv_cache="e4m3")
     if a.gemm_backend != "auto":
         import dataclasses
 
@@ -210,6 +217,11 @@ def run_check(a: argparse.Namespace) -> dict:
     flagged = {d.fqn: d.problems(a.min_sqnr_db, a.max_subnormal_frac) for d in diags}
     flagged = {k: v for k, v in flagged.items() if v}
     coverage = _coverage(hp, a.diagnose_recipe)
+    kv = None
+    if any(r.endswith("+kv8") for r in a.recipes):
+        from jetrl_precision.kv_cache import kv_value_stats
+
+        kv = kv_value_stats(hp, lambda: hp(input_ids=ids, attention_mask=attn))
 
     # 2 + 3. Mismatch per recipe.
     recipes = []
@@ -222,6 +234,7 @@ def run_check(a: argparse.Namespace) -> dict:
         "model": str(a.model), "dtype": a.dtype, "device": str(device), "attn_implementation": a.attn_implementation, "engine": engine_kind,
         "diagnose_recipe": a.diagnose_recipe, "min_sqnr_db": a.min_sqnr_db, "max_subnormal_frac": a.max_subnormal_frac,
         "layers": [d.to_dict() for d in diags], "flagged_layers": flagged, "recipes": recipes, "fp8_coverage": coverage,
+        "kv_cache_e4m3": kv,
         "seconds": round(time.perf_counter() - t0, 1),
         "diagnostics_table": format_diagnostics(diags, a.min_sqnr_db, a.max_subnormal_frac),
     }
@@ -269,6 +282,13 @@ def _verdict(report: dict) -> str:
     if by:
         out.append("rollout-train mean |dlogp|: " + ", ".join(f"{k} {v:.3g}" for k, v in by.items())
                    + (" (bf16 is this engine's float-noise floor at this dtype)" if "bf16" in by else ""))
+    kv = report.get("kv_cache_e4m3")
+    if kv:
+        out.append(
+            f"e4m3 KV cache: {100 * kv['below_normal_frac']:.2f}% of the keys and values fall below e4m3's smallest normal "
+            f"(2^-6: relative error above 1/16) and {100 * kv['saturated_frac']:.3f}% past 448 (saturated), of "
+            f"{kv['values']:,} on these prompts; compare the +kv8 rows' train-vs-high-precision shift with their base's"
+        )
     if "jet_fp8" in by and "fp8_rollout" in by:
         ratio = by["fp8_rollout"] / by["jet_fp8"] if by["jet_fp8"] > 0 else math.inf
         out.append(f"on-policy: jet_fp8 is {ratio:.1f}x closer to its trainer than fp8_rollout")

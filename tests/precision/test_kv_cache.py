@@ -17,6 +17,7 @@ from jetrl_precision.kv_cache import (
     e4m3_label,
     kv_attention_name,
     kv_cache_label,
+    kv_value_stats,
     mirror_kv_cache,
     round_kv_e4m3,
     unmirror_kv_cache,
@@ -177,3 +178,31 @@ def test_conversion_mirrors_and_the_graph_check_compares_the_kv_cache(recipe):
     # the rounding is part of the label: an engine that rounds otherwise is a violation too
     rollout.meta["kv_cache"] = e4m3_label("nearest-even")
     assert [v.field for v in check_subgraph(rollout, train)] == ["kv_cache"]
+
+
+def test_value_stats_count_what_e4m3_holds_poorly_and_leave_the_model_alone():
+    model = _tiny_llama()
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = model(ids).logits
+    base = kv_value_stats(model, lambda: model(ids))
+    assert model.config._attn_implementation == "sdpa"
+    # 2 layers x (K and V) x batch 2 x 2 KV heads x 10 tokens x 32 dims
+    assert base["values"] == 2 * 2 * 2 * 2 * 10 * 32 and 0 <= base["below_normal_frac"] < 1 and base["saturated_frac"] == 0
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(1e-4)  # values far below e4m3's smallest normal
+    tiny = kv_value_stats(model, lambda: model(ids))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(1e10)  # values past 448
+    huge = kv_value_stats(model, lambda: model(ids))
+    assert tiny["below_normal_frac"] > base["below_normal_frac"] + 0.4 and huge["saturated_frac"] > 0.3
+    mirror_kv_cache(model)  # counted before the rounding, and the mirror kept
+    assert kv_value_stats(model, lambda: model(ids))["saturated_frac"] == huge["saturated_frac"]
+    assert model.config._attn_implementation == "sdpa+jetrl_kv_e4m3"
+    unmirror_kv_cache(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight.mul_(1e-6)
+        assert torch.allclose(model(ids).logits, before, atol=1e-4)  # the weights back, the attention as it was

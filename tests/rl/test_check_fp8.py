@@ -145,6 +145,22 @@ def test_the_verdict_points_to_bitwise_mode_where_fp8_amplifies_the_engines_nois
         assert "jet_fp8's mismatch is 3.1x bf16's" in text
 
 
+def test_cli_measures_the_e4m3_kv_cache(tiny, tmp_path, capsys):
+    rc = check_main(["--model", str(tiny), "--dtype", "fp32", "--recipes", "jet_fp8", "jet_fp8+kv8", "--max_new_tokens", "8",
+                     "--engine", "hf", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "check_fp8.json").read_text())
+    by = {r["recipe"]: r for r in report["recipes"]}
+    kv = report["kv_cache_e4m3"]
+    assert kv["values"] > 0 and 0 <= kv["below_normal_frac"] <= 1 and kv["saturated_frac"] == 0
+    # the transformers engine mirrors as the trainer does: on-policy with the cache too; the policy itself moves
+    assert by["jet_fp8+kv8"]["rollout_train"]["abs_logp_diff_mean"] < 1e-5
+    shift, base = by["jet_fp8+kv8"]["train_vs_high_precision"], by["jet_fp8"]["train_vs_high_precision"]
+    assert shift["abs_logp_diff_mean"] > base["abs_logp_diff_mean"]
+    assert "e4m3 KV cache:" in capsys.readouterr().out
+    assert check_main(["--model", str(tiny), "--recipes", "jet_fp8+kv4"]) == 2
+
+
 def test_cli_strict_and_bad_input(tiny, tmp_path, capsys):
     assert check_main(["--model", str(tiny), "--recipes", "jet_fp8", "--max_new_tokens", "4", "--min_sqnr_db", "99", "--strict"]) == 1
     assert "SQNR below 99" in capsys.readouterr().err
