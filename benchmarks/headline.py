@@ -283,10 +283,12 @@ ENGINE_AUTO = ("jet_fp8/torch", "jet_fp8/torch+deep_gemm(M<=512)")
 ENGINE_AUTO_EAGER = ("jet_fp8/torch",)
 
 
-def _rollout_ratio(layers: int, prompts: int, mode: str):
+def _rollout_ratio(layers: int, prompts: int, mode: str, variant: str | None = None):
+    """jet_fp8's rollout ratio as the engine's auto runs it, or that of a recipe variant (`jet_fp8+kv8`) whatever
+    its backends."""
     picks = ENGINE_AUTO_EAGER if mode == "eager" else ENGINE_AUTO
-    return _field("vllm_rollout_tokens_per_s", VLLM_8B.format(layers, prompts, mode), field="ratio_vs_bf16",
-                  where=lambda r: r.get("backend") in picks)
+    where = (lambda r: r.get("backend", "").startswith(f"{variant}/")) if variant else (lambda r: r.get("backend") in picks)
+    return _field("vllm_rollout_tokens_per_s", VLLM_8B.format(layers, prompts, mode), field="ratio_vs_bf16", where=where)
 
 
 METRICS += (
@@ -301,11 +303,9 @@ METRICS += (
     Metric("vllm_rollout_tokens_per_s_ratio_kv8", "x bf16",
            "the same (256 prompts), jet_fp8 with the e4m3 KV cache (--precision.kv_cache e4m3: vLLM's FP8 cache at scale "
            "1, Triton attention on the dequantized keys and values, mirrored by the trainer) over bf16 with its BF16 cache",
-           _field("vllm_rollout_tokens_per_s", VLLM_8B.format(32, 256, "default"), field="ratio_vs_bf16",
-                  where=lambda r: r.get("backend", "").startswith("jet_fp8+kv8/"))),
+           _rollout_ratio(32, 256, "default", variant="jet_fp8+kv8")),
     Metric("vllm_rollout_tokens_per_s_ratio_kv8_64", "x bf16", "the same with 64 prompts",
-           _field("vllm_rollout_tokens_per_s", VLLM_8B.format(32, 64, "default"), field="ratio_vs_bf16",
-                  where=lambda r: r.get("backend", "").startswith("jet_fp8+kv8/"))),
+           _rollout_ratio(32, 64, "default", variant="jet_fp8+kv8")),
     Metric("kv_cache_e4m3_logprob_mismatch_x_plain", "x jet_fp8",
            "mean |dlogp| of jet_fp8 with the e4m3 KV cache on vLLM (default mode) against the mirrored trainer's "
            "recompute, over plain jet_fp8's against its trainer on the same model (1.0: the cache adds no mismatch; the "

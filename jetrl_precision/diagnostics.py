@@ -30,6 +30,7 @@ from torch import nn
 
 from . import ops
 from .convert import default_module_filter
+from .formats import E4M3_MIN_NORMAL
 from .linear import Fp8Linear
 from .recipe import PrecisionRecipe, get_recipe
 
@@ -43,7 +44,6 @@ __all__ = [
     "DEFAULT_MAX_SUBNORMAL_FRAC",
 ]
 
-E4M3_MIN_NORMAL = 2.0**-6  # below this an e4m3 value is subnormal: fewer than 4 significant bits
 DEFAULT_MIN_SQNR_DB = 20.0
 DEFAULT_MAX_SUBNORMAL_FRAC = 0.01
 

@@ -11,6 +11,7 @@ import torch
 __all__ = [
     "FP8_DTYPE",
     "E4M3_MAX",
+    "E4M3_MIN_NORMAL",
     "AMAX_FLOOR",
     "Granularity",
     "Block",
@@ -20,6 +21,7 @@ __all__ = [
 
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+E4M3_MIN_NORMAL = 2.0**-6  # below this an e4m3 value is subnormal: fewer than 4 significant bits
 # Floor on a group's amax so an all-zero group gets a finite, tiny scale (and quantizes to zeros).
 AMAX_FLOOR = 1e-10
 

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .formats import E4M3_MAX, FP8_DTYPE
+from .formats import E4M3_MAX, E4M3_MIN_NORMAL, FP8_DTYPE
 
 __all__ = [
     "KV_CACHE_FORMATS",
@@ -41,7 +41,6 @@ __all__ = [
     "kv_cache_label",
     "kv_attention_name",
     "kv_value_stats",
-    "E4M3_MIN_NORMAL",
 ]
 
 logger = logging.getLogger(__name__)
@@ -184,8 +183,6 @@ def kv_cache_label(model: nn.Module, device: torch.device | str | None = None) -
     return e4m3_label(cache_rounding(device))
 
 
-# e4m3's smallest normal: below it the step is fixed at 2^-9, so a value's relative error grows past 1/16.
-E4M3_MIN_NORMAL = 2.0**-6
 _stats: list[dict[str, int]] = []  # the collector `kv_value_stats` is filling (its wrapper counts into the last)
 
 
