@@ -7,7 +7,8 @@
 #   sync     benchmarks/vllm_gpu.py sync (32 layers) + warm start
 #   bench32  rollout throughput of bf16 and jet_fp8 at Llama-3.1-8B's full depth (32 layers), default mode, three
 #            timed passes each at 256 and 64 prompts (REPEATS32; ~6 min; needs only `install`); RECIPES32="bf16 jet_fp8+kv8"
-#            measures the e4m3 KV cache (--precision.kv_cache e4m3) against bf16 instead
+#            measures the e4m3 KV cache (--precision.kv_cache e4m3) against bf16 instead; ENGINE32=mp runs each engine
+#            core in its own process (vLLM's default) instead of the job's (results in /tmp/res/vllm32_mp)
 #   kvcache  tests/gpu/test_kv_cache_gpu.py: vLLM's CUDA cache write against the trainer's rounding, and a jet_fp8+kv8
 #            engine's log-probs against the mirrored trainer (~3 min with a cold compile; needs only `install`)
 #   bitwise  --precision.bitwise on vLLM, Llama-3.1-8B shape (8 layers): tests/gpu/test_vllm_bitwise_gpu.py at
@@ -81,6 +82,13 @@ stage_install() {
   if [ ! -d /tmp/site/vllm ]; then
     cat /tmp/vc0part .vc1/part | python3 -c "import sys,tarfile;tarfile.open(fileobj=sys.stdin.buffer,mode='r|xz').extractall('/tmp',filter='data')" \
       && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site /tmp/vllm-carry/*.whl || return 1
+  fi
+  # The project's entry point (vllm.general_plugins: jetrl_fp8), as `pip install` would leave it: an engine core in its
+  # own process (vLLM's default; ENGINE32=mp below) loads plugins from entry points only. The checkout stays the code.
+  if [ ! -f /tmp/site/jetrl-0.1.0.dist-info/entry_points.txt ]; then
+    mkdir -p /tmp/site/jetrl-0.1.0.dist-info
+    printf 'Metadata-Version: 2.1\nName: jetrl\nVersion: 0.1.0\n' > /tmp/site/jetrl-0.1.0.dist-info/METADATA
+    printf '[vllm.general_plugins]\njetrl_fp8 = jetrl_precision.integrations.vllm_plugin:register\n' > /tmp/site/jetrl-0.1.0.dist-info/entry_points.txt
   fi
   python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, torch.cuda.get_device_name())"
 }
@@ -192,9 +200,11 @@ stage_bench32() {
   # sequences at 1280 tokens, so neither engine preempts; two engines of 32 layers fit the H200 side by side.
   # Three timed passes each: bf16's 256-prompt passes have spread by 20% within one lease.
   # RECIPES32="bf16 jet_fp8+kv8": the e4m3 KV cache against bf16 (two 32-layer engines is what the card holds).
+  local res=/tmp/res/vllm32${ENGINE32:+_$ENGINE32}
   python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes ${RECIPES32:-bf16 jet_fp8} \
-    --repeats "${REPEATS32:-3}" --kv-gib "${KV32:-42}" ${PROMPTS32:+--prompts $PROMPTS32} --out /tmp/res/vllm32 --timeout "${BENCH32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
-  grep -h "median of\|engine up" /tmp/res/vllm32/*.log
+    --repeats "${REPEATS32:-3}" --kv-gib "${KV32:-42}" ${PROMPTS32:+--prompts $PROMPTS32} --engine-process "${ENGINE32:-inproc}" \
+    --model /tmp/res/llama8b_l32 --out "$res" --timeout "${BENCH32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+  grep -h "median of\|engine up" "$res"/*.log
 }
 
 # The engine's `auto` runs DeepGEMM (vLLM's vendored copy) for decode batches (M <= 512) and cuBLASLt above; against

@@ -246,6 +246,17 @@ def in_rotation(a: argparse.Namespace, work) -> dict:
     return result
 
 
+def _check_plugin_entry_point() -> None:
+    """vLLM's engine core process loads general plugins from entry points only: without the package's metadata it
+    would build the model without jetrl_fp8 and fail far from the cause."""
+    from importlib.metadata import entry_points
+
+    if not any(e.name == "jetrl_fp8" for e in entry_points(group="vllm.general_plugins")):
+        raise SystemExit("--engine-process mp: no vllm.general_plugins entry point named jetrl_fp8, so vLLM's engine core "
+                         "process cannot load the plugin; pip install the project (pip install --no-deps -e .) or run "
+                         "--engine-process inproc")
+
+
 def job_throughput(a: argparse.Namespace) -> dict:
     return in_rotation(a, _throughput)
 
@@ -262,6 +273,7 @@ def _throughput(a: argparse.Namespace, turn: Rotation | Alone) -> dict:
     backends = sorted({e.attrs.backend for e in graph.edges if e.attrs.backend})
     kernels = sorted({e.attrs.kernel for e in graph.edges if getattr(e.attrs, "kernel", None)})
     result = {"job": "throughput", "start_only": a.start_only, "recipe": a.recipe, "mode": a.mode, "layers": a.layers, "start_seconds": round(start_s, 1),
+              "engine_process": a.engine_process,
               "gemm_backends": backends, "decode_gemm": graph.meta.get("decode_gemm", ""), "quant_kernels": kernels, "runs": [],
               # eager engines: whether the projections made the native one-call linear (engine_native), or why not
               "eager_linear_call": graph.meta.get("eager_linear_call", "")}
@@ -313,7 +325,7 @@ def _timed_passes(a: argparse.Namespace, llm, turn: Rotation | Alone, name: str,
         _log(f"{name}: {n_prompts} prompts: {run['tokens_per_s']:.0f} tok/s ({tokens} tokens in {wall:.1f} s, prefill alone "
              f"{run['prefill_seconds']:.2f} s; median of {a.repeats}: {', '.join(f'{v:.0f}' for v in run['tokens_per_s_each'])}; "
              f"SM MHz {[x['sm_mhz_mean'] for x in telemetry]}, W {[x['watts_mean'] for x in telemetry]}, "
-             f"host CPU share {[x['host_cpu_share'] for x in telemetry]}, main thread on CPUs {[x['main_thread_cpus'] for x in telemetry]})")
+             f"host CPU share {[x['host_cpu_share'] for x in telemetry]}, engine core process {[x.get('child_cpu_share') for x in telemetry]}, main thread on CPUs {[x['main_thread_cpus'] for x in telemetry]})")
 
 
 def _vendor_routes() -> dict[str, bool]:
@@ -444,8 +456,12 @@ JOBS = {"throughput": job_throughput, "host": job_host, "sync": job_sync}
 _GEMM_BACKEND: list[str] = []
 
 
+_ENGINE_PROCESS: list[str] = []
+
+
 def _spawn(job: str, out_json: Path, args: list[str]) -> subprocess.Popen:
     extra = (["--tiny"] if SHAPE == TINY else []) + (["--gemm-backend", _GEMM_BACKEND[0]] if _GEMM_BACKEND else [])
+    extra += ["--engine-process", _ENGINE_PROCESS[0]] if _ENGINE_PROCESS else []
     cmd = [sys.executable, __file__, "job", job, "--json", str(out_json), *args, *extra]
     log = open(out_json.with_suffix(".log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -677,6 +693,8 @@ def records_from(folder: Path | list[Path], device: str | None, command: str) ->
             ratio = run["tokens_per_s"] / base["runs"][i]["tokens_per_s"] if base and recipe != "bf16" else None
             shape = SHAPE_8B.format(layers=j["layers"], prompts=run["prompts"], new=run["output_tokens"] // run["prompts"], mode=mode)
             shape += _compile_note(j)  # a warm start's rate is its own figure, never a cold one's
+            if j.get("engine_process") == "mp":  # vLLM's default process layout: its own figure, not the in-process one's
+                shape += ", engine core in its own process"
             # engines that ran alone, one after the other (an 80 GB card at 32 layers and 256 prompts), say so beside
             # the figure; the shape stays the figure's, so it files under the same headline row
             how = {"engines": "each alone in its own process, one after the other"} if j.get("engines_together") == 1 else {}
@@ -766,14 +784,21 @@ def main() -> None:
     ap.add_argument("--device-name", default=None, help="record: the device, for results that do not name it")
     ap.add_argument("--command", default="bash benchmarks/h200_vllm.sh install bench8b smollm2 sync", help="record: how they were made")
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 8B shape (CPU smoke runs)")
+    ap.add_argument("--engine-process", choices=["inproc", "mp"], default="inproc",
+                    help="throughput: the engine core in the job's process (inproc: what the colocated trainer runs) or "
+                         "in its own (mp: vLLM's default, scheduling beside the front end's output processing; the "
+                         "core finds jetrl_fp8 through the package's vllm.general_plugins entry point)")
     a = ap.parse_args()
     if a.gemm_backend:
         _GEMM_BACKEND.append(a.gemm_backend)
+    _ENGINE_PROCESS.append(a.engine_process)
     use_shape(a.tiny)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if a.what == "job":
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the plugin registers here
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if a.engine_process == "mp" else "0"
+        if a.engine_process == "mp":
+            _check_plugin_entry_point()
         res = JOBS[a.job_name](a)
         from headline import job_device  # benchmarks/headline.py
 

@@ -22,6 +22,7 @@ import os
 import statistics
 import threading
 import time
+from pathlib import Path
 
 __all__ = ["Telemetry", "device_handle", "nvml"]
 
@@ -72,7 +73,7 @@ class Telemetry:
         self.cpus: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.wall_s = self.host_cpu_s = 0.0
+        self.wall_s = self.host_cpu_s = self.child_cpu_s = 0.0
         self.load_avg = None
 
     def _sample(self, nv, stat_path: str | None) -> None:
@@ -99,11 +100,14 @@ class Telemetry:
             self._thread = threading.Thread(target=self._sample, args=(nv, stat), daemon=True)
             self._thread.start()
         self._t0, self._c0 = time.perf_counter(), time.process_time()
+        self._children0 = _children_cpu()
         return self
 
     def __exit__(self, *exc) -> bool:
         self.wall_s += time.perf_counter() - self._t0
         self.host_cpu_s += time.process_time() - self._c0
+        after = _children_cpu()
+        self.child_cpu_s += sum(after[pid] - self._children0[pid] for pid in after.keys() & self._children0.keys())
         self.load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         self._stop.set()
         if self._thread is not None:
@@ -117,6 +121,8 @@ class Telemetry:
         return {"wall_s": round(self.wall_s, 3), "host_cpu_s": round(self.host_cpu_s, 3),
                 # the process's CPU seconds per wall second: near 1 (or above, with threads) means the host was busy
                 "host_cpu_share": round(self.host_cpu_s / self.wall_s, 3) if self.wall_s > 0 else None,
+                # the same for the child processes alive throughout (vLLM's engine core, when it runs in its own)
+                "child_cpu_share": round(self.child_cpu_s / self.wall_s, 3) if self.wall_s > 0 else None,
                 "sm_mhz_mean": mean(self.clocks), "sm_mhz_min": min(self.clocks) if self.clocks else None,
                 "watts_mean": mean(self.watts), "gpu_util_mean": mean(self.util), "samples": len(self.clocks),
                 "main_thread_cpus": sorted(self.cpus), "load_avg_1m": None if self.load_avg is None else round(self.load_avg, 2)}
@@ -128,6 +134,24 @@ class Telemetry:
         named = {"host_cpu_share": s["host_cpu_share"], "sm_mhz": s["sm_mhz_mean"], "gpu_watts": s["watts_mean"],
                  "gpu_util": s["gpu_util_mean"]}
         return {prefix + k: float(v) for k, v in named.items() if v is not None}
+
+
+def _children_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of each live child process of this one, by pid; empty without /proc."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[int, float] = {}
+    for path in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids = [int(v) for v in path.read_text().split()]
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    return out
 
 
 def _last_cpu(stat_path: str | None) -> int | None:

@@ -71,6 +71,43 @@ def test_repeated_passes_time_the_prefill_apart_and_become_records(tmp_path):
                                          + ("" if "start" in r["name"] else ", VLLM_USE_AOT_COMPILE=0") for r in recs}
 
 
+def test_engine_core_in_its_own_process_loads_the_plugin_and_its_cpu_is_counted(tmp_path):
+    """--engine-process mp (vLLM's default layout): the engine core process finds jetrl_fp8 through the package's entry
+    point and builds the FP8 model (the precision graph it reports is the recipe's); its CPU time is measured beside
+    the front end's, and the figure files under its own shape."""
+    import vllm_gpu
+
+    env = {**ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/vllm_gpu.py", "throughput", "--tiny", "--layers", "1", "--modes", "eager", "--recipes",
+         "jet_fp8", "--prompts", "2", "--prompt-len", "8", "--new-tokens", "8", "--engine-process", "mp", "--out", str(tmp_path),
+         "--timeout", "400"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    job_log = tmp_path / "throughput_jet_fp8_eager.log"
+    assert proc.returncode == 0, proc.stdout[-2000:] + (job_log.read_text()[-3000:] if job_log.exists() else "")
+    job = json.loads((tmp_path / "throughput_jet_fp8_eager.json").read_text())
+    assert job["engine_process"] == "mp" and job["gemm_backends"] and job["quant_kernels"]  # FP8 edges in the core's graph
+    (run,) = job["runs"]
+    assert run["output_tokens"] == 2 * 8
+    (t,) = run["telemetry_each"]
+    # the core process does the forward: it is busy while the front end mostly waits on it
+    assert t["child_cpu_share"] > t["host_cpu_share"] > 0
+    (rec,) = [r for r in vllm_gpu.records_from(tmp_path, None, "cmd") if r["name"] == "vllm_rollout_tokens_per_s"]
+    assert rec["shape"].endswith(", engine core in its own process")
+
+
+def test_engine_core_process_without_the_entry_point_is_refused_in_one_line(monkeypatch):
+    import importlib.metadata
+
+    import vllm_gpu
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+    with pytest.raises(SystemExit) as e:
+        vllm_gpu._check_plugin_entry_point()
+    assert "\n" not in str(e.value) and "jetrl_fp8" in str(e.value) and "pip install" in str(e.value)
+
+
 def test_engines_that_cannot_all_be_alive_on_the_card_are_refused_in_one_line():
     """The throughput engines are alive together: two 32-layer engines with 42 GiB of KV cache each ran on the 141 GB
     H200 and cannot fit an 80 GB H100, where two 16-layer ones with 21 GiB each did run; three 32-layer engines fit
