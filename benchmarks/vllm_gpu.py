@@ -273,7 +273,7 @@ def _throughput(a: argparse.Namespace, turn: Rotation | Alone) -> dict:
     backends = sorted({e.attrs.backend for e in graph.edges if e.attrs.backend})
     kernels = sorted({e.attrs.kernel for e in graph.edges if getattr(e.attrs, "kernel", None)})
     result = {"job": "throughput", "start_only": a.start_only, "recipe": a.recipe, "mode": a.mode, "layers": a.layers, "start_seconds": round(start_s, 1),
-              "engine_process": a.engine_process,
+              "engine_process": a.engine_process, "logprobs_format": a.logprobs_format,
               "gemm_backends": backends, "decode_gemm": graph.meta.get("decode_gemm", ""), "quant_kernels": kernels, "runs": [],
               # eager engines: whether the projections made the native one-call linear (engine_native), or why not
               "eager_linear_call": graph.meta.get("eager_linear_call", "")}
@@ -289,6 +289,7 @@ def _timed_passes(a: argparse.Namespace, llm, turn: Rotation | Alone, name: str,
     import torch
     from vllm import SamplingParams
 
+    from openrlhf.trainer.engines.vllm_engine import sampled_logprobs
     from openrlhf.utils.telemetry import Telemetry
 
     turn.arrive(name)
@@ -299,7 +300,8 @@ def _timed_passes(a: argparse.Namespace, llm, turn: Rotation | Alone, name: str,
         llm.generate(warm, SamplingParams(max_tokens=32, ignore_eos=True, logprobs=0, detokenize=False), use_tqdm=False)
     first = SamplingParams(temperature=1.0, max_tokens=1, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
     for n_prompts in a.prompts:
-        params = SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
+        params = SamplingParams(temperature=1.0, max_tokens=a.new_tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False,
+                                flat_logprobs=a.logprobs_format == "flat")  # the trainer's engine asks for flat ones
         walls, prefills, telemetry, started = [], [], [], []
         for _ in range(a.repeats):  # fresh prompts each pass: a repeated batch would hit the prefix cache
             with turn.take():
@@ -315,7 +317,7 @@ def _timed_passes(a: argparse.Namespace, llm, turn: Rotation | Alone, name: str,
             walls.append(t.wall_s)
             telemetry.append(t.summary())
         tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
-        mean_lp = sum(lp[t].logprob for out in outs for o in out.outputs for t, lp in zip(o.token_ids, o.logprobs)) / tokens
+        mean_lp = sum(sum(sampled_logprobs(list(o.token_ids), o.logprobs)) for out in outs for o in out.outputs) / tokens
         wall = statistics.median(walls)
         run = {"prompts": n_prompts, "output_tokens": tokens, "seconds": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
                "tokens_per_s_each": [round(tokens / w, 1) for w in walls], "prefill_seconds": round(statistics.median(prefills), 3),
@@ -456,12 +458,12 @@ JOBS = {"throughput": job_throughput, "host": job_host, "sync": job_sync}
 _GEMM_BACKEND: list[str] = []
 
 
-_ENGINE_PROCESS: list[str] = []
+_HOST_LAYOUT: list[str] = []  # the jobs' --engine-process and --logprobs-format
 
 
 def _spawn(job: str, out_json: Path, args: list[str]) -> subprocess.Popen:
     extra = (["--tiny"] if SHAPE == TINY else []) + (["--gemm-backend", _GEMM_BACKEND[0]] if _GEMM_BACKEND else [])
-    extra += ["--engine-process", _ENGINE_PROCESS[0]] if _ENGINE_PROCESS else []
+    extra += ["--engine-process", _HOST_LAYOUT[0], "--logprobs-format", _HOST_LAYOUT[1]] if _HOST_LAYOUT else []
     cmd = [sys.executable, __file__, "job", job, "--json", str(out_json), *args, *extra]
     log = open(out_json.with_suffix(".log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -695,6 +697,8 @@ def records_from(folder: Path | list[Path], device: str | None, command: str) ->
             shape += _compile_note(j)  # a warm start's rate is its own figure, never a cold one's
             if j.get("engine_process") == "mp":  # vLLM's default process layout: its own figure, not the in-process one's
                 shape += ", engine core in its own process"
+            if j.get("logprobs_format") == "dicts":
+                shape += ", a Logprob dict per token"
             # engines that ran alone, one after the other (an 80 GB card at 32 layers and 256 prompts), say so beside
             # the figure; the shape stays the figure's, so it files under the same headline row
             how = {"engines": "each alone in its own process, one after the other"} if j.get("engines_together") == 1 else {}
@@ -784,6 +788,9 @@ def main() -> None:
     ap.add_argument("--device-name", default=None, help="record: the device, for results that do not name it")
     ap.add_argument("--command", default="bash benchmarks/h200_vllm.sh install bench8b smollm2 sync", help="record: how they were made")
     ap.add_argument("--tiny", action="store_true", help="a tiny model instead of the 8B shape (CPU smoke runs)")
+    ap.add_argument("--logprobs-format", choices=["flat", "dicts"], default="flat",
+                    help="throughput: the sampled tokens' log-probs as vLLM's flat lists (what the trainer's engine asks "
+                         "for) or as a {token: Logprob} dict per token (vLLM's default: host time per sequence and step)")
     ap.add_argument("--engine-process", choices=["inproc", "mp"], default="inproc",
                     help="throughput: the engine core in the job's process (inproc: what the colocated trainer runs) or "
                          "in its own (mp: vLLM's default, scheduling beside the front end's output processing; the "
@@ -791,7 +798,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.gemm_backend:
         _GEMM_BACKEND.append(a.gemm_backend)
-    _ENGINE_PROCESS.append(a.engine_process)
+    _HOST_LAYOUT[:] = [a.engine_process, a.logprobs_format]
     use_shape(a.tiny)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

@@ -470,3 +470,23 @@ def test_the_bitwise_engine_pins_a_model_runner_only_where_one_is_unproven():
     env = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
     pin_proven_runner(bitwise=True, on_gpu=False, environ=env)
     assert env == {"VLLM_USE_V2_MODEL_RUNNER": "1"}  # the user's choice stands
+
+
+def test_sampled_logprobs_read_flat_and_dict_forms_alike_and_refuse_a_misaligned_answer():
+    """The engine asks vLLM for flat log-probs (one entry per sampled token, no per-token objects); the dict form
+    (vLLM's default) reads to the same floats, and an answer that does not line up with the tokens is an error."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from openrlhf.trainer.engines.vllm_engine import sampled_logprobs
+
+    ids, lps = [7, 3, 7, 11], [-0.25, -1.5, -3.0, -0.125]
+    flat = FlatLogprobs()
+    for t, lp in zip(ids, lps):
+        flat.append({t: Logprob(lp, rank=1)})
+    dicts = [{t: Logprob(lp, rank=1)} for t, lp in zip(ids, lps)]
+    assert sampled_logprobs(ids, flat) == sampled_logprobs(ids, dicts) == lps
+    for bad in (ids[:3], [7, 3, 8, 11]):
+        with pytest.raises(RuntimeError, match="not one per each"):
+            sampled_logprobs(bad, flat)
+    with pytest.raises(RuntimeError, match="3 logprobs for 4 tokens"):
+        sampled_logprobs(ids, dicts[:3])

@@ -41,7 +41,7 @@ from openrlhf.config import ConfigError, VLLMConfig
 
 from .base import RolloutEngine, RolloutSample, SamplingConfig
 
-__all__ = ["VLLMEngine", "VLLMNotInstalledError", "pin_proven_runner", "require_vllm"]
+__all__ = ["VLLMEngine", "VLLMNotInstalledError", "pin_proven_runner", "require_vllm", "sampled_logprobs"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,20 @@ def _bitwise_needs_cuda() -> None:
 
     if not torch.cuda.is_available():
         raise BitwiseUnavailable("the bitwise vLLM engine runs on CUDA (its kernels are Triton's); on CPU use the transformers engine")
+
+
+def sampled_logprobs(ids: list[int], logprobs) -> list[float]:
+    """The sampled tokens' log-probs from a completion's `logprobs` (asked with logprobs=0): vLLM's FlatLogprobs, one
+    entry per position, or its list of {token: Logprob} dicts."""
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs
+        if logprobs.token_ids != ids or len(logprobs.start_indices) != len(ids):
+            raise RuntimeError(f"vLLM returned log-probs for {len(logprobs.token_ids)} tokens at {len(logprobs.start_indices)} "
+                               f"positions, not one per each of its {len(ids)} sampled tokens")
+        return list(logprobs.logprobs)
+    lps = [step[tok].logprob for tok, step in zip(ids, logprobs or [])]
+    if len(lps) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
+    return lps
 
 
 class VLLMEngine(RolloutEngine):
@@ -348,6 +362,9 @@ class VLLMEngine(RolloutEngine):
             stop_token_ids=list(s.stop_token_ids) or None,
             ignore_eos=s.ignore_eos,
             logprobs=0,  # the sampled token's own logprob
+            # flat lists rather than a dict and a Logprob object per token: at hundreds of sequences per decode step
+            # those objects are host time the GPU waits on
+            flat_logprobs=True,
             detokenize=False,
         )
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
@@ -356,9 +373,7 @@ class VLLMEngine(RolloutEngine):
             group = []
             for o in out.outputs:
                 ids = list(o.token_ids)
-                lps = [step[tok].logprob for tok, step in zip(ids, o.logprobs or [])]
-                if len(lps) != len(ids):
-                    raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
+                lps = sampled_logprobs(ids, o.logprobs)
                 group.append(RolloutSample(list(p), ids, lps, "stop" if o.finish_reason == "stop" else "length"))
             results.append(group)
         return results
