@@ -806,6 +806,9 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if a.engine_process == "mp" else "0"
         if a.engine_process == "mp":
             _check_plugin_entry_point()
+            # the job touches the CUDA driver before the engine starts (torch.cuda.is_initialized() does not see every
+            # such use): a forked engine core then cannot use CUDA
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         res = JOBS[a.job_name](a)
         from headline import job_device  # benchmarks/headline.py
 
