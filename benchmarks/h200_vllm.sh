@@ -10,6 +10,8 @@
 #            measures the e4m3 KV cache (--precision.kv_cache e4m3) against bf16 instead; ENGINE32=mp runs each engine
 #            core in its own process (vLLM's default) instead of the job's (results in /tmp/res/vllm32_mp);
 #            LOGPROBS32=dicts asks vLLM for its default log-prob objects instead of the flat lists the trainer asks for
+#            ALONE32=1 runs each recipe's engine alone, one after the other (an 80 GB H100: one 32-layer engine with
+#            42 GiB of KV cache fits, two do not; BENCH32_S each)
 #   kvcache  tests/gpu/test_kv_cache_gpu.py: vLLM's CUDA cache write against the trainer's rounding, and a jet_fp8+kv8
 #            engine's log-probs against the mirrored trainer (~3 min with a cold compile; needs only `install`)
 #   bitwise  --precision.bitwise on vLLM, Llama-3.1-8B shape (8 layers): tests/gpu/test_vllm_bitwise_gpu.py at
@@ -201,11 +203,15 @@ stage_bench32() {
   # sequences at 1280 tokens, so neither engine preempts; two engines of 32 layers fit the H200 side by side.
   # Three timed passes each: bf16's 256-prompt passes have spread by 20% within one lease.
   # RECIPES32="bf16 jet_fp8+kv8": the e4m3 KV cache against bf16 (two 32-layer engines is what the card holds).
-  local res=/tmp/res/vllm32${ENGINE32:+_$ENGINE32}${LOGPROBS32:+_$LOGPROBS32}
-  python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes ${RECIPES32:-bf16 jet_fp8} \
-    --repeats "${REPEATS32:-3}" --kv-gib "${KV32:-42}" ${PROMPTS32:+--prompts $PROMPTS32} --engine-process "${ENGINE32:-inproc}" \
-    --logprobs-format "${LOGPROBS32:-flat}" \
-    --model /tmp/res/llama8b_l32 --out "$res" --timeout "${BENCH32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+  # ALONE32=1 (an 80 GB card): each recipe's engine alone, one after the other, BENCH32_S each.
+  local res=/tmp/res/vllm32${ENGINE32:+_$ENGINE32}${LOGPROBS32:+_$LOGPROBS32} groups=("${RECIPES32:-bf16 jet_fp8}")
+  [ "${ALONE32:-0}" = 1 ] && read -ra groups <<< "${RECIPES32:-bf16 jet_fp8}"
+  for g in "${groups[@]}"; do
+    python3 benchmarks/vllm_gpu.py throughput --layers 32 --modes default --recipes $g \
+      --repeats "${REPEATS32:-3}" --kv-gib "${KV32:-42}" ${PROMPTS32:+--prompts $PROMPTS32} --engine-process "${ENGINE32:-inproc}" \
+      --logprobs-format "${LOGPROBS32:-flat}" \
+      --model /tmp/res/llama8b_l32 --out "$res" --timeout "${BENCH32_S:-420}" 2>&1 | grep -v "^(EngineCore\|WARNING" | tail -8
+  done
   grep -h "median of\|engine up" "$res"/*.log
 }
 
