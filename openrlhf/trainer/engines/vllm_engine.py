@@ -363,7 +363,7 @@ class VLLMEngine(RolloutEngine):
             ignore_eos=s.ignore_eos,
             logprobs=0,  # the sampled token's own logprob
             # flat lists rather than a dict and a Logprob object per token: at hundreds of sequences per decode step
-            # those objects are host time the GPU waits on
+            # those objects are host work and garbage-collector load every step
             flat_logprobs=True,
             detokenize=False,
         )
