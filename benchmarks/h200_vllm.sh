@@ -13,7 +13,7 @@
 #            ALONE32=1 runs each recipe's engine alone, one after the other (an 80 GB H100: one 32-layer engine with
 #            42 GiB of KV cache fits, two do not; BENCH32_S each)
 #   kvcache  tests/gpu/test_kv_cache_gpu.py: vLLM's CUDA cache write against the trainer's rounding, and a jet_fp8+kv8
-#            engine's log-probs against the mirrored trainer (~3 min with a cold compile; needs only `install`)
+#            engine's log-probs against the mirrored trainer (the two engines start and compile side by side; needs only `install`)
 #   bitwise  --precision.bitwise on vLLM, Llama-3.1-8B shape (8 layers): tests/gpu/test_vllm_bitwise_gpu.py at
 #            16 prompts x 1024 tokens, throughput of jet_fp8+bitwise against jet_fp8 and bf16 (default mode), and a
 #            weight sync into the bitwise engine with its digest check (~8 min; needs only `install`, so it also
