@@ -455,16 +455,11 @@ JOBS = {"throughput": job_throughput, "host": job_host, "sync": job_sync}
 
 
 # ---- orchestration -----------------------------------------------------------------------------------
-_GEMM_BACKEND: list[str] = []
-
-
-_HOST_LAYOUT: list[str] = []  # the jobs' --engine-process and --logprobs-format
+_JOB_ARGS: list[str] = []  # what every job inherits from this process's command line (set by main)
 
 
 def _spawn(job: str, out_json: Path, args: list[str]) -> subprocess.Popen:
-    extra = (["--tiny"] if SHAPE == TINY else []) + (["--gemm-backend", _GEMM_BACKEND[0]] if _GEMM_BACKEND else [])
-    extra += ["--engine-process", _HOST_LAYOUT[0], "--logprobs-format", _HOST_LAYOUT[1]] if _HOST_LAYOUT else []
-    cmd = [sys.executable, __file__, "job", job, "--json", str(out_json), *args, *extra]
+    cmd = [sys.executable, __file__, "job", job, "--json", str(out_json), *args, *_JOB_ARGS]
     log = open(out_json.with_suffix(".log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
 
@@ -796,9 +791,8 @@ def main() -> None:
                          "in its own (mp: vLLM's default, scheduling beside the front end's output processing; the "
                          "core finds jetrl_fp8 through the package's vllm.general_plugins entry point)")
     a = ap.parse_args()
-    if a.gemm_backend:
-        _GEMM_BACKEND.append(a.gemm_backend)
-    _HOST_LAYOUT[:] = [a.engine_process, a.logprobs_format]
+    _JOB_ARGS[:] = ((["--tiny"] if a.tiny else []) + (["--gemm-backend", a.gemm_backend] if a.gemm_backend else [])
+                    + ["--engine-process", a.engine_process, "--logprobs-format", a.logprobs_format])
     use_shape(a.tiny)
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")

@@ -87,15 +87,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _validate(a: argparse.Namespace) -> None:
-    from jetrl_precision import RECIPE_NAMES
+def _named_recipe(r: str, kv8_allowed: bool = True):
+    """The recipe `NAME` or `NAME+kv8` (NAME with the e4m3 KV cache) names; ValueError for anything else."""
+    from jetrl_precision import RECIPE_NAMES, get_recipe
 
+    name, _, suffix = r.partition("+")
+    if name not in RECIPE_NAMES or suffix not in (("", "kv8") if kv8_allowed else ("",)):
+        raise ValueError(f"unknown recipe {r!r}; choose from {', '.join(RECIPE_NAMES)}, each with +kv8 for the e4m3 KV cache")
+    recipe = get_recipe(name)
+    return recipe.replace(kv_cache="e4m3") if suffix else recipe
+
+
+def _validate(a: argparse.Namespace) -> None:
     if not (Path(a.model) / "config.json").is_file():
         raise ValueError(f"--model {a.model}: no config.json there (expected a Hugging Face model folder)")
-    for r in [*a.recipes, a.diagnose_recipe]:
-        name, _, suffix = r.partition("+")
-        if name not in RECIPE_NAMES or suffix not in ("", "kv8") or (suffix and r == a.diagnose_recipe):
-            raise ValueError(f"unknown recipe {r!r}; choose from {', '.join(RECIPE_NAMES)}, each with +kv8 for the e4m3 KV cache")
+    for r in a.recipes:
+        _named_recipe(r)
+    _named_recipe(a.diagnose_recipe, kv8_allowed=False)
     for name in ("n_prompts", "n_samples", "max_new_tokens", "max_tokens"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(a, name)}")
@@ -151,15 +159,12 @@ def _recipe_mismatch(a, recipe_name: str, dtype, device, prompts, hp_model, engi
     """Engine (rollout numerics) samples, trainer (training numerics) recomputes, as in a run's first step."""
     import torch
 
-    from jetrl_precision import convert_to_fp8, get_recipe, mismatch_metrics
+    from jetrl_precision import convert_to_fp8, mismatch_metrics
     from openrlhf.models.actor import Actor, load_causal_lm
     from openrlhf.trainer.engines.base import SamplingConfig
     from openrlhf.trainer.ppo_utils.experience_maker import sample_after_sync
 
-    name, _, suffix = recipe_name.partition("+")
-    recipe = get_recipe(name)
-    if suffix == "kv8":
-        recipe = recipe.replace(kv_cache="e4m3")
+    recipe = _named_recipe(recipe_name)
     if a.gemm_backend != "auto":
         import dataclasses
 
