@@ -32,6 +32,8 @@
 #   profile32  the same for bf16 and jet_fp8 (the engine's auto: DeepGEMM decode) at 32 layers, 64 sequences
 #            (~6 min with DeepGEMM's cold compile; needs only `install`). Here:
 #            `python benchmarks/vllm_decode_profile.py --from <res>/profile32 --record --command "..."`
+#   profile_kv  the same for bf16, jet_fp8 and jet_fp8+kv8 at 32 layers, 256 sequences at a 768-token context: where
+#            the e4m3 KV cache's halved bytes go (~5 min; needs only `install`)
 #   profile_eager  the same for bf16 and jet_fp8 in eager mode at PROFILE_LAYERS (16) layers, 256 sequences: the GPU
 #            time of a decode step beside its wall time with and without the profiler, and its host time by Python
 #            function; both engines alive, their timed sections in rotation (~3 min at 16 layers; PROFILE_LAYERS=32 PROFILE_KV=12 fits an 80 GB H100, ~5 min; needs only
@@ -310,6 +312,17 @@ stage_profile_eager() {
   local layers="${PROFILE_LAYERS:-16}"
   python3 benchmarks/vllm_decode_profile.py --mode eager --layers "$layers" --prompts 256 --recipes bf16 jet_fp8 --together \
     --kv-gib "${PROFILE_KV:-22}" --out /tmp/res/profile_eager"$layers" --timeout "${PROFILE_TIMEOUT:-260}" 2>&1 | tail -100
+}
+
+# The e4m3 KV cache at the context where it pays: 256 sequences decoding at a 768-token prompt (the mean context of
+# bench32's 1,024-token runs), 32 layers, each engine alone. bf16 and jet_fp8 attend with FlashAttention-3 on a BF16
+# cache, jet_fp8+kv8 with vLLM's Triton backend on the e4m3 cache (the one that keeps the query in BF16): the kernel
+# groups say whether the halved KV bytes reach the step or the attention kernel's own speed eats them (~5 min;
+# needs only `install`). Here: `python benchmarks/vllm_decode_profile.py --from <res>/profile_kv --record --command "..."`
+stage_profile_kv() {
+  python3 benchmarks/vllm_decode_profile.py --layers "${PROFILE_LAYERS:-32}" --prompts 256 --prompt-len 768 \
+    --recipes ${PROFILE_RECIPES:-bf16 jet_fp8 jet_fp8+kv8} --gemm-backend auto --kv-gib "${PROFILE_KV:-28}" \
+    --out /tmp/res/profile_kv --timeout "${PROFILE_TIMEOUT:-200}" 2>&1 | tail -60
 }
 
 stage_profile32() {
