@@ -21,7 +21,9 @@
 A recipe `NAME+bitwise` (e.g. `--recipes bf16 jet_fp8 jet_fp8+bitwise`) runs the engine in the bitwise mode
 (`--precision.bitwise`: the trainer's batch-invariant kernels); its throughput against plain jet_fp8 is the
 cost of exact on-policy rollouts (`bitwise_rollout_cost_ratio`). `NAME+kv8` runs it with the e4m3 KV cache
-(`--precision.kv_cache e4m3`); its throughput against NAME is `kv_cache_e4m3_rollout_gain`.
+(`--precision.kv_cache e4m3`); its throughput against NAME is `kv_cache_e4m3_rollout_gain`. `NAME+tattn` runs NAME
+on vLLM's Triton attention backend, the one the e4m3 cache needs on CUDA (FlashAttention-3 would round the query
+too): against NAME it is what the backend costs, against NAME+kv8 what the cache's bytes gain on one kernel.
 
 Writes one JSON per job under --out and a summary `vllm_gpu.json`; prints a table last.
 """
@@ -186,18 +188,18 @@ class Alone:
 
 
 def _recipe(a: argparse.Namespace):
-    """The recipe of `--recipe NAME[@BACKEND][+bitwise|+kv8]`, and whether the engine runs the bitwise mode (its GEMM
-    backend is then the invariant kernel, whatever --gemm-backend says). `@BACKEND` pins that recipe's FP8 GEMM
+    """The recipe of `--recipe NAME[@BACKEND][+bitwise|+kv8|+tattn]`, and whether the engine runs the bitwise mode (its
+    GEMM backend is then the invariant kernel, whatever --gemm-backend says). `@BACKEND` pins that recipe's FP8 GEMM
     backend (jet_fp8@triton beside jet_fp8 on cuBLASLt), over --gemm-backend; `+kv8` adds the e4m3 KV cache
-    (`--precision.kv_cache e4m3`)."""
+    (`--precision.kv_cache e4m3`); `+tattn` changes only the attention backend (`_engine_attention`)."""
     import dataclasses
 
     from jetrl_precision import get_recipe
 
     name, _, mode = a.recipe.partition("+")
     name, _, backend = name.partition("@")
-    if mode not in ("", "bitwise", "kv8"):
-        raise SystemExit(f"--recipe {a.recipe}: the suffixes are +bitwise and +kv8 (e.g. jet_fp8+bitwise, jet_fp8+kv8)")
+    if mode not in ("", "bitwise", "kv8", "tattn"):
+        raise SystemExit(f"--recipe {a.recipe}: the suffixes are +bitwise, +kv8 and +tattn (e.g. jet_fp8+bitwise, jet_fp8+kv8)")
     if backend and mode == "bitwise":
         raise SystemExit(f"--recipe {a.recipe}: the bitwise mode has its own GEMM (the invariant kernel); drop @{backend}")
     r = get_recipe(name)
@@ -207,6 +209,14 @@ def _recipe(a: argparse.Namespace):
         r = r.replace(kv_cache="e4m3")
     backend = backend or a.gemm_backend
     return (dataclasses.replace(r, gemm_backend=backend) if backend else r), False
+
+
+def _engine_attention(a: argparse.Namespace) -> dict:
+    """`NAME+tattn`: vLLM's Triton attention backend on the model-dtype cache (the e4m3 cache's backend on CUDA,
+    `vllm_plugin.KV_CACHE_ATTENTION_BACKEND`), so the backend's cost is measured apart from the cache's bytes."""
+    from jetrl_precision.integrations.vllm_plugin import KV_CACHE_ATTENTION_BACKEND
+
+    return {"attention_backend": KV_CACHE_ATTENTION_BACKEND} if a.recipe.endswith("+tattn") else {}
 
 
 def use_shape(tiny: bool) -> None:
@@ -222,7 +232,8 @@ def rollout_engine(a: argparse.Namespace, max_model_len: int):
     recipe, bitwise = _recipe(a)
     return VLLMEngine(
         a.model, recipe, dtype="bfloat16", seed=0, gpu_memory_utilization=a.gpu_mem, max_model_len=max_model_len,
-        enforce_eager=a.mode == "eager", engine_kwargs={"skip_tokenizer_init": True, **_engine_extra(a.kv_gib)}, bitwise=bitwise,
+        enforce_eager=a.mode == "eager", bitwise=bitwise,
+        engine_kwargs={"skip_tokenizer_init": True, **_engine_extra(a.kv_gib), **_engine_attention(a)},
     )
 
 
@@ -579,7 +590,7 @@ def summarize(results: list[dict]) -> str:
         together = base.get("engines_together", len(tp))
         starts = "each engine alone" if together == 1 else f"{together} engines starting together"
         lines.append(f"start {mode:7s} (cold, {starts}): bf16 {base['start_seconds']} s, jet_fp8 {fp8['start_seconds']} s")
-        for bw in sorted(r for r, m in tp if m == mode and r.startswith("jet_fp8") and r != "jet_fp8"):  # +bitwise, +kv8, @backend
+        for bw in sorted(r for r, m in tp if m == mode and r != "jet_fp8" and r != "bf16"):  # +bitwise, +kv8, +tattn, @backend
             for rb, rf, rx in zip(base["runs"], fp8["runs"], tp[(bw, mode)]["runs"]):
                 lines.append(f"throughput {mode:7s} {rb['prompts']:4d} prompts: {bw} {rx['tokens_per_s']:9.0f} tok/s  "
                              f"x jet_fp8 {rx['tokens_per_s'] / rf['tokens_per_s']:.3f}  x bf16 {rx['tokens_per_s'] / rb['tokens_per_s']:.3f}")
@@ -706,6 +717,9 @@ def records_from(folder: Path | list[Path], device: str | None, command: str) ->
                     f"x {recipe.partition('+')[0]}", ratio, date=j.get("date"))
             if recipe.endswith("+kv8") and plain and i < len(plain["runs"]):  # what the e4m3 KV cache adds, same lease
                 rec("kv_cache_e4m3_rollout_gain", shape, backend, round(run["tokens_per_s"] / plain["runs"][i]["tokens_per_s"], 4),
+                    f"x {recipe.partition('+')[0]}", ratio, date=j.get("date"))
+            if recipe.endswith("+tattn") and plain and i < len(plain["runs"]):  # the e4m3 cache's backend, BF16 cache
+                rec("triton_attention_rollout_cost", shape, backend, round(run["tokens_per_s"] / plain["runs"][i]["tokens_per_s"], 4),
                     f"x {recipe.partition('+')[0]}", ratio, date=j.get("date"))
             pinned = tp.get((f"{recipe}@torch", mode))  # the engine's auto against cuBLASLt at every M (decode32)
             if j.get("decode_gemm") and pinned and i < len(pinned["runs"]):

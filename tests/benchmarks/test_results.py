@@ -277,7 +277,8 @@ def test_vllm_kv8_throughput_rows_become_the_gain_and_the_headline_ratio(tmp_pat
                 "runs": [{"prompts": p, "output_tokens": p * 1024, "seconds": 1.0, "tokens_per_s": t, "mean_sampled_logprob": -11.0}
                          for p, t in zip((256, 64), tps)]}
 
-    for recipe, tps in (("bf16", (10000.0, 8000.0)), ("jet_fp8", (11000.0, 9600.0)), ("jet_fp8+kv8", (13200.0, 10400.0))):
+    for recipe, tps in (("bf16", (10000.0, 8000.0)), ("jet_fp8", (11000.0, 9600.0)), ("jet_fp8+kv8", (13200.0, 10400.0)),
+                        ("bf16+tattn", (9000.0, 7600.0)), ("jet_fp8+tattn", (9900.0, 9120.0))):
         (tmp_path / f"throughput_{recipe}_default.json").write_text(json.dumps(job(recipe, tps)))
     recs = [dict(r, _run_file="x") for r in vllm_gpu.records_from(tmp_path, "NVIDIA H200", "cmd")]
     gain = {r["shape"].split(", ")[2].split(" x ")[0]: r for r in recs if r["name"] == "kv_cache_e4m3_rollout_gain"}
@@ -286,6 +287,12 @@ def test_vllm_kv8_throughput_rows_become_the_gain_and_the_headline_ratio(tmp_pat
     assert picks["vllm_rollout_tokens_per_s_ratio_kv8"] == pytest.approx(1.32)
     assert picks["vllm_rollout_tokens_per_s_ratio_kv8_64"] == pytest.approx(1.3)
     assert picks["vllm_rollout_tokens_per_s_ratio"] == pytest.approx(1.1)  # plain jet_fp8 keeps its own row
+    # +tattn: the same recipe on the e4m3 cache's attention backend, its cost against the recipe on its default one;
+    # it files under no headline row (the kv8 and plain rows above read the same with it present)
+    cost = {(r["backend"].partition("/")[0], r["shape"].split(", ")[2].split(" x ")[0]): r["value"]
+            for r in recs if r["name"] == "triton_attention_rollout_cost"}
+    assert cost == {("bf16+tattn", "256 prompts"): 0.9, ("bf16+tattn", "64 prompts"): 0.95,
+                    ("jet_fp8+tattn", "256 prompts"): 0.9, ("jet_fp8+tattn", "64 prompts"): 0.95}
 
 
 def test_kv_cache_jobs_become_the_mismatch_over_plain_jet_fp8(tmp_path):
