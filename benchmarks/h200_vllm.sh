@@ -318,9 +318,10 @@ stage_profile_eager() {
 # bench32's 1,024-token runs), 32 layers, each engine alone. bf16 and jet_fp8 attend with FlashAttention-3 on a BF16
 # cache, jet_fp8+kv8 with vLLM's Triton backend on the e4m3 cache (the one that keeps the query in BF16): the kernel
 # groups say whether the halved KV bytes reach the step or the attention kernel's own speed eats them (~5 min;
-# needs only `install`). Here: `python benchmarks/vllm_decode_profile.py --from <res>/profile_kv --record --command "..."`
+# needs only `install`). PROFILE_RECIPES adds bf16+tattn (BF16 cache, Triton attention: the backend apart from the
+# bytes); PROFILE_MODE=eager runs the same attention kernels without compiling (each engine up in well under a minute). Here: `python benchmarks/vllm_decode_profile.py --from <res>/profile_kv --record --command "..."`
 stage_profile_kv() {
-  python3 benchmarks/vllm_decode_profile.py --layers "${PROFILE_LAYERS:-32}" --prompts 256 --prompt-len 768 \
+  python3 benchmarks/vllm_decode_profile.py --mode "${PROFILE_MODE:-default}" --layers "${PROFILE_LAYERS:-32}" --prompts 256 --prompt-len 768 \
     --recipes ${PROFILE_RECIPES:-bf16 jet_fp8 jet_fp8+kv8} --gemm-backend auto --kv-gib "${PROFILE_KV:-28}" \
     --out /tmp/res/profile_kv --timeout "${PROFILE_TIMEOUT:-200}" 2>&1 | tail -60
 }

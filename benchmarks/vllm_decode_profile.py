@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         model = vllm_gpu.make_model_dir(out / f"{'tiny' if a.tiny else 'llama8b'}_l{a.layers}", a.layers)
         _run_jobs(a, out, model)
     results = [json.loads(p.read_text()) for p in sorted(out.glob("profile_*.json"))]
-    order = {r: i for i, r in enumerate(["bf16", "jet_fp8", "jet_fp8+kv8", "jet_fp8+bitwise", "fp8_rollout"])}
+    order = {r: i for i, r in enumerate(["bf16", "bf16+tattn", "jet_fp8", "jet_fp8+tattn", "jet_fp8+kv8", "jet_fp8+bitwise", "fp8_rollout"])}
     results.sort(key=lambda r: (order.get(r["recipe"], 9), r["mode"]))
     print(summarize(results))
     if a.record:
