@@ -68,6 +68,7 @@ $(LIGER_STAMP): $(STAMP)
 test-triton: $(LIGER_STAMP)
 	PYTHONPATH=$(CURDIR)/$(LIGER_SITE) $(BIN)/python -m pytest -q $(XDIST) \
 		tests/rl/test_liger_patch.py tests/precision/test_kernels_interpreted.py tests/precision/test_quant_gemm_interpret.py \
+		tests/precision/test_decode_attention_interpret.py \
 		tests/benchmarks/test_gpu_bench_main.py
 
 # The edit-test loop: unit tests of both packages, no end-to-end runs or real engines (about a minute).

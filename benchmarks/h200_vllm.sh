@@ -32,6 +32,8 @@
 #   profile32  the same for bf16 and jet_fp8 (the engine's auto: DeepGEMM decode) at 32 layers, 64 sequences
 #            (~6 min with DeepGEMM's cold compile; needs only `install`). Here:
 #            `python benchmarks/vllm_decode_profile.py --from <res>/profile32 --record --command "..."`
+#   kvdecode the e4m3 cache's split-KV decode attention: tests/gpu/test_decode_attention_gpu.py, then
+#            benchmarks/kv_decode_gpu.py against vLLM's Triton kernel and FlashAttention-3 (~3 min; needs only `install`)
 #   profile_kv  the same for bf16, jet_fp8 and jet_fp8+kv8 at 32 layers, 256 sequences at a 768-token context: where
 #            the e4m3 KV cache's halved bytes go (~5 min; needs only `install`)
 #   profile_eager  the same for bf16 and jet_fp8 in eager mode at PROFILE_LAYERS (16) layers, 256 sequences: the GPU
@@ -316,14 +318,24 @@ stage_profile_eager() {
 
 # The e4m3 KV cache at the context where it pays: 256 sequences decoding at a 768-token prompt (the mean context of
 # bench32's 1,024-token runs), 32 layers, each engine alone. bf16 and jet_fp8 attend with FlashAttention-3 on a BF16
-# cache, jet_fp8+kv8 with vLLM's Triton backend on the e4m3 cache (the one that keeps the query in BF16): the kernel
-# groups say whether the halved KV bytes reach the step or the attention kernel's own speed eats them (~5 min;
+# cache, jet_fp8+kv8 with vLLM's Triton backend on the e4m3 cache (the one that keeps the query in BF16), its decode
+# steps through the split-KV kernel (JETRL_KV_DECODE=0: vLLM's Triton kernel): the kernel groups say whether the
+# halved KV bytes reach the step or the attention kernel's own speed eats them (~5 min;
 # needs only `install`). PROFILE_RECIPES adds bf16+tattn (BF16 cache, Triton attention: the backend apart from the
 # bytes); PROFILE_MODE=eager runs the same attention kernels without compiling (each engine up in well under a minute). Here: `python benchmarks/vllm_decode_profile.py --from <res>/profile_kv --record --command "..."`
 stage_profile_kv() {
   python3 benchmarks/vllm_decode_profile.py --mode "${PROFILE_MODE:-default}" --layers "${PROFILE_LAYERS:-32}" --prompts 256 --prompt-len 768 \
     --recipes ${PROFILE_RECIPES:-bf16 jet_fp8 jet_fp8+kv8} --gemm-backend auto --kv-gib "${PROFILE_KV:-28}" \
     --out /tmp/res/profile_kv --timeout "${PROFILE_TIMEOUT:-200}" 2>&1 | tail -60
+}
+
+# The e4m3 cache's split-KV decode attention alone: its GPU test (bounds against float64 beside vLLM's Triton kernel,
+# a CUDA-graph replay), then one decode step's attention timed against vLLM's Triton kernel (e4m3 and BF16 caches)
+# and FlashAttention-3 (BF16 cache), with the kernel's launch sweep (~3 min; needs only `install`). Here:
+# `python benchmarks/kv_decode_gpu.py --record <res>/kv_decode.json`
+stage_kvdecode() {
+  JETRL_RESULTS_DIR=/tmp/res/kvdecode timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_attention_gpu.py 2>&1 | tail -6
+  timeout "${KVDECODE_S:-240}" python3 benchmarks/kv_decode_gpu.py --out /tmp/res/kv_decode.json 2>&1 | grep -v "^WARNING" | tail -40
 }
 
 stage_profile32() {

@@ -227,8 +227,9 @@ def attention_bound(q, k, v, scale, *, key_block: int, u_acc: float = 2.0**-24, 
     weight it uses is w_j (1 + eps_j), |eps_j| <= eta = exp(ln2 (delta + 2uA (1 + nb))) (1 + e)^(nb + 1)
     (1 + u)^nb (1 + u_p) - 1 for nb key blocks (the rescalings, their products, p rounded to u_p for p @ v). With
     the numerator and denominator sums (gamma_{K + 2nb}(u_acc)), |N / L - out| <= (2 eta + gamma (1 + eta))
-    sum_j w_j |v_j| / (1 - eta); then the division (u) and the rounding to the output dtype. (A GPU exp2 that
-    flushes results below 2^-126 to zero moves the output by less than 2^-126 K max|v|, far below these terms.)
+    sum_j w_j |v_j| / (1 - eta); then the division (u) and the rounding to the output dtype. A weight below
+    fp32's normal range, flushed or underflowed to zero, moves the output by less than 2^-126 K max|v|: far below
+    these terms, except where the output itself is about zero, so that term is added.
     `drop_diagonal` returns the reference of a wrong mask (each query blind to its own key), to show the bound
     catches it."""
     length, heads, dim = q.shape
@@ -261,5 +262,5 @@ def attention_bound(q, k, v, scale, *, key_block: int, u_acc: float = 2.0**-24, 
     eta_t, g_t = eta.t()[:, :, None], g_n[:, None, None]
     b1 = (2 * eta_t + g_t * (1 + eta_t)) * vbar / (1 - eta_t)
     b2 = b1 + u * (out.abs() + b1)
-    bound = b2 + u_out * (out.abs() + b2)
+    bound = b2 + u_out * (out.abs() + b2) + 2.0**-126 * n_keys[:, None, None] * v64.abs().amax()
     return out, bound * (1 + 1e-9) + 1e-300

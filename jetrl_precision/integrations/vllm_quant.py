@@ -119,6 +119,9 @@ class JetKVCacheMethod(BaseKVCacheMethod):
                 "calculate_kv_scales off"
             )
         layer.query_quant = None
+        from .vllm_kv_attention import install_kv_decode
+
+        install_kv_decode(layer)
 
 
 class JetFp8LinearMethod(LinearMethodBase):

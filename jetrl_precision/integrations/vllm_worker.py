@@ -444,7 +444,8 @@ def _add_foreign_linear(g: PrecisionGraph, m: nn.Module, name: str, in_features:
 # Attention implementations that read an FP8 cache by dequantizing it to the query's dtype (the function the
 # trainer's KV mirror computes) once no query quantizer rounds the query (JetKVCacheMethod drops it), with how their
 # cache write rounds (vLLM 0.26's Triton store on CUDA; vLLM-CPU's write, measured by tests/rl/test_kv_cache_vllm.py).
-_DEQUANTIZING_ATTENTION = {"TritonAttentionImpl": ROUNDING["cuda"], "CPUAttentionBackendImpl": ROUNDING["cpu"]}
+_DEQUANTIZING_ATTENTION = {"TritonAttentionImpl": ROUNDING["cuda"], "KVDecodeAttentionImpl": ROUNDING["cuda"],
+                           "CPUAttentionBackendImpl": ROUNDING["cpu"]}
 
 
 def engine_kv_cache_label(model: torch.nn.Module) -> str:
@@ -469,6 +470,13 @@ def engine_kv_cache_label(model: torch.nn.Module) -> str:
     if not labels:
         return KV_AUTO
     return labels.pop() if len(labels) == 1 else f"mixed ({'; '.join(sorted(labels))})"
+
+
+def engine_attention_impls(model: torch.nn.Module) -> str:
+    """The attention implementations this engine's layers run (vLLM's class names; `KVDecodeAttentionImpl` is the
+    e4m3 cache's split-KV decode, `vllm_kv_attention`), so a run whose fast path stayed off says so in its graph."""
+    names = sorted({type(m.impl).__name__ for m in model.modules() if hasattr(m, "kv_cache_dtype") and hasattr(m, "impl")})
+    return ",".join(names) or "none"
 
 
 def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
@@ -498,6 +506,7 @@ def build_rollout_graph(worker: Any, recipe_name: str = "") -> dict:
     g = PrecisionGraph("rollout", recipe or "none", meta={
         "source": f"vllm:{type(model).__name__}", "linear_methods": ",".join(methods),
         "numerics": numerics, "numerics_detail": detail, "kv_cache": engine_kv_cache_label(model),
+        "attention": engine_attention_impls(model),
     })
     for fqn, m in model.named_modules():
         name = canonical_name(fqn)
@@ -656,4 +665,4 @@ def training_param_names(worker: Any) -> list[str]:
     return names
 
 
-__all__ += ["corrupt_weight", "training_param_names", "broadcast_digests", "engine_kv_cache_label"]
+__all__ += ["corrupt_weight", "training_param_names", "broadcast_digests", "engine_kv_cache_label", "engine_attention_impls"]

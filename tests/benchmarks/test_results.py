@@ -219,14 +219,15 @@ def test_gemm_equivalence_probe_parses_and_its_operands_are_exact():
         assert float((exact - x.double()).norm() / x.double().norm()) < 0.05
 
 
-def test_attention_decode_probe_parses_and_needs_a_device_or_the_interpreter():
-    """benchmarks/attention_decode_gpu.py runs in the first device call of a lease: it parses, and without CUDA or
-    TRITON_INTERPRET it says so in one line instead of failing inside Triton."""
-    out = subprocess.run([sys.executable, "benchmarks/attention_decode_gpu.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+@pytest.mark.parametrize("script", ["attention_decode_gpu.py", "kv_decode_gpu.py"])
+def test_attention_decode_probes_parse_and_need_a_device_or_the_interpreter(script):
+    """The attention probes (benchmarks/attention_decode_gpu.py, kv_decode_gpu.py) run early in a lease: they parse,
+    and without CUDA or TRITON_INTERPRET they say so in one line instead of failing inside Triton."""
+    out = subprocess.run([sys.executable, f"benchmarks/{script}", "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "--seqs" in out.stdout and "--record" in out.stdout, out.stderr[-2000:]
     if not torch.cuda.is_available():
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        out = subprocess.run([sys.executable, "benchmarks/attention_decode_gpu.py", "--out", os.devnull], cwd=ROOT,
+        out = subprocess.run([sys.executable, f"benchmarks/{script}", "--out", os.devnull], cwd=ROOT,
                              capture_output=True, text=True, env=env)
         assert out.returncode == 2 and "no CUDA device" in out.stderr, out.stderr[-2000:]
 
