@@ -302,7 +302,8 @@ METRICS += (
     Metric("vllm_rollout_tokens_per_s_ratio_64", "x bf16", "the same with 64 prompts", _rollout_ratio(32, 64, "default")),
     Metric("vllm_rollout_tokens_per_s_ratio_kv8", "x bf16",
            "the same (256 prompts), jet_fp8 with the e4m3 KV cache (--precision.kv_cache e4m3: vLLM's FP8 cache at scale "
-           "1, Triton attention on the dequantized keys and values, mirrored by the trainer) over bf16 with its BF16 cache",
+           "1, attention on the dequantized keys and values, decode steps through the split-KV kernel, mirrored by the "
+           "trainer) over bf16 with its BF16 cache",
            _rollout_ratio(32, 256, "default", variant="jet_fp8+kv8")),
     Metric("vllm_rollout_tokens_per_s_ratio_kv8_64", "x bf16", "the same with 64 prompts",
            _rollout_ratio(32, 64, "default", variant="jet_fp8+kv8")),

@@ -8,7 +8,8 @@ them:
   (slices, keys per tile, warps) of the sweep;
 - vLLM's Triton kernel (`unified_attention`, what an e4m3-cache engine ran before) on the e4m3 and the BF16 cache;
 - FlashAttention-3 (vLLM's build, what a BF16-cache engine runs on Hopper) on the BF16 cache, where it imports;
-and reports µs per call and the KV bytes read per second. Every kernel's output is checked against the split-KV
+and reports µs per call (under a CUDA graph; eagerly, back to back, for a kernel that does not capture outside its
+engine: each row says which) and the KV bytes read per second. Every kernel's output is checked against the split-KV
 kernel's on the same cache (relative error), so a fast wrong kernel is not a result.
 
     python benchmarks/kv_decode_gpu.py --out $OUT/kv_decode.json [--seqs 64 256 --context 768 1280]
@@ -34,7 +35,7 @@ from decode_gemm_triton import graph_us, record_or_check_device, wall_us  # noqa
 __all__ = ["HEADS", "KV_HEADS", "DIM", "PAGE", "main"]
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
-SWEEP = {"splits": (1, 2, 4, 8), "block_n": (32, 64, 128), "num_warps": (4, 8)}
+SWEEP = {"splits": (1, 2, 4, 8), "block_n": (64, 128, 256), "num_warps": (4, 8)}
 
 
 def _inputs(seqs: int, context: int, device: str):
@@ -72,11 +73,39 @@ def _fa3(q, kv, cu, lens, table, out):
                                           fa_version=3)
 
 
+def event_us(fn, reps: int = 20) -> float:
+    """Median µs per call over 5 runs of `reps` back-to-back eager calls (CUDA events): for kernels whose launch does
+    not capture into a CUDA graph outside their engine (vLLM's Triton attention failed to on an H100)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            fn()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1000 / reps)
+    return sorted(times)[2]
+
+
+def _time(fn, device: str) -> tuple[float, str]:
+    """(µs per call, how it was timed): under a CUDA graph as the engine replays it, else eager back to back."""
+    if device != "cuda":
+        return wall_us(fn), "wall"
+    try:
+        return graph_us(fn), "cuda graph"
+    except Exception as e:  # noqa: BLE001 - a capture the kernel does not survive: time it eagerly instead
+        print(f"  (no CUDA-graph capture: {type(e).__name__}: {str(e).splitlines()[0][:100]}; timed eagerly)", flush=True)
+        torch.cuda.synchronize()
+        return event_us(fn), "eager"
+
+
 def measure(seqs: int, context: int, device: str, sweep: bool) -> list[dict]:
     from jetrl_precision.kernels.decode_attention import BLOCK_N, decode_attention, decode_splits
 
     q, kv8, kv16, table, lens, cu = _inputs(seqs, context, device)
-    timer = graph_us if device == "cuda" else wall_us
     keys = int(lens.sum()) * KV_HEADS * DIM * 2  # K and V elements a step must read
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 8
     default = {"splits": decode_splits(seqs, KV_HEADS, sms), "block_n": BLOCK_N, "num_warps": 4}
@@ -110,14 +139,14 @@ def measure(seqs: int, context: int, device: str, sweep: bool) -> list[dict]:
     rows = []
     for impl, cache, launch, fn, out, reference in runs:
         try:
-            us = timer(fn)
+            us, how = _time(fn, device)
         except Exception as e:  # noqa: BLE001 - one launch of the sweep that does not compile here is a row, not a stop
             print(f"{impl} {cache} {launch}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})", flush=True)
             continue
         err = float((out.float() - reference.float()).norm() / reference.float().norm())
         nbytes = keys * (1 if cache == "e4m3" else 2)
         rows.append({**base, "name": "kv_decode_attention_us", "backend": f"{impl} ({cache} cache)", "value": round(us, 2),
-                     "kv_gb_per_s": round(nbytes / us / 1e3, 1), "launch": launch, "rel_err_vs_split_kv": round(err, 6)})
+                     "kv_gb_per_s": round(nbytes / us / 1e3, 1), "launch": launch, "rel_err_vs_split_kv": round(err, 6), "timed": how})
     best = {}
     for r in rows:
         key = r["backend"]
@@ -125,7 +154,7 @@ def measure(seqs: int, context: int, device: str, sweep: bool) -> list[dict]:
             best[key] = r
     for r in sorted(best.values(), key=lambda r: r["value"]):
         print(f"{seqs:4d} seqs ctx ~{context:5d}: {r['backend']:34s} {r['value']:9.1f} us  {r['kv_gb_per_s']:7.0f} GB/s  "
-              f"err {r['rel_err_vs_split_kv']:.1e}  {r['launch'] or ''}", flush=True)
+              f"err {r['rel_err_vs_split_kv']:.1e}  {r['timed']}  {r['launch'] or ''}", flush=True)
     return rows
 
 

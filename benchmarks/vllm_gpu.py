@@ -287,7 +287,9 @@ def _throughput(a: argparse.Namespace, turn: Rotation | Alone) -> dict:
               "engine_process": a.engine_process, "logprobs_format": a.logprobs_format,
               "gemm_backends": backends, "decode_gemm": graph.meta.get("decode_gemm", ""), "quant_kernels": kernels, "runs": [],
               # eager engines: whether the projections made the native one-call linear (engine_native), or why not
-              "eager_linear_call": graph.meta.get("eager_linear_call", "")}
+              "eager_linear_call": graph.meta.get("eager_linear_call", ""),
+              # the attention implementations the layers run (KVDecodeAttentionImpl: the e4m3 cache's split-KV decode)
+              "attention": graph.meta.get("attention", "")}
     if not a.start_only:
         _timed_passes(a, engine.llm, turn, name, result)
         result["vendor_route"] = _vendor_routes()
@@ -621,7 +623,7 @@ def _backend_label(job: dict) -> str:
 
 
 ENGINE_SWITCHES = ("JETRL_CUDA_QUANT", "JETRL_EAGER_CUTLASS", "JETRL_CUBLASLT_PLAN", "JETRL_EAGER_FUSED", "JETRL_ENGINE_WORKSPACE",
-                   "JETRL_NATIVE_LINEAR")
+                   "JETRL_NATIVE_LINEAR", "JETRL_KV_DECODE")
 
 
 def _aot_note(job: dict) -> str:

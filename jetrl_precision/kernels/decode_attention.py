@@ -31,7 +31,9 @@ import triton.language as tl
 
 __all__ = ["BLOCK_N", "decode_splits", "decode_attention"]
 
-BLOCK_N = 64  # keys per tile: 64 x 128 e4m3 bytes per K or V tile (8 KiB)
+# keys per tile (16 KiB of e4m3 per K or V tile at head_dim 128): the fastest tile of benchmarks/kv_decode_gpu.py's
+# sweep at 64 and 256 sequences; smaller tiles leave too few bytes in flight per program
+BLOCK_N = 128
 _BLOCK_H = 16  # query rows per tile (tl.dot needs >= 16): a GQA group of up to 16 heads
 _MAX_SPLITS = 16
 _LOG2E = math.log2(math.e)

@@ -66,7 +66,7 @@ def main() -> None:
 
     dlogp = gaps()  # for kv8: against the mirrored trainer
     result = {
-        "job": "kv_cache", "recipe": a.recipe, "model": a.model, "kv_cache": rollout.meta.get("kv_cache"),
+        "job": "kv_cache", "recipe": a.recipe, "model": a.model, "kv_cache": rollout.meta.get("kv_cache"), "attention": rollout.meta.get("attention"),
         "violations": violations, "tokens": len(dlogp),
         "mean_abs_dlogp": sum(dlogp) / len(dlogp), "max_abs_dlogp": max(dlogp),
         "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),

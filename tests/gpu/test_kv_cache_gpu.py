@@ -85,6 +85,8 @@ def test_engine_with_an_fp8_cache_is_as_close_to_the_mirrored_trainer_as_without
     kv8, plain = res["jet_fp8+kv8"], res["jet_fp8"]
     assert kv8["kv_cache"] == e4m3_label("nearest-even") and plain["kv_cache"] == "auto"
     assert kv8["violations"] == [] and plain["violations"] == []
+    # the e4m3 cache's decode steps run the split-KV kernel (vllm_kv_attention), prefill vLLM's Triton kernel
+    assert kv8["attention"] == "KVDecodeAttentionImpl", kv8
     # A non-bitwise engine differs from the trainer by its kernels' roundings (FP8 bytes flip with them): plain
     # jet_fp8's mismatch is that floor. Mirrored, the FP8 cache adds nothing beyond sampling noise (other samples);
     # the unmirrored trainer, on the same samples, shows what the cache's rounding would add. (2026-12-07, H100, the
