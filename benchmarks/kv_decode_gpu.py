@@ -4,8 +4,8 @@
 close its attention kernel streams those bytes to the card's bandwidth. For Llama-3.1-8B's attention (32 query heads
 on 8 KV heads, head_dim 128, pages of 16) at a batch and context, this times, under a CUDA graph as the engine runs
 them:
-- `jetrl split-KV` (jetrl_precision.kernels.decode_attention) on the e4m3 cache, with its default launch, and each
-  (slices, keys per tile, warps) of the sweep;
+- `jetrl split-KV` (jetrl_precision.kernels.decode_attention) on the e4m3 cache, with its default launch, each
+  (keys per tile, warps, pipeline stages) at its default slicing, and each slicing at its default tile;
 - vLLM's Triton kernel (`unified_attention`, what an e4m3-cache engine ran before) on the e4m3 and the BF16 cache;
 - FlashAttention-3 (vLLM's build, what a BF16-cache engine runs on Hopper) on the BF16 cache, where it imports;
 and reports µs per call (under a CUDA graph; eagerly, back to back, for a kernel that does not capture outside its
@@ -35,7 +35,9 @@ from decode_gemm_triton import graph_us, record_or_check_device, wall_us  # noqa
 __all__ = ["HEADS", "KV_HEADS", "DIM", "PAGE", "main"]
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 16
-SWEEP = {"splits": (1, 2, 4, 8), "block_n": (64, 128, 256), "num_warps": (4, 8)}
+# the tile, warps and pipeline depth at the default slicing, then the slicing at the default tile
+SWEEP = {"block_n": (64, 128, 256), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+SPLITS_SWEEP = (1, 2, 4, 8)
 
 
 def _inputs(seqs: int, context: int, device: str):
@@ -121,9 +123,12 @@ def measure(seqs: int, context: int, device: str, sweep: bool) -> list[dict]:
     ours(kv8, "e4m3", default, ref)
     ours(kv16, "bf16", default, ref16)
     if sweep:
-        for vals in itertools.product(*SWEEP.values()):
-            launch = dict(zip(SWEEP, vals))
-            if launch != default:
+        launches = [{**default, **dict(zip(SWEEP, vals))} for vals in itertools.product(*SWEEP.values())]
+        launches += [{**default, "splits": n} for n in SPLITS_SWEEP]
+        seen = [default]
+        for launch in launches:
+            if launch not in seen:
+                seen.append(launch)
                 ours(kv8, "e4m3", launch, ref)
     for name, make, kv, cache, reference in (("vLLM triton", _vllm_triton, kv8, "e4m3", ref), ("vLLM triton", _vllm_triton, kv16, "bf16", ref16),
                                              ("FlashAttention-3", _fa3, kv16, "bf16", ref16)):

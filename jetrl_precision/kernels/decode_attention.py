@@ -143,14 +143,15 @@ def _sm_count(device: torch.device) -> int:  # cached: it runs on every layer's 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
     block_table: torch.Tensor, softmax_scale: float | None = None, out: torch.Tensor | None = None,
-    splits: int | None = None, block_n: int = BLOCK_N, num_warps: int = 4,
+    splits: int | None = None, block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one new token against its paged context: q [T, H, D] (BF16 or fp32; sequence s's
     query is row cu_seqlens_q[s] when cu_seqlens_q[s + 1] - cu_seqlens_q[s] == 1, other sequences are skipped);
     k_cache / v_cache [num_blocks, page, Hkv, D] in e4m3 or the query's dtype, any strides with a contiguous last
     dim; seq_lens [S] keys per sequence (the new token's included); block_table [S, max_blocks] int. Writes `out`
     ([T, H, D], the query's dtype; made if None) in place and returns it. `splits`: slices per context (default
-    `decode_splits`); `block_n` (keys per tile) and `num_warps` are the launch's, for tuning runs."""
+    `decode_splits`); `block_n` (keys per tile), `num_warps` and `num_stages` (Triton's default when None) are the
+    launch's, for tuning runs."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"decode_attention: q [T, H, D] and k/v caches [blocks, page, Hkv, D] needed, got "
                          f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -187,7 +188,7 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1), block_table.stride(0),
         scale,
         GROUP=heads // hkv, D=dim, BLOCK_D=block_d, BLOCK_H=_BLOCK_H, BLOCK_N=block_n, PAGE=k_cache.shape[1],
-        SPLITS=splits, INTERPRET=_INTERPRET, num_warps=num_warps,
+        SPLITS=splits, INTERPRET=_INTERPRET, num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}),
     )
     if splits > 1:
         _combine_kernel[(n_seq, heads)](
