@@ -14,7 +14,6 @@ bits, and reports the KV bytes each step must read against the time (GB/s).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_gemm_triton import graph_us, record_or_check_device, wall_us  # noqa: E402
+from decode_gemm_triton import graph_us, probe_parser, record_or_check_device, wall_us  # noqa: E402
 
 __all__ = ["SHAPES", "main"]
 
@@ -66,9 +65,7 @@ def measure(shape: str, seqs: int, context: int, device: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="JSON file for the records")
-    ap.add_argument("--record", default=None, help="file a device result (JSON from --out) under benchmarks/results/runs")
+    ap = probe_parser(__doc__)
     ap.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--context", type=int, default=768)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))

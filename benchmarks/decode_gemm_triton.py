@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-__all__ = ["graph_us", "record_or_check_device", "derive_tables", "format_tables", "main"]
+__all__ = ["graph_us", "probe_parser", "record_or_check_device", "derive_tables", "format_tables", "main"]
 
 MODELS = {
     "8b": ("Llama-3.1-8B", {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
@@ -96,6 +96,16 @@ def graph_us(fn, reps: int | None = None) -> float:
         torch.cuda.synchronize()
         ts.append(e0.elapsed_time(e1) * 1000 / reps)
     return sorted(ts)[2]
+
+
+def probe_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The device probes' parser: `--out FILE` to measure into, `--record FILE` to file a device result instead
+    (`record_or_check_device`); each probe adds its own sizes."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="JSON file for the records")
+    ap.add_argument("--record", metavar="FILE", default=None,
+                    help="instead of measuring: file FILE's records (from --out) as a run under benchmarks/results/runs/")
+    return ap
 
 
 def record_or_check_device(ap: argparse.ArgumentParser, a: argparse.Namespace, label: str) -> bool:
@@ -195,10 +205,7 @@ def format_tables(numerics: dict, tiles: dict) -> str:
 
 # ---- measurement -----------------------------------------------------------------------------------
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", help="JSON file for the records")
-    ap.add_argument("--record", metavar="FILE", help="instead of measuring: file FILE's records (from --out) as a run "
-                    "under benchmarks/results/runs/")
+    ap = probe_parser(__doc__)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 32, 64, 128, 256, 1024],
                     help="batch sizes; one per M bucket of invariant_gemm.M_BUCKETS fills every bucket")
     ap.add_argument("--models", nargs="+", default=["8b", "smollm2"], choices=list(MODELS))

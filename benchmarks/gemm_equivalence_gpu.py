@@ -27,7 +27,6 @@ Exit status 0 whatever it finds; `--record FILE` files a measured FILE under ben
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import itertools
 import json
@@ -39,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_gemm_triton import MODELS, graph_us, record_or_check_device  # noqa: E402
+from decode_gemm_triton import MODELS, graph_us, probe_parser, record_or_check_device  # noqa: E402
 
 __all__ = ["main"]
 
@@ -65,9 +64,7 @@ def _timed(fn) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", help="JSON file for the records")
-    ap.add_argument("--record", metavar="FILE", help="instead of measuring: file FILE's records as a run")
+    ap = probe_parser(__doc__)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 64, 256, 1024, 4096, 16384])
     ap.add_argument("--models", nargs="+", default=["8b", "smollm2"], choices=list(MODELS))
     a = ap.parse_args(argv)

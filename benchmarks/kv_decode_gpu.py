@@ -19,7 +19,6 @@ kernel's on the same cache (relative error), so a fast wrong kernel is not a res
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_gemm_triton import graph_us, record_or_check_device, wall_us  # noqa: E402
+from decode_gemm_triton import graph_us, probe_parser, record_or_check_device, wall_us  # noqa: E402
 
 __all__ = ["HEADS", "KV_HEADS", "DIM", "PAGE", "main"]
 
@@ -164,9 +163,7 @@ def measure(seqs: int, context: int, device: str, sweep: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="JSON file for the records")
-    ap.add_argument("--record", default=None, help="file a device result (JSON from --out) under benchmarks/results/runs")
+    ap = probe_parser(__doc__)
     ap.add_argument("--seqs", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--context", type=int, nargs="+", default=[768, 1280])
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="time only the default launch of the split-KV kernel")
