@@ -3,8 +3,9 @@
 The recipe's e4m3 KV cache (`jetrl_precision.kv_cache`) halves the bytes a decode step's attention reads, which at
 hundreds of sequences of a long context is most of the step. The attention must read those keys and values as the
 trainer's mirror does: dequantized exactly to BF16 (every e4m3 value is one), with the query and the probabilities
-never rounded to FP8. FlashAttention-3 multiplies in FP8 and vLLM's Triton kernel runs one program per sequence and
-KV head over the whole context, so neither streams the halved bytes at the card's bandwidth. This kernel does:
+never rounded to FP8. FlashAttention-3 would round both (a function the trainer does not compute), and vLLM's
+Triton kernel runs one program per sequence and KV head over the whole context, which at large decode batches leaves
+the halved bytes well below the card's bandwidth. This kernel does:
 
 - one program per (sequence, KV head, split of the context): the GQA group's query heads share every K/V tile (the
   tile's rows are the group's heads, padded to the 16 rows `tl.dot` needs), and the context is cut into `splits`
