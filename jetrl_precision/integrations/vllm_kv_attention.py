@@ -26,6 +26,7 @@ __all__ = ["KVDecodeAttentionImpl", "install_kv_decode", "kv_decode_enabled"]
 
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
+_QUERY_DTYPES = (torch.bfloat16, torch.float16)  # what the kernel reads the cache in; an fp32 model keeps vLLM's
 
 
 def _log_once(key: str, msg: str, *args) -> None:
@@ -43,7 +44,8 @@ class KVDecodeAttentionImpl(TritonAttentionImpl):
     becomes one in place, `install_kv_decode`)."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
-        if attn_metadata is None or attn_metadata.max_query_len != 1 or output_scale is not None or output_block_scale is not None:
+        if (attn_metadata is None or attn_metadata.max_query_len != 1 or output_scale is not None or output_block_scale is not None
+                or query.dtype not in _QUERY_DTYPES):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         from ..kernels.decode_attention import decode_attention  # Triton: imported where attention runs
 

@@ -1,20 +1,20 @@
-"""Decode attention over a paged KV cache in e4m3 (or the query's dtype), the query kept in BF16: split-KV.
+"""Decode attention over a paged KV cache in e4m3 (or the query's dtype), the query kept in its dtype: split-KV.
 
 The recipe's e4m3 KV cache (`jetrl_precision.kv_cache`) halves the bytes a decode step's attention reads, which at
 hundreds of sequences of a long context is most of the step. The attention must read those keys and values as the
-trainer's mirror does: dequantized exactly to BF16 (every e4m3 value is one), with the query and the probabilities
-never rounded to FP8. FlashAttention-3 would round both (a function the trainer does not compute), and vLLM's
+trainer's mirror does: dequantized exactly to the query's dtype (BF16 or FP16: every e4m3 value is one of either),
+with the query and the probabilities never rounded to FP8. FlashAttention-3 would round both (a function the trainer does not compute), and vLLM's
 Triton kernel runs one program per sequence and KV head over the whole context, which at large decode batches leaves
 the halved bytes well below the card's bandwidth. This kernel does:
 
 - one program per (sequence, KV head, split of the context): the GQA group's query heads share every K/V tile (the
   tile's rows are the group's heads, padded to the 16 rows `tl.dot` needs), and the context is cut into `splits`
   slices so that small batches still fill the card;
-- each program runs the online softmax in fp32 over its slice in tiles of `BLOCK_N` keys (K/V converted to BF16 on
-  load, the probabilities rounded to BF16 for p @ v, as FlashAttention does) and leaves (acc, max, sum);
+- each program runs the online softmax in fp32 over its slice in tiles of `BLOCK_N` keys (K/V converted to the
+  query's dtype on load, the probabilities rounded to it for p @ v, as FlashAttention does) and leaves (acc, max, sum);
 - a second kernel combines the slices (the log-sum-exp merge); with one slice the first kernel writes the output.
 
-Only the numerics of ordinary attention are kept (fp32 accumulation, BF16 operands), not a fixed order: this is the
+Only the numerics of ordinary attention are kept (fp32 accumulation, 16-bit operands), not a fixed order: this is the
 jet_fp8 engine's fast path, whose mismatch against the trainer is measured, not the bitwise mode's kernel
 (`invariant_attention`). Nothing here reads a device value on the host, so a CUDA graph captures it; the grid depends
 only on the number of sequences.
@@ -29,6 +29,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from ..formats import FP8_DTYPE
 
 __all__ = ["BLOCK_N", "decode_splits", "decode_attention"]
 
@@ -57,6 +59,7 @@ def _split_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    DT: tl.constexpr = q_ptr.dtype.element_ty  # the query's dtype: keys, values and p are read in it
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,7 +77,6 @@ def _split_kernel(
         d_ok = d < D
         row64 = row.to(tl.int64)
         q = tl.load(q_ptr + row64 * sq_t + head[:, None] * sq_h + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-        q = q.to(tl.bfloat16)
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
@@ -85,14 +87,14 @@ def _split_kernel(
             j_ok = j < end
             phys = tl.load(bt_ptr + seq.to(tl.int64) * sbt + j // PAGE, mask=j_ok, other=0).to(tl.int64)
             kt = tl.load(k_base + (phys * sk_0 + (j % PAGE) * sk_1)[None, :] + d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
-            s = _dot(q, kt.to(tl.bfloat16), INTERPRET) * qk_scale
+            s = _dot(q, kt.to(DT), INTERPRET) * qk_scale
             s = tl.where(j_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_base + (phys * sv_0 + (j % PAGE) * sv_1)[:, None] + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), v.to(tl.bfloat16), INTERPRET)
+            acc = acc * alpha[:, None] + _dot(p.to(DT), v.to(DT), INTERPRET)
             m_i = m_new
         if SPLITS == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -146,7 +148,7 @@ def decode_attention(
     block_table: torch.Tensor, softmax_scale: float | None = None, out: torch.Tensor | None = None,
     splits: int | None = None, block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's one new token against its paged context: q [T, H, D] (BF16 or fp32; sequence s's
+    """Attention of each sequence's one new token against its paged context: q [T, H, D] (BF16 or FP16; sequence s's
     query is row cu_seqlens_q[s] when cu_seqlens_q[s + 1] - cu_seqlens_q[s] == 1, other sequences are skipped);
     k_cache / v_cache [num_blocks, page, Hkv, D] in e4m3 or the query's dtype, any strides with a contiguous last
     dim; seq_lens [S] keys per sequence (the new token's included); block_table [S, max_blocks] int. Writes `out`
@@ -161,6 +163,8 @@ def decode_attention(
     if k_cache.shape[3] != dim or heads % hkv or heads // hkv > _BLOCK_H:
         raise ValueError(f"decode_attention: head_dim {dim} vs {k_cache.shape[3]}, or {heads} query heads for {hkv} KV "
                          f"heads (a multiple, at most {_BLOCK_H} per KV head)")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype not in (q.dtype, FP8_DTYPE):
+        raise TypeError(f"decode_attention: a bf16/fp16 query and caches in e4m3 or its dtype needed, got {q.dtype}, {k_cache.dtype}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("decode_attention: q and the caches need a contiguous last dim")
     n_seq = seq_lens.numel()

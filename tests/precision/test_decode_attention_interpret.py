@@ -32,16 +32,17 @@ from jetrl_precision.kernels.decode_attention import BLOCK_N, decode_attention
 
 g = torch.Generator().manual_seed(3)
 report = []
-for dim, heads, kv_heads, cache in ((64, 8, 2, "e4m3"), (64, 8, 2, "bf16"), (80, 6, 3, "e4m3")):
+for dim, heads, kv_heads, cache, qdt in ((64, 8, 2, "e4m3", torch.bfloat16), (64, 8, 2, "bf16", torch.bfloat16),
+                                         (80, 6, 3, "e4m3", torch.bfloat16), (64, 8, 2, "e4m3", torch.float16)):
     page, blocks = 16, 48
     lens = [1, 17, 64, 65, 203, 0, 40]          # 0: CUDA-graph padding (no query); the last sequence has two queries
     q_lens = [1, 1, 1, 1, 1, 0, 2]
     cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
     t = int(cu[-1])
-    q = outlier_data((t, heads, dim), group=dim, generator=g).to(torch.bfloat16)
+    q = outlier_data((t, heads, dim), group=dim, generator=g).to(qdt)
     k_all = outlier_data((blocks * page, kv_heads, dim), group=dim, generator=g).clamp(-E4M3_MAX, E4M3_MAX)
     v_all = outlier_data((blocks * page, kv_heads, dim), group=dim, generator=g).clamp(-E4M3_MAX, E4M3_MAX)
-    store = FP8_DTYPE if cache == "e4m3" else torch.bfloat16
+    store = FP8_DTYPE if cache == "e4m3" else qdt
     k_cache = k_all.to(store).view(blocks, page, kv_heads, dim)
     v_cache = v_all.to(store).view(blocks, page, kv_heads, dim)
     perm = torch.randperm(blocks, generator=g)  # each sequence's pages scattered over the cache
@@ -54,20 +55,20 @@ for dim, heads, kv_heads, cache in ((64, 8, 2, "e4m3"), (64, 8, 2, "bf16"), (80,
         for s, (n, ql) in enumerate(zip(lens, q_lens)):
             rows = out[int(cu[s]):int(cu[s]) + ql]
             if ql != 1:
-                report.append({"case": f"{cache} D={dim} splits={splits} seq {s}", "untouched": bool((rows == 7.0).all())})
+                report.append({"case": f"{cache} D={dim} q {qdt} splits={splits} seq {s}", "untouched": bool((rows == 7.0).all())})
                 continue
             pos = torch.arange(n)
             phys = table[s, pos // page].long() * page + pos % page
             ks = k_cache.view(-1, kv_heads, dim)[phys].float()  # the dequantized keys and values (exact in fp32)
             vs = v_cache.view(-1, kv_heads, dim)[phys].float()
-            qs = torch.zeros(n, heads, dim, dtype=torch.bfloat16)
+            qs = torch.zeros(n, heads, dim, dtype=qdt)
             qs[-1] = q[int(cu[s])]                          # the decode query sits at the newest position
             # the kernel's rescalings: one per tile of BLOCK_N keys (slices are whole tiles) and one for the merge of
             # slices; counting one per BLOCK_N // 2 keys covers both
             ref, bound = attention_bound(qs, ks, vs, dim**-0.5, key_block=BLOCK_N // 2)
             got = out[int(cu[s])].double()
             err = (got - ref[-1]).abs()
-            row = {"case": f"{cache} D={dim} splits={splits} seq {s} (n={n})", "inside": bool((err <= bound[-1]).all()),
+            row = {"case": f"{cache} D={dim} q {qdt} splits={splits} seq {s} (n={n})", "inside": bool((err <= bound[-1]).all()),
                    "max_err": float(err.max()), "max_bound": float(bound[-1].max())}
             if n > 1:  # a reference blind to the newest key: the bound must not hold against it
                 blind, _ = attention_bound(qs[:-1].contiguous(), ks[:-1], vs[:-1], dim**-0.5, key_block=BLOCK_N // 2)
@@ -84,7 +85,7 @@ def test_decode_rows_are_attention_of_the_dequantized_cache_within_the_bound():
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     decoded = [row for row in rows if "inside" in row]
-    assert len(decoded) == 3 * 4 * 5 and len(rows) - len(decoded) == 3 * 4 * 2
+    assert len(decoded) == 4 * 4 * 5 and len(rows) - len(decoded) == 4 * 4 * 2
     outside = [row for row in decoded if not row["inside"]]
     assert not outside, outside[:3]
     assert all(row["untouched"] for row in rows if "untouched" in row), [r for r in rows if r.get("untouched") is False]
