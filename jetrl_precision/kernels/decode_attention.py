@@ -59,7 +59,7 @@ def _split_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr, SPLITS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    DT: tl.constexpr = q_ptr.dtype.element_ty  # the query's dtype: keys, values and p are read in it
+    DT = q_ptr.dtype.element_ty  # the query's dtype: keys, values and p are read in it
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
