@@ -10,8 +10,8 @@ captured decode graph holds the new kernel and a prefill step the old one), and 
 its writes and the metadata stay vLLM's; both kernels compute attention on the same dequantized keys and values,
 which is the function the trainer mirrors (`jetrl_precision.kv_cache`).
 
-JETRL_KV_DECODE=0 keeps vLLM's kernel (for A/B runs); a layer with ALiBi, a sliding window, soft-capping or sinks
-keeps it too (the kernel has none of them); either is logged once.
+JETRL_KV_DECODE=0 keeps vLLM's kernel (for A/B runs); a layer with ALiBi, a sliding window, soft-capping, sinks or a GQA
+group over 16 query heads keeps it too (the kernel serves none of them); either is logged once.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = ["KVDecodeAttentionImpl", "install_kv_decode", "kv_decode_enabled"]
 logger = logging.getLogger(__name__)
 _logged: set[str] = set()
 _QUERY_DTYPES = (torch.bfloat16, torch.float16)  # what the kernel reads the cache in; an fp32 model keeps vLLM's
+_MAX_GROUP = 16  # kernels.decode_attention.MAX_GROUP (not imported here: that module needs Triton, a vLLM-CPU host may lack it)
 
 
 def _log_once(key: str, msg: str, *args) -> None:
@@ -47,14 +48,15 @@ class KVDecodeAttentionImpl(TritonAttentionImpl):
         if (attn_metadata is None or attn_metadata.max_query_len != 1 or output_scale is not None or output_block_scale is not None
                 or query.dtype not in _QUERY_DTYPES):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
-        from ..kernels.decode_attention import decode_attention  # Triton: imported where attention runs
+        # Triton: imported where attention runs; the unchecked launch, since the layer's shapes were checked at install
+        from ..kernels.decode_attention import launch_decode_attention
 
         n = attn_metadata.num_actual_tokens
         k_cache, v_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)  # [blocks, page, Hkv, D] views
         if k_cache.dtype != self.fp8_dtype:
             k_cache, v_cache = k_cache.view(self.fp8_dtype), v_cache.view(self.fp8_dtype)
-        decode_attention(query[:n], k_cache, v_cache, attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                         attn_metadata.block_table, self.scale, out=output[:n])
+        launch_decode_attention(query[:n], k_cache, v_cache, attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                                attn_metadata.block_table, self.scale, output[:n])
         return output
 
 
@@ -67,6 +69,7 @@ def _unsupported(impl: TritonAttentionImpl) -> list[str]:
         ("per-token-head KV scales", bool(getattr(impl, "_is_per_token_head_quant", False))),
         ("chunked local attention", getattr(impl, "chunk_lookback", -1) > -1),
         ("non-decoder attention", getattr(impl, "attn_type", "decoder") != "decoder"),  # a str enum
+        (f"a GQA group over {_MAX_GROUP} query heads", impl.num_heads // impl.num_kv_heads > _MAX_GROUP),
     ) if on]
 
 

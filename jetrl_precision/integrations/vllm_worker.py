@@ -448,13 +448,15 @@ _DEQUANTIZING_ATTENTION = {"TritonAttentionImpl": ROUNDING["cuda"], "KVDecodeAtt
                            "CPUAttentionBackendImpl": ROUNDING["cpu"]}
 
 
+def _attention_layers(model: torch.nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "kv_cache_dtype") and hasattr(m, "impl")]
+
+
 def engine_kv_cache_label(model: torch.nn.Module) -> str:
     """What this engine's attention layers read, in the precision graph's terms (`kv_cache.KV_AUTO` / `KV_E4M3`), or
     what they do instead: the cache dtype, its scales, a quantized query, an attention kernel that multiplies in FP8."""
     labels = set()
-    for m in model.modules():
-        if not (hasattr(m, "kv_cache_dtype") and hasattr(m, "impl")):
-            continue
+    for m in _attention_layers(model):
         dtype = str(m.kv_cache_dtype)
         if dtype == "auto":
             labels.add(KV_AUTO)
@@ -475,7 +477,7 @@ def engine_kv_cache_label(model: torch.nn.Module) -> str:
 def engine_attention_impls(model: torch.nn.Module) -> str:
     """The attention implementations this engine's layers run (vLLM's class names; `KVDecodeAttentionImpl` is the
     e4m3 cache's split-KV decode, `vllm_kv_attention`), so a run whose fast path stayed off says so in its graph."""
-    names = sorted({type(m.impl).__name__ for m in model.modules() if hasattr(m, "kv_cache_dtype") and hasattr(m, "impl")})
+    names = sorted({type(m.impl).__name__ for m in _attention_layers(model)})
     return ",".join(names) or "none"
 
 

@@ -32,12 +32,13 @@ import triton.language as tl
 
 from ..formats import FP8_DTYPE
 
-__all__ = ["BLOCK_N", "decode_splits", "decode_attention"]
+__all__ = ["BLOCK_N", "MAX_GROUP", "decode_splits", "decode_attention", "launch_decode_attention"]
 
 # keys per tile (16 KiB of e4m3 per K or V tile at head_dim 128): the fastest tile of benchmarks/kv_decode_gpu.py's
 # sweep at 64 and 256 sequences; smaller tiles leave too few bytes in flight per program
 BLOCK_N = 128
 _BLOCK_H = 16  # query rows per tile (tl.dot needs >= 16): a GQA group of up to 16 heads
+MAX_GROUP = _BLOCK_H  # query heads per KV head the kernel serves
 _MAX_SPLITS = 16
 _LOG2E = math.log2(math.e)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -175,11 +176,24 @@ def decode_attention(
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"decode_attention out: {tuple(q.shape)} with a contiguous last dim needed, got {tuple(out.shape)}")
+    if splits is not None and not 1 <= splits <= _MAX_SPLITS:
+        raise ValueError(f"decode_attention: splits must be in 1..{_MAX_SPLITS}, got {splits}")
+    return launch_decode_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table, softmax_scale, out, splits=splits,
+                                   block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def launch_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+    block_table: torch.Tensor, softmax_scale: float | None, out: torch.Tensor, splits: int | None = None,
+    block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int | None = None,
+) -> torch.Tensor:
+    """`decode_attention` without its argument checks, for a caller whose shapes are fixed once checked (an engine
+    layer, every decode step: `integrations.vllm_kv_attention`)."""
+    t, heads, dim = q.shape
+    hkv, n_seq = k_cache.shape[2], seq_lens.numel()
     if n_seq == 0:
         return out
     splits = splits or decode_splits(n_seq, hkv, _sm_count(q.device))
-    if not 1 <= splits <= _MAX_SPLITS:
-        raise ValueError(f"decode_attention: splits must be in 1..{_MAX_SPLITS}, got {splits}")
     scale = (dim**-0.5 if softmax_scale is None else float(softmax_scale)) * _LOG2E
     block_d = max(16, triton.next_power_of_2(dim))
     if splits > 1:
